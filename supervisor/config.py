@@ -1,0 +1,414 @@
+"""Configuration: a TOML file plus ``GPU_SUPERVISOR_<SECTION>__<KEY>`` environment overrides.
+
+Validation only, no I/O beyond reading the file. Every error becomes one ``ConfigError`` line
+that names the file, the key path and the bad value (``demo.toml: workers[1].stop_timeout_s:
+must be >= 0 (got -1)``). Unknown keys are rejected so that typos are caught.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import string
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from supervisor.errors import ConfigError
+
+ENV_PREFIX = "GPU_SUPERVISOR_"
+ENV_DELIMITER = "__"
+
+#: Placeholders allowed in ``command``, ``env`` values and the ``ready`` URL.
+PLACEHOLDERS = frozenset({"name", "group", "index", "port", "gpus"})
+
+#: Ports handed out to groups that do not set ``port_base``.
+DEFAULT_PORT_BASE = 8001
+
+_GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(-[A-Za-z_][A-Za-z0-9_.]*)*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+NonNegativeSeconds = Annotated[float, Field(ge=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+def _signal_name(value: object) -> object:
+    """Accept ``SIGTERM``, ``TERM`` or a signal number; return the canonical name."""
+    if isinstance(value, bool):
+        raise ValueError("expected a signal name such as 'SIGTERM'")
+    if isinstance(value, int):
+        try:
+            return signal.Signals(value).name
+        except ValueError:
+            raise ValueError(f"unknown signal number {value}") from None
+    if isinstance(value, str):
+        if value == "":
+            return value
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in signal.Signals.__members__:
+            raise ValueError(f"unknown signal {value!r}")
+        return name
+    raise ValueError("expected a signal name such as 'SIGTERM'")
+
+
+SignalName = Annotated[str, BeforeValidator(_signal_name)]
+
+
+def _gpus_value(value: object) -> object:
+    if value in ("auto", "none"):
+        return value
+    if isinstance(value, list):
+        out: list[int | str] = []
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                raise ValueError(f"GPU entries are indices or UUIDs, got {item!r}")
+            if isinstance(item, int) and item < 0:
+                raise ValueError(f"GPU index must be >= 0, got {item}")
+            if isinstance(item, str) and not item.strip():
+                raise ValueError("GPU UUID must not be empty")
+            out.append(item)
+        if not out:
+            raise ValueError('empty GPU list: use "none" for no GPU')
+        if len(set(out)) != len(out):
+            raise ValueError(f"duplicate GPU in {value!r}")
+        return tuple(out)
+    raise ValueError('expected "auto", "none" or a list of GPU indices or UUIDs')
+
+
+GpuSelection = Annotated[
+    Literal["auto", "none"] | tuple[int | str, ...], BeforeValidator(_gpus_value)
+]
+
+
+class SupervisorSection(_Strict):
+    """``[supervisor]``."""
+
+    state_dir: Path = Path("/var/lib/gpu-supervisor")
+    shutdown_timeout_s: PositiveSeconds = 30.0
+    log_max_bytes: int = Field(default=52_428_800, ge=0)
+    log_backups: int = Field(default=5, ge=0)
+    systemd_ready: Literal["groups", "start"] = "groups"
+
+
+class RestartSection(_Strict):
+    """``[workers.restart]``."""
+
+    delay_s: NonNegativeSeconds = 0.0
+    stable_s: NonNegativeSeconds = 10.0
+    backoff_initial_s: NonNegativeSeconds = 1.0
+    backoff_max_s: NonNegativeSeconds = 60.0
+    burst: int = Field(default=5, ge=0)
+    interval_s: PositiveSeconds = 120.0
+
+    @model_validator(mode="after")
+    def _max_covers_initial(self) -> RestartSection:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(
+                f"backoff_max_s ({self.backoff_max_s:g}) is below backoff_initial_s "
+                f"({self.backoff_initial_s:g})"
+            )
+        return self
+
+
+class HealthSection(_Strict):
+    """``[workers.health]`` (the keys the supervision core implements)."""
+
+    watchdog_s: NonNegativeSeconds = 0.0
+
+
+class WorkerGroup(_Strict):
+    """One ``[[workers]]`` table: a group of identical workers."""
+
+    name: str
+    command: tuple[str, ...] = Field(min_length=1)
+    replicas: int = Field(default=1, ge=0, le=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    gpus: GpuSelection = "auto"
+    gpus_per_worker: int = Field(default=1, ge=1)
+    max_workers_per_gpu: int = Field(default=4, ge=1)
+    port_base: int | None = Field(default=None, ge=1, le=65535)
+    ready: str = "notify"
+    log_passthrough: bool = False
+    start_timeout_s: PositiveSeconds = 120.0
+    stop_signal: SignalName = "SIGTERM"
+    stop_timeout_s: NonNegativeSeconds = 10.0
+    drain_signal: SignalName = ""
+    drain_timeout_s: NonNegativeSeconds = 30.0
+    restart: RestartSection = Field(default_factory=RestartSection)
+    health: HealthSection = Field(default_factory=HealthSection)
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not _GROUP_NAME.match(value) or len(value) > 64:
+            raise ValueError(
+                "group names are letters, digits, '_', '.' and '-' (not ending in -<number>), "
+                "at most 64 characters"
+            )
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command_not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value[0].strip():
+            raise ValueError("the program (first element) is empty")
+        return value
+
+    @field_validator("stop_signal")
+    @classmethod
+    def _stop_signal_set(cls, value: str) -> str:
+        if not value:
+            raise ValueError("stop_signal must name a signal")
+        return value
+
+    @field_validator("ready")
+    @classmethod
+    def _ready_shape(cls, value: str) -> str:
+        if value in ("notify", "none") or re.match(r"^https?://[^/\s]+", value):
+            return value
+        raise ValueError('expected "notify", "none" or an http:// health URL')
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"invalid environment variable name {key!r}")
+        return value
+
+    @property
+    def ready_mode(self) -> Literal["notify", "http", "none"]:
+        """How readiness is detected."""
+        if self.ready in ("notify", "none"):
+            return "notify" if self.ready == "notify" else "none"
+        return "http"
+
+    def worker_names(self) -> list[str]:
+        """``gpen-0``, ``gpen-1``, ..."""
+        return [f"{self.name}-{i}" for i in range(self.replicas)]
+
+
+def _placeholder_errors(text: str) -> str | None:
+    """Return a message for the first bad placeholder in ``text``, or None."""
+    try:
+        parsed = list(string.Formatter().parse(text))
+    except ValueError as exc:
+        return f"bad placeholder syntax ({exc}); write {{{{ and }}}} for literal braces"
+    for _, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if field not in PLACEHOLDERS or spec or conversion:
+            known = " ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
+            return f"unknown placeholder {{{field}}} (known: {known})"
+    return None
+
+
+def _ports_of(group: WorkerGroup) -> range:
+    assert group.port_base is not None
+    return range(group.port_base, group.port_base + group.replicas)
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Build it with ``load_settings(path)``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_DELIMITER,
+        extra="forbid",
+        case_sensitive=False,
+        validate_default=True,
+        frozen=True,
+    )
+
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    workers: tuple[WorkerGroup, ...] = ()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's content arrives as init kwargs; the environment overrides it.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assign_ports(cls, data: Any) -> Any:
+        """Give groups without ``port_base`` consecutive free port ranges from 8001 on."""
+        if not isinstance(data, dict):
+            return data
+        groups = data.get("workers")
+        if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) for g in groups):
+            return data
+        taken: list[range] = []
+        for g in groups:
+            base, replicas = g.get("port_base"), g.get("replicas", 1)
+            if isinstance(base, int) and isinstance(replicas, int) and replicas >= 0:
+                taken.append(range(base, base + replicas))
+        out = []
+        for g in groups:
+            if g.get("port_base") is None and isinstance(g.get("replicas", 1), int):
+                replicas = max(int(g.get("replicas", 1)), 0)
+                base = DEFAULT_PORT_BASE
+                while any(_overlaps(range(base, base + replicas), r) for r in taken):
+                    base += 1
+                taken.append(range(base, base + replicas))
+                g = {**g, "port_base": base}
+            out.append(g)
+        return {**data, "workers": out}
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Settings:
+        names: dict[str, int] = {}
+        for i, group in enumerate(self.workers):
+            if group.name in names:
+                raise ValueError(
+                    f"workers[{i}].name: duplicate group name {group.name!r} "
+                    f"(also workers[{names[group.name]}])"
+                )
+            names[group.name] = i
+        all_workers = {w: g.name for g in self.workers for w in g.worker_names()}
+        for i, group in enumerate(self.workers):
+            if group.name in all_workers:
+                raise ValueError(
+                    f"workers[{i}].name: group name {group.name!r} is also a worker of group "
+                    f"{all_workers[group.name]!r}"
+                )
+            for j, arg in enumerate(group.command):
+                if (msg := _placeholder_errors(arg)) is not None:
+                    raise ValueError(f"workers[{i}].command[{j}]: {msg} (got {arg!r})")
+            for key, val in group.env.items():
+                if (msg := _placeholder_errors(val)) is not None:
+                    raise ValueError(f"workers[{i}].env.{key}: {msg} (got {val!r})")
+            if group.ready_mode == "http" and (msg := _placeholder_errors(group.ready)):
+                raise ValueError(f"workers[{i}].ready: {msg} (got {group.ready!r})")
+            ports = _ports_of(group)
+            if ports and ports[-1] > 65535:
+                raise ValueError(
+                    f"workers[{i}].port_base: ports {ports[0]}-{ports[-1]} go past 65535"
+                )
+        for i, a in enumerate(self.workers):
+            for j in range(i + 1, len(self.workers)):
+                b = self.workers[j]
+                if _overlaps(_ports_of(a), _ports_of(b)):
+                    pa, pb = _ports_of(a), _ports_of(b)
+                    raise ValueError(
+                        f"workers[{j}].port_base: ports {pb[0]}-{pb[-1]} of group {b.name!r} "
+                        f"overlap ports {pa[0]}-{pa[-1]} of group {a.name!r}"
+                    )
+        return self
+
+    def group(self, name: str) -> WorkerGroup | None:
+        """The group called ``name``, if any."""
+        return next((g for g in self.workers if g.name == name), None)
+
+
+def _overlaps(a: range, b: range) -> bool:
+    return bool(a) and bool(b) and a.start < b.stop and b.start < a.stop
+
+
+def _loc_path(loc: Iterable[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def _env_name_for(loc: tuple[int | str, ...], environ: Mapping[str, str]) -> str | None:
+    """The environment variable that set ``loc``, if one did (so the message can say so)."""
+    for depth in range(len(loc), 0, -1):
+        parts = loc[:depth]
+        if not all(isinstance(p, str) for p in parts):
+            continue
+        name = ENV_PREFIX + ENV_DELIMITER.join(str(p) for p in parts).upper()
+        if any(k.upper() == name for k in environ):
+            return name
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def format_validation_error(
+    source: str, exc: ValidationError, environ: Mapping[str, str] | None = None
+) -> str:
+    """One line: ``file: key.path: message (got value)``, plus how many more errors there are."""
+    environ = os.environ if environ is None else environ
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(p for p in first["loc"] if isinstance(p, int | str))
+    msg = str(first["msg"])
+    kind = first["type"]
+    path = _loc_path(loc)
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if msg.startswith("Assertion failed, "):
+        msg = msg[len("Assertion failed, ") :]
+    msg = msg.replace("Tuple should", "List should").replace("valid tuple", "valid list")
+    if kind == "extra_forbidden":
+        msg = "unknown key"
+    elif kind == "missing":
+        msg = "required key is missing"
+    line = f"{source}: {path}: {msg}" if path else f"{source}: {msg}"
+    if kind not in ("missing",) and "(got " not in msg and path:
+        line += f" (got {_short(first.get('input'))})"
+    env_name = _env_name_for(loc, environ) if loc else None
+    if env_name:
+        line += f" [from {env_name}]"
+    if len(errors) > 1:
+        line += f" (and {len(errors) - 1} more)"
+    return line
+
+
+def parse_settings(data: Mapping[str, Any], source: str = "<config>") -> Settings:
+    """Validate already-parsed TOML data (environment overrides applied)."""
+    try:
+        return Settings(**dict(data))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+def load_settings(path: str | os.PathLike[str]) -> Settings:
+    """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line."""
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: TOML syntax error: {exc}") from None
+    return parse_settings(data, source)

@@ -1,0 +1,44 @@
+"""The error tree of gpu-supervisor (a stdlib-only leaf module).
+
+::
+
+    SupervisorError
+    ├── ConfigError          bad configuration: exit code 2, one line naming file, key and value
+    ├── PlacementError       a plan that cannot be placed on the GPUs at hand
+    ├── WorkerError
+    │   ├── SpawnError       the worker's command could not be executed
+    │   └── IllegalTransition a lifecycle transition that the state table forbids
+    └── UsageError           bad command-line use: exit code 2
+
+Only ``supervisor.__main__`` turns these into exit codes; library code raises them.
+"""
+
+from __future__ import annotations
+
+
+class SupervisorError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(SupervisorError):
+    """The configuration is invalid; ``str()`` is one line naming the file, key and value."""
+
+
+class UsageError(SupervisorError):
+    """The command line is invalid."""
+
+
+class PlacementError(ConfigError):
+    """The plan cannot be placed (not enough GPUs, memory, ...): a configuration problem."""
+
+
+class WorkerError(SupervisorError):
+    """Something about one worker went wrong."""
+
+
+class SpawnError(WorkerError):
+    """The worker's command could not be started (not found, not executable, ...)."""
+
+
+class IllegalTransition(WorkerError):
+    """A lifecycle transition that ``model.ALLOWED`` does not contain."""

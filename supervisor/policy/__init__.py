@@ -1,0 +1,1 @@
+"""Pure decision code: restart backoff, the worker lifecycle, reload diffs. No I/O, no clock."""

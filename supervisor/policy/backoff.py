@@ -1,0 +1,66 @@
+"""Restart policy: exponential backoff with a cap, a stability reset and a give-up (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """The ``[workers.restart]`` values the decisions need."""
+
+    delay_s: float = 0.0
+    stable_s: float = 10.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 60.0
+    burst: int = 5
+    interval_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class FailureHistory:
+    """Recent failed starts: their times (within ``interval_s``) and the current streak."""
+
+    times: tuple[float, ...] = ()
+    consecutive: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FailureVerdict:
+    """What to do after a failure: wait ``delay_s`` then retry, or give up (``fatal``)."""
+
+    history: FailureHistory
+    fatal: bool
+    delay_s: float
+
+
+def backoff_delay(consecutive: int, policy: RestartPolicy) -> float:
+    """Delay before retry number ``consecutive`` (1-based): initial, 2x, 4x, ... capped."""
+    if consecutive <= 0:
+        return 0.0
+    # Cap the exponent first so that a long streak cannot overflow the float.
+    exponent = min(consecutive - 1, 64)
+    return float(min(policy.backoff_initial_s * (2.0**exponent), policy.backoff_max_s))
+
+
+def is_stable_run(ready_at: float | None, now: float, policy: RestartPolicy) -> bool:
+    """A run counts as stable when the worker was ready for at least ``stable_s``."""
+    return ready_at is not None and now - ready_at >= policy.stable_s
+
+
+def record_failure(history: FailureHistory, now: float, policy: RestartPolicy) -> FailureVerdict:
+    """Add a failure at ``now``; more than ``burst`` within ``interval_s`` is fatal.
+
+    ``burst == 0`` never gives up: the delay keeps growing up to ``backoff_max_s``.
+    """
+    horizon = now - policy.interval_s
+    times = (*(t for t in history.times if t > horizon), now)
+    consecutive = history.consecutive + 1
+    new = FailureHistory(times=times, consecutive=consecutive)
+    fatal = policy.burst > 0 and len(times) > policy.burst
+    return FailureVerdict(history=new, fatal=fatal, delay_s=backoff_delay(consecutive, policy))
+
+
+def record_stable_exit(history: FailureHistory) -> FailureHistory:
+    """A stable run resets the backoff streak (the failure window keeps its own horizon)."""
+    return FailureHistory(times=history.times, consecutive=0)

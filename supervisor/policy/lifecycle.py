@@ -1,0 +1,488 @@
+"""The worker lifecycle as a pure function: ``step(record, event, now, timing)``.
+
+The runtime feeds every event of one worker (operator intents, process exits, readiness,
+heartbeats, deadlines) through ``step`` and carries out the returned actions. Every state change
+goes through ``model.transition``, so the table in ``model.ALLOWED`` is enforced here.
+
+Time is ``now``: monotonic seconds supplied by the caller. ``record.deadline`` is the next moment
+at which the caller must send ``Timer()`` (start timeout, watchdog, backoff, drain or stop timeout).
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field, replace
+
+from supervisor.config import WorkerGroup
+from supervisor.model import ExitReason, ExitStatus, WorkerState, transition
+from supervisor.policy.backoff import (
+    FailureHistory,
+    RestartPolicy,
+    is_stable_run,
+    record_failure,
+    record_stable_exit,
+)
+
+S = WorkerState
+
+
+class AfterExit(enum.Enum):
+    """What to do once the process we asked to end has exited."""
+
+    STOP = "stop"  # stay stopped
+    RESTART = "restart"  # start again now (operator restart, reload, drain-and-restart)
+    RECOVER = "recover"  # healing restart: judged like a crash (stable run or failure)
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The per-group values the lifecycle needs."""
+
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0
+    watchdog_s: float = 0.0
+    ready_at_spawn: bool = False  # ready = "none"
+    stop_signal: int = signal.SIGTERM
+    drain_signal: int | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+def timing_for(group: WorkerGroup) -> Timing:
+    """The lifecycle values of a configured group."""
+    r = group.restart
+    return Timing(
+        start_timeout_s=group.start_timeout_s,
+        stop_timeout_s=group.stop_timeout_s,
+        drain_timeout_s=group.drain_timeout_s,
+        watchdog_s=group.health.watchdog_s,
+        ready_at_spawn=group.ready_mode == "none",
+        stop_signal=signal.Signals[group.stop_signal].value,
+        drain_signal=signal.Signals[group.drain_signal].value if group.drain_signal else None,
+        restart=RestartPolicy(
+            delay_s=r.delay_s,
+            stable_s=r.stable_s,
+            backoff_initial_s=r.backoff_initial_s,
+            backoff_max_s=r.backoff_max_s,
+            burst=r.burst,
+            interval_s=r.interval_s,
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the previous process ended: decoded status, reason, monotonic time."""
+
+    status: ExitStatus | None  # None when the process could not be spawned
+    reason: ExitReason
+    at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """Everything the lifecycle knows about one worker."""
+
+    state: WorkerState = S.STOPPED
+    pid: int | None = None
+    started_at: float | None = None
+    ready_at: float | None = None
+    heartbeat_at: float | None = None
+    deadline: float | None = None
+    after_exit: AfterExit | None = None
+    stop_reason: ExitReason | None = None
+    killed: bool = False
+    restarts: int = 0
+    history: FailureHistory = field(default_factory=FailureHistory)
+    last_exit: Outcome | None = None
+    reason: str = ""  # why the worker is in its current state
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Operator start (also clears ``fatal``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Stop and stay stopped."""
+
+    reason: ExitReason = ExitReason.STOP
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Stop, then start again at once (not counted as a failure)."""
+
+    reason: ExitReason = ExitReason.RESTART
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Take out of routing, let it finish, then restart or stay stopped."""
+
+    restart: bool = True
+    reason: ExitReason = ExitReason.DRAIN
+
+
+@dataclass(frozen=True, slots=True)
+class Kill:
+    """SIGKILL the whole tree now (second shutdown signal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spawned:
+    """The process was started."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnFailed:
+    """The process could not be started."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The worker's main process was reaped."""
+
+    pid: int
+    status: ExitStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """READY=1 or the first 2xx from the health URL."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """WATCHDOG=1."""
+
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """``record.deadline`` has passed."""
+
+
+Event = (
+    Start
+    | Stop
+    | Restart
+    | Drain
+    | Kill
+    | Spawned
+    | SpawnFailed
+    | Exited
+    | Ready
+    | Heartbeat
+    | Timer
+)
+
+# --- actions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Start the process; answer with ``Spawned`` or ``SpawnFailed``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendSignal:
+    """Send ``signal`` to the worker's whole process group."""
+
+    signal: int
+
+
+@dataclass(frozen=True, slots=True)
+class KillTree:
+    """SIGKILL the worker's process group and every known descendant."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transitioned:
+    """A state change, for logs and events."""
+
+    old: WorkerState
+    new: WorkerState
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """The worker's process ended (for logs, records and post-mortems)."""
+
+    outcome: Outcome
+    failure: bool
+
+
+Action = Spawn | SendSignal | KillTree | Transitioned | Exit
+
+
+def _move(
+    rec: WorkerRecord, new: WorkerState, reason: str, **changes: object
+) -> tuple[WorkerRecord, list[Action]]:
+    old = rec.state
+    transition(old, new)
+    rec = replace(rec, state=new, reason=reason, **changes)  # type: ignore[arg-type]
+    return rec, [Transitioned(old, new, reason)]
+
+
+def _start(rec: WorkerRecord, reason: str) -> tuple[WorkerRecord, list[Action]]:
+    rec, acts = _move(
+        rec,
+        S.STARTING,
+        reason,
+        pid=None,
+        started_at=None,
+        ready_at=None,
+        heartbeat_at=None,
+        deadline=None,
+        after_exit=None,
+        stop_reason=None,
+        killed=False,
+    )
+    return rec, [*acts, Spawn()]
+
+
+def _begin_stop(
+    rec: WorkerRecord, now: float, t: Timing, after: AfterExit, reason: ExitReason
+) -> tuple[WorkerRecord, list[Action]]:
+    """Send the stop signal and arm the stop timeout (or update an ongoing stop)."""
+    if rec.state is S.STOPPING:
+        # Already stopping: only the plan for afterwards changes (a STOP wins over a restart).
+        merged = AfterExit.STOP if AfterExit.STOP in (after, rec.after_exit) else after
+        return replace(rec, after_exit=merged), []
+    rec, acts = _move(
+        rec,
+        S.STOPPING,
+        reason.value,
+        after_exit=after,
+        stop_reason=reason,
+        deadline=now + t.stop_timeout_s,
+    )
+    return rec, [*acts, SendSignal(t.stop_signal)]
+
+
+def _ready_deadline(now: float, t: Timing) -> float | None:
+    return now + t.watchdog_s if t.watchdog_s > 0 else None
+
+
+def _after_failure_or_stable(
+    rec: WorkerRecord, now: float, t: Timing, outcome: Outcome, base: list[Action]
+) -> tuple[WorkerRecord, list[Action]]:
+    """A process ended on its own (or by a healing stop): restart, back off, or give up."""
+    policy = t.restart
+    restarts = rec.restarts + 1
+    common = {"pid": None, "last_exit": outcome, "killed": False, "after_exit": None}
+    if is_stable_run(rec.ready_at, now, policy):
+        history = record_stable_exit(rec.history)
+        rec, acts = _move(
+            rec,
+            S.BACKOFF,
+            outcome.reason.value,
+            history=history,
+            restarts=restarts,
+            deadline=now + policy.delay_s,
+            **common,
+        )
+        return rec, [*base, Exit(outcome, failure=False), *acts]
+    verdict = record_failure(rec.history, now, policy)
+    if verdict.fatal:
+        why = (
+            f"{len(verdict.history.times)} failed starts within {policy.interval_s:g}s "
+            f"(burst {policy.burst}); last: {outcome.detail or outcome.reason.value}"
+        )
+        rec, acts = _move(rec, S.FATAL, why, history=verdict.history, deadline=None, **common)
+        return rec, [*base, Exit(outcome, failure=True), *acts]
+    rec, acts = _move(
+        rec,
+        S.BACKOFF,
+        outcome.reason.value,
+        history=verdict.history,
+        restarts=restarts,
+        deadline=now + verdict.delay_s,
+        **common,
+    )
+    return rec, [*base, Exit(outcome, failure=True), *acts]
+
+
+def _exit_reason(status: ExitStatus) -> ExitReason:
+    return ExitReason.SIGNAL if status.signal is not None else ExitReason.EXIT
+
+
+def _on_exit(
+    rec: WorkerRecord, ev: Exited, now: float, t: Timing
+) -> tuple[WorkerRecord, list[Action]]:
+    expected = rec.after_exit
+    if expected is None:
+        reason = _exit_reason(ev.status)
+        outcome = Outcome(ev.status, reason, now, ev.status.describe())
+        return _after_failure_or_stable(rec, now, t, outcome, [])
+    reason = rec.stop_reason or ExitReason.STOP
+    outcome = Outcome(ev.status, reason, now, ev.status.describe())
+    if expected is AfterExit.RECOVER:
+        return _after_failure_or_stable(rec, now, t, outcome, [])
+    done = {"pid": None, "last_exit": outcome, "killed": False, "deadline": None}
+    if expected is AfterExit.STOP:
+        rec, acts = _move(rec, S.STOPPED, reason.value, after_exit=None, **done)
+        return rec, [Exit(outcome, failure=False), *acts]
+    rec = replace(rec, restarts=rec.restarts + 1, **done)  # type: ignore[arg-type]
+    rec, acts = _start(rec, reason.value)
+    return rec, [Exit(outcome, failure=False), *acts]
+
+
+def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRecord, list[Action]]:
+    """Apply one event; return the new record and the actions to carry out, in order."""
+    state = rec.state
+    # Events about a process that is not (or no longer) ours are stale: ignore them.
+    if isinstance(ev, Exited | Ready | Heartbeat) and ev.pid != rec.pid:
+        return rec, []
+
+    if isinstance(ev, Kill):
+        if rec.pid is not None and state in (S.STARTING, S.READY, S.DRAINING, S.STOPPING):
+            if state is not S.STOPPING:
+                rec, acts = _begin_stop(rec, now, t, AfterExit.STOP, ExitReason.SHUTDOWN)
+            else:
+                rec, acts = replace(rec, after_exit=AfterExit.STOP), []
+            return replace(rec, killed=True, deadline=None), [*acts, KillTree()]
+        if state is S.BACKOFF:
+            return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None)
+        return rec, []
+
+    if state in (S.STOPPED, S.FATAL):
+        if isinstance(ev, Start | Restart):
+            if state is S.FATAL:
+                rec = replace(rec, history=FailureHistory())
+            return _start(rec, "start")
+        if isinstance(ev, Stop) and state is S.FATAL:
+            return _move(rec, S.STOPPED, ev.reason.value, history=FailureHistory())
+        return rec, []
+
+    if state is S.BACKOFF:
+        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+            return _start(rec, "backoff elapsed")
+        if isinstance(ev, Start | Restart):
+            return _start(rec, "start")
+        if isinstance(ev, Stop):
+            return _move(rec, S.STOPPED, ev.reason.value, deadline=None)
+        return rec, []
+
+    if state is S.STARTING and rec.pid is None:
+        # Waiting for the answer to Spawn.
+        if isinstance(ev, Spawned):
+            rec = replace(rec, pid=ev.pid, started_at=now, deadline=now + t.start_timeout_s)
+            if t.ready_at_spawn:
+                return _move(
+                    rec,
+                    S.READY,
+                    "started (ready = none)",
+                    ready_at=now,
+                    heartbeat_at=now,
+                    deadline=_ready_deadline(now, t),
+                )
+            return rec, []
+        if isinstance(ev, SpawnFailed):
+            outcome = Outcome(None, ExitReason.SPAWN_FAILED, now, ev.message)
+            return _after_failure_or_stable(rec, now, t, outcome, [])
+        return rec, []
+
+    # From here on there is a live process (pid is set).
+    if isinstance(ev, Exited):
+        return _on_exit(rec, ev, now, t)
+
+    if state is S.STARTING:
+        if isinstance(ev, Ready):
+            return _move(
+                rec,
+                S.READY,
+                "ready",
+                ready_at=now,
+                heartbeat_at=now,
+                deadline=_ready_deadline(now, t),
+            )
+        if isinstance(ev, Heartbeat):
+            return replace(rec, heartbeat_at=now), []
+        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+            return _begin_stop(rec, now, t, AfterExit.RECOVER, ExitReason.START_TIMEOUT)
+        if isinstance(ev, Stop):
+            return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
+        if isinstance(ev, Restart):
+            return _begin_stop(rec, now, t, AfterExit.RESTART, ev.reason)
+        if isinstance(ev, Drain):
+            # Not ready yet, so not routed to: nothing to drain, stop straight away.
+            after = AfterExit.RESTART if ev.restart else AfterExit.STOP
+            return _begin_stop(rec, now, t, after, ev.reason)
+        return rec, []
+
+    if state is S.READY:
+        if isinstance(ev, Heartbeat):
+            return replace(rec, heartbeat_at=now, deadline=_ready_deadline(now, t)), []
+        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+            return _begin_stop(rec, now, t, AfterExit.RECOVER, ExitReason.HANG)
+        if isinstance(ev, Stop):
+            return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
+        if isinstance(ev, Restart):
+            return _begin_stop(rec, now, t, AfterExit.RESTART, ev.reason)
+        if isinstance(ev, Drain):
+            after = AfterExit.RESTART if ev.restart else AfterExit.STOP
+            rec, acts = _move(
+                rec,
+                S.DRAINING,
+                ev.reason.value,
+                after_exit=after,
+                stop_reason=ev.reason,
+                deadline=now + t.drain_timeout_s,
+            )
+            if t.drain_signal is not None:
+                acts.append(SendSignal(t.drain_signal))
+            return rec, acts
+        return rec, []
+
+    if state is S.DRAINING:
+        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+            after = rec.after_exit or AfterExit.STOP
+            reason = rec.stop_reason or ExitReason.DRAIN
+            rec, acts = _move(
+                rec,
+                S.STOPPING,
+                f"{reason.value}: drain timeout",
+                deadline=now + t.stop_timeout_s,
+                after_exit=after,
+            )
+            return rec, [*acts, SendSignal(t.stop_signal)]
+        if isinstance(ev, Stop):
+            rec = replace(rec, after_exit=AfterExit.STOP, stop_reason=ev.reason)
+            rec, acts = _move(rec, S.STOPPING, ev.reason.value, deadline=now + t.stop_timeout_s)
+            return rec, [*acts, SendSignal(t.stop_signal)]
+        if isinstance(ev, Restart):
+            rec = replace(rec, after_exit=AfterExit.RESTART, stop_reason=ev.reason)
+            rec, acts = _move(rec, S.STOPPING, ev.reason.value, deadline=now + t.stop_timeout_s)
+            return rec, [*acts, SendSignal(t.stop_signal)]
+        if isinstance(ev, Heartbeat):
+            return replace(rec, heartbeat_at=now), []
+        return rec, []
+
+    if state is S.STOPPING:
+        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+            if not rec.killed:
+                return replace(rec, killed=True, deadline=None), [KillTree()]
+            return replace(rec, deadline=None), []
+        if isinstance(ev, Stop):
+            return replace(rec, after_exit=AfterExit.STOP, stop_reason=ev.reason), []
+        if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
+            return replace(rec, after_exit=AfterExit.RESTART), []
+        return rec, []
+
+    return rec, []

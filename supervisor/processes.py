@@ -1,0 +1,198 @@
+"""Processes: spawn a worker in its own session, signal or kill its tree, and one reaper for all.
+
+- Each worker starts in a new session (``setsid``), so its process group is its tree unless a
+  descendant leaves it with ``setsid()``; ``kill_tree`` also walks the descendants it can see.
+- ``PR_SET_PDEATHSIG`` (SIGKILL) is set in the child, so a killed supervisor takes its workers
+  with it. Spawning happens on the event loop thread, which is the main thread.
+- ``Reaper`` is the only code that calls ``waitpid``: one ``waitpid(-1, WNOHANG)`` loop driven by
+  SIGCHLD, dispatching each status by pid. Statuses of pids nobody registered (orphaned
+  grandchildren re-parented to us as PID 1 or child subreaper) are reaped and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+import psutil
+
+from supervisor.errors import SpawnError
+from supervisor.model import ExitStatus, LaunchSpec
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc: ctypes.CDLL | None = None
+
+
+def _prctl() -> Callable[..., int]:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn: Callable[..., int] = _libc.prctl
+    return fn
+
+
+def set_child_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process (Linux >= 3.4). True on success."""
+    try:
+        return _prctl()(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _child_setup(parent_pid: int, prctl: Callable[..., int]) -> Callable[[], None]:
+    def setup() -> None:
+        # Runs in the forked child before exec: only async-signal-safe-ish calls here.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return setup
+
+
+@dataclass(slots=True)
+class Child:
+    """A spawned worker process: its pid (= process group id) and the read end of its output."""
+
+    pid: int
+    output_fd: int
+    popen: subprocess.Popen[bytes]
+
+    def mark_reaped(self, status: ExitStatus) -> None:
+        """Tell the Popen object the child is gone, so it never waits for it again."""
+        self.popen.returncode = status.code if status.code is not None else -(status.signal or 0)
+
+
+def spawn(spec: LaunchSpec) -> Child:
+    """Start the worker described by ``spec``; raise ``SpawnError`` if it cannot be executed."""
+    read_fd, write_fd = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            list(spec.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=write_fd,
+            stderr=subprocess.STDOUT,
+            env=dict(spec.env),
+            cwd=spec.cwd,
+            close_fds=True,
+            start_new_session=True,
+            preexec_fn=_child_setup(os.getpid(), _prctl()),
+        )
+    except OSError as exc:
+        os.close(read_fd)
+        os.close(write_fd)
+        what = exc.strerror or str(exc)
+        raise SpawnError(f"cannot execute {spec.argv[0]!r}: {what}") from exc
+    except subprocess.SubprocessError as exc:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise SpawnError(f"cannot start {spec.argv[0]!r}: {exc}") from exc
+    os.close(write_fd)
+    os.set_blocking(read_fd, False)
+    return Child(pid=popen.pid, output_fd=read_fd, popen=popen)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (empty if it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    return True
+
+
+def kill_tree(pgid: int, extra: Iterable[psutil.Process] = ()) -> None:
+    """SIGKILL the process group ``pgid`` and the given (previously seen) descendants."""
+    victims = list(extra) + descendants(pgid)
+    signal_group(pgid, signal.SIGKILL)
+    for proc in victims:
+        with contextlib.suppress(psutil.Error, OSError):
+            proc.kill()  # psutil checks the create time, so a reused pid is never hit
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """A reaped child: pid and decoded status."""
+
+    pid: int
+    status: ExitStatus
+
+
+class Reaper:
+    """The single ``waitpid`` caller. Register a callback per pid; run ``serve()`` in a task."""
+
+    def __init__(self, on_orphan: Callable[[Reaped], None] | None = None) -> None:
+        self._callbacks: dict[int, Callable[[Reaped], None]] = {}
+        self._on_orphan = on_orphan
+        self.orphans_reaped = 0
+
+    def register(self, pid: int, callback: Callable[[Reaped], None]) -> None:
+        """Call ``callback`` once when ``pid`` is reaped. Register right after spawning."""
+        self._callbacks[pid] = callback
+
+    def reap_now(self) -> int:
+        """Reap every exited child without blocking; return how many were reaped."""
+        count = 0
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return count
+            except OSError as exc:  # pragma: no cover - EINTR is retried by Python
+                if exc.errno == errno.EINTR:
+                    continue
+                raise
+            if pid == 0:
+                return count
+            count += 1
+            reaped = Reaped(pid, ExitStatus.from_wait_status(status))
+            callback = self._callbacks.pop(pid, None)
+            if callback is not None:
+                callback(reaped)
+            else:
+                self.orphans_reaped += 1
+                if self._on_orphan is not None:
+                    self._on_orphan(reaped)
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Reap on every SIGCHLD until cancelled."""
+        with anyio.open_signal_receiver(signal.SIGCHLD) as signals:
+            task_status.started()
+            self.reap_now()  # children that exited before the handler was installed
+            async for _ in signals:
+                self.reap_now()
+
+
+def env_summary(env: Mapping[str, str]) -> dict[str, str]:
+    """The supervisor-set variables of a worker environment (for logs and check-config)."""
+    keys = (
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "PORT",
+        "GPU_SUPERVISOR_WORKER",
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+    )
+    return {k: env[k] for k in keys if k in env}

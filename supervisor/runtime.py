@@ -1,0 +1,493 @@
+"""Composition root: builds the ports from ``Settings`` and owns the task tree.
+
+One anyio task group holds the reaper, the notify listener, the signal listener, the intent
+consumer, the systemd notifier and one runner per worker. Signals (and, later, the API) become
+``Intent`` values on one stream; only the intent consumer changes the set of runners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import psutil
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from supervisor import __version__
+from supervisor.clock import AnyioClock, Clock
+from supervisor.config import Settings, WorkerGroup, load_settings
+from supervisor.errors import ConfigError
+from supervisor.model import ExitReason, WorkerState
+from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
+from supervisor.output import WorkerOutput
+from supervisor.plan import Plan, build_plan
+from supervisor.policy import lifecycle as lc
+from supervisor.policy.reload import diff_groups
+from supervisor.processes import Reaped, Reaper, set_child_subreaper
+from supervisor.sdnotify import SystemdNotifier
+from supervisor.worker import WorkerRunner, is_idle
+
+#: After SIGKILL, how long to wait for the kernel to hand back the last children.
+KILL_WAIT_S = 5.0
+
+
+# --- intents -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop every worker gracefully, then exit; a second one forces (SIGKILL)."""
+
+    signal_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """Re-read the config file and apply the difference."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCommand:
+    """An operator command for a worker (``gpen-1``) or a whole group (``gpen``)."""
+
+    target: str
+    event: lc.Start | lc.Stop | lc.Restart | lc.Drain
+
+
+Intent = Shutdown | Reload | WorkerCommand
+
+
+def signal_intent(signum: int, shutting_down: bool) -> Intent | None:
+    """Map a received signal to an intent (pure, so tests can call it directly)."""
+    if signum in (signal.SIGTERM, signal.SIGINT):
+        return Shutdown(signal.Signals(signum).name)
+    if signum == signal.SIGHUP and not shutting_down:
+        return Reload()
+    return None
+
+
+class Runtime:
+    """The running supervisor."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        config_path: Path | None = None,
+        *,
+        environ: MutableMapping[str, str] | None = None,
+        clock: Clock | None = None,
+        subreaper: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.config_path = config_path
+        self.environ = os.environ if environ is None else environ
+        self.clock: Clock = clock or AnyioClock()
+        self.log = structlog.get_logger()
+        self.runners: dict[str, WorkerRunner] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.reaper = Reaper(on_orphan=self._on_orphan)
+        self.systemd = SystemdNotifier(self.environ)
+        self._subreaper = subreaper
+        self._pids: dict[int, WorkerRunner] = {}
+        self._changed = anyio.Event()
+        self._intent_send: MemoryObjectSendStream[Intent]
+        self._intent_recv: MemoryObjectReceiveStream[Intent]
+        self._intent_send, self._intent_recv = anyio.create_memory_object_stream[Intent](math.inf)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._shutting_down = False
+        self._forced = False
+        self._done = anyio.Event()
+        self._reloading = False
+        self._reload_again = False
+        self._ready_sent = False
+        self.notify_path = socket_path_for(settings.supervisor.state_dir)
+        self.listener = NotifyListener(self.notify_path, self._on_notify)
+        self.started_wall = self.clock.wall()
+        self.exit_code = 0
+
+    # --- public -------------------------------------------------------------------------
+
+    def submit(self, intent: Intent) -> None:
+        """Queue an intent for the single writer."""
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._intent_send.send_nowait(intent)
+
+    def workers(self) -> list[WorkerRunner]:
+        """Every runner, in config order."""
+        return [self.runners[n] for names in self.groups.values() for n in names]
+
+    def group_ready(self, group: str) -> bool:
+        """True when the group has at least one ready worker (or no replicas at all)."""
+        names = self.groups.get(group, [])
+        return not names or any(self.runners[n].state is WorkerState.READY for n in names)
+
+    def all_groups_ready(self) -> bool:
+        """Every group has a ready worker."""
+        return all(self.group_ready(g) for g in self.groups)
+
+    def status_line(self) -> str:
+        """``6/6 ready, 0 fatal, 2 groups``."""
+        runners = self.workers()
+        ready = sum(r.state is WorkerState.READY for r in runners)
+        fatal = sum(r.state is WorkerState.FATAL for r in runners)
+        return f"{ready}/{len(runners)} ready, {fatal} fatal, {len(self.groups)} groups"
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate()`` holds (re-checked on every worker change) or time runs out."""
+        with anyio.move_on_after(timeout):
+            while not predicate():
+                await self._changed.wait()
+            return True
+        return predicate()
+
+    async def run(self) -> int:
+        """Run until shut down; return the exit code."""
+        sup = self.settings.supervisor
+        if self._subreaper and os.getpid() != 1:
+            set_child_subreaper()
+        (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        plan = build_plan(self.settings, self._worker_environ(), os.fspath(self.notify_path))
+        for warning in plan.warnings:
+            self.log.warning("plan.warning", message=warning)
+        self.log.info(
+            "supervisor.start",
+            pid=os.getpid(),
+            version=__version__,
+            workers=sum(len(g.workers) for g in plan.groups),
+            notify_socket=os.fspath(self.notify_path),
+            pid1=os.getpid() == 1,
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                await tg.start(self.reaper.serve)
+                await tg.start(self.listener.serve)
+                await tg.start(self._serve_signals)
+                tg.start_soon(self._serve_intents)
+                tg.start_soon(self._serve_systemd)
+                for group_plan in plan.groups:
+                    await self._add_group(group_plan.group, plan)
+                if sup.systemd_ready == "start":
+                    self._send_ready()
+                await self._done.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self.listener.close()
+            self.systemd.close()
+        self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
+        return self.exit_code
+
+    # --- wiring -------------------------------------------------------------------------
+
+    def _worker_environ(self) -> dict[str, str]:
+        return dict(self.environ)
+
+    def _changed_now(self, _runner: WorkerRunner | None = None) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+        if (
+            self.settings.supervisor.systemd_ready == "groups"
+            and not self._ready_sent
+            and not self._shutting_down
+            and self.all_groups_ready()
+        ):
+            self._send_ready()
+        self.systemd.status(self.status_line())
+
+    def _send_ready(self) -> None:
+        self._ready_sent = True
+        self.systemd.send(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+        self.log.info("supervisor.ready", status=self.status_line())
+
+    def _register_pid(self, pid: int, runner: WorkerRunner | None) -> None:
+        if runner is None:
+            self._pids.pop(pid, None)
+        else:
+            self._pids[pid] = runner
+
+    def _on_notify(self, msg: NotifyMessage) -> None:
+        for pid in ancestors_of(msg.pid):
+            runner = self._pids.get(pid)
+            if runner is not None:
+                runner.on_notify(msg)
+                return
+        self.log.debug("notify.unknown_sender", pid=msg.pid)
+
+    def _on_orphan(self, reaped: Reaped) -> None:
+        self.log.info(
+            "supervisor.reaped_orphan",
+            pid=reaped.pid,
+            code=reaped.status.code,
+            signal=reaped.status.signal_name,
+            reason="orphan",
+        )
+
+    def _make_runner(self, group: WorkerGroup, index: int, plan: Plan) -> WorkerRunner:
+        spec = next(g for g in plan.groups if g.group.name == group.name).workers[index]
+        sup = self.settings.supervisor
+        output = WorkerOutput(
+            spec.name,
+            sup.state_dir / "logs" / f"{spec.name}.log",
+            sup.log_max_bytes,
+            sup.log_backups,
+            passthrough=group.log_passthrough,
+        )
+        return WorkerRunner(
+            spec,
+            lc.timing_for(group),
+            reaper=self.reaper,
+            clock=self.clock,
+            output=output,
+            on_change=self._changed_now,
+            register_pid=self._register_pid,
+        )
+
+    async def _start_runner(self, runner: WorkerRunner, start: bool = True) -> None:
+        assert self._tg is not None
+        self.runners[runner.name] = runner
+        await self._tg.start(runner.run)
+        if start:
+            runner.post(lc.Start())
+
+    async def _add_group(self, group: WorkerGroup, plan: Plan) -> None:
+        self.groups[group.name] = []
+        for i in range(group.replicas):
+            runner = self._make_runner(group, i, plan)
+            self.groups[group.name].append(runner.name)
+            await self._start_runner(runner)
+
+    async def _remove_runner(self, runner: WorkerRunner, reason: ExitReason) -> None:
+        runner.post(lc.Stop(reason))
+        await self.wait_until(lambda: is_idle(runner), self._stop_budget(runner))
+        if not is_idle(runner):
+            runner.post(lc.Kill())
+            await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
+        runner.cancel()
+        self.runners.pop(runner.name, None)
+
+    def _stop_budget(self, runner: WorkerRunner) -> float:
+        t = runner.timing
+        return t.drain_timeout_s + t.stop_timeout_s + KILL_WAIT_S
+
+    # --- tasks --------------------------------------------------------------------------
+
+    async def _serve_signals(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
+            async for signum in signals:
+                intent = signal_intent(signum, self._shutting_down)
+                self.log.info("supervisor.signal", signal=signal.Signals(signum).name)
+                if intent is not None:
+                    self.submit(intent)
+
+    async def _serve_intents(self) -> None:
+        assert self._tg is not None
+        async for intent in self._intent_recv:
+            if isinstance(intent, Shutdown):
+                if not self._shutting_down:
+                    self._shutting_down = True
+                    self._tg.start_soon(self._shutdown, intent.signal_name)
+                elif not self._forced:
+                    self._forced = True
+                    self.log.warning("supervisor.force_stop", reason="second signal")
+                    for runner in self.workers():
+                        runner.post(lc.Kill())
+            elif isinstance(intent, Reload):
+                if self._reloading:
+                    self._reload_again = True
+                else:
+                    self._reloading = True
+                    self._tg.start_soon(self._reload_loop)
+            elif not self._shutting_down:
+                self._command(intent)
+
+    def _targets(self, target: str) -> list[WorkerRunner]:
+        if target in self.runners:
+            return [self.runners[target]]
+        return [self.runners[n] for n in self.groups.get(target, [])]
+
+    def _command(self, cmd: WorkerCommand) -> None:
+        for runner in self._targets(cmd.target):
+            runner.post(cmd.event)
+
+    async def _shutdown(self, signal_name: str) -> None:
+        self.systemd.send("STOPPING=1")
+        runners = self.workers()
+        self.log.info(
+            "supervisor.stopping", reason="shutdown", signal=signal_name, workers=len(runners)
+        )
+        for runner in runners:
+            runner.post(lc.Stop(ExitReason.SHUTDOWN))
+        timeout = self.settings.supervisor.shutdown_timeout_s
+        if not await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), timeout):
+            self.log.warning("supervisor.shutdown_timeout", reason="shutdown_timeout_s passed")
+            for runner in self.workers():
+                runner.post(lc.Kill())
+            await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
+        await self._kill_leftover_children()
+        self._done.set()
+
+    async def _kill_leftover_children(self) -> None:
+        """Adopted orphans (as PID 1 or child subreaper) must not outlive the supervisor."""
+        leftovers = _children()
+        if not leftovers:
+            return
+        for proc in leftovers:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        self.log.info("supervisor.killed_leftovers", pids=[p.pid for p in leftovers])
+        with anyio.move_on_after(KILL_WAIT_S):
+            while _children():
+                self.reaper.reap_now()
+                await anyio.sleep(0.01)
+
+    async def _serve_systemd(self) -> None:
+        interval = self.systemd.watchdog_interval_s
+        if interval is None:
+            return
+        while True:
+            self.systemd.send("WATCHDOG=1")
+            await anyio.sleep(interval)
+
+    async def _reload_loop(self) -> None:
+        try:
+            while True:
+                self._reload_again = False
+                await self._reload()
+                if not self._reload_again or self._shutting_down:
+                    return
+        finally:
+            self._reloading = False
+
+    async def _reload(self) -> None:
+        if self.config_path is None:
+            self.log.error("supervisor.reload_failed", reason="no config file to reload")
+            return
+        path = self.config_path
+        try:
+            new = await anyio.to_thread.run_sync(load_settings, path)
+        except ConfigError as exc:
+            self.log.error(  # noqa: TRY400 - a bad config is reported in one line, no traceback
+                "supervisor.reload_rejected", reason="bad config", error=str(exc)
+            )
+            return
+        self.systemd.send("RELOADING=1")
+        old = self.settings
+        diff = diff_groups(old.workers, new.workers)
+        self.log.info(
+            "supervisor.reload",
+            unchanged=list(diff.unchanged),
+            changed=list(diff.changed),
+            removed=list(diff.removed),
+            added=list(diff.added),
+        )
+        if new.supervisor != old.supervisor:
+            self.log.warning(
+                "supervisor.reload_partial",
+                reason="[supervisor] changes other than shutdown_timeout_s need a restart",
+            )
+        self.settings = new.model_copy(
+            update={
+                "supervisor": old.supervisor.model_copy(
+                    update={"shutdown_timeout_s": new.supervisor.shutdown_timeout_s}
+                )
+            }
+        )
+        plan = build_plan(self.settings, self._worker_environ(), os.fspath(self.notify_path))
+        for name in diff.removed:
+            await self._stop_group(name)
+        for name in diff.added:
+            group = self.settings.group(name)
+            assert group is not None
+            await self._add_group(group, plan)
+        halted: list[WorkerGroup] = []
+        for name in diff.changed:
+            if self._shutting_down:
+                return
+            group = self.settings.group(name)
+            assert group is not None
+            if not await self._roll_group(group, plan):
+                before = old.group(name)
+                assert before is not None
+                halted.append(before)
+        if halted:
+            # Keep the old definition of a halted group, so the next reload tries it again.
+            by_name = {g.name: g for g in halted}
+            self.settings = self.settings.model_copy(
+                update={"workers": tuple(by_name.get(g.name, g) for g in self.settings.workers)}
+            )
+        for name in diff.unchanged:  # a reload clears fatal
+            for runner in self._targets(name):
+                if runner.state is WorkerState.FATAL:
+                    runner.post(lc.Start())
+        self._changed_now()
+        if self._ready_sent:
+            self.systemd.send("READY=1")
+
+    async def _stop_group(self, name: str) -> None:
+        runners = self._targets(name)
+        async with anyio.create_task_group() as tg:
+            for runner in runners:
+                tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
+        self.groups.pop(name, None)
+
+    async def _roll_group(self, group: WorkerGroup, plan: Plan) -> bool:
+        """Restart a changed group one worker at a time, each waiting for readiness."""
+        old_names = list(self.groups.get(group.name, []))
+        timing = lc.timing_for(group)
+        specs = next(g for g in plan.groups if g.group.name == group.name).workers
+        new_names = [s.name for s in specs]
+        for index, spec in enumerate(specs):
+            runner = self.runners.get(spec.name)
+            if runner is None:
+                runner = self._make_runner(group, index, plan)
+                self.groups[group.name] = [*self.groups.get(group.name, []), runner.name]
+                attempts = 0
+                await self._start_runner(runner)
+            else:
+                runner.reconfigure(spec, timing, group.log_passthrough)
+                if runner.state is WorkerState.STOPPED:
+                    continue  # an operator stop stays in force
+                attempts = runner.spawn_attempts
+                runner.post(lc.Restart(ExitReason.RELOAD))
+            settled = await self.wait_until(
+                _settled_after(runner, attempts),
+                self._stop_budget(runner) + timing.start_timeout_s,
+            )
+            if not settled or runner.state is not WorkerState.READY:
+                self.log.error(
+                    "supervisor.rollout_halted",
+                    group=group.name,
+                    worker=runner.name,
+                    state=runner.state.value,
+                    reason="replaced worker did not become ready; the rest keep the old config",
+                )
+                return False
+        for name in old_names:
+            if name not in new_names and name in self.runners:
+                await self._remove_runner(self.runners[name], ExitReason.RELOAD)
+        self.groups[group.name] = [n for n in new_names if n in self.runners]
+        return True
+
+
+def _settled_after(runner: WorkerRunner, attempts: int) -> Callable[[], bool]:
+    """True once ``runner`` made a new start attempt and it became ready or failed."""
+    settled = (WorkerState.READY, WorkerState.FATAL, WorkerState.BACKOFF)
+    return lambda: runner.spawn_attempts > attempts and runner.state in settled
+
+
+def _children() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children()
+    except psutil.Error:
+        return []

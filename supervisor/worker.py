@@ -1,0 +1,300 @@
+"""One worker's runner: feeds its events through ``policy.lifecycle.step`` and carries out actions.
+
+A runner is an actor: everything that concerns the worker (operator intents, its exit from the
+reaper, readiness and heartbeats from the notify socket or the health URL, deadlines) arrives as
+an event in its inbox and is applied one at a time, so the record has a single writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import httpx
+import psutil
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from supervisor.clock import Clock
+from supervisor.errors import SpawnError
+from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState
+from supervisor.notify import NotifyMessage
+from supervisor.output import WorkerOutput
+from supervisor.policy import lifecycle as lc
+from supervisor.processes import Child, Reaped, Reaper, descendants, kill_tree, signal_group, spawn
+
+HEALTH_POLL_S = 0.2
+HEALTH_TIMEOUT_S = 1.0
+
+
+class WorkerRunner:
+    """Owns one worker's process, record and output across restarts."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        timing: lc.Timing,
+        *,
+        reaper: Reaper,
+        clock: Clock,
+        output: WorkerOutput,
+        on_change: Callable[[WorkerRunner], None],
+        register_pid: Callable[[int, WorkerRunner | None], None],
+    ) -> None:
+        self.spec = spec
+        self.timing = timing
+        self.record = lc.WorkerRecord()
+        self.output = output
+        self.status_text = ""
+        self.stopping_notified = False
+        self.started_wall: float | None = None
+        self.spawn_attempts = 0
+        self._reaper = reaper
+        self._clock = clock
+        self._on_change = on_change
+        self._register_pid = register_pid
+        self._child: Child | None = None
+        self._tree: list[psutil.Process] = []
+        self._send: MemoryObjectSendStream[lc.Event]
+        self._recv: MemoryObjectReceiveStream[lc.Event]
+        self._send, self._recv = anyio.create_memory_object_stream[lc.Event](math.inf)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._scope = anyio.CancelScope()
+        self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
+
+    # --- public -------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The worker's name (``gpen-0``)."""
+        return self.spec.name
+
+    @property
+    def state(self) -> WorkerState:
+        """The current lifecycle state."""
+        return self.record.state
+
+    @property
+    def has_process(self) -> bool:
+        """True while a process of this worker is alive (or not yet reaped)."""
+        return self.record.pid is not None
+
+    def post(self, event: lc.Event) -> None:
+        """Queue an event (never blocks)."""
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._send.send_nowait(event)
+
+    def reconfigure(self, spec: LaunchSpec, timing: lc.Timing, passthrough: bool) -> None:
+        """Use a new spec from the next start on (reload)."""
+        self.spec = spec
+        self.timing = timing
+        self.output.passthrough = passthrough
+        self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
+
+    def on_notify(self, msg: NotifyMessage) -> None:
+        """A datagram from this worker or one of its descendants."""
+        pid = self.record.pid
+        if pid is None:
+            return
+        fields = msg.fields
+        if "STATUS" in fields:
+            self.status_text = fields["STATUS"][:512]
+            self._on_change(self)
+        if fields.get("STOPPING") == "1":
+            self.stopping_notified = True
+            self._log.info("worker.stopping_notified", pid=pid)
+        if fields.get("READY") == "1":
+            self.post(lc.Ready(pid))
+        if fields.get("WATCHDOG") == "1":
+            self.post(lc.Heartbeat(pid))
+
+    def cancel(self) -> None:
+        """End the runner task (its process must already be gone)."""
+        self._scope.cancel()
+
+    def uptime_s(self) -> float | None:
+        """Seconds since the current process started."""
+        started = self.record.started_at
+        if started is None or self.record.pid is None:
+            return None
+        return max(0.0, self._clock.now() - started)
+
+    def view(self) -> dict[str, Any]:
+        """A JSON-able summary (for logs, status and later the API)."""
+        rec = self.record
+        last = rec.last_exit
+        return {
+            "name": self.spec.name,
+            "group": self.spec.group,
+            "index": self.spec.index,
+            "state": rec.state.value,
+            "pid": rec.pid,
+            "gpus": list(self.spec.gpus) if self.spec.gpus is not None else None,
+            "port": self.spec.port,
+            "restarts": rec.restarts,
+            "uptime_s": self.uptime_s(),
+            "ready": rec.state is WorkerState.READY,
+            "reason": rec.reason,
+            "status": self.status_text,
+            "last_exit": None
+            if last is None
+            else {
+                "code": last.status.code if last.status else None,
+                "signal": last.status.signal_name if last.status else None,
+                "reason": last.reason.value,
+                "detail": last.detail,
+            },
+        }
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Process events until cancelled."""
+        with self._scope:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                task_status.started()
+                try:
+                    while True:
+                        event = await self._next_event()
+                        self._apply(event)
+                finally:
+                    tg.cancel_scope.cancel()
+        self.output.close()
+
+    # --- event loop ---------------------------------------------------------------------
+
+    async def _next_event(self) -> lc.Event:
+        deadline = self.record.deadline
+        if deadline is None:
+            return await self._recv.receive()
+        with anyio.move_on_after(max(0.0, deadline - self._clock.now())):
+            return await self._recv.receive()
+        return lc.Timer()
+
+    def _apply(self, first: lc.Event) -> None:
+        pending: deque[lc.Event] = deque([first])
+        changed = False
+        while pending:
+            event = pending.popleft()
+            old = self.record
+            self.record, actions = lc.step(old, event, self._clock.now(), self.timing)
+            changed = changed or self.record != old
+            for action in actions:
+                follow_up = self._do(action)
+                if follow_up is not None:
+                    pending.append(follow_up)
+        if changed:
+            self._on_change(self)
+
+    def _do(self, action: lc.Action) -> lc.Event | None:
+        if isinstance(action, lc.Spawn):
+            return self._spawn()
+        if isinstance(action, lc.SendSignal):
+            self._signal(action.signal)
+        elif isinstance(action, lc.KillTree):
+            if self.record.pid is not None:
+                self._log.warning("worker.kill", pid=self.record.pid, reason="stop timeout")
+                kill_tree(self.record.pid, self._tree)
+        elif isinstance(action, lc.Transitioned):
+            self._log.info(
+                "worker.state",
+                pid=self.record.pid,
+                old=action.old.value,
+                new=action.new.value,
+                reason=action.reason,
+            )
+        elif isinstance(action, lc.Exit):
+            self._exited(action)
+        return None
+
+    # --- actions ------------------------------------------------------------------------
+
+    def _spawn(self) -> lc.Event:
+        self.spawn_attempts += 1
+        try:
+            child = spawn(self.spec)
+        except SpawnError as exc:
+            self._log.error("worker.spawn_failed", reason="spawn_failed", error=str(exc))
+            self.output.mark(f"spawn failed: {exc}")
+            return lc.SpawnFailed(str(exc))
+        self._child = child
+        self._tree = []
+        self.stopping_notified = False
+        self.status_text = ""
+        self.started_wall = self._clock.wall()
+        self._register_pid(child.pid, self)
+        self._reaper.register(child.pid, self._on_reaped)
+        assert self._tg is not None
+        self._tg.start_soon(self.output.pump, child.output_fd)
+        if self.spec.ready_url is not None:
+            self._tg.start_soon(self._probe_health, child.pid, self.spec.ready_url)
+        self.output.mark(f"started pid {child.pid}")
+        self._log.info("worker.spawned", pid=child.pid, argv=list(self.spec.argv), reason="start")
+        return lc.Spawned(child.pid)
+
+    def _on_reaped(self, reaped: Reaped) -> None:
+        self.post(lc.Exited(reaped.pid, reaped.status))
+
+    def _signal(self, sig: int) -> None:
+        pid = self.record.pid
+        if pid is None:
+            return
+        # Remember the tree now: descendants that left the process group are found this way.
+        self._tree = descendants(pid)
+        signal_group(pid, sig)
+        for proc in self._tree:
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getpgid(proc.pid) != pid:
+                    proc.send_signal(sig)
+        self._log.info(
+            "worker.signal", pid=pid, signal=signal.Signals(sig).name, reason=self.record.reason
+        )
+
+    def _exited(self, action: lc.Exit) -> None:
+        child = self._child
+        outcome = action.outcome
+        if child is not None and outcome.status is not None:
+            child.mark_reaped(outcome.status)
+            # The leader is gone: whatever is left of its tree goes with it.
+            kill_tree(child.pid, self._tree)
+            self._register_pid(child.pid, None)
+        self._child = None
+        self._tree = []
+        status = outcome.status
+        detail = outcome.detail or outcome.reason.value
+        self.output.mark(f"exited: {detail} (reason {outcome.reason.value})")
+        self._log.log(
+            30 if action.failure else 20,
+            "worker.exited",
+            pid=child.pid if child else None,
+            code=status.code if status else None,
+            signal=status.signal_name if status else None,
+            reason=outcome.reason.value,
+            failure=action.failure,
+        )
+
+    async def _probe_health(self, pid: int, url: str) -> None:
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+            while self.record.pid == pid and self.record.state is WorkerState.STARTING:
+                try:
+                    response = await client.get(url)
+                except httpx.HTTPError:
+                    pass
+                else:
+                    if response.is_success:
+                        self.post(lc.Ready(pid))
+                        return
+                await anyio.sleep(HEALTH_POLL_S)
+
+
+def is_idle(runner: WorkerRunner) -> bool:
+    """No process, and nothing will start one on its own (stopped or fatal)."""
+    return runner.record.pid is None and runner.state not in RUNNING_STATES | {WorkerState.BACKOFF}

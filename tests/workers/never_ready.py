@@ -1,0 +1,6 @@
+"""Never sends READY=1."""
+
+from common import forever, say
+
+say("started")
+forever()
