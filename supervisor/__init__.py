@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0.dev0"
-
+from supervisor._version import __version__
 from supervisor.config import Settings
 
 

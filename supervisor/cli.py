@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import structlog
 
-from supervisor import __version__
+from supervisor._version import __version__
 from supervisor.config import Settings, load_settings
 from supervisor.errors import ConfigError, SupervisorError, UsageError
 from supervisor.logs import configure_logging
@@ -67,7 +67,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "index": w.index,
                     "port": w.port,
                     "gpus": None if w.gpus is None else list(w.gpus),
-                    "ready": gp.group.ready,
+                    "ready": w.ready_url or gp.group.ready,
                     "command": list(w.argv),
                 }
             )

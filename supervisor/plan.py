@@ -118,13 +118,14 @@ def build_plan(
 ) -> Plan:
     """Plan every worker of every group."""
     warnings: list[str] = []
+    auto = [g.name for g in settings.workers if g.gpus == "auto" and g.replicas]
+    if auto:
+        warnings.append(
+            'gpus = "auto" without GPU telemetry places nothing: CUDA_VISIBLE_DEVICES is left '
+            f"unset for group(s) {', '.join(auto)}"
+        )
     groups: list[GroupPlan] = []
     for group in settings.workers:
-        if group.gpus == "auto" and group.replicas:
-            warnings.append(
-                f'group {group.name!r}: gpus = "auto" without GPU telemetry places nothing; '
-                "CUDA_VISIBLE_DEVICES is left unset"
-            )
         specs = tuple(
             launch_spec(group, i, inherited_env, notify_socket) for i in range(group.replicas)
         )

@@ -21,7 +21,7 @@ import psutil
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from supervisor import __version__
+from supervisor._version import __version__
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
 from supervisor.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Ready after argv[1] seconds; with ``--from-child`` a child process sends READY=1."""
+"""Ready after argv[1] seconds; with ``--from-child`` a (long-lived) child sends READY=1."""
 
 import os
 import sys
@@ -12,8 +12,7 @@ if "--from-child" in sys.argv:
     if pid == 0:
         notify("READY=1")
         say("child sent ready")
-        os._exit(0)
-    os.waitpid(pid, 0)
+        forever()
 else:
     notify("READY=1")
 say("ready")

@@ -1,0 +1,40 @@
+# Two commands for a new user: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint typecheck unit venv bench clean
+
+$(BIN)/gpu-supervisor: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(BIN)/gpu-supervisor
+
+## demo: run examples/demo.toml in the foreground (Ctrl-C stops every worker gracefully)
+demo: venv
+	$(BIN)/gpu-supervisor run -c examples/demo.toml
+
+## test: lint, type-check, layering contracts, then the whole test suite
+test: venv lint typecheck
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check supervisor tests bench examples
+	$(BIN)/ruff format --check supervisor tests examples
+	$(BIN)/lint-imports
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/python -m pytest tests/unit
+
+## bench: comparative benchmarks (installs supervisord and circus into bench/.venvs)
+bench: venv
+	$(BIN)/python bench/peers.py
+
+clean:
+	rm -rf $(VENV) state .pytest_cache .mypy_cache .ruff_cache

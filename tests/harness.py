@@ -1,0 +1,297 @@
+"""Run a real supervisor in a child process and wait on what it logs and prints.
+
+Nothing here sleeps to wait: every wait is on a condition variable that the reader threads
+signal as lines arrive, with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests import tomlw
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+
+Match = Mapping[str, Any]
+
+
+def worker_cmd(script: str, *args: str) -> list[str]:
+    """``[python, tests/workers/<script>.py, *args]``."""
+    return [sys.executable, str(WORKERS / f"{script}.py"), *args]
+
+
+def _matches(event: Mapping[str, Any], match: Match) -> bool:
+    for key, want in match.items():
+        have = event.get(key)
+        if callable(want):
+            if not want(have):
+                return False
+        elif have != want:
+            return False
+    return True
+
+
+class Supervisor:
+    """A ``gpu-supervisor run`` child process with its JSON log and stdout captured."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        config: Mapping[str, Any],
+        *,
+        env: Mapping[str, str] | None = None,
+        prefix: Sequence[str] = (),
+    ) -> None:
+        self.tmp_path = tmp_path
+        self.state_dir = tmp_path / "state"
+        cfg = dict(config)
+        sup = dict(cfg.get("supervisor", {}))
+        sup.setdefault("state_dir", str(self.state_dir))
+        cfg["supervisor"] = sup
+        self.config_path = tmp_path / "config.toml"
+        self.write_config(cfg)
+        self.env = {**os.environ, **(env or {})}
+        self.env.pop("NOTIFY_SOCKET", None)
+        self.prefix = list(prefix)
+        self.events: list[dict[str, Any]] = []
+        self.stdout: list[str] = []
+        self.raw_stderr: list[str] = []
+        self.seen_pids: set[int] = set()
+        self._cond = threading.Condition()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """(Re)write the config file."""
+        cfg = dict(config)
+        sup = dict(cfg.get("supervisor", {}))
+        sup.setdefault("state_dir", str(self.state_dir))
+        cfg["supervisor"] = sup
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(tomlw.dumps(cfg))
+        os.replace(tmp, self.config_path)
+
+    @property
+    def pid(self) -> int:
+        """The supervisor's pid."""
+        assert self._proc is not None
+        return self._proc.pid
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The supervisor process."""
+        assert self._proc is not None
+        return self._proc
+
+    def start(self) -> Supervisor:
+        """Launch the supervisor."""
+        argv = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "supervisor",
+            "run",
+            "-c",
+            str(self.config_path),
+        ]
+        self._proc = subprocess.Popen(
+            [*argv, "--log-format", "json"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        for stream, sink in (
+            (self._proc.stdout, self._on_stdout),
+            (self._proc.stderr, self._on_stderr),
+        ):
+            t = threading.Thread(target=self._read, args=(stream, sink), daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _read(self, stream: Any, sink: Callable[[str], None]) -> None:
+        for raw in stream:
+            sink(raw.decode("utf-8", errors="replace").rstrip("\n"))
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_stdout(self, line: str) -> None:
+        with self._cond:
+            self.stdout.append(line)
+            parts = line.split()
+            # worker lines look like "[name] name pid text" (log_passthrough)
+            if len(parts) >= 3 and parts[2].isdigit():
+                self.seen_pids.add(int(parts[2]))
+            if "forked" in parts and parts[-1].isdigit():
+                self.seen_pids.add(int(parts[-1]))
+            self._cond.notify_all()
+
+    def _on_stderr(self, line: str) -> None:
+        with self._cond:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                self.raw_stderr.append(line)
+            else:
+                if isinstance(event, dict):
+                    self.events.append(event)
+                    if event.get("event") == "worker.spawned" and isinstance(event.get("pid"), int):
+                        self.seen_pids.add(event["pid"])
+                else:
+                    self.raw_stderr.append(line)
+            self._cond.notify_all()
+
+    def _wait(self, check: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                result = check()
+                if result is not None and result is not False:
+                    return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    tail = "\n".join(json.dumps(e) for e in self.events[-25:])
+                    raise AssertionError(
+                        f"timed out after {timeout}s waiting for {what}\nlast events:\n{tail}\n"
+                        f"stdout tail: {self.stdout[-10:]}\nstderr: {self.raw_stderr[-10:]}"
+                    )
+                self._cond.wait(remaining)
+
+    def wait_event(self, timeout: float = 10.0, after: int = 0, **match: Any) -> dict[str, Any]:
+        """The first log event at position >= ``after`` whose fields match."""
+
+        def check() -> dict[str, Any] | None:
+            for event in self.events[after:]:
+                if _matches(event, match):
+                    return event
+            return None
+
+        result: dict[str, Any] = self._wait(check, timeout, f"event {match}")
+        return result
+
+    def wait_events(
+        self, count: int, timeout: float = 10.0, after: int = 0, **match: Any
+    ) -> list[dict[str, Any]]:
+        """The first ``count`` matching events."""
+
+        def check() -> list[dict[str, Any]] | None:
+            found = [e for e in self.events[after:] if _matches(e, match)]
+            return found[:count] if len(found) >= count else None
+
+        result: list[dict[str, Any]] = self._wait(check, timeout, f"{count} x event {match}")
+        return result
+
+    def wait_line(
+        self,
+        prefix: str,
+        timeout: float = 10.0,
+        after: int = 0,
+        *,
+        contains: str = "",
+        endswith: str = "",
+    ) -> str:
+        """The first stdout line (from position ``after``) with this prefix, infix and suffix."""
+
+        def ok(line: str) -> bool:
+            return line.startswith(prefix) and contains in line and line.endswith(endswith)
+
+        def check() -> str | None:
+            return next((line for line in self.stdout[after:] if ok(line)), None)
+
+        text = f"{prefix}...{contains}...{endswith}"
+
+        result: str = self._wait(check, timeout, f"stdout line with {text!r}")
+        return result
+
+    def mark(self) -> int:
+        """The current event position (for ``after=``)."""
+        with self._cond:
+            return len(self.events)
+
+    def find(self, **match: Any) -> list[dict[str, Any]]:
+        """Every event so far that matches."""
+        with self._cond:
+            return [e for e in self.events if _matches(e, match)]
+
+    def ready(self, worker: str, timeout: float = 10.0, after: int = 0) -> dict[str, Any]:
+        """Wait until ``worker`` becomes ready; return that event."""
+        return self.wait_event(timeout, after, event="worker.state", worker=worker, new="ready")
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the supervisor."""
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the supervisor to exit; return its code."""
+        code = self.proc.wait(timeout)
+        for t in self._threads:
+            t.join(timeout)
+        return code
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def close(self) -> list[int]:
+        """Kill whatever is left; return the pids seen that were still alive (should be none)."""
+        if self._proc is None:
+            return []
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(10)
+        for t in self._threads:
+            t.join(5)
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if stream is not None:
+                stream.close()
+        survivors = []
+        procs = []
+        for pid in self.seen_pids:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(p)
+        _, alive = psutil.wait_procs(procs, timeout=3)
+        for p in alive:
+            survivors.append(p.pid)
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        return survivors
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pids: Sequence[int], timeout: float = 5.0) -> list[int]:
+    """Wait until every pid is gone; return those still alive at the deadline."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, still = psutil.wait_procs(procs, timeout=timeout)
+    return [p.pid for p in still if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

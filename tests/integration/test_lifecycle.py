@@ -1,0 +1,243 @@
+"""Worker lifecycle end to end: real supervisor, real workers, real signals."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from datetime import datetime
+from typing import Any
+
+from tests.conftest import SupervisorFactory
+from tests.harness import alive, wait_dead, worker_cmd
+
+
+def ts(event: dict[str, Any]) -> float:
+    """Seconds since the epoch of a log event."""
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def group(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
+    restart = extra.pop("restart", {})
+    g: dict[str, Any] = {
+        "name": name,
+        "command": worker_cmd(script, *args),
+        "replicas": extra.pop("replicas", 1),
+        "log_passthrough": True,
+        **extra,
+    }
+    if restart:
+        g["restart"] = restart
+    return g
+
+
+def test_crash_is_replaced_at_once(supervisor: SupervisorFactory) -> None:
+    """A worker that crashes after a stable run is restarted without delay."""
+    sup = supervisor({"workers": [group("c", "crash_after", "0.3", restart={"stable_s": 0.1})]})
+    first = sup.wait_event(event="worker.spawned", worker="c-0")
+    exited = sup.wait_event(event="worker.exited", worker="c-0", code=3)
+    assert exited["failure"] is False and exited["reason"] == "exit"
+    second = sup.wait_event(event="worker.spawned", worker="c-0", pid=lambda p: p != first["pid"])
+    assert ts(second) - ts(exited) < 0.5
+    assert sup.stop() == 0
+
+
+def test_crash_loop_goes_fatal_after_burst(supervisor: SupervisorFactory) -> None:
+    """More than ``burst`` failures within ``interval_s`` -> fatal, and no more starts."""
+    restart = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "burst": 3, "interval_s": 60}
+    sup = supervisor({"workers": [group("loop", "exit_with_code", "1", restart=restart)]})
+    fatal = sup.wait_event(event="worker.state", worker="loop-0", new="fatal")
+    assert "burst 3" in fatal["reason"]
+    assert sup.stop() == 0
+    assert len(sup.find(event="worker.spawned", worker="loop-0")) == 4
+
+
+def test_burst_zero_retries_with_growing_delays(supervisor: SupervisorFactory) -> None:
+    """``burst = 0`` never gives up; the delay doubles up to ``backoff_max_s``."""
+    restart = {"backoff_initial_s": 0.05, "backoff_max_s": 0.4, "burst": 0}
+    sup = supervisor({"workers": [group("b", "exit_with_code", "2", restart=restart)]})
+    spawns = sup.wait_events(7, timeout=15, event="worker.spawned", worker="b-0")
+    exits = sup.find(event="worker.exited", worker="b-0")
+    delays = [ts(spawns[i + 1]) - ts(exits[i]) for i in range(6)]
+    assert sup.stop() == 0
+    assert not sup.find(event="worker.state", worker="b-0", new="fatal")
+    expected = [0.05, 0.1, 0.2, 0.4, 0.4, 0.4]
+    for got, want in zip(delays, expected, strict=True):
+        assert want <= got < want + 0.15, (delays, expected)
+
+
+def test_fast_crash_with_ready_none_is_a_failure(supervisor: SupervisorFactory) -> None:
+    """A worker that dies 0.2 s after start counts as a failure even with ready = none."""
+    restart = {"backoff_initial_s": 0.3, "stable_s": 5}
+    sup = supervisor({"workers": [group("n", "crash_after", "0.2", ready="none", restart=restart)]})
+    exited = sup.wait_event(event="worker.exited", worker="n-0")
+    assert exited["failure"] is True
+    backoff = sup.wait_event(event="worker.state", worker="n-0", new="backoff")
+    again = sup.wait_events(2, event="worker.spawned", worker="n-0")[1]
+    assert ts(again) - ts(backoff) >= 0.29
+    assert sup.stop() == 0
+
+
+def test_stop_escalates_to_sigkill_and_kills_grandchildren(supervisor: SupervisorFactory) -> None:
+    """SIGTERM-ignoring workers and their grandchildren are SIGKILLed after stop_timeout_s."""
+    sup = supervisor(
+        {
+            "workers": [
+                group("stubborn", "ignore_sigterm", replicas=2, stop_timeout_s=1.0),
+                group("forky", "fork_grandchild", stop_timeout_s=1.0),
+                group("escapee", "fork_grandchild", "--setsid", stop_timeout_s=1.0),
+            ]
+        }
+    )
+    for w in ("stubborn-0", "stubborn-1", "forky-0", "escapee-0"):
+        sup.ready(w)
+    grandchildren = [
+        int(sup.wait_line(f"[{w}] ", endswith=" grandchild").split()[2])
+        for w in ("forky-0", "escapee-0")
+    ]
+    assert len(grandchildren) == 2 and all(alive(p) for p in grandchildren)
+    t0 = time.monotonic()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 + 0.5 + 0.5, elapsed  # stop timeout + 0.5 s, plus process exit
+    for w in ("stubborn-0", "stubborn-1"):
+        sig = sup.wait_event(event="worker.signal", worker=w)
+        ex = sup.wait_event(event="worker.exited", worker=w)
+        assert ex["signal"] == "SIGKILL"
+        assert 0.9 <= ts(ex) - ts(sig) <= 1.0 + 0.5
+    assert wait_dead(grandchildren) == []
+
+
+def test_start_timeout_counts_as_failure(supervisor: SupervisorFactory) -> None:
+    """Not ready within start_timeout_s -> stopped with reason start_timeout, then backoff."""
+    restart = {"backoff_initial_s": 0.05}
+    sup = supervisor(
+        {"workers": [group("slow", "never_ready", start_timeout_s=0.5, restart=restart)]}
+    )
+    stopping = sup.wait_event(event="worker.state", worker="slow-0", new="stopping")
+    assert stopping["reason"] == "start_timeout"
+    exited = sup.wait_event(event="worker.exited", worker="slow-0")
+    assert exited["reason"] == "start_timeout" and exited["failure"] is True
+    sup.wait_event(event="worker.state", worker="slow-0", new="backoff")
+    assert sup.stop() == 0
+
+
+def test_watchdog_silence_restarts_with_reason_hang(supervisor: SupervisorFactory) -> None:
+    """No WATCHDOG=1 for watchdog_s -> restart with reason hang."""
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "hb",
+                    "heartbeat_then_stop",
+                    "3",
+                    health={"watchdog_s": 0.4},
+                    restart={"stable_s": 0.1},
+                )
+            ]
+        }
+    )
+    env_line = sup.ready("hb-0")
+    assert env_line
+    stopping = sup.wait_event(event="worker.state", worker="hb-0", new="stopping")
+    assert stopping["reason"] == "hang"
+    # Three heartbeats every 0.1 s kept it alive for at least 0.3 s + 0.4 s of silence.
+    assert ts(stopping) - ts(env_line) >= 0.6
+    exited = sup.wait_event(event="worker.exited", worker="hb-0")
+    assert exited["reason"] == "hang"
+    sup.wait_events(2, event="worker.spawned", worker="hb-0")
+    assert sup.stop() == 0
+
+
+def test_ready_from_a_descendant_and_by_http(supervisor: SupervisorFactory) -> None:
+    """READY=1 from a child of the worker counts; an HTTP health URL becomes ready on 2xx."""
+    sup = supervisor(
+        {
+            "workers": [
+                group("late", "notify_ready_late", "0.2", "--from-child"),
+                group(
+                    "web",
+                    "http_ready",
+                    "0.3",
+                    ready="http://127.0.0.1:{port}/health",
+                    port_base=18931,
+                ),
+            ]
+        }
+    )
+    late = sup.ready("late-0")
+    spawned = sup.wait_event(event="worker.spawned", worker="late-0")
+    assert ts(late) - ts(spawned) >= 0.2
+    web = sup.ready("web-0")
+    web_spawned = sup.wait_event(event="worker.spawned", worker="web-0")
+    assert ts(web) - ts(web_spawned) >= 0.3
+    assert sup.stop() == 0
+
+
+def test_environment_and_placeholders(supervisor: SupervisorFactory) -> None:
+    """Each worker gets PORT, names, CUDA_* per `gpus`, the group env and expanded argv."""
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "listed",
+                    "ready_then_sleep",
+                    "{name}",
+                    "{port}",
+                    "{gpus}",
+                    gpus=[0, 1],
+                    port_base=9100,
+                    env={"MODEL": "m-{index}"},
+                ),
+                group("nogpu", "ready_then_sleep", gpus="none", port_base=9200),
+                group("auto", "ready_then_sleep", port_base=9300),
+            ]
+        }
+    )
+
+    def env_of(worker: str) -> dict[str, str]:
+        found = sup.wait_line(f"[{worker}] {worker} ", contains=" env ")
+        return dict(json.loads(found.split(" env ", 1)[1]))
+
+    for w in ("listed-0", "nogpu-0", "auto-0"):
+        sup.ready(w)
+    listed = env_of("listed-0")
+    assert listed["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert listed["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert listed["PORT"] == "9100"
+    assert listed["GPU_SUPERVISOR_WORKER"] == "listed-0"
+    assert listed["GPU_SUPERVISOR_GROUP"] == "listed"
+    assert listed["GPU_SUPERVISOR_INDEX"] == "0"
+    assert listed["MODEL"] == "m-0"
+    assert "NOTIFY_SOCKET" in listed and "WATCHDOG_USEC" not in listed
+    argv = sup.wait_line("[listed-0] ", contains=" argv ")
+    assert json.loads(argv.split(" argv ", 1)[1]) == ["listed-0", "9100", "0,1"]
+    assert env_of("nogpu-0")["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in env_of("auto-0")
+    assert sup.find(event="plan.warning")
+    assert sup.stop() == 0
+    log = (sup.state_dir / "logs" / "listed-0.log").read_text()
+    assert "ready" in log and "started pid" in log
+
+
+def test_second_signal_forces(supervisor: SupervisorFactory) -> None:
+    """A second SIGTERM during a graceful stop SIGKILLs at once."""
+    sup = supervisor({"workers": [group("stuck", "ignore_sigterm", stop_timeout_s=30)]})
+    sup.ready("stuck-0")
+    sup.signal(signal.SIGTERM)
+    sup.wait_event(event="worker.signal", worker="stuck-0")
+    t0 = time.monotonic()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    assert time.monotonic() - t0 < 3
+    assert sup.wait_event(event="worker.exited", worker="stuck-0")["signal"] == "SIGKILL"
+
+
+def test_orphaned_grandchild_is_reaped(supervisor: SupervisorFactory) -> None:
+    """A double-forked grandchild is re-parented to the supervisor (subreaper) and reaped."""
+    sup = supervisor({"workers": [group("df", "double_fork", "0.3")]})
+    sup.ready("df-0")
+    reaped = sup.wait_event(event="supervisor.reaped_orphan")
+    assert reaped["code"] == 7
+    assert sup.stop() == 0

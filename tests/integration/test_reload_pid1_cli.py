@@ -1,0 +1,190 @@
+"""SIGHUP reload, PID 1 behaviour, and the CLI's exit codes with real processes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import SupervisorFactory
+from tests.harness import ROOT, worker_cmd
+
+
+def g(name: str, script: str = "ready_then_sleep", *args: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "command": worker_cmd(script, *args),
+        "log_passthrough": True,
+        "stop_timeout_s": 2,
+        **extra,
+    }
+
+
+def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
+    """Unchanged untouched; changed rolled one at a time; removed stopped; added started."""
+    config = {
+        "workers": [
+            g("same", port_base=9400),
+            g("changed", replicas=2, port_base=9500, env={"V": "1"}),
+            g("gone", port_base=9600),
+        ]
+    }
+    sup = supervisor(config)
+    for w in ("same-0", "changed-0", "changed-1", "gone-0"):
+        sup.ready(w)
+    same_pid = sup.wait_event(event="worker.spawned", worker="same-0")["pid"]
+    mark = sup.mark()
+    sup.write_config(
+        {
+            "workers": [
+                g("same", port_base=9400),
+                g("changed", replicas=2, port_base=9500, env={"V": "2"}),
+                g("new", port_base=9700),
+            ]
+        }
+    )
+    sup.signal(signal.SIGHUP)
+    reload = sup.wait_event(event="supervisor.reload", after=mark)
+    assert reload["unchanged"] == ["same"] and reload["changed"] == ["changed"]
+    assert reload["removed"] == ["gone"] and reload["added"] == ["new"]
+    sup.ready("new-0", after=mark)
+    r0 = sup.ready("changed-0", after=mark)
+    r1 = sup.ready("changed-1", after=mark)
+    stop1 = sup.wait_event(event="worker.state", worker="changed-1", new="stopping", after=mark)
+    # one at a time: changed-1 is stopped only after the new changed-0 is ready
+    assert sup.events.index(stop1) > sup.events.index(r0)
+    assert sup.events.index(r1) > sup.events.index(stop1)
+    gone = sup.wait_event(event="worker.state", worker="gone-0", new="stopped", after=mark)
+    assert gone["reason"] == "reload"
+    assert not sup.find(event="worker.state", worker="same-0", new="stopping")
+    assert sup.wait_event(event="worker.spawned", worker="same-0")["pid"] == same_pid
+    assert sup.stop() == 0
+
+
+def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactory) -> None:
+    sup = supervisor({"workers": [g("keep")]})
+    sup.ready("keep-0")
+    mark = sup.mark()
+    sup.config_path.write_text("[[workers]]\nname = 'keep'\ncommand = []\n")
+    sup.signal(signal.SIGHUP)
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert "workers[0].command" in rejected["error"]
+    assert not sup.find(event="worker.state", worker="keep-0", new="stopping")
+    assert sup.stop() == 0
+
+
+def test_reload_clears_fatal(supervisor: SupervisorFactory) -> None:
+    restart = {"backoff_initial_s": 0.01, "burst": 1}
+    sup = supervisor({"workers": [g("dead", "exit_with_code", "4", restart=restart)]})
+    sup.wait_event(event="worker.state", worker="dead-0", new="fatal")
+    mark = sup.mark()
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.spawned", worker="dead-0", after=mark)
+    assert sup.stop() == 0
+
+
+unshare = shutil.which("unshare")
+
+
+def _pid1_works() -> bool:
+    if unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", "true"], check=False, capture_output=True
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(
+    not _pid1_works(), reason="unshare --pid --fork --mount-proc not permitted here"
+)
+def test_as_pid1_reaps_orphans_and_stops_on_sigterm(supervisor: SupervisorFactory) -> None:
+    """Inside a new PID namespace the supervisor is PID 1: it reaps re-parented orphans and a
+    SIGTERM sent to it stops every worker gracefully (the signal reaches the workers)."""
+    assert unshare is not None
+    sup = supervisor(
+        {"workers": [g("df", "double_fork", "0.2"), g("plain", replicas=2)]},
+        prefix=[unshare, "--pid", "--fork", "--mount-proc"],
+    )
+    start = sup.wait_event(event="supervisor.start")
+    assert start["pid"] == 1 and start["pid1"] is True
+    for w in ("df-0", "plain-0", "plain-1"):
+        sup.ready(w)
+    reaped = sup.wait_event(event="supervisor.reaped_orphan")
+    assert reaped["code"] == 7
+    sup.seen_pids.clear()  # pids inside the namespace mean nothing out here
+    # Signal the supervisor itself (PID 1 inside, a child of unshare outside).
+    inner = psutil.Process(sup.pid).children()[0]
+    inner.send_signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    for w in ("plain-0", "plain-1", "df-0"):
+        exited = sup.wait_event(event="worker.exited", worker=w)
+        assert exited["signal"] == "SIGTERM" and exited["reason"] == "shutdown"
+    assert sup.wait_event(event="supervisor.exit")["code"] == 0
+
+
+def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=30,
+        check=False,
+    )
+
+
+BAD_CONFIGS = {
+    "syntax": "[[workers]\n",
+    "unknown_key": "[[workers]]\nname='a'\ncommand=['x']\nreplicaz=2\n",
+    "wrong_type": "[[workers]]\nname='a'\ncommand='x'\n",
+    "negative_timeout": "[[workers]]\nname='a'\ncommand=['x']\nstop_timeout_s=-5\n",
+    "empty_command": "[[workers]]\nname='a'\ncommand=[]\n",
+    "duplicate_group": "[[workers]]\nname='a'\ncommand=['x']\n[[workers]]\nname='a'\ncommand=['y']\n",
+    "port_overlap": "[[workers]]\nname='a'\ncommand=['x']\nport_base=9000\nreplicas=2\n"
+    "[[workers]]\nname='b'\ncommand=['y']\nport_base=9001\n",
+    "bad_placeholder": "[[workers]]\nname='a'\ncommand=['x','{model}']\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+@pytest.mark.parametrize("verb", ["check-config", "run"])
+def test_bad_config_exits_2_with_one_line(tmp_path: Path, case: str, verb: str) -> None:
+    path = tmp_path / f"{case}.toml"
+    path.write_text(BAD_CONFIGS[case])
+    result = cli(verb, "-c", str(path))
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"gpu-supervisor: {path}: ")
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_config_and_bad_usage(tmp_path: Path) -> None:
+    result = cli("run", "-c", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2 and "config file not found" in result.stderr
+    result = cli("frobnicate")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_prints_the_plan(tmp_path: Path) -> None:
+    path = tmp_path / "ok.toml"
+    path.write_text(
+        "[supervisor]\nstate_dir='/tmp/x'\n[[workers]]\nname='gpen'\nreplicas=2\n"
+        "command=['app','--port','{port}']\ngpus=[0]\n"
+    )
+    result = cli("check-config", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "gpen-1  8002  0" in result.stdout and "app --port 8002" in result.stdout
+    result = cli("check-config", "-c", str(path), "--json")
+    import json
+
+    plan = json.loads(result.stdout)
+    assert [w["port"] for w in plan["workers"]] == [8001, 8002]

@@ -1,0 +1,58 @@
+"""Backoff, stability and give-up (pure, with hypothesis properties)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from supervisor.policy.backoff import (
+    FailureHistory,
+    RestartPolicy,
+    backoff_delay,
+    is_stable_run,
+    record_failure,
+)
+
+P = RestartPolicy(backoff_initial_s=1, backoff_max_s=60, burst=5, interval_s=120, stable_s=10)
+
+
+def test_delays_double_and_cap() -> None:
+    assert [backoff_delay(n, P) for n in range(0, 9)] == [0, 1, 2, 4, 8, 16, 32, 60, 60]
+
+
+@given(st.integers(min_value=1, max_value=10_000))
+def test_delay_is_bounded_and_monotonic(n: int) -> None:
+    assert 0 < backoff_delay(n, P) <= P.backoff_max_s
+    assert backoff_delay(n, P) <= backoff_delay(n + 1, P)
+
+
+def test_more_than_burst_within_interval_is_fatal() -> None:
+    h = FailureHistory()
+    verdicts = []
+    for i in range(6):
+        v = record_failure(h, 100.0 + i, P)
+        h = v.history
+        verdicts.append(v.fatal)
+    assert verdicts == [False] * 5 + [True]
+
+
+def test_old_failures_leave_the_window() -> None:
+    h = FailureHistory(times=(0.0, 1.0, 2.0, 3.0, 4.0), consecutive=5)
+    v = record_failure(h, 200.0, P)
+    assert not v.fatal and v.history.times == (200.0,)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6), max_size=50))
+def test_burst_zero_never_fatal(times: list[float]) -> None:
+    policy = RestartPolicy(burst=0)
+    h = FailureHistory()
+    for t in sorted(times):
+        v = record_failure(h, t, policy)
+        assert not v.fatal
+        h = v.history
+
+
+def test_stable_run() -> None:
+    assert is_stable_run(100.0, 110.0, P)
+    assert not is_stable_run(100.0, 109.9, P)
+    assert not is_stable_run(None, 1e9, P)

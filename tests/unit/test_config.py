@@ -1,0 +1,157 @@
+"""Configuration: every bad case is one line naming file, key path and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import load_settings, parse_settings
+from supervisor.errors import ConfigError
+
+W = {"name": "gpen", "command": ["python", "-m", "app", "--port", "{port}"]}
+
+
+def bad(data: dict[str, object]) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_settings(data, "c.toml")
+    msg = str(info.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"workers": [{**W, "replica": 3}]}, "c.toml: workers[0].replica: unknown key (got 3)"),
+        ({"supervisor": {"state_dri": "/x"}}, "c.toml: supervisor.state_dri: unknown key"),
+        (
+            {"workers": [{**W, "replicas": "three"}]},
+            "workers[0].replicas: Input should be a valid integer",
+        ),
+        (
+            {"workers": [{**W, "stop_timeout_s": -1}]},
+            "workers[0].stop_timeout_s: Input should be greater than or equal to 0 (got -1)",
+        ),
+        (
+            {"supervisor": {"shutdown_timeout_s": 0}},
+            "supervisor.shutdown_timeout_s: Input should be greater than 0 (got 0)",
+        ),
+        (
+            {"workers": [{**W, "command": []}]},
+            "workers[0].command: List should have at least 1 item",
+        ),
+        (
+            {"workers": [{**W, "command": [""]}]},
+            "workers[0].command: Value error"
+            if False
+            else "workers[0].command: the program (first element) is empty",
+        ),
+        (
+            {"workers": [W, {**W, "command": ["y"]}]},
+            "workers[1].name: duplicate group name 'gpen' (also workers[0])",
+        ),
+        (
+            {
+                "workers": [
+                    {**W, "port_base": 9000, "replicas": 4},
+                    {"name": "b", "command": ["y"], "port_base": 9003},
+                ]
+            },
+            "workers[1].port_base: ports 9003-9003 of group 'b' overlap ports 9000-9003 of group 'gpen'",
+        ),
+        (
+            {"workers": [{**W, "command": ["x", "--gpu={gpu}"]}]},
+            "workers[0].command[1]: unknown placeholder {gpu}",
+        ),
+        (
+            {"workers": [{**W, "env": {"A": "{nope}"}}]},
+            "workers[0].env.A: unknown placeholder {nope}",
+        ),
+        (
+            {"workers": [{**W, "command": ["x", "{port"]}]},
+            "workers[0].command[1]: bad placeholder syntax",
+        ),
+        (
+            {"workers": [{**W, "stop_signal": "SIGNOPE"}]},
+            "workers[0].stop_signal: unknown signal 'SIGNOPE'",
+        ),
+        ({"workers": [{**W, "gpus": "all"}]}, 'workers[0].gpus: expected "auto", "none" or a list'),
+        ({"workers": [{**W, "gpus": [0, 0]}]}, "workers[0].gpus: duplicate GPU"),
+        (
+            {"workers": [{**W, "ready": "tcp://x"}]},
+            'workers[0].ready: expected "notify", "none" or an http:// health URL',
+        ),
+        (
+            {"workers": [{**W, "restart": {"backoff_initial_s": 10, "backoff_max_s": 1}}]},
+            "workers[0].restart: backoff_max_s (1) is below backoff_initial_s (10)",
+        ),
+        ({"workers": [{**W, "name": "gpen-1"}]}, "workers[0].name: group names are letters"),
+        ({"workers": [{"command": ["x"]}]}, "workers[0].name: required key is missing"),
+        (
+            {"workers": [{**W, "port_base": 65535, "replicas": 2}]},
+            "workers[0].port_base: ports 65535-65536 go past 65535",
+        ),
+    ],
+)
+def test_bad_values(data: dict[str, object], expected: str) -> None:
+    assert expected in bad(data)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: config file not found$"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("[supervisor]\nstate_dir = \n")
+    with pytest.raises(ConfigError, match=r"c\.toml: TOML syntax error: .*line 2"):
+        load_settings(p)
+
+
+def test_env_overrides_file_and_is_named_in_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('[supervisor]\nstate_dir = "/a"\nshutdown_timeout_s = 5\n')
+    monkeypatch.setenv("GPU_SUPERVISOR_SUPERVISOR__STATE_DIR", "/b")
+    s = load_settings(p)
+    assert str(s.supervisor.state_dir) == "/b" and s.supervisor.shutdown_timeout_s == 5
+    monkeypatch.setenv("GPU_SUPERVISOR_SUPERVISOR__SHUTDOWN_TIMEOUT_S", "soon")
+    with pytest.raises(
+        ConfigError, match=r"\[from GPU_SUPERVISOR_SUPERVISOR__SHUTDOWN_TIMEOUT_S\]"
+    ):
+        load_settings(p)
+
+
+def test_unrelated_prefixed_env_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPU_SUPERVISOR_API_TOKEN", "secret")
+    monkeypatch.setenv("GPU_SUPERVISOR_SIM_DIR", "/tmp/x")
+    assert parse_settings({"workers": [W]}).workers[0].name == "gpen"
+
+
+def test_ports_are_assigned_without_overlap() -> None:
+    s = parse_settings(
+        {
+            "workers": [
+                {**W, "replicas": 3},
+                {"name": "b", "command": ["y"], "port_base": 8004, "replicas": 2},
+                {"name": "c", "command": ["z"], "replicas": 2},
+            ]
+        }
+    )
+    assert [g.port_base for g in s.workers] == [8001, 8004, 8006]
+
+
+def test_defaults_match_the_design() -> None:
+    g = parse_settings({"workers": [W]}).workers[0]
+    assert (g.replicas, g.gpus, g.ready, g.start_timeout_s, g.stop_signal) == (
+        1,
+        "auto",
+        "notify",
+        120,
+        "SIGTERM",
+    )
+    assert (g.restart.backoff_initial_s, g.restart.backoff_max_s, g.restart.burst) == (1, 60, 5)
+    assert (g.restart.stable_s, g.restart.interval_s, g.restart.delay_s) == (10, 120, 0)

@@ -1,0 +1,256 @@
+"""The lifecycle as a pure function: every allowed transition walked, every other one refused."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+import pytest
+
+from supervisor.errors import IllegalTransition
+from supervisor.model import ALLOWED, ExitReason, ExitStatus, WorkerState, transition
+from supervisor.policy import lifecycle as lc
+from supervisor.policy.backoff import FailureHistory, RestartPolicy
+
+S = WorkerState
+T = lc.Timing(
+    start_timeout_s=5,
+    stop_timeout_s=2,
+    drain_timeout_s=3,
+    watchdog_s=1,
+    drain_signal=signal.SIGUSR1,
+    restart=RestartPolicy(delay_s=0.5, stable_s=10, backoff_initial_s=1, backoff_max_s=8, burst=2),
+)
+CRASH = ExitStatus(code=3, signal=None)
+
+
+def run(
+    events: list[lc.Event],
+    rec: lc.WorkerRecord | None = None,
+    t: lc.Timing = T,
+    start: float = 100.0,
+    dt: float = 0.0,
+) -> tuple[lc.WorkerRecord, list[lc.Action]]:
+    rec = rec or lc.WorkerRecord()
+    now = start
+    actions: list[lc.Action] = []
+    for ev in events:
+        rec, acts = lc.step(rec, ev, now, t)
+        actions += acts
+        now += dt
+    return rec, actions
+
+
+def at(rec: lc.WorkerRecord, ev: lc.Event, now: float, t: lc.Timing = T) -> lc.WorkerRecord:
+    return lc.step(rec, ev, now, t)[0]
+
+
+def started(now: float = 100.0, pid: int = 10) -> lc.WorkerRecord:
+    rec = at(lc.WorkerRecord(), lc.Start(), now)
+    return at(rec, lc.Spawned(pid), now)
+
+
+def ready(now: float = 100.0, pid: int = 10) -> lc.WorkerRecord:
+    return at(started(now, pid), lc.Ready(pid), now)
+
+
+def transitions(actions: list[lc.Action]) -> list[tuple[S, S]]:
+    return [(a.old, a.new) for a in actions if isinstance(a, lc.Transitioned)]
+
+
+# Each allowed edge, with a scenario that produces it.
+def _edges() -> dict[tuple[S, S], lc.WorkerRecord]:
+    out: dict[tuple[S, S], lc.WorkerRecord] = {}
+    out[(S.STOPPED, S.STARTING)] = at(lc.WorkerRecord(), lc.Start(), 0)
+    out[(S.STARTING, S.READY)] = at(started(), lc.Ready(10), 100)
+    out[(S.STARTING, S.STOPPING)] = at(started(), lc.Timer(), 105)
+    out[(S.STARTING, S.BACKOFF)] = at(started(), lc.Exited(10, CRASH), 101)
+    two_failures = replace(started(), history=FailureHistory((99.0, 99.5), 2))
+    out[(S.STARTING, S.FATAL)] = at(two_failures, lc.Exited(10, CRASH), 101)
+    out[(S.READY, S.DRAINING)] = at(ready(), lc.Drain(), 101)
+    out[(S.READY, S.STOPPING)] = at(ready(), lc.Stop(), 101)
+    out[(S.READY, S.BACKOFF)] = at(ready(), lc.Exited(10, CRASH), 120)
+    out[(S.READY, S.FATAL)] = at(
+        replace(ready(), history=two_failures.history), lc.Exited(10, CRASH), 101
+    )
+    draining = at(ready(), lc.Drain(), 101)
+    out[(S.DRAINING, S.STOPPING)] = at(draining, lc.Timer(), 104)
+    out[(S.DRAINING, S.STARTING)] = at(draining, lc.Exited(10, CRASH), 102)
+    out[(S.DRAINING, S.STOPPED)] = at(
+        at(ready(), lc.Drain(restart=False), 101), lc.Exited(10, CRASH), 102
+    )
+    hung = at(ready(), lc.Timer(), 101.5)  # watchdog -> stopping (recover)
+    out[(S.DRAINING, S.BACKOFF)] = at(
+        replace(draining, after_exit=lc.AfterExit.RECOVER), lc.Exited(10, CRASH), 102
+    )
+    out[(S.DRAINING, S.FATAL)] = at(
+        replace(draining, after_exit=lc.AfterExit.RECOVER, history=two_failures.history),
+        lc.Exited(10, CRASH),
+        102,
+    )
+    stopping = at(ready(), lc.Stop(), 101)
+    out[(S.STOPPING, S.STOPPED)] = at(stopping, lc.Exited(10, CRASH), 102)
+    out[(S.STOPPING, S.STARTING)] = at(at(ready(), lc.Restart(), 101), lc.Exited(10, CRASH), 102)
+    out[(S.STOPPING, S.BACKOFF)] = at(hung, lc.Exited(10, CRASH), 102)
+    out[(S.STOPPING, S.FATAL)] = at(
+        replace(hung, history=two_failures.history), lc.Exited(10, CRASH), 102
+    )
+    backoff = out[(S.STARTING, S.BACKOFF)]
+    out[(S.BACKOFF, S.STARTING)] = at(backoff, lc.Timer(), 103)
+    out[(S.BACKOFF, S.STOPPED)] = at(backoff, lc.Stop(), 101.5)
+    fatal = out[(S.STARTING, S.FATAL)]
+    out[(S.FATAL, S.STARTING)] = at(fatal, lc.Start(), 200)
+    out[(S.FATAL, S.STOPPED)] = at(fatal, lc.Stop(), 200)
+    return out
+
+
+def test_every_allowed_edge_is_reachable() -> None:
+    """The table and the step function agree: each edge in ALLOWED has a scenario."""
+    edges = _edges()
+    table = {(a, b) for a, targets in ALLOWED.items() for b in targets}
+    assert set(edges) == table
+    for (_, new), rec in edges.items():
+        assert rec.state is new
+
+
+@pytest.mark.parametrize("old", list(S))
+@pytest.mark.parametrize("new", list(S))
+def test_transition_enforces_the_table(old: S, new: S) -> None:
+    """transition() allows exactly the edges in ALLOWED."""
+    if new in ALLOWED[old]:
+        assert transition(old, new) is new
+    else:
+        with pytest.raises(IllegalTransition):
+            transition(old, new)
+
+
+def test_start_spawns_and_sets_start_deadline() -> None:
+    rec, acts = run([lc.Start(), lc.Spawned(7)])
+    assert rec.state is S.STARTING and rec.pid == 7
+    assert rec.deadline == 100 + T.start_timeout_s
+    assert any(isinstance(a, lc.Spawn) for a in acts)
+
+
+def test_ready_none_is_ready_at_spawn_and_arms_watchdog() -> None:
+    t = replace(T, ready_at_spawn=True)
+    rec, _ = run([lc.Start(), lc.Spawned(7)], t=t)
+    assert rec.state is S.READY and rec.deadline == 101
+
+
+def test_heartbeat_pushes_the_watchdog_deadline() -> None:
+    rec = at(ready(), lc.Heartbeat(10), 100.8)
+    assert rec.deadline == pytest.approx(101.8)
+    rec = at(rec, lc.Timer(), 101.5)  # early timer: ignored
+    assert rec.state is S.READY
+
+
+def test_watchdog_expiry_stops_with_reason_hang() -> None:
+    rec, acts = lc.step(ready(), lc.Timer(), 101.0, T)
+    assert rec.state is S.STOPPING and rec.stop_reason is ExitReason.HANG
+    assert lc.SendSignal(signal.SIGTERM) in acts
+
+
+def test_stop_timeout_kills_the_tree_once() -> None:
+    rec = at(ready(), lc.Stop(), 101)
+    rec, acts = lc.step(rec, lc.Timer(), 103, T)
+    assert acts == [lc.KillTree()] and rec.killed
+    rec, acts = lc.step(rec, lc.Timer(), 104, T)
+    assert acts == []
+
+
+def test_stable_exit_restarts_after_delay_and_resets_streak() -> None:
+    rec = replace(ready(), history=FailureHistory((50.0,), 3))
+    rec, acts = lc.step(rec, lc.Exited(10, CRASH), 111, T)
+    assert rec.state is S.BACKOFF and rec.deadline == 111.5
+    assert rec.history.consecutive == 0
+    assert next(a for a in acts if isinstance(a, lc.Exit)).failure is False
+
+
+def test_failures_back_off_exponentially_then_go_fatal() -> None:
+    t = replace(T, restart=replace(T.restart, burst=3))
+    rec = lc.WorkerRecord()
+    now = 100.0
+    delays = []
+    for pid in range(1, 5):
+        rec = at(rec, lc.Start() if rec.state is S.STOPPED else lc.Timer(), now, t)
+        rec = at(rec, lc.Spawned(pid), now, t)
+        rec = at(rec, lc.Exited(pid, CRASH), now + 0.1, t)
+        if rec.state is S.FATAL:
+            break
+        assert rec.deadline is not None
+        delays.append(rec.deadline - (now + 0.1))
+        now = rec.deadline
+    assert delays == [1, 2, 4]
+    assert rec.state is S.FATAL
+
+
+def test_burst_zero_never_goes_fatal() -> None:
+    t = replace(T, restart=replace(T.restart, burst=0))
+    rec = at(lc.WorkerRecord(), lc.Start(), 0.0, t)
+    now = 0.0
+    delays = []
+    for pid in range(1, 30):
+        rec = at(rec, lc.Spawned(pid), now, t)
+        rec = at(rec, lc.Exited(pid, CRASH), now, t)
+        assert rec.state is S.BACKOFF
+        assert rec.deadline is not None
+        delays.append(rec.deadline - now)
+        now = rec.deadline
+        rec = at(rec, lc.Timer(), now, t)
+    assert delays[:5] == [1, 2, 4, 8, 8]
+    assert delays[-1] == 8
+
+
+def test_spawn_failure_counts_as_failure() -> None:
+    rec = at(lc.WorkerRecord(), lc.Start(), 0)
+    rec, _ = lc.step(rec, lc.SpawnFailed("no such file"), 0, T)
+    assert rec.state is S.BACKOFF
+    assert rec.last_exit is not None and rec.last_exit.reason is ExitReason.SPAWN_FAILED
+
+
+def test_stale_events_are_ignored() -> None:
+    rec = ready(pid=10)
+    assert lc.step(rec, lc.Exited(99, CRASH), 101, T) == (rec, [])
+    assert lc.step(rec, lc.Heartbeat(99), 101, T) == (rec, [])
+
+
+def test_drain_sends_drain_signal_and_restarts_after_exit() -> None:
+    rec, acts = lc.step(ready(), lc.Drain(), 101, T)
+    assert rec.state is S.DRAINING and lc.SendSignal(signal.SIGUSR1) in acts
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(0, None)), 102, T)
+    assert rec.state is S.STARTING and lc.Spawn() in acts
+
+
+def test_drain_timeout_then_stop_signal() -> None:
+    rec = at(ready(), lc.Drain(restart=False), 101)
+    rec, acts = lc.step(rec, lc.Timer(), 104, T)
+    assert rec.state is S.STOPPING and lc.SendSignal(signal.SIGTERM) in acts
+    rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 105)
+    assert rec.state is S.STOPPED
+
+
+def test_operator_restart_is_not_a_failure() -> None:
+    rec = at(ready(), lc.Restart(), 101)
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5, T)
+    assert rec.state is S.STARTING and rec.history.consecutive == 0 and rec.restarts == 1
+    assert next(a for a in acts if isinstance(a, lc.Exit)).failure is False
+
+
+def test_stop_wins_over_pending_restart() -> None:
+    rec = at(ready(), lc.Restart(), 101)
+    rec = at(rec, lc.Stop(), 101.2)
+    rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
+    assert rec.state is S.STOPPED
+
+
+def test_kill_event_kills_at_once_and_stays_stopped() -> None:
+    rec, acts = lc.step(ready(), lc.Kill(), 101, T)
+    assert lc.KillTree() in acts and rec.after_exit is lc.AfterExit.STOP
+    rec = at(rec, lc.Exited(10, ExitStatus(None, 9)), 101.1)
+    assert rec.state is S.STOPPED
+
+
+def test_fatal_is_cleared_by_start() -> None:
+    rec = _edges()[(S.STARTING, S.FATAL)]
+    rec, _ = lc.step(rec, lc.Start(), 300, T)
+    assert rec.state is S.STARTING and rec.history == FailureHistory()

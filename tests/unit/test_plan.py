@@ -1,0 +1,51 @@
+"""Planning (pure): argv, environment, ports and GPUs of every worker."""
+
+from __future__ import annotations
+
+from supervisor.config import parse_settings
+from supervisor.plan import Plan, build_plan
+
+
+def plan(**group: object) -> Plan:
+    g: dict[str, object] = {
+        "name": "gpen",
+        "command": ["app", "--port", "{port}", "--gpus", "{gpus}", "{name}"],
+    }
+    g.update(group)
+    return build_plan(
+        parse_settings({"workers": [g]}),
+        {"PATH": "/bin", "NOTIFY_SOCKET": "/sd", "WATCHDOG_USEC": "5"},
+        "/n.sock",
+    )
+
+
+def test_argv_env_and_ports() -> None:
+    p = plan(replicas=2, port_base=9000, gpus=[1, "GPU-abc"], env={"M": "{group}-{index}"})
+    w = p.groups[0].workers[1]
+    assert w.argv == ("app", "--port", "9001", "--gpus", "1,GPU-abc", "gpen-1")
+    assert w.env["PORT"] == "9001" and w.env["M"] == "gpen-1"
+    assert w.env["CUDA_VISIBLE_DEVICES"] == "1,GPU-abc"
+    assert w.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert w.env["NOTIFY_SOCKET"] == "/n.sock" and "WATCHDOG_USEC" not in w.env
+    assert w.env["PATH"] == "/bin"
+    assert p.warnings == ()
+
+
+def test_auto_without_telemetry_leaves_cuda_unset_and_warns() -> None:
+    p = plan()
+    assert "CUDA_VISIBLE_DEVICES" not in p.groups[0].workers[0].env
+    assert len(p.warnings) == 1
+
+
+def test_none_hides_all_gpus() -> None:
+    assert plan(gpus="none").groups[0].workers[0].env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_watchdog_and_ready_modes() -> None:
+    w = plan(ready="none", health={"watchdog_s": 2.5}).groups[0].workers[0]
+    assert w.env["WATCHDOG_USEC"] == "2500000" and w.env["NOTIFY_SOCKET"] == "/n.sock"
+    assert not w.notify
+    w = plan(ready="none").groups[0].workers[0]
+    assert "NOTIFY_SOCKET" not in w.env
+    w = plan(ready="http://127.0.0.1:{port}/health", port_base=7000).groups[0].workers[0]
+    assert w.ready_url == "http://127.0.0.1:7000/health"

@@ -1,0 +1,32 @@
+"""Reload diff (pure)."""
+
+from __future__ import annotations
+
+from supervisor.config import parse_settings
+from supervisor.policy.reload import diff_groups
+
+
+def groups(*specs: dict[str, object]) -> tuple:  # type: ignore[type-arg]
+    return parse_settings({"workers": list(specs)}).workers
+
+
+def test_diff_by_name_and_content() -> None:
+    old = groups(
+        {"name": "a", "command": ["x"], "port_base": 9000},
+        {"name": "b", "command": ["y"], "port_base": 9100},
+        {"name": "c", "command": ["z"], "port_base": 9200},
+    )
+    new = groups(
+        {"name": "a", "command": ["x"], "port_base": 9000},
+        {"name": "b", "command": ["y", "--v2"], "port_base": 9100},
+        {"name": "d", "command": ["w"], "port_base": 9300},
+    )
+    d = diff_groups(old, new)
+    assert d.unchanged == ("a",) and d.changed == ("b",)
+    assert d.removed == ("c",) and d.added == ("d",)
+    assert not d.is_noop
+
+
+def test_same_config_is_noop() -> None:
+    g = groups({"name": "a", "command": ["x"]})
+    assert diff_groups(g, g).is_noop
