@@ -108,6 +108,7 @@ class Runtime:
         self._reloading = False
         self._reload_again = False
         self._ready_sent = False
+        self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
         self.listener = NotifyListener(self.notify_path, self._on_notify)
         self.started_wall = self.clock.wall()
@@ -175,6 +176,8 @@ class Runtime:
                 tg.start_soon(self._serve_systemd)
                 for group_plan in plan.groups:
                     await self._add_group(group_plan.group, plan)
+                self._all_added = True
+                self._changed_now()
                 if sup.systemd_ready == "start":
                     self._send_ready()
                 await self._done.wait()
@@ -195,6 +198,7 @@ class Runtime:
         self._changed = anyio.Event()
         if (
             self.settings.supervisor.systemd_ready == "groups"
+            and self._all_added
             and not self._ready_sent
             and not self._shutting_down
             and self.all_groups_ready()

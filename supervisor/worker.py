@@ -62,6 +62,7 @@ class WorkerRunner:
         self._register_pid = register_pid
         self._child: Child | None = None
         self._tree: list[psutil.Process] = []
+        self._last_pid: int | None = None
         self._send: MemoryObjectSendStream[lc.Event]
         self._recv: MemoryObjectReceiveStream[lc.Event]
         self._send, self._recv = anyio.create_memory_object_stream[lc.Event](math.inf)
@@ -206,7 +207,9 @@ class WorkerRunner:
         elif isinstance(action, lc.Transitioned):
             self._log.info(
                 "worker.state",
-                pid=self.record.pid,
+                pid=self.record.pid
+                if action.new is WorkerState.STARTING
+                else self.record.pid or self._last_pid,
                 old=action.old.value,
                 new=action.new.value,
                 reason=action.reason,
@@ -226,6 +229,7 @@ class WorkerRunner:
             self.output.mark(f"spawn failed: {exc}")
             return lc.SpawnFailed(str(exc))
         self._child = child
+        self._last_pid = child.pid
         self._tree = []
         self.stopping_notified = False
         self.status_text = ""

@@ -63,8 +63,10 @@ class Supervisor:
         cfg["supervisor"] = sup
         self.config_path = tmp_path / "config.toml"
         self.write_config(cfg)
-        self.env = {**os.environ, **(env or {})}
-        self.env.pop("NOTIFY_SOCKET", None)
+        inherited = {
+            k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
+        }
+        self.env = {**inherited, **(env or {})}
         self.prefix = list(prefix)
         self.events: list[dict[str, Any]] = []
         self.stdout: list[str] = []

@@ -1,0 +1,77 @@
+"""Small I/O units tested for real: output rotation and tail, datagram parsing, signal mapping."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from supervisor.notify import parse_datagram, socket_path_for
+from supervisor.output import TAIL_LINES, WorkerOutput
+from supervisor.runtime import Reload, Shutdown, signal_intent
+
+
+def test_output_rotates_by_size_and_keeps_backups(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "w-0.log"
+    out = WorkerOutput("w-0", log, max_bytes=100, backups=2)
+    for i in range(30):
+        out.feed(f"line {i:02d} ......\n".encode())
+    out.close()
+    files = sorted(p.name for p in log.parent.iterdir())
+    assert files == ["w-0.log", "w-0.log.1", "w-0.log.2"]
+    assert all(p.stat().st_size <= 100 for p in log.parent.iterdir())
+    assert log.read_text().endswith("line 29 ......\n")
+
+
+def test_output_keeps_the_last_lines_and_partial_lines(tmp_path: Path) -> None:
+    out = WorkerOutput("w-0", tmp_path / "w.log", max_bytes=0, backups=0)
+    out.feed(b"".join(f"{i}\n".encode() for i in range(TAIL_LINES + 50)))
+    out.feed(b"no newline")
+    out.flush_partial()
+    out.close()
+    lines = out.lines()
+    assert len(lines) == TAIL_LINES
+    assert lines[-1] == "no newline"
+    assert lines[-2] == str(TAIL_LINES + 49)
+
+
+def test_passthrough_prefixes_each_line(tmp_path: Path) -> None:
+    seen: list[bytes] = []
+    out = WorkerOutput("w-1", tmp_path / "w.log", 0, 0, passthrough=True, stdout=seen.append)
+    out.feed(b"a\nb")
+    out.feed(b"c\n")
+    out.close()
+    assert seen == [b"[w-1] a\n", b"[w-1] bc\n"]
+
+
+def test_output_survives_an_unwritable_log(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = WorkerOutput("w", blocker / "sub" / "w.log", 0, 0)  # parent is a file
+    out.feed(b"still kept\n")
+    assert out.lines() == ["still kept"]
+    assert out.file.write_errors == 1
+
+
+def test_parse_datagram() -> None:
+    assert parse_datagram(b"READY=1\nSTATUS=a=b\n\nnoise\nWATCHDOG=1") == {
+        "READY": "1",
+        "STATUS": "a=b",
+        "WATCHDOG": "1",
+    }
+
+
+def test_socket_path_falls_back_when_too_long(tmp_path: Path) -> None:
+    assert socket_path_for(tmp_path) == tmp_path / "notify.sock"
+    deep = tmp_path / ("x" * 120)
+    fallback = socket_path_for(deep)
+    assert len(str(fallback)) < 108
+    assert fallback.parent.is_dir()
+    fallback.parent.rmdir()
+
+
+def test_signal_mapping() -> None:
+    assert signal_intent(signal.SIGTERM, False) == Shutdown("SIGTERM")
+    assert signal_intent(signal.SIGINT, True) == Shutdown("SIGINT")
+    assert signal_intent(signal.SIGHUP, False) == Reload()
+    assert signal_intent(signal.SIGHUP, True) is None
+    assert signal_intent(signal.SIGUSR1, False) is None
