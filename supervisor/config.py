@@ -104,9 +104,20 @@ class SupervisorSection(_Strict):
 
     state_dir: Path = Path("/var/lib/gpu-supervisor")
     shutdown_timeout_s: PositiveSeconds = 30.0
+    sample_interval_s: float = Field(default=0.5, ge=0.05, le=60)
     log_max_bytes: int = Field(default=52_428_800, ge=0)
     log_backups: int = Field(default=5, ge=0)
     systemd_ready: Literal["groups", "start"] = "groups"
+
+
+class GpuSection(_Strict):
+    """``[gpu]``."""
+
+    backend: Literal["auto", "nvml", "sim", "none"] = "auto"
+    sim_dir: Path = Path("./sim")
+    sim_devices: int = Field(default=2, ge=0, le=64)
+    reserve_mb: float = Field(default=512, ge=0)
+    release_timeout_s: NonNegativeSeconds = 10.0
 
 
 class RestartSection(_Strict):
@@ -133,6 +144,7 @@ class HealthSection(_Strict):
     """``[workers.health]`` (the keys the supervision core implements)."""
 
     watchdog_s: NonNegativeSeconds = 0.0
+    gpu_memory_limit_mb: float = Field(default=0, ge=0)
 
 
 class WorkerGroup(_Strict):
@@ -240,6 +252,7 @@ class Settings(BaseSettings):
     )
 
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    gpu: GpuSection = Field(default_factory=GpuSection)
     workers: tuple[WorkerGroup, ...] = ()
 
     @classmethod

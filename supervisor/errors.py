@@ -5,6 +5,10 @@
     SupervisorError
     ├── ConfigError          bad configuration: exit code 2, one line naming file, key and value
     ├── PlacementError       a plan that cannot be placed on the GPUs at hand
+    ├── BackendError         the GPU backend failed
+    │   ├── BackendUnavailable  no NVML (library missing, driver not loaded, no permission)
+    │   ├── DeviceLost          one device stopped answering ("GPU is lost", reset required)
+    │   └── QueryNotSupported   one field is not supported on one device
     ├── WorkerError
     │   ├── SpawnError       the worker's command could not be executed
     │   └── IllegalTransition a lifecycle transition that the state table forbids
@@ -30,6 +34,26 @@ class UsageError(SupervisorError):
 
 class PlacementError(ConfigError):
     """The plan cannot be placed (not enough GPUs, memory, ...): a configuration problem."""
+
+
+class BackendError(SupervisorError):
+    """The GPU backend failed; ``code`` is the NVML return code when there is one."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BackendUnavailable(BackendError):
+    """No GPU telemetry: the library or driver is missing, or access is denied."""
+
+
+class DeviceLost(BackendError):
+    """A device stopped answering (GPU is lost, reset required, ...)."""
+
+
+class QueryNotSupported(BackendError):
+    """A field is not supported on a device (or not permitted, or not available)."""
 
 
 class WorkerError(SupervisorError):

@@ -32,7 +32,8 @@ ALLOWED: Mapping[WorkerState, frozenset[WorkerState]] = {
     # operator/initial start
     S.STOPPED: frozenset({S.STARTING}),
     # ready signal, start timeout/operator stop (-> stopping), exit (-> backoff or fatal)
-    S.STARTING: frozenset({S.READY, S.STOPPING, S.BACKOFF, S.FATAL}),
+    # (stopped before its process was spawned: waiting for the GPU-release barrier)
+    S.STARTING: frozenset({S.READY, S.STOPPING, S.BACKOFF, S.FATAL, S.STOPPED}),
     # drain, stop/restart/hang (-> stopping), exit (-> backoff or fatal)
     S.READY: frozenset({S.DRAINING, S.STOPPING, S.BACKOFF, S.FATAL}),
     # drain timeout (-> stopping), exit during drain (-> restart, stay stopped, or a failure)
@@ -128,3 +129,117 @@ class LaunchSpec:
     watchdog_s: float
     cwd: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
+
+
+# --- GPUs ----------------------------------------------------------------------------------
+
+#: NVML clock-event reason bits (same values as the deprecated "throttle reasons").
+CLOCK_EVENT_REASONS: Mapping[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+
+def clock_event_names(mask: int | None) -> tuple[str, ...] | None:
+    """Names of the bits set in an NVML clock-event mask (None stays None)."""
+    if mask is None:
+        return None
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    unknown = mask & ~sum(CLOCK_EVENT_REASONS)
+    if unknown:
+        names.append(f"0x{unknown:x}")
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceIdentity:
+    """What does not change while the supervisor runs: read once per device."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_mb: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process holding memory on a device; ``used_mb`` is None when NVML cannot tell."""
+
+    pid: int
+    used_mb: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """One device at one tick. Every field the device does not report is None, never 0."""
+
+    index: int
+    uuid: str
+    name: str
+    healthy: bool = True
+    error: str | None = None
+    memory_total_mb: float | None = None
+    memory_used_mb: float | None = None
+    memory_free_mb: float | None = None
+    utilization_percent: float | None = None
+    temperature_c: float | None = None
+    temperature_slowdown_c: float | None = None
+    temperature_shutdown_c: float | None = None
+    power_watts: float | None = None
+    power_limit_watts: float | None = None
+    encoder_percent: float | None = None
+    decoder_percent: float | None = None
+    clocks_event_reasons: int | None = None
+    processes: tuple[GpuProcess, ...] | None = None  # None: the process list is unavailable
+
+    @property
+    def throttle_reasons(self) -> tuple[str, ...] | None:
+        """Clock-event reasons by name, ``gpu_idle`` left out."""
+        names = clock_event_names(self.clocks_event_reasons)
+        return None if names is None else tuple(n for n in names if n != "gpu_idle")
+
+
+@dataclass(frozen=True, slots=True)
+class XidEvent:
+    """An XID error reported for a device."""
+
+    gpu_index: int
+    uuid: str | None
+    xid: int
+    at: float  # monotonic seconds when it was read
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerUsage:
+    """One worker's resources at one tick (its whole process tree)."""
+
+    name: str
+    pids: tuple[int, ...]
+    gpu_memory_mb: float | None
+    gpu_memory_by_gpu: Mapping[str, float]
+    attribution: str  # "pid" | "device" | "unavailable" | "none"
+    host_rss_mb: float | None
+    cpu_percent: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Everything sampled at one tick: immutable, stamped with the monotonic clock."""
+
+    t: float
+    devices: tuple[DeviceSample, ...]
+    workers: Mapping[str, WorkerUsage]
+    nvml_available: bool
+    error: str | None = None
+    duration_s: float = 0.0
+
+    def device(self, uuid: str) -> DeviceSample | None:
+        """The device with this UUID, if sampled."""
+        return next((d for d in self.devices if d.uuid == uuid), None)

@@ -5,11 +5,15 @@ No I/O: the inherited environment and the notify socket path are arguments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from supervisor.config import Settings, WorkerGroup
+from supervisor.errors import PlacementError
 from supervisor.model import LaunchSpec
+
+#: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
+Assignment = Mapping[str, tuple[str, ...] | None]
 
 #: Variables of the supervisor's own service manager that must not leak into workers.
 SCRUBBED_ENV = frozenset(
@@ -63,12 +67,12 @@ def launch_spec(
     index: int,
     inherited_env: Mapping[str, str],
     notify_socket: str | None,
+    gpus: tuple[str, ...] | None,
 ) -> LaunchSpec:
-    """The spec of worker ``index`` of ``group``."""
+    """The spec of worker ``index`` of ``group`` on ``gpus`` (from ``place``)."""
     assert group.port_base is not None  # config assigns every group a port range
     name = f"{group.name}-{index}"
     port = group.port_base + index
-    gpus = gpu_assignment(group)
     values = {
         "name": name,
         "group": group.name,
@@ -92,6 +96,8 @@ def launch_spec(
         env.pop("CUDA_VISIBLE_DEVICES", None)
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if group.health.gpu_memory_limit_mb > 0:
+        env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] = f"{group.health.gpu_memory_limit_mb:g}"
     watchdog_s = group.health.watchdog_s
     wants_notify = group.ready_mode == "notify" or watchdog_s > 0
     if wants_notify and notify_socket is not None:
@@ -113,13 +119,151 @@ def launch_spec(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class GpuSlot:
+    """A device as placement sees it."""
+
+    index: int
+    uuid: str
+    total_mb: float | None
+    free_mb: float | None = None
+    temperature_c: float | None = None
+    usable: bool = True  # False when cordoned, unhealthy or suspect
+    why_not: str = ""
+
+
+def _resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) -> tuple[str, ...]:
+    assert isinstance(group.gpus, tuple)
+    by_index = {d.index: d.uuid for d in devices}
+    uuids = {d.uuid for d in devices}
+    out = []
+    for j, entry in enumerate(group.gpus):
+        if isinstance(entry, int):
+            if entry not in by_index:
+                have = ", ".join(str(i) for i in sorted(by_index)) or "none"
+                raise PlacementError(
+                    f"workers[{gi}].gpus[{j}]: no GPU with index {entry} (GPUs: {have})"
+                )
+            out.append(by_index[entry])
+        elif entry in uuids:
+            out.append(entry)
+        else:
+            raise PlacementError(f"workers[{gi}].gpus[{j}]: no GPU with UUID {entry!r}")
+    return tuple(out)
+
+
+def place(
+    groups: Sequence[WorkerGroup],
+    devices: Sequence[GpuSlot],
+    reserve_mb: float,
+    fixed: Assignment | None = None,
+    only: set[str] | None = None,
+) -> dict[str, tuple[str, ...] | None]:
+    """Assign GPUs to every worker (or to the workers in ``only``, keeping ``fixed`` ones).
+
+    ``gpus = "auto"`` picks, per worker, the usable GPUs with the fewest workers, then the most
+    free memory, then the lowest temperature; at most ``max_workers_per_gpu`` workers per GPU;
+    with ``gpu_memory_limit_mb`` set, only GPUs where the budgets fit under total - reserve_mb.
+    Without devices (no telemetry) ``auto`` places nothing (None). Raises ``PlacementError``.
+    """
+    fixed = dict(fixed or {})
+    result: dict[str, tuple[str, ...] | None] = {}
+    counts = {d.uuid: 0 for d in devices}
+    committed = {d.uuid: 0.0 for d in devices}
+    free = {d.uuid: d.free_mb if d.free_mb is not None else d.total_mb for d in devices}
+
+    def take(uuids: tuple[str, ...] | None, budget: float) -> None:
+        for u in uuids or ():
+            if u in counts:
+                counts[u] += 1
+                committed[u] += budget
+                room = free.get(u)
+                if room is not None and budget:
+                    free[u] = room - budget
+
+    # Workers that keep their GPUs (not being re-placed) count first.
+    for group in groups:
+        for i in range(group.replicas):
+            name = f"{group.name}-{i}"
+            if name in fixed and (only is None or name not in only):
+                result[name] = fixed[name]
+                take(fixed[name], group.health.gpu_memory_limit_mb)
+    for gi, group in enumerate(groups):
+        for i in range(group.replicas):
+            name = f"{group.name}-{i}"
+            if name in result or (only is not None and name not in only):
+                continue
+            chosen: tuple[str, ...] | None
+            if group.gpus == "none":
+                chosen = ()
+            elif group.gpus != "auto":
+                chosen = _resolve_explicit(group, gi, devices) if devices else gpu_assignment(group)
+            elif not devices:
+                chosen = None
+            else:
+                chosen = _pick(group, name, devices, counts, committed, free, reserve_mb)
+            result[name] = chosen
+            take(chosen, group.health.gpu_memory_limit_mb)
+    return result
+
+
+def _pick(
+    group: WorkerGroup,
+    name: str,
+    devices: Sequence[GpuSlot],
+    counts: Mapping[str, int],
+    committed: Mapping[str, float],
+    free: Mapping[str, float | None],
+    reserve_mb: float,
+) -> tuple[str, ...]:
+    budget = group.health.gpu_memory_limit_mb
+    reasons: list[str] = []
+    candidates = []
+    for d in devices:
+        if not d.usable:
+            reasons.append(f"GPU {d.index} {d.why_not or 'unusable'}")
+        elif counts[d.uuid] >= group.max_workers_per_gpu:
+            reasons.append(f"GPU {d.index} has {counts[d.uuid]} workers (max_workers_per_gpu)")
+        elif budget and (
+            d.total_mb is None or committed[d.uuid] + budget > d.total_mb - reserve_mb
+        ):
+            room = (
+                "unknown"
+                if d.total_mb is None
+                else f"{d.total_mb - reserve_mb - committed[d.uuid]:g}"
+            )
+            reasons.append(f"GPU {d.index} has {room} MB left for budgets, needs {budget:g}")
+        else:
+            candidates.append(d)
+
+    def rank(d: GpuSlot) -> tuple[int, float, float, int]:
+        room = free[d.uuid]
+        temp = d.temperature_c
+        cool = temp if temp is not None else 1e9
+        return (counts[d.uuid], -(room if room is not None else -1.0), cool, d.index)
+
+    candidates.sort(key=rank)
+    if len(candidates) < group.gpus_per_worker:
+        why = "; ".join(reasons) or "no GPUs"
+        raise PlacementError(
+            f"cannot place {name}: needs {group.gpus_per_worker} GPU(s), "
+            f"{len(candidates)} available ({why})"
+        )
+    return tuple(d.uuid for d in candidates[: group.gpus_per_worker])
+
+
 def build_plan(
-    settings: Settings, inherited_env: Mapping[str, str], notify_socket: str | None
+    settings: Settings,
+    inherited_env: Mapping[str, str],
+    notify_socket: str | None,
+    devices: Sequence[GpuSlot] | None = None,
+    fixed: Assignment | None = None,
 ) -> Plan:
-    """Plan every worker of every group."""
+    """Plan every worker of every group; ``devices`` None means no GPU telemetry."""
     warnings: list[str] = []
+    assignment = place(settings.workers, devices or (), settings.gpu.reserve_mb, fixed)
     auto = [g.name for g in settings.workers if g.gpus == "auto" and g.replicas]
-    if auto:
+    if auto and not devices:
         warnings.append(
             'gpus = "auto" without GPU telemetry places nothing: CUDA_VISIBLE_DEVICES is left '
             f"unset for group(s) {', '.join(auto)}"
@@ -127,7 +271,8 @@ def build_plan(
     groups: list[GroupPlan] = []
     for group in settings.workers:
         specs = tuple(
-            launch_spec(group, i, inherited_env, notify_socket) for i in range(group.replicas)
+            launch_spec(group, i, inherited_env, notify_socket, assignment[f"{group.name}-{i}"])
+            for i in range(group.replicas)
         )
         groups.append(GroupPlan(group=group, workers=specs))
     return Plan(groups=tuple(groups), warnings=tuple(warnings))

@@ -22,21 +22,26 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from supervisor._version import __version__
+from supervisor.backends.base import NoBackend
+from supervisor.backends.factory import make_backend
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
-from supervisor.errors import ConfigError
-from supervisor.model import ExitReason, WorkerState
+from supervisor.errors import ConfigError, PlacementError
+from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
-from supervisor.plan import Plan, build_plan
+from supervisor.plan import GpuSlot, Plan, build_plan, launch_spec, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.reload import diff_groups
 from supervisor.processes import Reaped, Reaper, set_child_subreaper
+from supervisor.sampler import Sampler, WorkerRef
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.worker import WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
+#: How often the GPU/worker summary is logged.
+SUMMARY_EVERY_S = 15.0
 
 
 # --- intents -------------------------------------------------------------------------------
@@ -113,6 +118,19 @@ class Runtime:
         self.listener = NotifyListener(self.notify_path, self._on_notify)
         self.started_wall = self.clock.wall()
         self.exit_code = 0
+        self.sampler = Sampler(
+            lambda: make_backend(self.settings.gpu),
+            settings.supervisor.sample_interval_s,
+            self._worker_refs,
+            self._on_sample,
+            self._on_xid,
+        )
+        self.suspect: dict[str, frozenset[int]] = {}  # GPU UUID -> old pids still holding memory
+        self.cordoned: set[str] = set()
+        self.xid_counts: dict[tuple[str, int], int] = {}
+        self._trees: dict[str, frozenset[int]] = {}
+        self._sampled = anyio.Event()
+        self._summary_at = 0.0
 
     # --- public -------------------------------------------------------------------------
 
@@ -155,7 +173,12 @@ class Runtime:
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        plan = build_plan(self.settings, self._worker_environ(), os.fspath(self.notify_path))
+        await self._open_gpus()
+        try:
+            plan = self._build_plan(self.settings)
+        except PlacementError:
+            await self._close_gpus()
+            raise
         for warning in plan.warnings:
             self.log.warning("plan.warning", message=warning)
         self.log.info(
@@ -171,6 +194,7 @@ class Runtime:
                 self._tg = tg
                 await tg.start(self.reaper.serve)
                 await tg.start(self.listener.serve)
+                await tg.start(self.sampler.serve)
                 await tg.start(self._serve_signals)
                 tg.start_soon(self._serve_intents)
                 tg.start_soon(self._serve_systemd)
@@ -187,6 +211,196 @@ class Runtime:
             self.systemd.close()
         self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
         return self.exit_code
+
+    # --- GPUs ---------------------------------------------------------------------------
+
+    async def _open_gpus(self) -> None:
+        gpu = self.settings.gpu
+        if not await self.sampler.open() and gpu.backend == "auto":
+            self.log.warning(
+                "gpu.no_telemetry",
+                reason="backend auto: NVML did not initialise; running without GPU telemetry",
+                error=self.sampler.error,
+            )
+            self.sampler.use(NoBackend())
+        await self.sampler.tick()
+
+    async def _close_gpus(self) -> None:
+        backend = self.sampler.backend
+        if backend is not None:
+            await anyio.to_thread.run_sync(backend.close)
+
+    def slots(self) -> list[GpuSlot]:
+        """The devices as placement sees them now (empty without GPU telemetry)."""
+        sample = self.sampler.last
+        if sample is None or not self.sampler.identities:
+            return []
+        out = []
+        for d in sample.devices:
+            why = ""
+            if not d.healthy:
+                why = f"is unhealthy ({d.error})"
+            elif d.uuid in self.cordoned:
+                why = "is cordoned"
+            elif d.uuid in self.suspect:
+                why = "is suspect (memory of a dead worker still held)"
+            out.append(
+                GpuSlot(
+                    d.index,
+                    d.uuid,
+                    d.memory_total_mb,
+                    d.memory_free_mb,
+                    d.temperature_c,
+                    usable=not why,
+                    why_not=why,
+                )
+            )
+        return out
+
+    def _assignments(self) -> dict[str, tuple[str, ...] | None]:
+        return {r.name: r.spec.gpus for r in self.workers()}
+
+    def _build_plan(self, settings: Settings, keep: tuple[str, ...] = ()) -> Plan:
+        """Plan ``settings``; workers of the groups in ``keep`` stay on their GPUs."""
+        slots = self.slots()
+        fixed = {r.name: r.spec.gpus for r in self.workers() if r.spec.group in keep}
+        return build_plan(
+            settings, self._worker_environ(), os.fspath(self.notify_path), slots or None, fixed
+        )
+
+    def _worker_refs(self) -> dict[str, WorkerRef]:
+        return {r.name: WorkerRef(r.record.pid, r.spec.gpus) for r in self.workers()}
+
+    def _on_sample(self, sample: Sample) -> None:
+        for name, usage in sample.workers.items():
+            runner = self.runners.get(name)
+            if runner is not None and runner.record.pid is not None and usage.pids:
+                self._trees[name] = frozenset(usage.pids)
+        if self.suspect:
+            listed = {p.pid for d in sample.devices for p in d.processes or ()}
+            for uuid, pids in list(self.suspect.items()):
+                if not pids & listed:
+                    del self.suspect[uuid]
+                    self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
+        self._sampled.set()
+        self._sampled = anyio.Event()
+        if sample.t - self._summary_at >= SUMMARY_EVERY_S and sample.devices:
+            self._summary_at = sample.t
+            self.log.info(
+                "gpu.summary",
+                devices=[
+                    {
+                        "gpu": d.index,
+                        "used_mb": d.memory_used_mb,
+                        "total_mb": d.memory_total_mb,
+                        "temperature_c": d.temperature_c,
+                        "healthy": d.healthy,
+                    }
+                    for d in sample.devices
+                ],
+                workers={
+                    n: {
+                        "gpus": list(self.runners[n].spec.gpus or ()),
+                        "gpu_mb": u.gpu_memory_mb,
+                        "rss_mb": None if u.host_rss_mb is None else round(u.host_rss_mb, 1),
+                    }
+                    for n, u in sample.workers.items()
+                    if n in self.runners
+                },
+            )
+
+    def _on_xid(self, event: XidEvent) -> None:
+        key = (event.uuid or str(event.gpu_index), event.xid)
+        self.xid_counts[key] = self.xid_counts.get(key, 0) + 1
+        self.log.warning("gpu.xid", gpu=event.gpu_index, uuid=event.uuid, xid=event.xid)
+
+    async def _fresh_sample(self, after: float, timeout: float) -> Sample | None:
+        """A sample taken after monotonic time ``after`` (requested now), or None on timeout."""
+        with anyio.move_on_after(timeout):
+            while True:
+                last = self.sampler.last
+                if last is not None and last.t > after:
+                    return last
+                event = self._sampled
+                self.sampler.request()
+                await event.wait()
+        return None
+
+    async def _await_release(
+        self, old: frozenset[int], gpus: tuple[str, ...], timeout: float
+    ) -> dict[str, frozenset[int]]:
+        """Wait until no pid of ``old`` holds memory on ``gpus``; return what still holds it."""
+        deadline = anyio.current_time() + timeout
+        after = anyio.current_time()
+        while True:
+            remaining = deadline - anyio.current_time()
+            sample = await self._fresh_sample(after, max(remaining, 0.0))
+            held: dict[str, frozenset[int]] = {}
+            if sample is not None:
+                for uuid in gpus:
+                    d = sample.device(uuid)
+                    if d is None or d.processes is None:
+                        continue  # cannot tell: do not block on it
+                    pids = frozenset(p.pid for p in d.processes) & old
+                    if pids:
+                        held[uuid] = pids
+                if not held:
+                    return {}
+                after = sample.t
+            if sample is None or anyio.current_time() >= deadline:
+                return held
+
+    async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
+        """Before a (re)start: the GPU-release barrier, then re-place off unusable GPUs."""
+        spec = runner.spec
+        gpus = spec.gpus or ()
+        if not gpus or not self.sampler.identities:
+            return spec
+        old = self._trees.pop(runner.name, frozenset())
+        if old and runner.last_exit_at is not None:
+            held = await self._await_release(old, gpus, self.settings.gpu.release_timeout_s)
+            for uuid, pids in held.items():
+                self.suspect[uuid] = pids
+                self.log.warning(
+                    "gpu.suspect",
+                    worker=runner.name,
+                    gpu=uuid,
+                    pids=sorted(pids),
+                    reason="memory of the previous process tree still held after release_timeout_s",
+                )
+        usable = {s.uuid for s in self.slots() if s.usable}
+        if all(u in usable for u in gpus):
+            return spec
+        group = self.settings.group(spec.group)
+        if group is None or group.gpus != "auto":
+            self.log.warning(
+                "worker.gpu_unusable",
+                worker=runner.name,
+                gpus=list(gpus),
+                reason="explicit GPU list: starting there anyway",
+            )
+            return spec
+        try:
+            chosen = place(
+                self.settings.workers,
+                self.slots(),
+                self.settings.gpu.reserve_mb,
+                fixed=self._assignments(),
+                only={runner.name},
+            )[runner.name]
+        except PlacementError as exc:
+            return f"no GPU to place on: {exc}"
+        new = launch_spec(
+            group, spec.index, self._worker_environ(), os.fspath(self.notify_path), chosen
+        )
+        self.log.info(
+            "worker.moved",
+            worker=runner.name,
+            old_gpus=list(gpus),
+            new_gpus=list(chosen or ()),
+            reason="previous GPU unusable",
+        )
+        return new
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -252,6 +466,7 @@ class Runtime:
             output=output,
             on_change=self._changed_now,
             register_pid=self._register_pid,
+            prepare=self._prepare if self.sampler.identities else None,
         )
 
     async def _start_runner(self, runner: WorkerRunner, start: bool = True) -> None:
@@ -407,7 +622,14 @@ class Runtime:
                 )
             }
         )
-        plan = build_plan(self.settings, self._worker_environ(), os.fspath(self.notify_path))
+        try:
+            plan = self._build_plan(self.settings, keep=diff.unchanged)
+        except PlacementError as exc:
+            self.settings = old
+            self.log.error(  # noqa: TRY400 - one line, no traceback
+                "supervisor.reload_rejected", reason="placement", error=str(exc)
+            )
+            return
         for name in diff.removed:
             await self._stop_group(name)
         for name in diff.added:

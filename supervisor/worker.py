@@ -12,7 +12,7 @@ import math
 import os
 import signal
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -47,6 +47,7 @@ class WorkerRunner:
         output: WorkerOutput,
         on_change: Callable[[WorkerRunner], None],
         register_pid: Callable[[int, WorkerRunner | None], None],
+        prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
     ) -> None:
         self.spec = spec
         self.timing = timing
@@ -60,6 +61,9 @@ class WorkerRunner:
         self._clock = clock
         self._on_change = on_change
         self._register_pid = register_pid
+        self._prepare = prepare
+        self._spawn_token = 0
+        self.last_exit_at: float | None = None
         self._child: Child | None = None
         self._tree: list[psutil.Process] = []
         self._last_pid: int | None = None
@@ -197,7 +201,12 @@ class WorkerRunner:
 
     def _do(self, action: lc.Action) -> lc.Event | None:
         if isinstance(action, lc.Spawn):
-            return self._spawn()
+            if self._prepare is None:
+                return self._spawn()
+            self._spawn_token += 1
+            assert self._tg is not None
+            self._tg.start_soon(self._prepare_and_spawn, self._spawn_token)
+            return None
         if isinstance(action, lc.SendSignal):
             self._signal(action.signal)
         elif isinstance(action, lc.KillTree):
@@ -244,6 +253,19 @@ class WorkerRunner:
         self._log.info("worker.spawned", pid=child.pid, argv=list(self.spec.argv), reason="start")
         return lc.Spawned(child.pid)
 
+    async def _prepare_and_spawn(self, token: int) -> None:
+        """Run the pre-start hook (GPU-release barrier, re-placement), then spawn."""
+        assert self._prepare is not None
+        result = await self._prepare(self)
+        rec = self.record
+        if token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
+            return  # stopped (or restarted) while we waited
+        if isinstance(result, str):
+            self.post(lc.SpawnFailed(result))
+            return
+        self.spec = result
+        self.post(self._spawn())
+
     def _on_reaped(self, reaped: Reaped) -> None:
         self.post(lc.Exited(reaped.pid, reaped.status))
 
@@ -272,6 +294,7 @@ class WorkerRunner:
             self._register_pid(child.pid, None)
         self._child = None
         self._tree = []
+        self.last_exit_at = self._clock.now()
         status = outcome.status
         detail = outcome.detail or outcome.reason.value
         self.output.mark(f"exited: {detail} (reason {outcome.reason.value})")

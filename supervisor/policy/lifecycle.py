@@ -357,7 +357,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             else:
                 rec, acts = replace(rec, after_exit=AfterExit.STOP), []
             return replace(rec, killed=True, deadline=None), [*acts, KillTree()]
-        if state is S.BACKOFF:
+        if state is S.BACKOFF or (state is S.STARTING and rec.pid is None):
             return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None)
         return rec, []
 
@@ -396,6 +396,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, SpawnFailed):
             outcome = Outcome(None, ExitReason.SPAWN_FAILED, now, ev.message)
             return _after_failure_or_stable(rec, now, t, outcome, [])
+        if isinstance(ev, Stop):
+            # Still preparing (GPU-release barrier): nothing runs yet, so just stay stopped.
+            return _move(rec, S.STOPPED, ev.reason.value, deadline=None, after_exit=None)
         return rec, []
 
     # From here on there is a live process (pid is set).

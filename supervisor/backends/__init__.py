@@ -1,0 +1,1 @@
+"""GPU backends: ``nvml`` (pynvml), ``sim`` (the world directory), ``none``."""

@@ -1,0 +1,112 @@
+"""The ``GpuBackend`` port and what every backend shares (field table, NVML return codes).
+
+Backends are synchronous and may block: the sampler calls ``sample()`` in a dedicated worker
+thread and ``wait_xid()`` in another, so nothing here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from supervisor.model import DeviceIdentity, DeviceSample, XidEvent
+
+# NVML return codes we act on (nvml.h).
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+NVML_ERROR_INSUFFICIENT_POWER = 8
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_IRQ_ISSUE = 11
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+NVML_ERROR_UNKNOWN = 999
+
+#: Codes that mean the device is broken: mark it unhealthy (NVML.md section 2).
+DEVICE_LOST_CODES = frozenset(
+    {
+        NVML_ERROR_GPU_IS_LOST,
+        NVML_ERROR_RESET_REQUIRED,
+        NVML_ERROR_INSUFFICIENT_POWER,
+        NVML_ERROR_IRQ_ISSUE,
+    }
+)
+#: Codes that mean "this field is not available here": remember and stop asking.
+UNSUPPORTED_CODES = frozenset(
+    {
+        NVML_ERROR_NOT_SUPPORTED,
+        NVML_ERROR_NO_PERMISSION,
+        NVML_ERROR_FUNCTION_NOT_FOUND,
+        NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+    }
+)
+
+#: Each sampled field and the NVML functions that read it (fault keys ``rc_<function>``).
+FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
+    "memory": ("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2"),
+    "utilization": ("nvmlDeviceGetUtilizationRates",),
+    "temperature": ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"),
+    "thresholds": ("nvmlDeviceGetTemperatureThreshold", "nvmlDeviceGetFieldValues"),
+    "power": ("nvmlDeviceGetPowerUsage",),
+    "power_limit": ("nvmlDeviceGetEnforcedPowerLimit",),
+    "encoder": ("nvmlDeviceGetEncoderUtilization",),
+    "decoder": ("nvmlDeviceGetDecoderUtilization",),
+    "clocks": ("nvmlDeviceGetCurrentClocksEventReasons",),
+    "processes": (
+        "nvmlDeviceGetComputeRunningProcesses",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetComputeRunningProcesses_v2",
+    ),
+}
+
+
+class GpuBackend(Protocol):
+    """What the supervisor needs from a GPU backend."""
+
+    name: str
+
+    def open(self) -> tuple[DeviceIdentity, ...]:
+        """Initialise and return the devices; ``BackendUnavailable`` if there is no GPU API."""
+        ...
+
+    def sample(self) -> tuple[DeviceSample, ...]:
+        """Read every device once (blocking). Per-device failures come back as unhealthy."""
+        ...
+
+    def wait_xid(self, timeout_s: float) -> list[XidEvent]:
+        """Block up to ``timeout_s`` for XID events (empty list on timeout)."""
+        ...
+
+    def close(self) -> None:
+        """Release the library."""
+        ...
+
+
+class NoBackend:
+    """``backend = "none"``: no GPU telemetry at all."""
+
+    name = "none"
+
+    def open(self) -> tuple[DeviceIdentity, ...]:
+        """No devices."""
+        return ()
+
+    def sample(self) -> tuple[DeviceSample, ...]:
+        """Nothing to sample."""
+        return ()
+
+    def wait_xid(self, timeout_s: float) -> list[XidEvent]:
+        """Never any events."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to release."""

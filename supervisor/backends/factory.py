@@ -1,0 +1,17 @@
+"""Choose the GPU backend from ``[gpu]``."""
+
+from __future__ import annotations
+
+from supervisor.backends.base import GpuBackend, NoBackend
+from supervisor.backends.nvml import NvmlBackend
+from supervisor.backends.sim import SimBackend
+from supervisor.config import GpuSection
+
+
+def make_backend(gpu: GpuSection) -> GpuBackend:
+    """``sim``, ``none``, or NVML for ``nvml`` and ``auto`` (the caller handles the fallback)."""
+    if gpu.backend == "sim":
+        return SimBackend(gpu.sim_dir, gpu.sim_devices)
+    if gpu.backend == "none":
+        return NoBackend()
+    return NvmlBackend()

@@ -1,0 +1,354 @@
+"""The NVML backend (``nvidia-ml-py``'s ``pynvml``): the only module that imports ``pynvml``.
+
+- One long-lived ``nvmlInit``; identities (UUID, name, total memory) cached at ``open()``.
+- Versioned entry points are probed once: memory ``_v2`` (else v1), the process list ``_v3``
+  (else ``_v2``), ``TemperatureV`` (else the deprecated ``GetTemperature``), slowdown/shutdown
+  thresholds through field values 194/193 (else ``GetTemperatureThreshold``).
+- Errors are mapped here (NVML.md section 2): not supported / no permission / function not found /
+  version mismatch -> the field is None and is not asked again on that device; GPU lost, reset
+  required, insufficient power, IRQ issue -> the device is unhealthy this tick; anything else ->
+  the field is None this tick. An init failure is ``BackendUnavailable``.
+- Calls block: the sampler runs ``sample()`` in one dedicated thread and ``wait_xid()`` in
+  another (a bounded ``nvmlEventSetWait_v2``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pynvml
+
+from supervisor.backends.base import (
+    DEVICE_LOST_CODES,
+    NVML_ERROR_TIMEOUT,
+    NVML_ERROR_UNINITIALIZED,
+    UNSUPPORTED_CODES,
+)
+from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
+from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
+
+T = TypeVar("T")
+MIB = 1024 * 1024
+_XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
+_FI_SHUTDOWN = 193
+_FI_SLOWDOWN = 194
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # pynvml's __str__ calls into the library
+        return f"NVML error {_code(exc)}"
+
+
+def _field_number(fv: Any) -> float | None:
+    if fv.nvmlReturn != 0:
+        return None
+    kind = int(fv.valueType)
+    v = fv.value
+    value = {0: v.dVal, 1: v.uiVal, 2: v.ulVal, 3: v.ullVal, 4: v.sllVal, 5: v.siVal, 6: v.usVal}
+    got = value.get(kind)
+    return None if got is None else float(got)
+
+
+class NvmlBackend:
+    """GPU telemetry through NVML."""
+
+    name = "nvml"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._handles: list[Any] = []
+        self._identities: tuple[DeviceIdentity, ...] = ()
+        self._unsupported: set[tuple[int, str]] = set()
+        self._memory_v2 = True
+        self._procs_v3 = True
+        self._temperature_v = True
+        self._threshold_fields = True
+        self._event_set: Any = None
+        self._initialized = False
+        self._lock = threading.Lock()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def open(self) -> tuple[DeviceIdentity, ...]:
+        """``nvmlInit``, cache identities, probe versions, register for XID events."""
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise BackendUnavailable(f"NVML init failed: {_describe(exc)}", _code(exc)) from exc
+        except OSError as exc:  # pragma: no cover - pynvml maps this to LibraryNotFound
+            raise BackendUnavailable(f"NVML library not loadable: {exc}") from exc
+        self._initialized = True
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            self.close()
+            raise BackendUnavailable(f"NVML device count failed: {_describe(exc)}") from exc
+        handles: list[Any] = []
+        identities: list[DeviceIdentity] = []
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                name = pynvml.nvmlDeviceGetName(handle)
+            except pynvml.NVMLError as exc:
+                handles.append(None)
+                identities.append(DeviceIdentity(index, f"unknown-{index}", _describe(exc)))
+                continue
+            total: float | None = None
+            try:
+                total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / MIB
+            except pynvml.NVMLError:
+                total = None
+            handles.append(handle)
+            identities.append(DeviceIdentity(index, str(uuid), str(name), total))
+        self._handles = handles
+        self._identities = tuple(identities)
+        self._probe()
+        self._register_events()
+        return self._identities
+
+    def _first_handle(self) -> Any:
+        return next((h for h in self._handles if h is not None), None)
+
+    def _probe(self) -> None:
+        h = self._first_handle()
+        if h is None:
+            return
+        self._memory_v2 = self._works(
+            lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2)
+        )
+        self._procs_v3 = self._works(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h))
+        self._temperature_v = self._works(
+            lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
+        )
+        self._threshold_fields = self._works(
+            lambda: pynvml.nvmlDeviceGetFieldValues(h, [_FI_SLOWDOWN, _FI_SHUTDOWN])
+        )
+
+    @staticmethod
+    def _works(fn: Callable[[], object]) -> bool:
+        """False only for "this entry point or struct version does not exist here"."""
+        try:
+            fn()
+        except pynvml.NVMLLibraryMismatchError:
+            return False
+        except pynvml.NVMLError as exc:
+            return _code(exc) not in (
+                pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+                pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+                pynvml.NVML_ERROR_NOT_SUPPORTED,
+            )
+        return True
+
+    def _register_events(self) -> None:
+        try:
+            event_set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError:
+            return
+        registered = 0
+        for handle in self._handles:
+            if handle is None:
+                continue
+            try:
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+                mask = _XID_EVENT & int(supported)
+                if mask:
+                    pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
+                    registered += 1
+            except pynvml.NVMLError:
+                continue  # NOT_SUPPORTED leaves the set usable
+        if registered:
+            self._event_set = event_set
+        else:
+            pynvml.nvmlEventSetFree(event_set)
+
+    def close(self) -> None:
+        """Free the event set and shut NVML down."""
+        with self._lock:
+            if self._event_set is not None:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlEventSetFree(self._event_set)
+                self._event_set = None
+            if self._initialized:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
+                self._initialized = False
+
+    # --- sampling --------------------------------------------------------------------------
+
+    def _query(self, index: int, field: str, fn: Callable[[], T]) -> T | None:
+        if (index, field) in self._unsupported:
+            return None
+        try:
+            return fn()
+        except pynvml.NVMLLibraryMismatchError:
+            self._unsupported.add((index, field))
+            return None
+        except pynvml.NVMLError as exc:
+            code = _code(exc)
+            if code in DEVICE_LOST_CODES:
+                raise DeviceLost(_describe(exc), code) from exc
+            if code == NVML_ERROR_UNINITIALIZED:
+                raise BackendUnavailable("NVML is no longer initialised", code) from exc
+            if code in UNSUPPORTED_CODES:
+                self._unsupported.add((index, field))
+            return None
+
+    def sample(self) -> tuple[DeviceSample, ...]:
+        """Read every device once."""
+        if not self._initialized:
+            raise BackendUnavailable("NVML is not initialised")
+        out = []
+        for ident, handle in zip(self._identities, self._handles, strict=True):
+            if handle is None:
+                out.append(
+                    DeviceSample(
+                        ident.index, ident.uuid, ident.name, healthy=False, error=ident.name
+                    )
+                )
+                continue
+            try:
+                out.append(self._sample_device(ident, handle))
+            except DeviceLost as exc:
+                out.append(
+                    DeviceSample(ident.index, ident.uuid, ident.name, healthy=False, error=str(exc))
+                )
+        return tuple(out)
+
+    def _sample_device(self, ident: DeviceIdentity, h: Any) -> DeviceSample:
+        i = ident.index
+        q = self._query
+        if self._memory_v2:
+            mem = q(i, "memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2))
+        else:
+            mem = q(i, "memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+        util = q(i, "utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
+        if self._temperature_v:
+            temp = q(
+                i,
+                "temperature",
+                lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
+            )
+        else:
+            temp = q(
+                i,
+                "temperature",
+                lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+            )
+        slowdown, shutdown = self._thresholds(i, h)
+        power = q(i, "power", lambda: pynvml.nvmlDeviceGetPowerUsage(h))
+        limit = q(i, "power_limit", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
+        enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
+        dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
+        clocks = q(i, "clocks", lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+        if self._procs_v3:
+            procs = q(i, "processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h))
+        else:
+            procs = q(i, "processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h))
+        total = used = free = None
+        if mem is not None:
+            total, used, free = mem.total / MIB, mem.used / MIB, mem.free / MIB
+        processes = None
+        if procs is not None:
+            processes = tuple(
+                GpuProcess(
+                    int(p.pid),
+                    None if p.usedGpuMemory is None else float(p.usedGpuMemory) / MIB,
+                )
+                for p in procs
+                if int(p.pid) > 0
+            )
+        return DeviceSample(
+            index=i,
+            uuid=ident.uuid,
+            name=ident.name,
+            memory_total_mb=total,
+            memory_used_mb=used,
+            memory_free_mb=free,
+            utilization_percent=None if util is None else float(util.gpu),
+            temperature_c=None if temp is None else float(temp),
+            temperature_slowdown_c=slowdown,
+            temperature_shutdown_c=shutdown,
+            power_watts=None if power is None else power / 1000.0,
+            power_limit_watts=None if limit is None else limit / 1000.0,
+            encoder_percent=None if enc is None else float(enc[0]),
+            decoder_percent=None if dec is None else float(dec[0]),
+            clocks_event_reasons=None if clocks is None else int(clocks),
+            processes=processes,
+        )
+
+    def _thresholds(self, i: int, h: Any) -> tuple[float | None, float | None]:
+        if self._threshold_fields:
+            values = self._query(
+                i,
+                "thresholds",
+                lambda: pynvml.nvmlDeviceGetFieldValues(h, [_FI_SLOWDOWN, _FI_SHUTDOWN]),
+            )
+            if values is None:
+                return None, None
+            return _field_number(values[0]), _field_number(values[1])
+        slowdown = self._query(
+            i,
+            "thresholds",
+            lambda: pynvml.nvmlDeviceGetTemperatureThreshold(
+                h, pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+            ),
+        )
+        shutdown = self._query(
+            i,
+            "thresholds_shutdown",
+            lambda: pynvml.nvmlDeviceGetTemperatureThreshold(
+                h, pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
+            ),
+        )
+        return (
+            None if slowdown is None else float(slowdown),
+            None if shutdown is None else float(shutdown),
+        )
+
+    # --- events ----------------------------------------------------------------------------
+
+    def _index_of(self, device: Any) -> int | None:
+        address = ctypes.cast(device, ctypes.c_void_p).value
+        for index, handle in enumerate(self._handles):
+            if handle is not None and ctypes.cast(handle, ctypes.c_void_p).value == address:
+                return index
+        return None
+
+    def wait_xid(self, timeout_s: float) -> list[XidEvent]:
+        """One bounded ``nvmlEventSetWait_v2``; TIMEOUT is the normal "nothing happened"."""
+        with self._lock:  # close() waits for a wait in progress instead of freeing under it
+            event_set = self._event_set
+            if event_set is None:
+                data = None
+            else:
+                try:
+                    data = pynvml.nvmlEventSetWait_v2(event_set, max(1, int(timeout_s * 1000)))
+                except pynvml.NVMLError as exc:
+                    data = exc
+        if data is None:
+            time.sleep(timeout_s)
+            return []
+        if isinstance(data, pynvml.NVMLError):
+            if _code(data) == NVML_ERROR_TIMEOUT:
+                return []
+            raise BackendError(f"NVML event wait failed: {_describe(data)}", _code(data)) from data
+        if int(data.eventType) & _XID_EVENT == 0:
+            return []
+        index = self._index_of(data.device)
+        uuid = self._identities[index].uuid if index is not None else None
+        return [
+            XidEvent(index if index is not None else -1, uuid, int(data.eventData), self._clock())
+        ]

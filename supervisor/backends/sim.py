@@ -1,0 +1,308 @@
+"""Simulated GPUs: the world directory of DESIGN.md section 7, re-read on every sample.
+
+```
+<world>/gpus/<index>   key value lines (uuid, name, memory_total_mib, memory_base_mib, ...,
+                       lost 0/1, rc_<nvml function> <code>)
+<world>/procs/<pid>    "<gpu uuid or index> <used_mib|na>" lines; files of dead pids are ignored
+<world>/events         appended "<gpu index> <xid>" lines, delivered once each
+```
+
+The test suite's fake ``libnvidia-ml.so.1`` reads the same directory, so one scenario drives both
+the ``sim`` and the ``nvml`` backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.backends.base import (
+    DEVICE_LOST_CODES,
+    FIELD_FUNCTIONS,
+    NVML_ERROR_GPU_IS_LOST,
+)
+from supervisor.errors import BackendUnavailable
+from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
+
+#: Defaults for keys a device file leaves out (the fake NVML library uses the same).
+DEFAULTS: Mapping[str, str] = {
+    "name": "Simulated GPU",
+    "memory_total_mib": "81920",
+    "memory_base_mib": "0",
+    "temperature_c": "40",
+    "temperature_slowdown_c": "87",
+    "temperature_shutdown_c": "92",
+    "utilization_percent": "0",
+    "power_mw": "60000",
+    "power_limit_mw": "700000",
+    "clocks_event_reasons": "0",
+    "encoder_percent": "0",
+    "decoder_percent": "0",
+    "lost": "0",
+}
+
+XID_POLL_S = 0.05
+
+
+def default_uuid(index: int) -> str:
+    """The UUID a device file without ``uuid`` gets (deterministic per index)."""
+    return f"GPU-00000000-0000-0000-0000-{index:012d}"
+
+
+def parse_kv(text: str) -> dict[str, str]:
+    """``key value`` lines; blank lines and ``#`` comments are ignored."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition(" ")
+        out[key] = value.strip()
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def default_device_text(index: int, memory_total_mib: int = 81920) -> str:
+    """A complete device file for a new world."""
+    keys = {**DEFAULTS, "uuid": default_uuid(index), "memory_total_mib": str(memory_total_mib)}
+    return "".join(f"{k} {v}\n" for k, v in keys.items())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it holds no GPU memory.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return True
+    return b") Z " not in stat
+
+
+@dataclass(slots=True)
+class _Device:
+    index: int
+    keys: dict[str, str]
+
+    @property
+    def uuid(self) -> str:
+        return self.keys.get("uuid") or default_uuid(self.index)
+
+    def get(self, key: str) -> str:
+        return self.keys.get(key, DEFAULTS.get(key, ""))
+
+    def number(self, key: str) -> float | None:
+        try:
+            return float(self.get(key))
+        except ValueError:
+            return None
+
+    def rc(self, field: str) -> int | None:
+        for fn in FIELD_FUNCTIONS[field]:
+            value = self.keys.get(f"rc_{fn}")
+            if value is not None:
+                with contextlib.suppress(ValueError):
+                    return int(value)
+        return None
+
+
+class SimBackend:
+    """Simulated GPUs backed by a world directory."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        world: Path,
+        create_devices: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        pid_alive: Callable[[int], bool] = _pid_alive,
+    ) -> None:
+        self.world = world
+        self.create_devices = create_devices
+        self._clock = clock
+        self._pid_alive = pid_alive
+        self._events_offset = 0
+        self._partial = b""
+        self._identities: tuple[DeviceIdentity, ...] = ()
+
+    # --- world -----------------------------------------------------------------------------
+
+    def _device_files(self) -> list[tuple[int, Path]]:
+        gpus = self.world / "gpus"
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in gpus.iterdir():
+                if entry.name.isdigit() and entry.is_file():
+                    found.append((int(entry.name), entry))
+        return sorted(found)
+
+    def _read_devices(self) -> list[_Device]:
+        devices = []
+        for index, path in self._device_files():
+            try:
+                text = path.read_text()
+            except OSError:
+                continue
+            devices.append(_Device(index, parse_kv(text)))
+        return devices
+
+    def _read_procs(self) -> dict[str, list[GpuProcess]]:
+        """Live processes by device key (UUID or index as written)."""
+        by_key: dict[str, list[GpuProcess]] = {}
+        procs = self.world / "procs"
+        try:
+            entries = list(procs.iterdir())
+        except FileNotFoundError:
+            return by_key
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if pid <= 0 or not self._pid_alive(pid):
+                continue
+            try:
+                text = entry.read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                parts = line.split()
+                if len(parts) != 2:
+                    continue
+                key, amount = parts
+                used: float | None
+                if amount == "na":
+                    used = None
+                else:
+                    try:
+                        used = float(amount)
+                    except ValueError:
+                        continue
+                    if used < 0:
+                        continue
+                by_key.setdefault(key, []).append(GpuProcess(pid, used))
+        return by_key
+
+    # --- GpuBackend ------------------------------------------------------------------------
+
+    def open(self) -> tuple[DeviceIdentity, ...]:
+        """Create the world (and ``create_devices`` devices if it has none); read identities."""
+        try:
+            (self.world / "gpus").mkdir(parents=True, exist_ok=True)
+            (self.world / "procs").mkdir(parents=True, exist_ok=True)
+            if not self._device_files():
+                for i in range(self.create_devices):
+                    write_atomic(self.world / "gpus" / str(i), default_device_text(i))
+            events = self.world / "events"
+            self._events_offset = events.stat().st_size if events.exists() else 0
+        except OSError as exc:
+            raise BackendUnavailable(f"sim world {self.world}: {exc.strerror or exc}") from exc
+        self._identities = tuple(
+            DeviceIdentity(d.index, d.uuid, d.get("name"), d.number("memory_total_mib"))
+            for d in self._read_devices()
+        )
+        return self._identities
+
+    def sample(self) -> tuple[DeviceSample, ...]:
+        """Read every device and the live processes."""
+        procs = self._read_procs()
+        out = []
+        for dev in self._read_devices():
+            out.append(self._sample_device(dev, procs))
+        return tuple(out)
+
+    def _sample_device(self, dev: _Device, procs: Mapping[str, list[GpuProcess]]) -> DeviceSample:
+        uuid, name = dev.uuid, dev.get("name")
+        if dev.get("lost") == "1":
+            return DeviceSample(dev.index, uuid, name, healthy=False, error="GPU is lost")
+        for fname in FIELD_FUNCTIONS:
+            code = dev.rc(fname)
+            if code in DEVICE_LOST_CODES:
+                error = "GPU is lost" if code == NVML_ERROR_GPU_IS_LOST else f"NVML error {code}"
+                return DeviceSample(dev.index, uuid, name, healthy=False, error=error)
+
+        def field(name: str, key: str, scale: float = 1.0) -> float | None:
+            if dev.rc(name) is not None:
+                return None
+            value = dev.number(key)
+            return None if value is None else value * scale
+
+        mine = [*procs.get(uuid, []), *procs.get(str(dev.index), [])]
+        total = field("memory", "memory_total_mib")
+        used = free = None
+        if total is not None:
+            base = dev.number("memory_base_mib") or 0.0
+            used = min(total, base + sum(p.used_mb or 0.0 for p in mine))
+            free = total - used
+        thresholds_ok = dev.rc("thresholds") is None
+        clocks = field("clocks", "clocks_event_reasons")
+        return DeviceSample(
+            index=dev.index,
+            uuid=uuid,
+            name=name,
+            memory_total_mb=total,
+            memory_used_mb=used,
+            memory_free_mb=free,
+            utilization_percent=field("utilization", "utilization_percent"),
+            temperature_c=field("temperature", "temperature_c"),
+            temperature_slowdown_c=dev.number("temperature_slowdown_c") if thresholds_ok else None,
+            temperature_shutdown_c=dev.number("temperature_shutdown_c") if thresholds_ok else None,
+            power_watts=field("power", "power_mw", 0.001),
+            power_limit_watts=field("power_limit", "power_limit_mw", 0.001),
+            encoder_percent=field("encoder", "encoder_percent"),
+            decoder_percent=field("decoder", "decoder_percent"),
+            clocks_event_reasons=None if clocks is None else int(clocks),
+            processes=None if dev.rc("processes") is not None else tuple(mine),
+        )
+
+    def _read_new_events(self) -> list[XidEvent]:
+        path = self.world / "events"
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < self._events_offset:  # truncated: start over
+                    self._events_offset = 0
+                    self._partial = b""
+                fh.seek(self._events_offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self._events_offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        uuids = {i.index: i.uuid for i in self._identities}
+        out = []
+        for raw in lines:
+            parts = raw.split()
+            if len(parts) != 2 or not parts[0].isdigit() or not parts[1].isdigit():
+                continue
+            index = int(parts[0])
+            out.append(XidEvent(index, uuids.get(index), int(parts[1]), self._clock()))
+        return out
+
+    def wait_xid(self, timeout_s: float) -> list[XidEvent]:
+        """Wait up to ``timeout_s`` for new lines in ``events``."""
+        deadline = self._clock() + timeout_s
+        while True:
+            events = self._read_new_events()
+            if events or self._clock() >= deadline:
+                return events
+            time.sleep(min(XID_POLL_S, max(0.0, deadline - self._clock())))
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,99 @@
+"""Per-worker GPU memory from NVML's process lists (pure).
+
+NVML reports host pids. A worker's usage is the sum over every pid of its process tree. Where no
+pid matches (a container without the host PID namespace) usage is attributed by device when each
+of the worker's GPUs belongs to that worker alone, and is otherwise ``unavailable``, never 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from supervisor.model import DeviceSample, GpuProcess
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUsage:
+    """One worker's GPU memory: total, per GPU UUID, and how it was attributed."""
+
+    total_mb: float | None
+    by_gpu: Mapping[str, float]
+    attribution: str  # "pid" | "device" | "unavailable" | "none"
+
+
+def sane_processes(device: DeviceSample) -> tuple[GpuProcess, ...]:
+    """Drop impossible entries: pid <= 0, negative use, use above the device's total."""
+    out = []
+    total = device.memory_total_mb
+    for p in device.processes or ():
+        if p.pid <= 0:
+            continue
+        used = p.used_mb
+        if used is not None and (used < 0 or (total is not None and used > total)):
+            used = None
+        out.append(GpuProcess(p.pid, used))
+    return tuple(out)
+
+
+def attribute(
+    devices: tuple[DeviceSample, ...],
+    trees: Mapping[str, frozenset[int]],
+    assigned: Mapping[str, tuple[str, ...] | None],
+    visible_pids: frozenset[int],
+) -> dict[str, GpuUsage]:
+    """GPU memory of each worker in ``trees`` (worker -> pids of its whole process tree).
+
+    ``visible_pids`` are the pids that exist in the supervisor's PID namespace: an NVML pid
+    outside it belongs to a namespace we cannot see (the case for device attribution).
+    """
+    procs = {d.uuid: sane_processes(d) for d in devices if d.healthy and d.processes is not None}
+    listable = {d.uuid for d in devices if d.healthy and d.processes is not None}
+    owners: dict[str, list[str]] = {}
+    for name, uuids in assigned.items():
+        for u in uuids or ():
+            owners.setdefault(u, []).append(name)
+    known_pids = frozenset().union(*trees.values()) if trees else frozenset()
+    out: dict[str, GpuUsage] = {}
+    for name, tree in trees.items():
+        gpus = assigned.get(name) or ()
+        by_gpu: dict[str, float] = {}
+        matched = False
+        unknown_amount = False
+        for uuid, plist in procs.items():
+            for p in plist:
+                if p.pid in tree:
+                    matched = True
+                    if p.used_mb is None:
+                        unknown_amount = True
+                    else:
+                        by_gpu[uuid] = by_gpu.get(uuid, 0.0) + p.used_mb
+        if matched:
+            total = None if unknown_amount and not by_gpu else sum(by_gpu.values())
+            out[name] = GpuUsage(total, by_gpu, "pid")
+            continue
+        if not gpus:
+            out[name] = GpuUsage(None, {}, "none")
+            continue
+        if not all(u in listable for u in gpus):
+            out[name] = GpuUsage(None, {}, "unavailable")
+            continue
+        foreign = {
+            u: [p for p in procs[u] if p.pid not in known_pids and p.pid not in visible_pids]
+            for u in gpus
+        }
+        if not any(foreign.values()):
+            out[name] = GpuUsage(
+                0.0, dict.fromkeys(gpus, 0.0), "pid"
+            )  # listed, and nothing is ours
+            continue
+        if all(owners.get(u) == [name] for u in gpus):
+            amounts = [p.used_mb for u in gpus for p in foreign[u]]
+            if any(a is None for a in amounts):
+                out[name] = GpuUsage(None, {}, "unavailable")
+                continue
+            by_dev = {u: sum(p.used_mb or 0.0 for p in foreign[u]) for u in gpus}
+            out[name] = GpuUsage(sum(by_dev.values()), by_dev, "device")
+            continue
+        out[name] = GpuUsage(None, {}, "unavailable")
+    return out
