@@ -90,6 +90,7 @@ class Runtime:
         environ: MutableMapping[str, str] | None = None,
         clock: Clock | None = None,
         subreaper: bool = True,
+        trace_samples: bool = False,
     ) -> None:
         self.settings = settings
         self.config_path = config_path
@@ -131,6 +132,7 @@ class Runtime:
         self._trees: dict[str, frozenset[int]] = {}
         self._sampled = anyio.Event()
         self._summary_at = 0.0
+        self._trace_samples = trace_samples
 
     # --- public -------------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class Runtime:
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0
         await self._open_gpus()
         try:
             plan = self._build_plan(self.settings)
@@ -284,6 +287,29 @@ class Runtime:
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
         self._sampled.set()
         self._sampled = anyio.Event()
+        if self._trace_samples:
+            self.log.debug(
+                "gpu.sample",
+                duration_ms=round(sample.duration_s * 1000, 3),
+                nvml_available=sample.nvml_available,
+                devices={
+                    d.uuid: {
+                        "used_mb": d.memory_used_mb,
+                        "healthy": d.healthy,
+                        "processes": None if d.processes is None else len(d.processes),
+                    }
+                    for d in sample.devices
+                },
+                workers={
+                    n: {
+                        "gpu_mb": u.gpu_memory_mb,
+                        "by_gpu": dict(u.gpu_memory_by_gpu),
+                        "attribution": u.attribution,
+                        "pids": list(u.pids),
+                    }
+                    for n, u in sample.workers.items()
+                },
+            )
         if sample.t - self._summary_at >= SUMMARY_EVERY_S and sample.devices:
             self._summary_at = sample.t
             self.log.info(
@@ -315,15 +341,20 @@ class Runtime:
         self.log.warning("gpu.xid", gpu=event.gpu_index, uuid=event.uuid, xid=event.xid)
 
     async def _fresh_sample(self, after: float, timeout: float) -> Sample | None:
-        """A sample taken after monotonic time ``after`` (requested now), or None on timeout."""
+        """The first sample taken after monotonic time ``after``, or None on timeout.
+
+        Asks the sampler for one at once; a caller that loops gets the regular ticks after that.
+        """
         with anyio.move_on_after(timeout):
+            last = self.sampler.last
+            if last is not None and last.t > after:
+                return last
+            self.sampler.request()
             while True:
+                await self._sampled.wait()
                 last = self.sampler.last
                 if last is not None and last.t > after:
                     return last
-                event = self._sampled
-                self.sampler.request()
-                await event.wait()
         return None
 
     async def _await_release(
@@ -332,23 +363,22 @@ class Runtime:
         """Wait until no pid of ``old`` holds memory on ``gpus``; return what still holds it."""
         deadline = anyio.current_time() + timeout
         after = anyio.current_time()
+        held: dict[str, frozenset[int]] = {}
         while True:
-            remaining = deadline - anyio.current_time()
-            sample = await self._fresh_sample(after, max(remaining, 0.0))
-            held: dict[str, frozenset[int]] = {}
-            if sample is not None:
-                for uuid in gpus:
-                    d = sample.device(uuid)
-                    if d is None or d.processes is None:
-                        continue  # cannot tell: do not block on it
-                    pids = frozenset(p.pid for p in d.processes) & old
-                    if pids:
-                        held[uuid] = pids
-                if not held:
-                    return {}
-                after = sample.t
-            if sample is None or anyio.current_time() >= deadline:
+            sample = await self._fresh_sample(after, max(deadline - anyio.current_time(), 0.0))
+            if sample is None:
                 return held
+            held = {}
+            for uuid in gpus:
+                d = sample.device(uuid)
+                if d is None or d.processes is None:
+                    continue  # cannot tell: do not block on it
+                pids = frozenset(p.pid for p in d.processes) & old
+                if pids:
+                    held[uuid] = pids
+            if not held or anyio.current_time() >= deadline:
+                return held
+            after = sample.t
 
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the GPU-release barrier, then re-place off unusable GPUs."""
@@ -405,7 +435,10 @@ class Runtime:
     # --- wiring -------------------------------------------------------------------------
 
     def _worker_environ(self) -> dict[str, str]:
-        return dict(self.environ)
+        env = dict(self.environ)
+        if self.settings.gpu.backend == "sim":
+            env["GPU_SUPERVISOR_SIM_DIR"] = os.fspath(self.settings.gpu.sim_dir.absolute())
+        return env
 
     def _changed_now(self, _runner: WorkerRunner | None = None) -> None:
         self._changed.set()

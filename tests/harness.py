@@ -54,6 +54,7 @@ class Supervisor:
         *,
         env: Mapping[str, str] | None = None,
         prefix: Sequence[str] = (),
+        log_level: str = "info",
     ) -> None:
         self.tmp_path = tmp_path
         self.state_dir = tmp_path / "state"
@@ -68,6 +69,7 @@ class Supervisor:
         }
         self.env = {**inherited, **(env or {})}
         self.prefix = list(prefix)
+        self.log_level = log_level
         self.events: list[dict[str, Any]] = []
         self.stdout: list[str] = []
         self.raw_stderr: list[str] = []
@@ -110,7 +112,7 @@ class Supervisor:
             str(self.config_path),
         ]
         self._proc = subprocess.Popen(
-            [*argv, "--log-format", "json"],
+            [*argv, "--log-format", "json", "--log-level", self.log_level],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

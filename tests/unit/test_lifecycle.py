@@ -63,6 +63,8 @@ def _edges() -> dict[tuple[S, S], lc.WorkerRecord]:
     out: dict[tuple[S, S], lc.WorkerRecord] = {}
     out[(S.STOPPED, S.STARTING)] = at(lc.WorkerRecord(), lc.Start(), 0)
     out[(S.STARTING, S.READY)] = at(started(), lc.Ready(10), 100)
+    preparing = at(lc.WorkerRecord(), lc.Start(), 0)  # Spawn issued, not answered yet
+    out[(S.STARTING, S.STOPPED)] = at(preparing, lc.Stop(), 0.5)
     out[(S.STARTING, S.STOPPING)] = at(started(), lc.Timer(), 105)
     out[(S.STARTING, S.BACKOFF)] = at(started(), lc.Exited(10, CRASH), 101)
     two_failures = replace(started(), history=FailureHistory((99.0, 99.5), 2))

@@ -1,0 +1,171 @@
+"""The GPU seam end to end on simulated GPUs: placement, attribution, health, the barrier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import SupervisorFactory
+from tests.harness import Supervisor, worker_cmd
+
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
+
+
+def config(tmp_path: Path, *groups: dict[str, Any], **gpu: Any) -> dict[str, Any]:
+    return {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), **gpu},
+        "workers": [{"log_passthrough": True, "stop_timeout_s": 2, **g} for g in groups],
+    }
+
+
+def worker_mb(sup: Supervisor, worker: str, mb: float, after: int = 0) -> dict[str, Any]:
+    """Wait for a sample in which ``worker`` holds ``mb`` MiB."""
+    event = sup.wait_event(
+        event="gpu.sample",
+        after=after,
+        workers=lambda w: isinstance(w, dict) and w.get(worker, {}).get("gpu_mb") == mb,
+    )
+    return dict(event["workers"][worker])
+
+
+def test_placement_uuids_and_per_worker_memory(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Workers get planned UUIDs in CUDA_VISIBLE_DEVICES and their memory shows up per worker."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "g", "replicas": 3, "command": worker_cmd("gpu_user", "1500")},
+            {"name": "cpu", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+        ),
+        log_level="debug",
+    )
+    for w in ("g-0", "g-1", "g-2", "cpu-0"):
+        sup.ready(w)
+    assert sup.wait_line("[g-0] ", endswith=f"ready on {UUID0}")
+    assert sup.wait_line("[g-1] ", endswith=f"ready on {UUID1}")
+    assert sup.wait_line("[g-2] ", endswith=f"ready on {UUID0}")
+    cpu_env = json.loads(sup.wait_line("[cpu-0] ", contains=" env ").split(" env ", 1)[1])
+    assert cpu_env["CUDA_VISIBLE_DEVICES"] == ""
+    for w, uuid in (("g-0", UUID0), ("g-1", UUID1), ("g-2", UUID0)):
+        usage = worker_mb(sup, w, 1500.0)
+        assert usage["by_gpu"] == {uuid: 1500.0}
+        assert usage["attribution"] == "pid"
+    sample = sup.wait_event(
+        event="gpu.sample",
+        devices=lambda d: d[UUID0]["used_mb"] == 3000.0 and d[UUID1]["used_mb"] == 1500.0,
+    )
+    assert sample["workers"]["cpu-0"]["attribution"] == "none"
+    assert sup.stop() == 0
+
+
+def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(
+        config(tmp_path, {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "100")}),
+        log_level="debug",
+    )
+    sup.ready("g-0")
+    sup.ready("g-1")
+    gpu1 = tmp_path / "sim" / "gpus" / "1"
+    gpu1.write_text(gpu1.read_text().replace("lost 0", "lost 1"))
+    mark = sup.mark()
+    sample = sup.wait_event(
+        event="gpu.sample", after=mark, devices=lambda d: d[UUID1]["healthy"] is False
+    )
+    assert sample["devices"][UUID0]["healthy"] is True
+    assert sample["workers"]["g-0"]["gpu_mb"] == 100.0
+    # the workers keep running
+    assert not sup.find(event="worker.exited")
+    assert sup.stop() == 0
+
+
+def test_not_supported_fields_are_null(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    (world / "gpus").mkdir(parents=True)
+    (world / "gpus" / "0").write_text(
+        f"uuid {UUID0}\nrc_nvmlDeviceGetPowerUsage 3\nrc_nvmlDeviceGetTemperature 3\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "gpus",
+            "--backend",
+            "sim",
+            "--sim-dir",
+            str(world),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    dev = json.loads(out.stdout)["devices"][0]
+    assert dev["power_watts"] is None
+    assert dev["temperature_celsius"] is None
+    assert dev["utilization_percent"] == 0.0
+    assert dev["memory"]["total_mb"] == 81920.0
+
+
+def test_barrier_waits_for_release_then_restarts_in_place(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A crashed worker whose escaped grandchild still holds memory restarts once it is gone."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "b",
+                "command": worker_cmd("gpu_user", "500", "--crash-after", "0.5", "--holder", "0.4"),
+                "restart": {"stable_s": 0.1},
+            },
+            release_timeout_s=5,
+        ),
+    )
+    sup.ready("b-0")
+    exited = sup.wait_event(event="worker.exited", worker="b-0")
+    respawn = sup.wait_events(2, event="worker.spawned", worker="b-0")[1]
+    from tests.integration.test_lifecycle import ts
+
+    assert ts(respawn) - ts(exited) >= 0.35  # waited for the holder to let go
+    assert not sup.find(event="gpu.suspect")
+    assert sup.wait_line("[b-0] ", endswith=f"ready on {UUID0}", after=0)
+    assert sup.stop() == 0
+
+
+def test_barrier_timeout_marks_suspect_and_moves(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Memory still held after release_timeout_s: the GPU is suspect and the worker moves."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "b",
+                "command": worker_cmd("gpu_user", "500", "--crash-after", "0.5", "--holder", "30"),
+                "restart": {"stable_s": 0.1},
+            },
+            release_timeout_s=0.5,
+        ),
+    )
+    sup.ready("b-0")
+    suspect = sup.wait_event(event="gpu.suspect", worker="b-0")
+    assert suspect["gpu"] == UUID0
+    moved = sup.wait_event(event="worker.moved", worker="b-0")
+    assert moved["old_gpus"] == [UUID0]
+    assert moved["new_gpus"] == [UUID1]
+    mark = len(sup.stdout)
+    assert sup.wait_line("[b-0] ", endswith=f"ready on {UUID1}", after=mark - 5)
+    assert sup.stop() == 0
+    # the escaped holder was adopted (subreaper) and killed at shutdown
+    assert sup.find(event="supervisor.killed_leftovers")

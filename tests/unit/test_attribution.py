@@ -1,0 +1,68 @@
+"""Per-worker GPU memory attribution (pure)."""
+
+from __future__ import annotations
+
+from supervisor.model import DeviceSample, GpuProcess
+from supervisor.policy.attribution import attribute, sane_processes
+
+
+def dev(uuid: str, *procs: tuple[int, float | None], total: float = 1000.0) -> DeviceSample:
+    return DeviceSample(
+        0, uuid, "g", memory_total_mb=total, processes=tuple(GpuProcess(p, m) for p, m in procs)
+    )
+
+
+def test_sums_the_whole_tree_across_gpus() -> None:
+    devices = (dev("A", (10, 100.0), (11, 50.0), (99, 7.0)), dev("B", (12, 25.0)))
+    got = attribute(
+        devices, {"w": frozenset({10, 11, 12})}, {"w": ("A", "B")}, frozenset({10, 11, 12, 99})
+    )
+    assert got["w"].total_mb == 175.0
+    assert got["w"].by_gpu == {"A": 150.0, "B": 25.0}
+    assert got["w"].attribution == "pid"
+
+
+def test_unknown_amounts_are_not_zero() -> None:
+    got = attribute((dev("A", (10, None)),), {"w": frozenset({10})}, {"w": ("A",)}, frozenset({10}))
+    assert got["w"].total_mb is None
+    assert got["w"].attribution == "pid"
+
+
+def test_listed_gpu_without_our_pids_is_zero() -> None:
+    got = attribute(
+        (dev("A", (99, 5.0)),), {"w": frozenset({10})}, {"w": ("A",)}, frozenset({10, 99})
+    )
+    assert got["w"].total_mb == 0.0
+
+
+def test_invisible_pids_on_an_owned_gpu_are_attributed_by_device() -> None:
+    # NVML reports host pids we cannot see (container without the host PID namespace).
+    got = attribute(
+        (dev("A", (4242, 300.0)),), {"w": frozenset({10})}, {"w": ("A",)}, frozenset({10})
+    )
+    assert got["w"].total_mb == 300.0
+    assert got["w"].attribution == "device"
+
+
+def test_invisible_pids_on_a_shared_gpu_are_unavailable() -> None:
+    trees = {"w": frozenset({10}), "v": frozenset({20})}
+    got = attribute(
+        (dev("A", (4242, 300.0)),), trees, {"w": ("A",), "v": ("A",)}, frozenset({10, 20})
+    )
+    assert got["w"].total_mb is None
+    assert got["w"].attribution == "unavailable"
+
+
+def test_unlisted_processes_are_unavailable_and_no_gpu_is_none() -> None:
+    devices = (DeviceSample(0, "A", "g", processes=None),)
+    got = attribute(
+        devices, {"w": frozenset({10}), "n": frozenset({20})}, {"w": ("A",), "n": ()}, frozenset()
+    )
+    assert got["w"].attribution == "unavailable"
+    assert got["w"].total_mb is None
+    assert got["n"].attribution == "none"
+
+
+def test_sanity_checks_drop_impossible_values() -> None:
+    procs = sane_processes(dev("A", (0, 5.0), (-3, 5.0), (10, 5000.0), (11, -1.0), (12, 10.0)))
+    assert procs == (GpuProcess(10, None), GpuProcess(11, None), GpuProcess(12, 10.0))

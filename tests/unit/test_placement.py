@@ -1,0 +1,100 @@
+"""Placement (pure): fewest workers, then most free memory, then coolest; budgets; explicit lists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from supervisor.config import parse_settings
+from supervisor.errors import PlacementError
+from supervisor.plan import GpuSlot, build_plan, place
+
+
+def groups(*specs: dict[str, Any]) -> Any:
+    return parse_settings({"workers": [{"command": ["x"], **s} for s in specs]}).workers
+
+
+def gpus(n: int = 2, **over: Any) -> list[GpuSlot]:
+    return [GpuSlot(i, f"GPU-{i}", 80_000.0, 80_000.0, 40.0, **over) for i in range(n)]
+
+
+def test_spreads_by_fewest_workers() -> None:
+    got = place(groups({"name": "a", "replicas": 3}), gpus(2), 512)
+    assert got == {"a-0": ("GPU-0",), "a-1": ("GPU-1",), "a-2": ("GPU-0",)}
+
+
+def test_ties_go_to_more_free_memory_then_cooler() -> None:
+    slots = [GpuSlot(0, "GPU-0", 80e3, 10e3, 30.0), GpuSlot(1, "GPU-1", 80e3, 50e3, 80.0)]
+    assert place(groups({"name": "a"}), slots, 0)["a-0"] == ("GPU-1",)
+    slots = [GpuSlot(0, "GPU-0", 80e3, 50e3, 70.0), GpuSlot(1, "GPU-1", 80e3, 50e3, 30.0)]
+    assert place(groups({"name": "a"}), slots, 0)["a-0"] == ("GPU-1",)
+
+
+def test_skips_unusable_gpus() -> None:
+    slots = [GpuSlot(0, "GPU-0", 80e3, usable=False, why_not="is cordoned"), *gpus(2)[1:]]
+    got = place(groups({"name": "a", "replicas": 2}), slots, 0)
+    assert set(got.values()) == {("GPU-1",)}
+
+
+def test_max_workers_per_gpu_is_a_clear_error() -> None:
+    with pytest.raises(
+        PlacementError,
+        match=r"cannot place a-2: needs 1 GPU\(s\), 0 available .*max_workers_per_gpu",
+    ):
+        place(groups({"name": "a", "replicas": 3, "max_workers_per_gpu": 1}), gpus(2), 0)
+
+
+def test_gpus_per_worker() -> None:
+    got = place(groups({"name": "a", "replicas": 2, "gpus_per_worker": 2}), gpus(4), 0)
+    assert got["a-0"] == ("GPU-0", "GPU-1")
+    assert got["a-1"] == ("GPU-2", "GPU-3")
+
+
+def test_budgets_must_fit_under_total_minus_reserve() -> None:
+    g = groups({"name": "a", "replicas": 3, "health": {"gpu_memory_limit_mb": 30_000}})
+    slots = [GpuSlot(0, "GPU-0", 80_000.0, 80_000.0)]
+    with pytest.raises(PlacementError, match="has 19488 MB left for budgets, needs 30000"):
+        place(g, slots, 512)
+
+
+def test_budget_exactly_fits() -> None:
+    g = groups({"name": "a", "replicas": 2, "health": {"gpu_memory_limit_mb": 39_744}})
+    got = place(g, [GpuSlot(0, "GPU-0", 80_000.0, 80_000.0)], 512)
+    assert got == {"a-0": ("GPU-0",), "a-1": ("GPU-0",)}
+
+
+def test_explicit_lists_resolve_to_uuids() -> None:
+    g = groups(
+        {"name": "a", "gpus": [1]}, {"name": "b", "gpus": ["GPU-0"]}, {"name": "c", "gpus": "none"}
+    )
+    got = place(g, gpus(2), 0)
+    assert got == {"a-0": ("GPU-1",), "b-0": ("GPU-0",), "c-0": ()}
+
+
+def test_explicit_unknown_gpu_is_an_error() -> None:
+    with pytest.raises(
+        PlacementError, match=r"workers\[0\].gpus\[0\]: no GPU with index 7 \(GPUs: 0, 1\)"
+    ):
+        place(groups({"name": "a", "gpus": [7]}), gpus(2), 0)
+    with pytest.raises(PlacementError, match="no GPU with UUID 'GPU-x'"):
+        place(groups({"name": "a", "gpus": ["GPU-x"]}), gpus(2), 0)
+
+
+def test_without_devices_auto_places_nothing_and_lists_pass_through() -> None:
+    got = place(groups({"name": "a"}, {"name": "b", "gpus": [3, "GPU-z"]}), [], 0)
+    assert got == {"a-0": None, "b-0": ("3", "GPU-z")}
+
+
+def test_fixed_workers_keep_their_gpus_and_count() -> None:
+    g = groups({"name": "a", "replicas": 2})
+    got = place(g, gpus(2), 0, fixed={"a-0": ("GPU-1",), "a-1": ("GPU-1",)}, only={"a-1"})
+    assert got == {"a-0": ("GPU-1",), "a-1": ("GPU-0",)}
+
+
+def test_plan_puts_uuids_in_cuda_visible_devices() -> None:
+    settings = parse_settings({"workers": [{"name": "a", "command": ["x"], "replicas": 2}]})
+    plan = build_plan(settings, {}, None, gpus(2))
+    envs = [w.env["CUDA_VISIBLE_DEVICES"] for w in plan.groups[0].workers]
+    assert envs == ["GPU-0", "GPU-1"]
+    assert plan.warnings == ()

@@ -1,0 +1,85 @@
+"""The sim backend against a real world directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from supervisor.backends.sim import SimBackend, default_uuid, write_atomic
+from supervisor.model import clock_event_names
+
+
+def world(tmp_path: Path, live: set[int] | None = None) -> SimBackend:
+    live = {os.getpid()} if live is None else live
+    b = SimBackend(tmp_path, create_devices=2, pid_alive=lambda p: p in live)
+    b.open()
+    return b
+
+
+def test_creates_default_devices(tmp_path: Path) -> None:
+    b = SimBackend(tmp_path, create_devices=3)
+    ids = b.open()
+    assert [i.uuid for i in ids] == [default_uuid(i) for i in range(3)]
+    assert all(i.memory_total_mb == 81920 for i in ids)
+    assert SimBackend(tmp_path, create_devices=5).open() == ids  # existing world is kept
+
+
+def test_memory_is_base_plus_live_processes(tmp_path: Path) -> None:
+    b = world(tmp_path, live={100, 101})
+    write_atomic(tmp_path / "gpus" / "0", "uuid GPU-a\nmemory_total_mib 1000\nmemory_base_mib 50\n")
+    (tmp_path / "procs" / "100").write_text("GPU-a 200\n1 30\n")
+    (tmp_path / "procs" / "101").write_text("0 10\n")
+    (tmp_path / "procs" / "102").write_text("GPU-a 999\n")  # dead pid: ignored
+    d0, d1 = b.sample()
+    assert (d0.uuid, d0.memory_used_mb, d0.memory_free_mb) == ("GPU-a", 260.0, 740.0)
+    assert sorted((p.pid, p.used_mb) for p in d0.processes or ()) == [(100, 200.0), (101, 10.0)]
+    assert d1.memory_used_mb == 30.0
+    (tmp_path / "procs" / "100").write_text("GPU-a 400\n")
+    assert b.sample()[0].memory_used_mb == 460.0  # re-read every sample
+
+
+def test_not_available_memory_and_faults(tmp_path: Path) -> None:
+    b = world(tmp_path, live={7})
+    (tmp_path / "procs" / "7").write_text("0 na\n")
+    write_atomic(
+        tmp_path / "gpus" / "0",
+        f"uuid {default_uuid(0)}\nrc_nvmlDeviceGetPowerUsage 3\nrc_nvmlDeviceGetUtilizationRates 4\n",
+    )
+    write_atomic(tmp_path / "gpus" / "1", f"uuid {default_uuid(1)}\nlost 1\n")
+    d0, d1 = b.sample()
+    assert d0.healthy
+    assert d0.power_watts is None
+    assert d0.utilization_percent is None
+    assert d0.temperature_c == 40.0
+    assert d0.processes is not None
+    assert d0.processes[0].used_mb is None
+    assert not d1.healthy
+    assert d1.error == "GPU is lost"
+    assert d1.memory_used_mb is None
+    write_atomic(
+        tmp_path / "gpus" / "1", f"uuid {default_uuid(1)}\nrc_nvmlDeviceGetMemoryInfo 15\n"
+    )
+    assert not b.sample()[1].healthy
+
+
+def test_xid_events_are_delivered_once_and_old_ones_never(tmp_path: Path) -> None:
+    (tmp_path / "events").write_text("0 79\n")
+    b = world(tmp_path)
+    assert b.wait_xid(0.01) == []
+    with open(tmp_path / "events", "a") as fh:
+        fh.write("1 13\n0 4")  # the last line is not complete yet
+    got = b.wait_xid(0.5)
+    assert [(e.gpu_index, e.uuid, e.xid) for e in got] == [(1, default_uuid(1), 13)]
+    with open(tmp_path / "events", "a") as fh:
+        fh.write("8\n")
+    assert [e.xid for e in b.wait_xid(0.5)] == [48]
+    assert b.wait_xid(0.01) == []
+
+
+def test_clock_event_names() -> None:
+    assert clock_event_names(None) is None
+    assert clock_event_names(0x1 | 0x20 | 0x4000_0000) == (
+        "gpu_idle",
+        "sw_thermal_slowdown",
+        "0x40000000",
+    )
