@@ -22,7 +22,7 @@ test: venv lint typecheck
 	$(BIN)/python -m pytest
 
 lint: venv
-	$(BIN)/ruff check supervisor tests bench examples
+	$(BIN)/ruff check supervisor tests bench examples scripts/gpu-smoke
 	$(BIN)/ruff format --check supervisor tests examples
 	$(BIN)/lint-imports
 
