@@ -170,38 +170,46 @@ class Runtime:
         return predicate()
 
     async def run(self) -> int:
-        """Run until shut down; return the exit code."""
+        """Run until shut down; return the exit code.
+
+        Signal handling and the reaper come first, so a SIGTERM during start-up (while NVML
+        initialises, say) is a graceful stop, not a kill.
+        """
         sup = self.settings.supervisor
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0
-        await self._open_gpus()
-        try:
-            plan = self._build_plan(self.settings)
-        except PlacementError:
-            await self._close_gpus()
-            raise
-        for warning in plan.warnings:
-            self.log.warning("plan.warning", message=warning)
-        self.log.info(
-            "supervisor.start",
-            pid=os.getpid(),
-            version=__version__,
-            workers=sum(len(g.workers) for g in plan.groups),
-            notify_socket=os.fspath(self.notify_path),
-            pid1=os.getpid() == 1,
-        )
+        startup_error: PlacementError | None = None
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                await tg.start(self._serve_signals)
                 await tg.start(self.reaper.serve)
+                tg.start_soon(self._serve_intents)
+                await self._open_gpus()
+                try:
+                    plan = self._build_plan(self.settings)
+                except PlacementError as exc:
+                    startup_error = exc
+                    tg.cancel_scope.cancel()
+                    plan = Plan((), ())
+                for warning in plan.warnings:
+                    self.log.warning("plan.warning", message=warning)
+                self.log.info(
+                    "supervisor.start",
+                    pid=os.getpid(),
+                    version=__version__,
+                    workers=sum(len(g.workers) for g in plan.groups),
+                    notify_socket=os.fspath(self.notify_path),
+                    pid1=os.getpid() == 1,
+                )
                 await tg.start(self.listener.serve)
                 await tg.start(self.sampler.serve)
-                await tg.start(self._serve_signals)
-                tg.start_soon(self._serve_intents)
                 tg.start_soon(self._serve_systemd)
                 for group_plan in plan.groups:
+                    if self._shutting_down:
+                        break
                     await self._add_group(group_plan.group, plan)
                 self._all_added = True
                 self._changed_now()
@@ -212,6 +220,11 @@ class Runtime:
         finally:
             self.listener.close()
             self.systemd.close()
+            if startup_error is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._close_gpus()
+        if startup_error is not None:
+            raise startup_error
         self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
         return self.exit_code
 

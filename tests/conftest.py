@@ -39,3 +39,15 @@ def supervisor(tmp_path: Path) -> Iterator[SupervisorFactory]:
     for sup in started:
         survivors += sup.close()
     assert not survivors, f"processes outlived their supervisor: {survivors}"
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the fake ``libnvidia-ml.so.1`` (built once per session with gcc)."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed: cannot build the fake libnvidia-ml.so.1")
+    from tests.fakenvml.build import build_fake_nvml
+
+    return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))

@@ -250,8 +250,9 @@ class Supervisor:
         return code
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait."""
+        """SIGTERM (once the supervisor has its signal handlers) and wait."""
         if self.proc.poll() is None:
+            self.wait_event(event="supervisor.start")
             self.signal(signal.SIGTERM)
         return self.wait_exit(timeout)
 

@@ -1,0 +1,1530 @@
+/*
+ * fakenvml.c: a fake libnvidia-ml.so.1 for testing gpu-supervisor without a GPU.
+ *
+ * The real pynvml (nvidia-ml-py) loads it through LD_LIBRARY_PATH. Every call re-reads the
+ * simulated-GPU world directory named by $GPU_SUPERVISOR_SIM_DIR (DESIGN.md section 7):
+ *
+ *   gpus/<index>   one device, "key value" lines; missing keys take defaults
+ *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; dead pids are ignored
+ *   events         appended "<gpu index or uuid> <xid>" lines, delivered once each
+ *   init_rc        optional: an NVML return code that nvmlInitWithFlags returns
+ *   nvml           optional: "key value" lines for system-level state (driver_version,
+ *                  nvml_version, cuda_driver_version, rc_<function>)
+ *
+ * A key "rc_<C symbol> <code>" in gpus/<index> (or in nvml, for calls that take no device)
+ * makes that call fail with that code. An exact symbol wins; otherwise a key naming the
+ * symbol without its "_vN" suffix applies to every version (rc_nvmlDeviceGetMemoryInfo fails
+ * both nvmlDeviceGetMemoryInfo and nvmlDeviceGetMemoryInfo_v2).
+ *
+ * Struct layouts mirror the ctypes declarations in pynvml.py of nvidia-ml-py 13.615.71; the
+ * static assertions below pin their sizes. See README.md next to this file.
+ *
+ * Compile-time variants (to exercise a backend's fallbacks; symbols cannot be hidden at run
+ * time): -DFAKENVML_NO_PROCESSES_V3, -DFAKENVML_NO_MEMORY_V2, -DFAKENVML_NO_TEMPERATURE_V,
+ * -DFAKENVML_NO_CLOCKS_EVENT_REASONS.
+ *
+ * Build: gcc -shared -fPIC -O2 -Wall -Wextra -Wl,-soname,libnvidia-ml.so.1 \
+ *            -o <dir>/libnvidia-ml.so.1 fakenvml.c -lpthread
+ */
+
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ------------------------------------------------------------------------------------------ */
+/* NVML types and constants (values as in pynvml.py / nvml.h)                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
+    NVML_ERROR_NO_PERMISSION = 4,
+    NVML_ERROR_ALREADY_INITIALIZED = 5,
+    NVML_ERROR_NOT_FOUND = 6,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_INSUFFICIENT_POWER = 8,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_IRQ_ISSUE = 11,
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+    NVML_ERROR_CORRUPTED_INFOROM = 14,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_RESET_REQUIRED = 16,
+    NVML_ERROR_OPERATING_SYSTEM = 17,
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18,
+    NVML_ERROR_IN_USE = 19,
+    NVML_ERROR_MEMORY = 20,
+    NVML_ERROR_NO_DATA = 21,
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22,
+    NVML_ERROR_INSUFFICIENT_RESOURCES = 23,
+    NVML_ERROR_FREQ_NOT_SUPPORTED = 24,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+    NVML_ERROR_DEPRECATED = 26,
+    NVML_ERROR_NOT_READY = 27,
+    NVML_ERROR_GPU_NOT_FOUND = 28,
+    NVML_ERROR_INVALID_STATE = 29,
+    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = 30,
+    NVML_ERROR_UNKNOWN = 999
+} nvmlReturn_t;
+
+#define NVML_VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+#define NVML_NO_INSTANCE_ID 0xFFFFFFFFu
+
+#define NVML_TEMPERATURE_GPU 0u
+#define NVML_TEMPERATURE_THRESHOLD_SHUTDOWN 0u
+#define NVML_TEMPERATURE_THRESHOLD_SLOWDOWN 1u
+#define NVML_TEMPERATURE_THRESHOLD_MEM_MAX 2u
+#define NVML_TEMPERATURE_THRESHOLD_GPU_MAX 3u
+#define NVML_TEMPERATURE_THRESHOLD_COUNT 8u
+
+#define NVML_FI_DEV_TEMPERATURE_SHUTDOWN_TLIMIT 193u
+#define NVML_FI_DEV_TEMPERATURE_SLOWDOWN_TLIMIT 194u
+#define NVML_FI_DEV_TEMPERATURE_MEM_MAX_TLIMIT 195u
+#define NVML_FI_DEV_TEMPERATURE_GPU_MAX_TLIMIT 196u
+
+#define NVML_VALUE_TYPE_SIGNED_INT 5u
+
+#define NVML_CLOCK_GRAPHICS 0u
+#define NVML_CLOCK_SM 1u
+#define NVML_CLOCK_MEM 2u
+#define NVML_CLOCK_VIDEO 3u
+
+#define nvmlEventTypeSingleBitEccError 0x1ULL
+#define nvmlEventTypeDoubleBitEccError 0x2ULL
+#define nvmlEventTypeXidCriticalError 0x8ULL
+#define FAKE_SUPPORTED_EVENT_TYPES \
+    (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeXidCriticalError)
+
+#define NVML_STRUCT_VERSION(type, ver) ((unsigned int)(sizeof(type) | ((ver) << 24u)))
+
+#define MAX_DEVICES 64
+#define MAX_EVENT_SETS 32
+#define MAX_PROCS 1024
+#define MAX_RC_KEYS 64
+#define PATH_BUF 4096
+#define MIB (1024ULL * 1024ULL)
+
+/* Opaque handles: pointers into static arrays, so they stay valid and can be checked. */
+struct nvmlDevice_st {
+    unsigned int index;
+};
+typedef struct nvmlDevice_st *nvmlDevice_t;
+
+struct nvmlEventSet_st {
+    int in_use;
+    long long cursor;                          /* byte offset in events already consumed */
+    unsigned long long mask[MAX_DEVICES];      /* registered event types per device */
+    long long registered_at[MAX_DEVICES];      /* events file size at registration */
+};
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+
+/* pynvml c_nvmlMemory_t */
+typedef struct {
+    unsigned long long total;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_t;
+
+/* pynvml c_nvmlMemory_v2_t; nvmlMemory_v2 = 0x02000028 */
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+#define nvmlMemory_v2 NVML_STRUCT_VERSION(nvmlMemory_v2_t, 2u)
+
+/* pynvml c_nvmlUtilization_t */
+typedef struct {
+    unsigned int gpu;
+    unsigned int memory;
+} nvmlUtilization_t;
+
+/* pynvml c_nvmlTemperature_v1_t; nvmlTemperature_v1 = 0x0100000C */
+typedef struct {
+    unsigned int version;
+    unsigned int sensorType;
+    int temperature;
+} nvmlTemperature_v1_t;
+#define nvmlTemperature_v1 NVML_STRUCT_VERSION(nvmlTemperature_v1_t, 1u)
+
+/* pynvml c_nvmlValue_t (a Union) */
+typedef union {
+    double dVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    long long sllVal;
+    int siVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+/* pynvml c_nvmlFieldValue_t */
+typedef struct {
+    uint32_t fieldId;
+    uint32_t scopeId;
+    int64_t timestamp;
+    int64_t latencyUsec;
+    unsigned int valueType;
+    unsigned int nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+/* pynvml c_nvmlProcessInfo_v2_t (c_nvmlProcessInfo_v3_t is the same class) */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+/* pynvml c_nvmlEventData_t */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+/* pynvml nvmlPciInfo_t (used by nvmlDeviceGetPciInfo_v3) */
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+
+_Static_assert(sizeof(nvmlMemory_t) == 24, "nvmlMemory_t");
+_Static_assert(sizeof(nvmlMemory_v2_t) == 40, "nvmlMemory_v2_t");
+_Static_assert(offsetof(nvmlMemory_v2_t, total) == 8, "nvmlMemory_v2_t padding");
+_Static_assert(nvmlMemory_v2 == 0x02000028u, "nvmlMemory_v2");
+_Static_assert(sizeof(nvmlUtilization_t) == 8, "nvmlUtilization_t");
+_Static_assert(sizeof(nvmlTemperature_v1_t) == 12, "nvmlTemperature_v1_t");
+_Static_assert(nvmlTemperature_v1 == 0x0100000Cu, "nvmlTemperature_v1");
+_Static_assert(sizeof(nvmlValue_t) == 8, "nvmlValue_t");
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t");
+_Static_assert(offsetof(nvmlFieldValue_t, value) == 32, "nvmlFieldValue_t.value");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t");
+_Static_assert(sizeof(nvmlEventData_t) == 32, "nvmlEventData_t");
+_Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t");
+
+/* ------------------------------------------------------------------------------------------ */
+/* Global state                                                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards g_init_refcount */
+static pthread_mutex_t g_event_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards g_event_sets */
+static unsigned int g_init_refcount;
+static struct nvmlDevice_st g_devices[MAX_DEVICES];
+static struct nvmlEventSet_st g_event_sets[MAX_EVENT_SETS];
+
+static int is_initialized(void)
+{
+    pthread_mutex_lock(&g_init_lock);
+    int initialized = g_init_refcount > 0;
+    pthread_mutex_unlock(&g_init_lock);
+    return initialized;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* World directory access                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* "<world>/<rel>" into buf; -1 when the world is unset or the path does not fit. */
+static int world_path(char *buf, size_t size, const char *rel)
+{
+    const char *world = getenv("GPU_SUPERVISOR_SIM_DIR");
+    if (world == NULL || world[0] == '\0')
+        return -1;
+    int n = snprintf(buf, size, "%s/%s", world, rel);
+    return (n < 0 || (size_t)n >= size) ? -1 : 0;
+}
+
+static int world_is_dir(void)
+{
+    const char *world = getenv("GPU_SUPERVISOR_SIM_DIR");
+    struct stat st;
+    return world != NULL && world[0] != '\0' && stat(world, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int device_file(char *buf, size_t size, unsigned int index)
+{
+    char rel[64];
+    snprintf(rel, sizeof rel, "gpus/%u", index);
+    return world_path(buf, size, rel);
+}
+
+/* Devices are gpus/0, gpus/1, ... up to the first missing index. */
+static unsigned int device_count(void)
+{
+    char path[PATH_BUF];
+    struct stat st;
+    unsigned int n = 0;
+    while (n < MAX_DEVICES && device_file(path, sizeof path, n) == 0 && stat(path, &st) == 0
+           && S_ISREG(st.st_mode))
+        n++;
+    return n;
+}
+
+static long long file_size(const char *rel)
+{
+    char path[PATH_BUF];
+    struct stat st;
+    if (world_path(path, sizeof path, rel) != 0 || stat(path, &st) != 0)
+        return 0;
+    return (long long)st.st_size;
+}
+
+static char *trim(char *s)
+{
+    while (*s != '\0' && isspace((unsigned char)*s))
+        s++;
+    char *end = s + strlen(s);
+    while (end > s && isspace((unsigned char)end[-1]))
+        *--end = '\0';
+    return s;
+}
+
+static int all_digits(const char *s)
+{
+    if (*s == '\0')
+        return 0;
+    for (; *s != '\0'; s++)
+        if (!isdigit((unsigned char)*s))
+            return 0;
+    return 1;
+}
+
+/* Decimal, or hexadecimal with a 0x prefix. */
+static int parse_u64(const char *s, unsigned long long *out)
+{
+    int base = 10;
+    if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+        base = 16;
+        s += 2;
+    }
+    if (*s == '\0' || *s == '-' || *s == '+')
+        return -1;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, base);
+    if (errno != 0 || end == s || *end != '\0')
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_i64(const char *s, long long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0')
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* A "rc_<function> <code>" fault-injection key. */
+struct rc_entry {
+    char function[96];
+    int code;
+};
+
+struct rc_table {
+    int count;
+    struct rc_entry entries[MAX_RC_KEYS];
+};
+
+static void rc_table_add(struct rc_table *table, const char *function, const char *value)
+{
+    long long code;
+    if (table->count >= MAX_RC_KEYS || parse_i64(value, &code) != 0)
+        return;
+    struct rc_entry *e = &table->entries[table->count++];
+    snprintf(e->function, sizeof e->function, "%s", function);
+    e->code = (int)code;
+}
+
+/* Exact symbol first, then the symbol without its "_vN" suffix; 0 when no fault is set. */
+static int rc_lookup(const struct rc_table *table, const char *function)
+{
+    for (int i = 0; i < table->count; i++)
+        if (strcmp(table->entries[i].function, function) == 0)
+            return table->entries[i].code;
+    const char *suffix = strrchr(function, '_');
+    if (suffix == NULL || suffix[1] != 'v' || !all_digits(suffix + 2))
+        return 0;
+    size_t base_len = (size_t)(suffix - function);
+    for (int i = 0; i < table->count; i++)
+        if (strlen(table->entries[i].function) == base_len
+            && strncmp(table->entries[i].function, function, base_len) == 0)
+            return table->entries[i].code;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Key/value files: gpus/<index> and nvml                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+enum kv_type { KV_STR, KV_U32, KV_I32, KV_U64 };
+
+struct kv_field {
+    const char *key;
+    enum kv_type type;
+    size_t offset;
+    size_t size;
+};
+
+#define KV_FIELD(key, type, st, member) \
+    { key, type, offsetof(st, member), sizeof(((st *)0)->member) }
+
+/* Parse "key value" lines into a struct described by fields; "rc_*" keys go to rc. */
+static int read_kv_file(const char *path, const struct kv_field *fields, size_t n_fields,
+                        void *target, struct rc_table *rc)
+{
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return -1;
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) >= 0) {
+        char *key = trim(line);
+        if (*key == '\0' || *key == '#')
+            continue;
+        char *value = key;
+        while (*value != '\0' && !isspace((unsigned char)*value))
+            value++;
+        if (*value != '\0')
+            *value++ = '\0';
+        value = trim(value);
+        if (strncmp(key, "rc_", 3) == 0) {
+            if (rc != NULL)
+                rc_table_add(rc, key + 3, value);
+            continue;
+        }
+        for (size_t i = 0; i < n_fields; i++) {
+            if (strcmp(fields[i].key, key) != 0)
+                continue;
+            char *slot = (char *)target + fields[i].offset;
+            unsigned long long u;
+            long long s;
+            switch (fields[i].type) {
+            case KV_STR:
+                snprintf(slot, fields[i].size, "%s", value);
+                break;
+            case KV_U32:
+                if (parse_u64(value, &u) == 0 && u <= 0xFFFFFFFFULL)
+                    *(unsigned int *)(void *)slot = (unsigned int)u;
+                break;
+            case KV_I32:
+                if (parse_i64(value, &s) == 0 && s >= -2147483647LL && s <= 2147483647LL)
+                    *(int *)(void *)slot = (int)s;
+                break;
+            case KV_U64:
+                if (parse_u64(value, &u) == 0)
+                    *(unsigned long long *)(void *)slot = u;
+                break;
+            }
+            break;
+        }
+    }
+    free(line);
+    fclose(f);
+    return 0;
+}
+
+struct device_info {
+    unsigned int index;
+    char uuid[96];
+    char name[96];
+    unsigned long long memory_total_mib;
+    unsigned long long memory_base_mib;
+    unsigned long long memory_reserved_mib;
+    int temperature_c;
+    unsigned int temperature_slowdown_c;
+    unsigned int temperature_shutdown_c;
+    unsigned int temperature_gpu_max_c;
+    unsigned int utilization_percent;
+    unsigned int memory_utilization_percent;
+    unsigned int power_mw;
+    unsigned int power_limit_mw;
+    unsigned long long clocks_event_reasons;
+    unsigned int encoder_percent;
+    unsigned int decoder_percent;
+    unsigned int clock_graphics_mhz;
+    unsigned int clock_sm_mhz;
+    unsigned int clock_mem_mhz;
+    unsigned int clock_video_mhz;
+    unsigned long long ecc_corrected;
+    unsigned long long ecc_uncorrected;
+    unsigned int lost;
+    struct rc_table rc;
+};
+
+static const struct kv_field DEVICE_FIELDS[] = {
+    KV_FIELD("uuid", KV_STR, struct device_info, uuid),
+    KV_FIELD("name", KV_STR, struct device_info, name),
+    KV_FIELD("memory_total_mib", KV_U64, struct device_info, memory_total_mib),
+    KV_FIELD("memory_base_mib", KV_U64, struct device_info, memory_base_mib),
+    KV_FIELD("memory_reserved_mib", KV_U64, struct device_info, memory_reserved_mib),
+    KV_FIELD("temperature_c", KV_I32, struct device_info, temperature_c),
+    KV_FIELD("temperature_slowdown_c", KV_U32, struct device_info, temperature_slowdown_c),
+    KV_FIELD("temperature_shutdown_c", KV_U32, struct device_info, temperature_shutdown_c),
+    KV_FIELD("temperature_gpu_max_c", KV_U32, struct device_info, temperature_gpu_max_c),
+    KV_FIELD("utilization_percent", KV_U32, struct device_info, utilization_percent),
+    KV_FIELD("memory_utilization_percent", KV_U32, struct device_info,
+             memory_utilization_percent),
+    KV_FIELD("power_mw", KV_U32, struct device_info, power_mw),
+    KV_FIELD("power_limit_mw", KV_U32, struct device_info, power_limit_mw),
+    KV_FIELD("clocks_event_reasons", KV_U64, struct device_info, clocks_event_reasons),
+    KV_FIELD("encoder_percent", KV_U32, struct device_info, encoder_percent),
+    KV_FIELD("decoder_percent", KV_U32, struct device_info, decoder_percent),
+    KV_FIELD("clock_graphics_mhz", KV_U32, struct device_info, clock_graphics_mhz),
+    KV_FIELD("clock_sm_mhz", KV_U32, struct device_info, clock_sm_mhz),
+    KV_FIELD("clock_mem_mhz", KV_U32, struct device_info, clock_mem_mhz),
+    KV_FIELD("clock_video_mhz", KV_U32, struct device_info, clock_video_mhz),
+    KV_FIELD("ecc_corrected", KV_U64, struct device_info, ecc_corrected),
+    KV_FIELD("ecc_uncorrected", KV_U64, struct device_info, ecc_uncorrected),
+    KV_FIELD("lost", KV_U32, struct device_info, lost),
+};
+
+static void device_defaults(struct device_info *d, unsigned int index)
+{
+    memset(d, 0, sizeof *d);
+    d->index = index;
+    snprintf(d->uuid, sizeof d->uuid, "GPU-00000000-0000-0000-0000-%012u", index);
+    snprintf(d->name, sizeof d->name, "Simulated GPU");
+    d->memory_total_mib = 81920;
+    d->temperature_c = 40;
+    d->temperature_slowdown_c = 87;
+    d->temperature_shutdown_c = 92;
+    d->temperature_gpu_max_c = 85;
+    d->power_mw = 100000;
+    d->power_limit_mw = 700000;
+    d->clock_graphics_mhz = 1980;
+    d->clock_sm_mhz = 1980;
+    d->clock_mem_mhz = 2619;
+    d->clock_video_mhz = 1755;
+}
+
+/* Read gpus/<index> into *out (defaults for missing keys); -1 when the file is missing. */
+static int read_device(unsigned int index, struct device_info *out)
+{
+    char path[PATH_BUF];
+    device_defaults(out, index);
+    if (device_file(path, sizeof path, index) != 0)
+        return -1;
+    return read_kv_file(path, DEVICE_FIELDS, sizeof DEVICE_FIELDS / sizeof DEVICE_FIELDS[0],
+                        out, &out->rc);
+}
+
+struct system_info {
+    char driver_version[80];
+    char nvml_version[80];
+    int cuda_driver_version;
+    struct rc_table rc;
+};
+
+static const struct kv_field SYSTEM_FIELDS[] = {
+    KV_FIELD("driver_version", KV_STR, struct system_info, driver_version),
+    KV_FIELD("nvml_version", KV_STR, struct system_info, nvml_version),
+    KV_FIELD("cuda_driver_version", KV_I32, struct system_info, cuda_driver_version),
+};
+
+/* Read the optional world file "nvml" (system-level state and faults). */
+static void read_system(struct system_info *out)
+{
+    char path[PATH_BUF];
+    memset(out, 0, sizeof *out);
+    snprintf(out->driver_version, sizeof out->driver_version, "580.65.06");
+    snprintf(out->nvml_version, sizeof out->nvml_version, "13.580.65.06");
+    out->cuda_driver_version = 13000;
+    if (world_path(path, sizeof path, "nvml") == 0)
+        read_kv_file(path, SYSTEM_FIELDS, sizeof SYSTEM_FIELDS / sizeof SYSTEM_FIELDS[0], out,
+                     &out->rc);
+}
+
+static int system_rc(const char *function)
+{
+    struct system_info sys;
+    read_system(&sys);
+    return rc_lookup(&sys.rc, function);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Processes: procs/<pid>                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+enum proc_kind { PROC_COMPUTE = 0, PROC_GRAPHICS = 1, PROC_ANY = 2 };
+
+struct proc_entry {
+    unsigned int pid;
+    unsigned long long used_bytes;
+    int known;                                  /* some line gave a number (not "na") */
+};
+
+/* Alive: kill(pid, 0) does not say ESRCH and /proc does not show a zombie. */
+static int pid_alive(unsigned int pid)
+{
+    if (pid == 0 || pid > 0x7FFFFFFFu)
+        return 0;
+    if (kill((pid_t)pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return 1;
+    char buf[512];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *paren = strrchr(buf, ')');
+    if (paren != NULL && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X'))
+        return 0;
+    return 1;
+}
+
+/* A procs line names a device by UUID or by index. */
+static int device_ref_matches(const char *ref, const struct device_info *dev)
+{
+    unsigned long long index;
+    if (strcmp(ref, dev->uuid) == 0)
+        return 1;
+    return all_digits(ref) && parse_u64(ref, &index) == 0 && index == dev->index;
+}
+
+/* Merge one procs/<pid> file's lines for dev into *entry; 1 if any line matched. */
+static int read_proc_file(const char *path, const struct device_info *dev, enum proc_kind kind,
+                          struct proc_entry *entry)
+{
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return 0;
+    int matched = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) >= 0) {
+        char *save = NULL;
+        char *ref = strtok_r(line, " \t\r\n", &save);
+        char *mem = strtok_r(NULL, " \t\r\n", &save);
+        char *tag = strtok_r(NULL, " \t\r\n", &save);
+        if (ref == NULL || ref[0] == '#' || mem == NULL || !device_ref_matches(ref, dev))
+            continue;
+        enum proc_kind line_kind =
+            (tag != NULL && strcmp(tag, "graphics") == 0) ? PROC_GRAPHICS : PROC_COMPUTE;
+        if (kind != PROC_ANY && kind != line_kind)
+            continue;
+        unsigned long long mib;
+        if (strcmp(mem, "na") == 0) {
+            matched = 1;
+        } else if (parse_u64(mem, &mib) == 0) {
+            matched = 1;
+            entry->known = 1;
+            entry->used_bytes += mib * MIB;
+        }
+    }
+    free(line);
+    fclose(f);
+    return matched;
+}
+
+static int compare_pid(const void *a, const void *b)
+{
+    unsigned int x = ((const struct proc_entry *)a)->pid;
+    unsigned int y = ((const struct proc_entry *)b)->pid;
+    return (x > y) - (x < y);
+}
+
+/*
+ * Live processes holding memory on dev, sorted by pid, at most max of them into out (which may
+ * be NULL). Returns how many there are; *used_bytes (if not NULL) gets their summed memory.
+ */
+static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct proc_entry *out,
+                      int max, unsigned long long *used_bytes)
+{
+    char dir_path[PATH_BUF];
+    if (used_bytes != NULL)
+        *used_bytes = 0;
+    if (world_path(dir_path, sizeof dir_path, "procs") != 0)
+        return 0;
+    DIR *dir = opendir(dir_path);
+    if (dir == NULL)
+        return 0;
+    int count = 0;
+    struct dirent *ent;
+    while ((ent = readdir(dir)) != NULL) {
+        unsigned long long pid;
+        if (!all_digits(ent->d_name) || parse_u64(ent->d_name, &pid) != 0 || pid > 0xFFFFFFFFULL
+            || !pid_alive((unsigned int)pid))
+            continue;
+        char path[PATH_BUF];
+        if (snprintf(path, sizeof path, "%s/%s", dir_path, ent->d_name) >= (int)sizeof path)
+            continue;
+        struct proc_entry entry = {(unsigned int)pid, 0, 0};
+        if (!read_proc_file(path, dev, kind, &entry))
+            continue;
+        if (used_bytes != NULL)
+            *used_bytes += entry.used_bytes;
+        if (out != NULL && count < max)
+            out[count] = entry;
+        count++;
+    }
+    closedir(dir);
+    if (out != NULL)
+        qsort(out, (size_t)(count < max ? count : max), sizeof *out, compare_pid);
+    return count;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Device-call prologue                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Index of a handle into g_devices, or -1 when it is not one of ours. */
+static int handle_index(nvmlDevice_t device)
+{
+    uintptr_t p = (uintptr_t)device;
+    uintptr_t base = (uintptr_t)&g_devices[0];
+    if (device == NULL || p < base || p >= base + sizeof g_devices
+        || (p - base) % sizeof g_devices[0] != 0)
+        return -1;
+    return (int)((p - base) / sizeof g_devices[0]);
+}
+
+/*
+ * Every device call starts here: initialised, a valid handle, the device still present, not
+ * lost, no injected fault for this function. Fills *info on success.
+ */
+static nvmlReturn_t device_begin(nvmlDevice_t device, const char *function,
+                                 struct device_info *info)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    int index = handle_index(device);
+    if (index < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if ((unsigned int)index >= device_count() || read_device((unsigned int)index, info) != 0)
+        return NVML_ERROR_GPU_IS_LOST;
+    if (info->lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    int rc = rc_lookup(&info->rc, function);
+    return rc != 0 ? (nvmlReturn_t)rc : NVML_SUCCESS;
+}
+
+/* The same checks for handle lookups (by index or UUID), which hand out &g_devices[index]. */
+static nvmlReturn_t handle_for(unsigned int index, const char *function, nvmlDevice_t *device)
+{
+    struct device_info info;
+    if (read_device(index, &info) != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info.lost)
+        return NVML_ERROR_GPU_IS_LOST;
+    int rc = rc_lookup(&info.rc, function);
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    g_devices[index].index = index;
+    *device = &g_devices[index];
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
+{
+    if (dst == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, strlen(src) + 1);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Init, shutdown, errors, system                                                              */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Non-zero code from the world file "init_rc", if present. */
+static int init_rc_from_world(void)
+{
+    char path[PATH_BUF];
+    if (world_path(path, sizeof path, "init_rc") != 0)
+        return 0;
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return 0;
+    char buf[64] = {0};
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    long long code;
+    return parse_i64(trim(buf), &code) == 0 ? (int)code : 0;
+}
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags;
+    if (!world_is_dir())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    int rc = init_rc_from_world();
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    pthread_mutex_lock(&g_init_lock);
+    g_init_refcount++;
+    pthread_mutex_unlock(&g_init_lock);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlInit_v2(void)
+{
+    return nvmlInitWithFlags(0);
+}
+
+EXPORT nvmlReturn_t nvmlShutdown(void)
+{
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&g_init_lock);
+    if (g_init_refcount == 0)
+        ret = NVML_ERROR_UNINITIALIZED;
+    else
+        g_init_refcount--;
+    pthread_mutex_unlock(&g_init_lock);
+    return ret;
+}
+
+EXPORT const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_VGPU_ECC_NOT_SUPPORTED: return "vGPU ECC not supported";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient resources";
+    case NVML_ERROR_FREQ_NOT_SUPPORTED: return "Frequency not supported";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    case NVML_ERROR_DEPRECATED: return "Deprecated";
+    case NVML_ERROR_NOT_READY: return "Not ready";
+    case NVML_ERROR_GPU_NOT_FOUND: return "GPU not found";
+    case NVML_ERROR_INVALID_STATE: return "Invalid state";
+    case NVML_ERROR_RESET_TYPE_NOT_SUPPORTED: return "Reset type not supported";
+    case NVML_ERROR_UNKNOWN: return "Unknown Error";
+    }
+    return "Unknown Error";
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    struct system_info sys;
+    read_system(&sys);
+    int rc = rc_lookup(&sys.rc, __func__);
+    return rc != 0 ? (nvmlReturn_t)rc : copy_string(version, length, sys.driver_version);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    struct system_info sys;
+    read_system(&sys);
+    int rc = rc_lookup(&sys.rc, __func__);
+    return rc != 0 ? (nvmlReturn_t)rc : copy_string(version, length, sys.nvml_version);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (cudaDriverVersion == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct system_info sys;
+    read_system(&sys);
+    int rc = rc_lookup(&sys.rc, __func__);
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    *cudaDriverVersion = sys.cuda_driver_version;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
+{
+    return nvmlSystemGetCudaDriverVersion_v2(cudaDriverVersion);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Device enumeration and identity                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (deviceCount == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = system_rc(__func__);
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    *deviceCount = device_count();
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (device == NULL || index >= device_count())
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return handle_for(index, __func__, device);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (uuid == NULL || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = device_count();
+    for (unsigned int i = 0; i < n; i++) {
+        struct device_info info;
+        if (read_device(i, &info) == 0 && strcmp(info.uuid, uuid) == 0)
+            return handle_for(i, __func__, device);
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    return ret != NVML_SUCCESS ? ret : copy_string(uuid, length, d.uuid);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    return ret != NVML_SUCCESS ? ret : copy_string(name, length, d.name);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (index == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *index = d.index;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(pci, 0, sizeof *pci);
+    pci->domain = 0;
+    pci->bus = d.index + 1;
+    pci->device = 0;
+    pci->pciDeviceId = 0x233010DEu;
+    pci->pciSubSystemId = 0;
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "0000:%02X:00.0", pci->bus & 0xFFu);
+    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", pci->bus & 0xFFu);
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+struct memory_numbers {
+    unsigned long long total, reserved, allocated;
+};
+
+/* total, reserved and allocated (base + live processes) in bytes, allocated clamped. */
+static struct memory_numbers memory_numbers(const struct device_info *d)
+{
+    struct memory_numbers m;
+    unsigned long long procs_bytes = 0;
+    scan_procs(d, PROC_ANY, NULL, 0, &procs_bytes);
+    m.total = d->memory_total_mib * MIB;
+    m.reserved = d->memory_reserved_mib * MIB;
+    if (m.reserved > m.total)
+        m.reserved = m.total;
+    m.allocated = d->memory_base_mib * MIB + procs_bytes;
+    if (m.allocated > m.total - m.reserved)
+        m.allocated = m.total - m.reserved;
+    return m;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct memory_numbers m = memory_numbers(&d);
+    memory->total = m.total;
+    memory->used = m.allocated + m.reserved; /* v1: used includes reserved */
+    memory->free = m.total - memory->used;
+    return NVML_SUCCESS;
+}
+
+#ifndef FAKENVML_NO_MEMORY_V2
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    struct memory_numbers m = memory_numbers(&d);
+    memory->total = m.total;
+    memory->reserved = m.reserved;
+    memory->used = m.allocated; /* v2: used excludes reserved */
+    memory->free = m.total - m.reserved - m.allocated;
+    return NVML_SUCCESS;
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------ */
+/* Utilization, temperature, power, clocks, ECC                                                */
+/* ------------------------------------------------------------------------------------------ */
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (util == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    util->gpu = d.utilization_percent;
+    util->memory = d.memory_utilization_percent;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, unsigned int sensorType,
+                                             unsigned int *temp)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (temp == NULL || sensorType != NVML_TEMPERATURE_GPU)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = d.temperature_c < 0 ? 0u : (unsigned int)d.temperature_c;
+    return NVML_SUCCESS;
+}
+
+#ifndef FAKENVML_NO_TEMPERATURE_V
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_v1_t *temp)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (temp == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (temp->version != nvmlTemperature_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (temp->sensorType != NVML_TEMPERATURE_GPU)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    temp->temperature = d.temperature_c;
+    return NVML_SUCCESS;
+}
+#endif
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device,
+                                                      unsigned int thresholdType,
+                                                      unsigned int *temp)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (temp == NULL || thresholdType >= NVML_TEMPERATURE_THRESHOLD_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    switch (thresholdType) {
+    case NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: *temp = d.temperature_shutdown_c; break;
+    case NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: *temp = d.temperature_slowdown_c; break;
+    case NVML_TEMPERATURE_THRESHOLD_GPU_MAX: *temp = d.temperature_gpu_max_c; break;
+    default: return NVML_ERROR_NOT_SUPPORTED;
+    }
+    return NVML_SUCCESS;
+}
+
+/* One field value; per-field faults come from keys "rc_field_<id> <code>". */
+static void fill_field(const struct device_info *d, nvmlFieldValue_t *v, int64_t now_us)
+{
+    char key[32];
+    snprintf(key, sizeof key, "field_%u", v->fieldId);
+    v->timestamp = now_us;
+    v->latencyUsec = 0;
+    v->valueType = NVML_VALUE_TYPE_SIGNED_INT;
+    v->value.sllVal = 0;
+    int rc = rc_lookup(&d->rc, key);
+    if (rc != 0) {
+        v->nvmlReturn = (unsigned int)rc;
+        return;
+    }
+    v->nvmlReturn = NVML_SUCCESS;
+    switch (v->fieldId) {
+    case NVML_FI_DEV_TEMPERATURE_SHUTDOWN_TLIMIT:
+        v->value.siVal = (int)d->temperature_shutdown_c;
+        break;
+    case NVML_FI_DEV_TEMPERATURE_SLOWDOWN_TLIMIT:
+        v->value.siVal = (int)d->temperature_slowdown_c;
+        break;
+    case NVML_FI_DEV_TEMPERATURE_GPU_MAX_TLIMIT:
+        v->value.siVal = (int)d->temperature_gpu_max_c;
+        break;
+    default:
+        v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        break;
+    }
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
+                                             nvmlFieldValue_t *values)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (valuesCount < 0 || (valuesCount > 0 && values == NULL))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t now_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    for (int i = 0; i < valuesCount; i++)
+        fill_field(&d, &values[i], now_us);
+    return NVML_SUCCESS;
+}
+
+/* Shared body of the calls that report one unsigned int of the device. */
+static nvmlReturn_t get_uint(nvmlDevice_t device, const char *function, unsigned int *out,
+                             size_t offset)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, function, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (out == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memcpy(out, (const char *)&d + offset, sizeof *out);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    return get_uint(device, __func__, power, offsetof(struct device_info, power_mw));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEnforcedPowerLimit(nvmlDevice_t device, unsigned int *limit)
+{
+    return get_uint(device, __func__, limit, offsetof(struct device_info, power_limit_mw));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit)
+{
+    return get_uint(device, __func__, limit, offsetof(struct device_info, power_limit_mw));
+}
+
+static nvmlReturn_t codec_utilization(nvmlDevice_t device, const char *function,
+                                      unsigned int *utilization, unsigned int *samplingPeriodUs,
+                                      size_t offset)
+{
+    nvmlReturn_t ret = get_uint(device, function, utilization, offset);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (samplingPeriodUs == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *samplingPeriodUs = 1000000;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, __func__, utilization, samplingPeriodUs,
+                             offsetof(struct device_info, encoder_percent));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, __func__, utilization, samplingPeriodUs,
+                             offsetof(struct device_info, decoder_percent));
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, unsigned int type,
+                                           unsigned int *clock)
+{
+    static const size_t offsets[] = {
+        offsetof(struct device_info, clock_graphics_mhz),
+        offsetof(struct device_info, clock_sm_mhz),
+        offsetof(struct device_info, clock_mem_mhz),
+        offsetof(struct device_info, clock_video_mhz),
+    };
+    if (type > NVML_CLOCK_VIDEO)
+        return is_initialized() ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_UNINITIALIZED;
+    return get_uint(device, __func__, clock, offsets[type]);
+}
+
+static nvmlReturn_t clocks_reasons(nvmlDevice_t device, const char *function,
+                                   unsigned long long *reasons)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, function, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (reasons == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *reasons = d.clocks_event_reasons;
+    return NVML_SUCCESS;
+}
+
+#ifndef FAKENVML_NO_CLOCKS_EVENT_REASONS
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,
+                                                           unsigned long long *reasons)
+{
+    return clocks_reasons(device, __func__, reasons);
+}
+#endif
+
+EXPORT nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t device,
+                                                              unsigned long long *reasons)
+{
+    return clocks_reasons(device, __func__, reasons);
+}
+
+/* errorType 0 corrected / 1 uncorrected; counterType 0 volatile / 1 aggregate (same value). */
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned int errorType,
+                                                unsigned int counterType,
+                                                unsigned long long *eccCounts)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (eccCounts == NULL || errorType > 1 || counterType > 1)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eccCounts = errorType == 0 ? d.ecc_corrected : d.ecc_uncorrected;
+    return NVML_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Running processes (two-call protocol)                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+static nvmlReturn_t running_processes(nvmlDevice_t device, const char *function,
+                                      enum proc_kind kind, unsigned int *infoCount,
+                                      nvmlProcessInfo_t *infos)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, function, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (infoCount == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct proc_entry *entries = calloc(MAX_PROCS, sizeof *entries);
+    if (entries == NULL)
+        return NVML_ERROR_MEMORY;
+    int n = scan_procs(&d, kind, entries, MAX_PROCS, NULL);
+    if (n > MAX_PROCS)
+        n = MAX_PROCS;
+    if (infos == NULL || *infoCount < (unsigned int)n) {
+        free(entries);
+        *infoCount = (unsigned int)n;
+        return n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int i = 0; i < n; i++) {
+        infos[i].pid = entries[i].pid;
+        infos[i].usedGpuMemory = entries[i].known ? entries[i].used_bytes
+                                                  : NVML_VALUE_NOT_AVAILABLE_ULL;
+        infos[i].gpuInstanceId = NVML_NO_INSTANCE_ID;
+        infos[i].computeInstanceId = NVML_NO_INSTANCE_ID;
+    }
+    free(entries);
+    *infoCount = (unsigned int)n;
+    return NVML_SUCCESS;
+}
+
+#ifndef FAKENVML_NO_PROCESSES_V3
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                            unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_COMPUTE, infoCount, infos);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device,
+                                                             unsigned int *infoCount,
+                                                             nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_GRAPHICS, infoCount, infos);
+}
+#endif
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device,
+                                                            unsigned int *infoCount,
+                                                            nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_COMPUTE, infoCount, infos);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device,
+                                                             unsigned int *infoCount,
+                                                             nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_GRAPHICS, infoCount, infos);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Events                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The event set behind a handle, or NULL; call with g_event_lock held. */
+static struct nvmlEventSet_st *event_set_locked(nvmlEventSet_t set)
+{
+    uintptr_t p = (uintptr_t)set;
+    uintptr_t base = (uintptr_t)&g_event_sets[0];
+    if (set == NULL || p < base || p >= base + sizeof g_event_sets
+        || (p - base) % sizeof g_event_sets[0] != 0 || !set->in_use)
+        return NULL;
+    return set;
+}
+
+/* Device index named by an events line (index or UUID), or -1. */
+static int event_device_index(const char *ref)
+{
+    unsigned long long index;
+    unsigned int n = device_count();
+    if (all_digits(ref))
+        return (parse_u64(ref, &index) == 0 && index < n) ? (int)index : -1;
+    for (unsigned int i = 0; i < n; i++) {
+        struct device_info info;
+        if (read_device(i, &info) == 0 && strcmp(info.uuid, ref) == 0)
+            return (int)i;
+    }
+    return -1;
+}
+
+/*
+ * Consume complete lines of the events file after set->cursor until one is deliverable to the
+ * set; fill *data and return 1 then, else 0. Call with g_event_lock held.
+ */
+static int next_event_locked(struct nvmlEventSet_st *set, nvmlEventData_t *data)
+{
+    char path[PATH_BUF];
+    if (world_path(path, sizeof path, "events") != 0)
+        return 0;
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return 0;
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && (long long)st.st_size < set->cursor) {
+        /* The file was truncated or replaced by a shorter one: all of it is new. */
+        set->cursor = 0;
+        for (int i = 0; i < MAX_DEVICES; i++)
+            set->registered_at[i] = 0;
+    }
+    int found = 0;
+    if (fseeko(f, (off_t)set->cursor, SEEK_SET) == 0) {
+        char *line = NULL;
+        size_t cap = 0;
+        ssize_t len;
+        while (!found && (len = getline(&line, &cap, f)) > 0) {
+            if (line[len - 1] != '\n')
+                break; /* a line still being written; read it next time */
+            long long line_start = set->cursor;
+            set->cursor += len;
+            char *save = NULL;
+            char *ref = strtok_r(line, " \t\r\n", &save);
+            char *xid_text = strtok_r(NULL, " \t\r\n", &save);
+            unsigned long long xid;
+            if (ref == NULL || xid_text == NULL || parse_u64(xid_text, &xid) != 0)
+                continue;
+            int index = event_device_index(ref);
+            if (index < 0 || !(set->mask[index] & nvmlEventTypeXidCriticalError)
+                || line_start < set->registered_at[index])
+                continue;
+            g_devices[index].index = (unsigned int)index;
+            data->device = &g_devices[index];
+            data->eventType = nvmlEventTypeXidCriticalError;
+            data->eventData = xid;
+            data->gpuInstanceId = NVML_NO_INSTANCE_ID;
+            data->computeInstanceId = NVML_NO_INSTANCE_ID;
+            found = 1;
+        }
+        free(line);
+    }
+    fclose(f);
+    return found;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (set == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int rc = system_rc(__func__);
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    long long size = file_size("events");
+    nvmlReturn_t ret = NVML_ERROR_INSUFFICIENT_RESOURCES;
+    pthread_mutex_lock(&g_event_lock);
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (g_event_sets[i].in_use)
+            continue;
+        memset(&g_event_sets[i], 0, sizeof g_event_sets[i]);
+        g_event_sets[i].in_use = 1;
+        g_event_sets[i].cursor = size;
+        *set = &g_event_sets[i];
+        ret = NVML_SUCCESS;
+        break;
+    }
+    pthread_mutex_unlock(&g_event_lock);
+    return ret;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device,
+                                                     unsigned long long *eventTypes)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (eventTypes == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eventTypes = FAKE_SUPPORTED_EVENT_TYPES;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                             nvmlEventSet_t set)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (eventTypes & ~FAKE_SUPPORTED_EVENT_TYPES)
+        return NVML_ERROR_NOT_SUPPORTED;
+    long long size = file_size("events");
+    pthread_mutex_lock(&g_event_lock);
+    struct nvmlEventSet_st *s = event_set_locked(set);
+    if (s == NULL) {
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    } else {
+        if (s->mask[d.index] == 0)
+            s->registered_at[d.index] = size;
+        s->mask[d.index] |= eventTypes;
+    }
+    pthread_mutex_unlock(&g_event_lock);
+    return ret;
+}
+
+static long long monotonic_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Polls the events file every 10 ms until an event arrives or timeoutms pass. */
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
+                                        unsigned int timeoutms)
+{
+    if (data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    long long deadline = monotonic_ms() + (long long)timeoutms;
+    for (;;) {
+        if (!is_initialized())
+            return NVML_ERROR_UNINITIALIZED;
+        int rc = system_rc(__func__);
+        if (rc != 0)
+            return (nvmlReturn_t)rc;
+        pthread_mutex_lock(&g_event_lock);
+        struct nvmlEventSet_st *s = event_set_locked(set);
+        int found = s != NULL && next_event_locked(s, data);
+        pthread_mutex_unlock(&g_event_lock);
+        if (s == NULL)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        if (found)
+            return NVML_SUCCESS;
+        long long left = deadline - monotonic_ms();
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        struct timespec pause = {0, (left < 10 ? left : 10) * 1000000L};
+        nanosleep(&pause, NULL);
+    }
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!is_initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    int rc = system_rc(__func__);
+    if (rc != 0)
+        return (nvmlReturn_t)rc;
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&g_event_lock);
+    struct nvmlEventSet_st *s = event_set_locked(set);
+    if (s == NULL)
+        ret = NVML_ERROR_INVALID_ARGUMENT;
+    else
+        s->in_use = 0;
+    pthread_mutex_unlock(&g_event_lock);
+    return ret;
+}

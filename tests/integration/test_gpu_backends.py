@@ -1,0 +1,187 @@
+"""The same GPU scenarios through both backends: ``sim`` reads the world directly, ``nvml``
+reads it through the real pynvml and the fake libnvidia-ml.so.1 built by the test suite."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.backends.sim import SimBackend
+from tests.conftest import SupervisorFactory
+from tests.harness import Supervisor, worker_cmd
+
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
+
+
+@pytest.fixture(params=["sim", "nvml"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """Backend name and the supervisor environment it needs."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()  # both backends read the same world
+    env = {"GPU_SUPERVISOR_SIM_DIR": str(world)}
+    if request.param == "nvml":
+        env["LD_LIBRARY_PATH"] = str(request.getfixturevalue("fake_nvml_dir"))
+    return request.param, env
+
+
+def start(
+    supervisor: SupervisorFactory,
+    tmp_path: Path,
+    backend: tuple[str, dict[str, str]],
+    *groups: dict[str, Any],
+) -> Supervisor:
+    name, env = backend
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": name, "sim_dir": str(tmp_path / "sim"), "release_timeout_s": 0.5},
+        "workers": [{"log_passthrough": True, "stop_timeout_s": 2, **g} for g in groups],
+    }
+    return supervisor(cfg, env=env, log_level="debug")
+
+
+def test_backend_is_the_one_asked_for(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    sup = start(
+        supervisor, tmp_path, backend, {"name": "g", "command": worker_cmd("ready_then_sleep")}
+    )
+    ev = sup.wait_event(event="gpu.backend")
+    assert ev["backend"] == backend[0]
+    assert ev["uuids"] == [UUID0, UUID1]
+    assert sup.stop() == 0
+
+
+def test_per_worker_memory_and_uuids(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "700")},
+    )
+    assert sup.wait_line("[g-0] ", endswith=f"ready on {UUID0}")
+    assert sup.wait_line("[g-1] ", endswith=f"ready on {UUID1}")
+    ev = sup.wait_event(
+        event="gpu.sample",
+        workers=lambda w: all(w.get(n, {}).get("gpu_mb") == 700.0 for n in ("g-0", "g-1")),
+    )
+    assert ev["workers"]["g-1"]["by_gpu"] == {UUID1: 700.0}
+    assert ev["devices"][UUID0]["used_mb"] == 700.0
+    assert sup.stop() == 0
+
+
+def test_lost_gpu_and_not_supported_fields(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "10")},
+    )
+    sup.ready("g-0")
+    sup.ready("g-1")
+    gpus = tmp_path / "sim" / "gpus"
+    (gpus / "1").write_text((gpus / "1").read_text() + "lost 1\n")
+    (gpus / "0").write_text(
+        (gpus / "0").read_text()
+        + "rc_nvmlDeviceGetComputeRunningProcesses_v3 3\nrc_nvmlDeviceGetComputeRunningProcesses 3\n"
+    )
+    ev = sup.wait_event(
+        event="gpu.sample",
+        devices=lambda d: d[UUID1]["healthy"] is False and d[UUID0]["processes"] is None,
+    )
+    assert ev["devices"][UUID0]["healthy"] is True
+    assert ev["workers"]["g-0"]["attribution"] == "unavailable"
+    assert ev["workers"]["g-0"]["gpu_mb"] is None  # unknown, not 0
+    assert not sup.find(event="worker.exited")  # supervision goes on
+    assert sup.stop() == 0
+
+
+def test_xid_events_are_read(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    sup = start(
+        supervisor, tmp_path, backend, {"name": "g", "command": worker_cmd("gpu_user", "10")}
+    )
+    sup.ready("g-0")
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("1 79\n")
+    ev = sup.wait_event(event="gpu.xid")
+    assert (ev["gpu"], ev["uuid"], ev["xid"]) == (1, UUID1, 79)
+    assert sup.stop() == 0
+
+
+def test_barrier_marks_suspect_and_moves(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {
+            "name": "b",
+            "restart": {"stable_s": 0.1},
+            "command": worker_cmd("gpu_user", "500", "--crash-after", "0.5", "--holder", "30"),
+        },
+    )
+    assert sup.wait_event(event="gpu.suspect", worker="b-0")["gpu"] == UUID0
+    assert sup.wait_event(event="worker.moved", worker="b-0")["new_gpus"] == [UUID1]
+    assert sup.stop() == 0
+
+
+def test_nvml_missing_then_appearing(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_dir: Path
+) -> None:
+    """No library: degraded (workers run, no telemetry); the library appears: NVML recovers."""
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [
+            {"name": "g", "command": worker_cmd("ready_then_sleep"), "log_passthrough": True}
+        ],
+    }
+    sup = supervisor(
+        cfg,
+        env={"LD_LIBRARY_PATH": str(libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)},
+        log_level="debug",
+    )
+    down = sup.wait_event(event="gpu.unavailable")
+    assert "Not Found" in down["error"]
+    sup.ready("g-0")
+    sample = sup.wait_event(event="gpu.sample", workers=lambda w: "g-0" in w)
+    assert sample["nvml_available"] is False
+    assert sample["workers"]["g-0"]["attribution"] == "unavailable"
+    shutil.copy(fake_nvml_dir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+    up = sup.wait_event(event="gpu.backend", timeout=15)
+    assert up["uuids"] == [UUID0, UUID1]
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
+    assert sup.stop() == 0
+
+
+def test_nvml_init_failure_is_degraded_and_auto_falls_back(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_dir: Path
+) -> None:
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
+    cfg = {
+        "gpu": {"backend": "auto"},
+        "workers": [{"name": "g", "command": worker_cmd("ready_then_sleep")}],
+    }
+    sup = supervisor(
+        cfg, env={"LD_LIBRARY_PATH": str(fake_nvml_dir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+    )
+    fallback = sup.wait_event(event="gpu.no_telemetry")
+    assert "Driver Not Loaded" in fallback["error"]
+    sup.ready("g-0")
+    assert sup.stop() == 0
