@@ -25,6 +25,7 @@ import anyio
 import anyio.abc
 import psutil
 
+from supervisor import procfs
 from supervisor.errors import SpawnError
 from supervisor.model import ExitStatus, LaunchSpec
 
@@ -103,11 +104,12 @@ def spawn(spec: LaunchSpec) -> Child:
 
 
 def descendants(pid: int) -> list[psutil.Process]:
-    """Every live descendant of ``pid`` (empty if it is gone)."""
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return []
+    """Every live descendant of ``pid`` (empty if it is gone), from one shared table scan."""
+    out = []
+    for child in procfs.tree(pid, procfs.TABLE.children()) - {pid}:
+        with contextlib.suppress(psutil.Error):
+            out.append(psutil.Process(child))  # remembers the create time: reuse-safe kills
+    return out
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -17,18 +17,19 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 import anyio.to_thread
-import psutil
 import structlog
 
+from supervisor import procfs
 from supervisor.backends.base import GpuBackend
 from supervisor.errors import BackendError, BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, XidEvent
 from supervisor.policy.attribution import attribute
 
-MIB = 1024 * 1024
-XID_WAIT_S = 0.5
+XID_WAIT_S = 1.0
 REOPEN_INITIAL_S = 1.0
 REOPEN_MAX_S = 60.0
+#: Without GPU telemetry only the host is sampled, and less often (nothing urgent to catch).
+HOST_ONLY_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,72 +41,90 @@ class WorkerRef:
 
 
 class HostSampler:
-    """Process trees, RSS and CPU through psutil (blocking; runs in the sampler thread)."""
+    """Process trees, RSS and CPU of every worker from ``/proc`` (blocking).
 
-    def __init__(self) -> None:
-        self._procs: dict[int, psutil.Process] = {}
+    A full scan of the process table happens every ``full_scan_every`` ticks, when a worker has a
+    new main pid, or when NVML lists a pid we do not know; in between only the ``stat`` lines of
+    known tree members are read, so a tick costs one small read per worker process.
+    """
 
-    def _proc(self, pid: int) -> psutil.Process | None:
-        known = self._procs.get(pid)
-        if known is not None:
-            return known
-        try:
-            proc = psutil.Process(pid)
-            proc.cpu_percent(None)  # prime the CPU counter
-        except psutil.Error:
-            return None
-        self._procs[pid] = proc
-        return proc
+    def __init__(self, full_scan_every: int = 10) -> None:
+        self.full_scan_every = full_scan_every
+        self._cpu: dict[tuple[int, int], float] = {}  # (pid, start ticks) -> CPU seconds
+        self._at: float | None = None
+        self._tick = 0
+        self._trees: dict[str, frozenset[int]] = {}
+        self._leaders: dict[str, int | None] = {}
+        self._foreign: frozenset[int] = frozenset()  # GPU pids that are not any worker's
+        self.full_scans = 0
+
+    def _full(self, leaders: Mapping[str, int | None]) -> dict[int, procfs.ProcStat]:
+        self.full_scans += 1
+        table = procfs.scan()
+        children = procfs.children_map(table)
+        self._trees = {
+            name: frozenset(procfs.tree(leader, children)) if leader in table else frozenset()
+            for name, leader in leaders.items()
+            if leader is not None
+        }
+        return table
 
     def sample(
-        self, leaders: Mapping[str, int | None]
+        self, leaders: Mapping[str, int | None], gpu_pids: frozenset[int] = frozenset()
     ) -> tuple[
         dict[str, frozenset[int]], dict[str, tuple[float | None, float | None]], frozenset[int]
     ]:
-        """Trees, (rss_mb, cpu_percent) per worker, and every visible pid."""
-        children: dict[int, list[int]] = {}
-        visible: set[int] = set()
-        for proc in psutil.process_iter(["ppid"]):
-            visible.add(proc.pid)
-            ppid = proc.info.get("ppid")
-            if isinstance(ppid, int):
-                children.setdefault(ppid, []).append(proc.pid)
+        """Trees, (rss_mb, cpu_percent) per worker, and which of ``gpu_pids`` exist here."""
+        now = time.monotonic()
+        known = frozenset().union(*self._trees.values()) if self._trees else frozenset()
+        stale = (
+            self._tick % self.full_scan_every == 0
+            or any(self._leaders.get(n) != pid for n, pid in leaders.items() if pid is not None)
+            or bool(gpu_pids - known - self._foreign)
+        )
+        self._tick += 1
+        self._leaders = dict(leaders)
+        table: dict[int, procfs.ProcStat]
+        if stale:
+            table = self._full(leaders)
+            ours = frozenset().union(*self._trees.values()) if self._trees else frozenset()
+            self._foreign = gpu_pids - ours
+        else:
+            table = {}
+            for pid in known:
+                st = procfs.read_stat(pid)
+                if st is not None:
+                    table[pid] = st
+            self._trees = {n: frozenset(t & table.keys()) for n, t in self._trees.items()}
+        visible = frozenset(p for p in gpu_pids if p in table or procfs.read_stat(p) is not None)
+        elapsed = None if self._at is None else now - self._at
+        cpu_now: dict[tuple[int, int], float] = {}
         trees: dict[str, frozenset[int]] = {}
         usage: dict[str, tuple[float | None, float | None]] = {}
-        live: set[int] = set()
         for name, leader in leaders.items():
-            if leader is None or leader not in visible:
-                trees[name] = frozenset()
+            members = self._trees.get(name, frozenset()) if leader is not None else frozenset()
+            trees[name] = members
+            if not members:
                 usage[name] = (None, None)
                 continue
-            tree: set[int] = set()
-            stack = [leader]
-            while stack:
-                pid = stack.pop()
-                if pid in tree:
+            rss = 0.0
+            cpu: float | None = 0.0
+            for pid in members:
+                st = table.get(pid)
+                if st is None or st.zombie:
                     continue
-                tree.add(pid)
-                stack.extend(children.get(pid, ()))
-            trees[name] = frozenset(tree)
-            rss = cpu = 0.0
-            seen = False
-            for pid in tree:
-                member = self._proc(pid)
-                if member is None:
-                    continue
-                try:
-                    with member.oneshot():
-                        rss += member.memory_info().rss / MIB
-                        cpu += member.cpu_percent(None)
-                    seen = True
-                    live.add(pid)
-                except psutil.Error:
-                    continue
-            usage[name] = (rss, cpu) if seen else (None, None)
-        for pid in list(self._procs):
-            if pid not in live:
-                del self._procs[pid]
-        return trees, usage, frozenset(visible)
+                rss += st.rss_mb
+                key = (pid, st.start_ticks)
+                cpu_now[key] = st.cpu_s
+                before = self._cpu.get(key)
+                if cpu is not None and elapsed and before is not None:
+                    cpu += max(0.0, st.cpu_s - before) / elapsed * 100
+                elif not elapsed:
+                    cpu = None  # first tick: no interval to measure over
+            usage[name] = (rss, cpu)
+        self._cpu = cpu_now
+        self._at = now
+        return trees, usage, visible
 
 
 class Sampler:
@@ -184,7 +203,8 @@ class Sampler:
                 ok, error = False, str(exc)
             except BackendError as exc:
                 error = str(exc)
-        trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()})
+        gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
+        trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
         gpu = attribute(devices, trees, {n: r.gpus for n, r in refs.items()}, visible)
         workers = {}
         for name, tree in trees.items():
@@ -240,7 +260,10 @@ class Sampler:
                 while True:
                     self._wake = anyio.Event()
                     await self.tick()
-                    next_at += self.interval_s
+                    gpu = self.available and bool(self.identities)
+                    next_at += (
+                        self.interval_s if gpu else max(self.interval_s, HOST_ONLY_INTERVAL_S)
+                    )
                     now = anyio.current_time()
                     if next_at < now:  # overran: start the schedule again from now
                         next_at = now

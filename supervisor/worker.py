@@ -17,7 +17,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import httpx
 import psutil
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -309,6 +308,8 @@ class WorkerRunner:
         )
 
     async def _probe_health(self, pid: int, url: str) -> None:
+        import httpx  # only groups with an HTTP health URL pay for the import
+
         async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
             while self.record.pid == pid and self.record.state is WorkerState.STARTING:
                 try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from supervisor.backends.base import GpuBackend, NoBackend
-from supervisor.backends.nvml import NvmlBackend
 from supervisor.backends.sim import SimBackend
 from supervisor.config import GpuSection
 
@@ -14,4 +13,6 @@ def make_backend(gpu: GpuSection) -> GpuBackend:
         return SimBackend(gpu.sim_dir, gpu.sim_devices)
     if gpu.backend == "none":
         return NoBackend()
+    from supervisor.backends.nvml import NvmlBackend  # imports pynvml: only when asked for
+
     return NvmlBackend()

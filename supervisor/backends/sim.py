@@ -45,7 +45,7 @@ DEFAULTS: Mapping[str, str] = {
     "lost": "0",
 }
 
-XID_POLL_S = 0.05
+XID_POLL_S = 0.25  # how often wait_xid looks at the events file
 
 
 def default_uuid(index: int) -> str:
@@ -272,6 +272,11 @@ class SimBackend:
 
     def _read_new_events(self) -> list[XidEvent]:
         path = self.world / "events"
+        try:
+            if os.stat(path).st_size == self._events_offset:
+                return []
+        except FileNotFoundError:
+            return []
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
