@@ -42,12 +42,10 @@ def supervisor(tmp_path: Path) -> Iterator[SupervisorFactory]:
 
 
 @pytest.fixture(scope="session")
-def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding the fake ``libnvidia-ml.so.1`` (built once per session with gcc)."""
-    import shutil
+def fake_nvml_libdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the fake ``libnvidia-ml.so.1``: put it on ``LD_LIBRARY_PATH``."""
+    from tests.fakenvml.build import build_fake_nvml, find_compiler
 
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed: cannot build the fake libnvidia-ml.so.1")
-    from tests.fakenvml.build import build_fake_nvml
-
+    if find_compiler() is None:
+        pytest.skip("gcc is not installed: the fake libnvidia-ml.so.1 cannot be built")
     return build_fake_nvml(tmp_path_factory.mktemp("fakenvml"))

@@ -522,7 +522,7 @@ static void device_defaults(struct device_info *d, unsigned int index)
     d->temperature_slowdown_c = 87;
     d->temperature_shutdown_c = 92;
     d->temperature_gpu_max_c = 85;
-    d->power_mw = 100000;
+    d->power_mw = 60000;
     d->power_limit_mw = 700000;
     d->clock_graphics_mhz = 1980;
     d->clock_sm_mhz = 1980;

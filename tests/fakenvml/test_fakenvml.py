@@ -1,5 +1,10 @@
-"""The fake libnvidia-ml.so.1 under the real pynvml, in a child process (ld.so reads
-LD_LIBRARY_PATH only at exec). Protocol details the backend tests do not reach."""
+"""The fake libnvidia-ml.so.1 under the real pynvml, each scenario in a child process.
+
+pynvml finds its library only through the dynamic loader at process start, so every test runs a
+small pynvml script in a child (``sys.executable``) with ``LD_LIBRARY_PATH`` pointing at the fake
+and ``GPU_SUPERVISOR_SIM_DIR`` at a fresh world; the child prints one JSON line. Waiting happens
+inside the child (event waits with a timeout); the parent only bounds it with subprocess timeouts.
+"""
 
 from __future__ import annotations
 
@@ -8,127 +13,720 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from supervisor.backends.sim import SimBackend
+import pytest
+
+from tests.fakenvml.build import VARIANTS, build_fake_nvml
+
+CHILD_TIMEOUT_S = 30.0
+MIB = 1024 * 1024
+
+PRELUDE = """\
+import json, os, subprocess, sys, threading, time
+import pynvml as nv
+
+def attempt(fn, *args, **kwargs):
+    try:
+        return {"ok": fn(*args, **kwargs)}
+    except Exception as exc:
+        return {"error": type(exc).__name__}
+
+def procs(entries):
+    return [[p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in entries]
+
+def emit(obj):
+    print(json.dumps(obj), flush=True)
+"""
 
 
-def run_pynvml(libdir: Path, world: Path, body: str) -> Any:
-    """Run ``body`` (which sets ``out``) with pynvml initialised; return ``out``."""
-    script = (
-        "import json, pynvml\nout = None\n" + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
-    )
-    env = {**os.environ, "LD_LIBRARY_PATH": str(libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+class World:
+    """A simulated-GPU world directory (DESIGN.md section 7), written atomically."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "gpus").mkdir(parents=True)
+        (root / "procs").mkdir()
+
+    def write(self, rel: str, text: str) -> None:
+        path = self.root / rel
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+    def gpu(self, index: int, **keys: object) -> None:
+        self.write(f"gpus/{index}", "".join(f"{key} {value}\n" for key, value in keys.items()))
+
+    def procs(self, pid: int, *lines: str) -> None:
+        self.write(f"procs/{pid}", "".join(f"{line}\n" for line in lines))
+
+    def append_events(self, *lines: str) -> None:
+        with (self.root / "events").open("a") as events:
+            events.writelines(f"{line}\n" for line in lines)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path / "world")
+
+
+@pytest.fixture
+def sleepers() -> Iterator[list[int]]:
+    """Pids of three live processes (they block on stdin until the test ends)."""
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+        )
+        for _ in range(3)
+    ]
+    try:
+        yield [child.pid for child in children]
+    finally:
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.close()
+        for child in children:
+            child.wait(timeout=CHILD_TIMEOUT_S)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=30,
+        check=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    return int(result.stdout)
+
+
+def by_pid(used: dict[int, int | None]) -> list[list[int | None]]:
+    """Process rows as the child reports them (pid order, no MIG instance ids)."""
+    return [[pid, used[pid], 0xFFFFFFFF, 0xFFFFFFFF] for pid in sorted(used)]
+
+
+def child_env(libdir: Path | None, world: World | None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LD_LIBRARY_PATH", "GPU_SUPERVISOR_SIM_DIR")
+    }
+    if libdir is not None:
+        env["LD_LIBRARY_PATH"] = str(libdir)
+    if world is not None:
+        env["GPU_SUPERVISOR_SIM_DIR"] = str(world.root)
+    return env
+
+
+def run_child(script: str, *, libdir: Path | None, world: World | None) -> Any:
+    """Run PRELUDE + script in a child python; return the JSON of its last stdout line."""
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(script)],
+        env=child_env(libdir, world),
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
         check=False,
     )
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    assert result.returncode == 0, f"child failed ({result.returncode}):\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def world(tmp_path: Path) -> Path:
-    w = tmp_path / "sim"
-    SimBackend(w, 2).open()
-    return w
+# --------------------------------------------------------------------------------------------
+# Init, identity
+# --------------------------------------------------------------------------------------------
 
 
-def test_process_lists_two_call_protocol(fake_nvml_dir: Path, tmp_path: Path) -> None:
-    w = world(tmp_path)
-    me = os.getpid()
-    ppid = os.getppid()
-    (w / "procs" / str(me)).write_text("0 100\n1 na\n")
-    (w / "procs" / str(ppid)).write_text("GPU-00000000-0000-0000-0000-000000000000 50\n")
-    (w / "procs" / "999999999").write_text("0 7\n")  # dead: ignored
-    out = run_pynvml(
-        fake_nvml_dir,
-        w,
+def test_identity(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0, uuid="GPU-0b1e7e57-0000-4000-8000-000000000000", name="NVIDIA H100 80GB HBM3")
+    world.gpu(1)
+    world.gpu(3)  # gpus/2 is missing: the device list ends at the first gap
+    out = run_child(
         """
-        pynvml.nvmlInit()
-        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
-        v3 = sorted((p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h0))
-        v2 = sorted((p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h0))
-        na = [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h1)]
-        mem1 = pynvml.nvmlDeviceGetMemoryInfo(h0)
-        mem2 = pynvml.nvmlDeviceGetMemoryInfo(h0, pynvml.nvmlMemory_v2)
-        out = {"v3": v3, "v2": v2, "na": na, "used_v1": mem1.used, "used_v2": mem2.used,
-               "total": mem2.total}
-    """,
+        nv.nvmlInit()
+        count = nv.nvmlDeviceGetCount()
+        devs = []
+        for i in range(count):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            pci = nv.nvmlDeviceGetPciInfo(h)
+            devs.append([nv.nvmlDeviceGetUUID(h), nv.nvmlDeviceGetName(h),
+                         nv.nvmlDeviceGetIndex(h), pci.busId])  # str: pynvml decodes
+        by_uuid = nv.nvmlDeviceGetHandleByUUID(devs[1][0])
+        emit({
+            "driver": nv.nvmlSystemGetDriverVersion(),
+            "nvml": nv.nvmlSystemGetNVMLVersion(),
+            "count": count,
+            "devs": devs,
+            "by_uuid_index": nv.nvmlDeviceGetIndex(by_uuid),
+            "unknown_uuid": attempt(nv.nvmlDeviceGetHandleByUUID, "GPU-nope"),
+            "bad_index": attempt(nv.nvmlDeviceGetHandleByIndex, 2),
+            "error_string": nv.nvmlErrorString(nv.NVML_ERROR_GPU_IS_LOST),
+        })
+        nv.nvmlShutdown()
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
     )
-    mib = 1024 * 1024
-    expected = sorted([[me, 100 * mib], [ppid, 50 * mib]])
-    assert out["v3"] == expected
-    assert out["v2"] == expected
-    assert out["na"] == [[me, None]]
-    assert out["used_v2"] == 150 * mib
-    assert out["used_v1"] >= out["used_v2"]
-    assert out["total"] == 81920 * mib
+    assert out["count"] == 2
+    assert out["devs"] == [
+        [
+            "GPU-0b1e7e57-0000-4000-8000-000000000000",
+            "NVIDIA H100 80GB HBM3",
+            0,
+            "00000000:01:00.0",
+        ],
+        ["GPU-00000000-0000-0000-0000-000000000001", "Simulated GPU", 1, "00000000:02:00.0"],
+    ]
+    assert out["by_uuid_index"] == 1
+    assert out["unknown_uuid"] == {"error": "NVMLError_NotFound"}
+    assert out["bad_index"] == {"error": "NVMLError_InvalidArgument"}
+    assert out["driver"] == "580.65.06"
+    assert out["nvml"] == "13.580.65.06"
+    assert out["error_string"] == "GPU is lost"
 
 
-def test_errors_versions_and_events(fake_nvml_dir: Path, tmp_path: Path) -> None:
-    w = world(tmp_path)
-    (w / "events").write_text("0 48\n")  # before registration: never delivered
-    gpu1 = w / "gpus" / "1"
-    gpu1.write_text(gpu1.read_text() + "rc_nvmlDeviceGetPowerUsage 3\n")
-    out = run_pynvml(
-        fake_nvml_dir,
-        w,
+def test_system_file_overrides_versions(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0)
+    world.write("nvml", "driver_version 535.104.05\nnvml_version 12.535.104.05\n")
+    out = run_child(
+        """
+        nv.nvmlInit()
+        emit([nv.nvmlSystemGetDriverVersion(), nv.nvmlSystemGetNVMLVersion()])
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out == ["535.104.05", "12.535.104.05"]
+
+
+def test_init_lifecycle(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0)
+    out = run_child(
+        """
+        before = attempt(nv.nvmlDeviceGetCount)
+        nv.nvmlInit()
+        nv.nvmlInit()
+        nv.nvmlShutdown()
+        still = attempt(nv.nvmlDeviceGetCount)
+        nv.nvmlShutdown()
+        after = attempt(nv.nvmlDeviceGetCount)
+        extra = attempt(nv.nvmlShutdown)
+        emit({"before": before, "still": still, "after": after, "extra": extra})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out == {
+        "before": {"error": "NVMLError_Uninitialized"},  # raised by pynvml: no library yet
+        "still": {"ok": 1},  # init is reference-counted
+        "after": {"error": "NVMLError_Uninitialized"},  # from the fake, after the last shutdown
+        "extra": {"error": "NVMLError_Uninitialized"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("init_rc", "expected"),
+    [("9", "NVMLError_DriverNotLoaded"), ("18", "NVMLError_LibRmVersionMismatch")],
+)
+def test_init_rc_fails_init(
+    fake_nvml_libdir: Path, world: World, init_rc: str, expected: str
+) -> None:
+    world.gpu(0)
+    world.write("init_rc", f"{init_rc}\n")
+    out = run_child("emit(attempt(nv.nvmlInit))", libdir=fake_nvml_libdir, world=world)
+    assert out == {"error": expected}
+
+
+def test_no_world_means_no_driver(fake_nvml_libdir: Path) -> None:
+    out = run_child("emit(attempt(nv.nvmlInit))", libdir=fake_nvml_libdir, world=None)
+    assert out == {"error": "NVMLError_DriverNotLoaded"}
+
+
+def test_without_library_path_library_not_found(world: World) -> None:
+    world.gpu(0)
+    out = run_child(
+        """
+        import ctypes
+        try:
+            ctypes.CDLL("libnvidia-ml.so.1")
+            emit({"real": True})
+        except OSError:
+            emit({"real": False, "init": attempt(nv.nvmlInit)})
+        """,
+        libdir=None,
+        world=world,
+    )
+    if out["real"]:
+        pytest.skip("a real libnvidia-ml.so.1 is installed on this machine")
+    assert out["init"] == {"error": "NVMLError_LibraryNotFound"}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory and processes
+# --------------------------------------------------------------------------------------------
+
+
+def test_memory_counts_base_and_live_processes(
+    fake_nvml_libdir: Path, world: World, sleepers: list[int]
+) -> None:
+    uuid0 = "GPU-11111111-2222-3333-4444-555555555555"
+    world.gpu(0, uuid=uuid0, memory_total_mib=1000, memory_base_mib=100, memory_reserved_mib=50)
+    world.gpu(1, memory_total_mib=2000, memory_base_mib=10)
+    a, b, c = sleepers
+    world.procs(a, "0 200", "1 7")
+    world.procs(b, f"{uuid0} 300")
+    world.procs(c, "0 na")
+    world.procs(dead_pid(), "0 5000", "1 5000")
+    world.write("procs/.123.tmp", "0 9999\n")  # a writer's temp file is not a pid
+    out = run_child(
+        """
+        nv.nvmlInit()
+        res = []
+        for i in range(2):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            v1 = nv.nvmlDeviceGetMemoryInfo(h)
+            v2 = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
+            res.append({
+                "v1": [v1.total, v1.used, v1.free],
+                "v2": [v2.version, v2.total, v2.reserved, v2.used, v2.free],
+                "procs": procs(nv.nvmlDeviceGetComputeRunningProcesses(h)),
+            })
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        res.append(attempt(nv.nvmlDeviceGetMemoryInfo, h, version=0x01000028))
+        emit(res)
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    gpu0, gpu1, bad_version = out
+    assert gpu0["v1"] == [1000 * MIB, 650 * MIB, 350 * MIB]  # used = base + procs + reserved
+    assert gpu0["v2"] == [0x02000028, 1000 * MIB, 50 * MIB, 600 * MIB, 350 * MIB]
+    none = 0xFFFFFFFF
+    assert gpu0["procs"] == by_pid({a: 200 * MIB, b: 300 * MIB, c: None})
+    assert gpu1["v1"] == [2000 * MIB, 17 * MIB, 1983 * MIB]
+    assert gpu1["procs"] == [[a, 7 * MIB, none, none]]
+    assert bad_version == {"error": "NVMLError_ArgumentVersionMismatch"}
+
+
+def test_world_changes_are_seen_on_the_next_call(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0, memory_total_mib=1000)
+    out = run_child(
         f"""
-        import time
-        pynvml.nvmlInit()
-        h0, h1 = (pynvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1))
-        out = {{}}
-        try:
-            pynvml.nvmlDeviceGetPowerUsage(h1)
-        except pynvml.NVMLError_NotSupported:
-            out["power1"] = "not supported"
-        out["power0"] = pynvml.nvmlDeviceGetPowerUsage(h0)
-        try:
-            pynvml.nvmlDeviceGetMemoryInfo(h0, 0x01000028)
-        except pynvml.NVMLError_ArgumentVersionMismatch:
-            out["version"] = "mismatch"
-        es = pynvml.nvmlEventSetCreate()
-        for h in (h0, h1):
-            pynvml.nvmlDeviceRegisterEvents(h, 0x8, es)
-        t0 = time.monotonic()
-        try:
-            pynvml.nvmlEventSetWait_v2(es, 100)
-        except pynvml.NVMLError_Timeout:
-            out["timeout_s"] = time.monotonic() - t0
-        with open({str(w / "events")!r}, "a") as fh:
-            fh.write("1 79\\n")
-        data = pynvml.nvmlEventSetWait_v2(es, 2000)
-        out["xid"] = [data.eventData, pynvml.nvmlDeviceGetIndex(data.device), data.eventType]
-        try:
-            pynvml.nvmlEventSetWait_v2(es, 50)
-        except pynvml.NVMLError_Timeout:
-            out["once"] = True
-        pynvml.nvmlEventSetFree(es)
-        pynvml.nvmlShutdown()
-    """,
+        def put(text):
+            tmp = {str(world.root)!r} + "/procs/.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, {str(world.root)!r} + f"/procs/{{os.getpid()}}")
+
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        used = lambda: nv.nvmlDeviceGetMemoryInfo(h).used // (1024 * 1024)
+        seen = [used()]
+        put("0 100\\n")
+        seen.append(used())
+        put("0 400\\n")
+        seen.append(used())
+        grandchild = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                      stdin=subprocess.PIPE)
+        with open({str(world.root)!r} + f"/procs/{{grandchild.pid}}", "w") as f:
+            f.write("0 50\\n")
+        seen.append(used())
+        listed = [p.pid for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
+        grandchild.stdin.close()
+        grandchild.wait()
+        seen.append(used())
+        os.remove({str(world.root)!r} + f"/procs/{{os.getpid()}}")
+        seen.append(used())
+        emit({{"seen": seen, "listed": listed, "me": os.getpid(), "gc": grandchild.pid}})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
     )
-    assert out["power1"] == "not supported"
-    assert out["power0"] == 60000
-    assert out["version"] == "mismatch"
-    assert 0.09 <= out["timeout_s"] < 1.0
-    assert out["xid"] == [79, 1, 8]
-    assert out["once"] is True
+    assert out["seen"] == [0, 100, 400, 450, 400, 0]
+    assert out["listed"] == sorted([out["me"], out["gc"]])
 
 
-def test_init_failure_and_missing_library(fake_nvml_dir: Path, tmp_path: Path) -> None:
-    w = world(tmp_path)
-    (w / "init_rc").write_text("9\n")
-    body = """
-        try:
-            pynvml.nvmlInit()
-            out = "ok"
-        except pynvml.NVMLError as exc:
-            out = type(exc).__name__
+def test_process_list_two_call_protocol(
+    fake_nvml_libdir: Path, world: World, sleepers: list[int]
+) -> None:
+    world.gpu(0)
+    world.gpu(1)
+    a, b, c = sleepers
+    world.procs(a, "0 100")
+    world.procs(b, "0 200")
+    world.procs(c, "0 na", "0 300 graphics")
+    out = run_child(
+        """
+        import ctypes
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        raw = nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
+        count = ctypes.c_uint(0)
+        first = raw(h, ctypes.byref(count), None)
+        first_count = count.value
+        small = (nv.c_nvmlProcessInfo_v3_t * 2)()
+        count.value = 2
+        short = raw(h, ctypes.byref(count), small)
+        short_count = count.value
+        exact = (nv.c_nvmlProcessInfo_v3_t * 3)()
+        count.value = 3
+        full = raw(h, ctypes.byref(count), exact)
+        idle = nv.nvmlDeviceGetHandleByIndex(1)
+        emit({
+            "raw": [first, first_count, short, short_count, full, count.value],
+            "v3": procs(nv.nvmlDeviceGetComputeRunningProcesses(h)),
+            "v2": procs(nv.nvmlDeviceGetComputeRunningProcesses_v2(h)),
+            "gfx_v3": procs(nv.nvmlDeviceGetGraphicsRunningProcesses_v3(h)),
+            "gfx_v2": procs(nv.nvmlDeviceGetGraphicsRunningProcesses_v2(h)),
+            "idle": procs(nv.nvmlDeviceGetComputeRunningProcesses(idle)),
+            "idle_raw": nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")(
+                idle, ctypes.byref(count), None),
+        })
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    none = 0xFFFFFFFF
+    # count 0 + NULL -> INSUFFICIENT_SIZE(7) with the count; too small -> 7 again; enough -> 0
+    assert out["raw"] == [7, 3, 7, 3, 0, 3]
+    compute = by_pid({a: 100 * MIB, b: 200 * MIB, c: None})
+    assert out["v3"] == compute
+    assert out["v2"] == compute
+    assert out["gfx_v3"] == [[c, 300 * MIB, none, none]]
+    assert out["gfx_v2"] == out["gfx_v3"]
+    assert out["idle"] == []
+    assert out["idle_raw"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+
+def test_metrics_match_the_world(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(
+        0,
+        temperature_c=71,
+        temperature_slowdown_c=90,
+        temperature_shutdown_c=95,
+        utilization_percent=63,
+        memory_utilization_percent=12,
+        power_mw=312345,
+        power_limit_mw=400000,
+        clocks_event_reasons=0x44,
+        encoder_percent=5,
+        decoder_percent=9,
+        clock_sm_mhz=1410,
+        ecc_uncorrected=2,
+    )
+    world.gpu(1, temperature_c=-5)
+    out = run_child(
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        util = nv.nvmlDeviceGetUtilizationRates(h)
+        fields = nv.nvmlDeviceGetFieldValues(h, [
+            nv.NVML_FI_DEV_TEMPERATURE_SLOWDOWN_TLIMIT, nv.NVML_FI_DEV_TEMPERATURE_SHUTDOWN_TLIMIT,
+            nv.NVML_FI_DEV_MEMORY_TEMP])
+        cold = nv.nvmlDeviceGetHandleByIndex(1)
+        emit({
+            "util": [util.gpu, util.memory],
+            "temp": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+            "temp_v": nv.nvmlDeviceGetTemperatureV(h, nv.NVML_TEMPERATURE_GPU),
+            "cold": [nv.nvmlDeviceGetTemperature(cold, 0), nv.nvmlDeviceGetTemperatureV(cold, 0)],
+            "thresholds": [attempt(nv.nvmlDeviceGetTemperatureThreshold, h, t) for t in (0, 1, 2, 3)],
+            "fields": [[f.fieldId, f.nvmlReturn, f.valueType, f.value.siVal, f.timestamp > 0]
+                       for f in fields],
+            "power": [nv.nvmlDeviceGetPowerUsage(h), nv.nvmlDeviceGetEnforcedPowerLimit(h),
+                      nv.nvmlDeviceGetPowerManagementLimit(h)],
+            "enc": nv.nvmlDeviceGetEncoderUtilization(h),
+            "dec": nv.nvmlDeviceGetDecoderUtilization(h),
+            "reasons": [nv.nvmlDeviceGetCurrentClocksEventReasons(h),
+                        nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)],
+            "sm_clock": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            "ecc": nv.nvmlDeviceGetTotalEccErrors(h, 1, 0),
+            "events": nv.nvmlDeviceGetSupportedEventTypes(h),
+        })
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out["util"] == [63, 12]
+    assert out["temp"] == 71
+    assert out["temp_v"] == 71
+    assert out["cold"] == [0, -5]  # the legacy call is unsigned; TemperatureV is signed
+    assert out["thresholds"] == [
+        {"ok": 95},
+        {"ok": 90},
+        {"error": "NVMLError_NotSupported"},
+        {"ok": 85},
+    ]
+    assert out["fields"] == [[194, 0, 5, 90, True], [193, 0, 5, 95, True], [82, 3, 5, 0, True]]
+    assert out["power"] == [312345, 400000, 400000]
+    assert out["enc"] == [5, 1000000]
+    assert out["dec"] == [9, 1000000]
+    assert out["reasons"] == [0x44, 0x44]
+    assert out["sm_clock"] == 1410
+    assert out["ecc"] == 2
+    assert out["events"] == 0x1 | 0x2 | 0x8
+
+
+# --------------------------------------------------------------------------------------------
+# Faults
+# --------------------------------------------------------------------------------------------
+
+
+def test_lost_device_fails_alone(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0)
+    world.gpu(1)
+    gpu1 = str(world.root / "gpus" / "1")
+    out = run_child(
+        f"""
+        nv.nvmlInit()
+        h0 = nv.nvmlDeviceGetHandleByIndex(0)
+        h1 = nv.nvmlDeviceGetHandleByIndex(1)
+        uuid1 = nv.nvmlDeviceGetUUID(h1)
+        with open({gpu1!r}, "w") as f:
+            f.write("lost 1\\n")
+        calls = [nv.nvmlDeviceGetUUID, nv.nvmlDeviceGetName, nv.nvmlDeviceGetMemoryInfo,
+                 nv.nvmlDeviceGetUtilizationRates, nv.nvmlDeviceGetPowerUsage,
+                 nv.nvmlDeviceGetComputeRunningProcesses, nv.nvmlDeviceGetIndex]
+        emit({{
+            "lost": sorted({{attempt(fn, h1).get("error") for fn in calls}}),
+            "temp": attempt(nv.nvmlDeviceGetTemperature, h1, 0),
+            "healthy": [attempt(fn, h0).get("error") for fn in calls],
+            "count": nv.nvmlDeviceGetCount(),
+            "by_index": attempt(nv.nvmlDeviceGetHandleByIndex, 1),
+            "by_uuid": attempt(nv.nvmlDeviceGetHandleByUUID, uuid1),
+        }})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    lost = {"error": "NVMLError_GpuIsLost"}
+    assert out["lost"] == ["NVMLError_GpuIsLost"]
+    assert out["temp"] == lost
+    assert out["healthy"] == [None] * 7
+    assert out["count"] == 2  # a lost device is still counted
+    assert out["by_index"] == lost
+    assert out["by_uuid"] == lost
+
+
+def test_rc_keys_inject_faults(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(
+        0,
+        rc_nvmlDeviceGetPowerUsage=3,
+        rc_nvmlDeviceGetMemoryInfo_v2=4,
+        rc_nvmlDeviceGetComputeRunningProcesses=999,
+        rc_field_194=3,
+    )
+    world.gpu(1)
+    world.write("nvml", "rc_nvmlEventSetCreate 999\n")
+    out = run_child(
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        ok = nv.nvmlDeviceGetHandleByIndex(1)
+        fields = nv.nvmlDeviceGetFieldValues(h, [194, 193])
+        emit({
+            "power": attempt(nv.nvmlDeviceGetPowerUsage, h),
+            "power_other": attempt(nv.nvmlDeviceGetPowerUsage, ok),
+            "mem_v2": attempt(lambda: nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2).used),
+            "mem_v1": attempt(lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
+            "procs_v3": attempt(nv.nvmlDeviceGetComputeRunningProcesses, h),
+            "procs_v2": attempt(nv.nvmlDeviceGetComputeRunningProcesses_v2, h),
+            "fields": [[f.fieldId, f.nvmlReturn] for f in fields],
+            "event_set": attempt(nv.nvmlEventSetCreate),
+        })
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out["power"] == {"error": "NVMLError_NotSupported"}
+    assert out["power_other"] == {"ok": 60000}
+    assert out["mem_v2"] == {"error": "NVMLError_NoPermission"}
+    assert out["mem_v1"] == {"ok": 0}
+    # an unversioned key applies to every version of the symbol
+    assert out["procs_v3"] == {"error": "NVMLError_Unknown"}
+    assert out["procs_v2"] == {"error": "NVMLError_Unknown"}
+    assert out["fields"] == [[194, 3], [193, 0]]
+    assert out["event_set"] == {"error": "NVMLError_Unknown"}
+
+
+# --------------------------------------------------------------------------------------------
+# Events
+# --------------------------------------------------------------------------------------------
+
+
+def test_xid_events_delivered_once_after_registration(fake_nvml_libdir: Path, world: World) -> None:
+    uuid0 = "GPU-abcdef00-0000-0000-0000-000000000000"
+    world.gpu(0, uuid=uuid0)
+    world.gpu(1)
+    world.append_events("0 13", "1 31")  # before the event set exists: never delivered
+    events = str(world.root / "events")
+    out = run_child(
+        f"""
+        def append(line):
+            with open({events!r}, "a") as f:
+                f.write(line + "\\n")
+
+        def wait(s, ms):
+            try:
+                d = nv.nvmlEventSetWait_v2(s, ms)
+                return [nv.nvmlDeviceGetIndex(d.device), d.eventType, d.eventData,
+                        d.gpuInstanceId, d.computeInstanceId]
+            except nv.NVMLError as exc:
+                return type(exc).__name__
+
+        nv.nvmlInit()
+        h0 = nv.nvmlDeviceGetHandleByIndex(0)
+        s = nv.nvmlEventSetCreate()
+        append("0 43")  # after creation, before registration: not delivered
+        types = nv.nvmlEventTypeXidCriticalError & nv.nvmlDeviceGetSupportedEventTypes(h0)
+        nv.nvmlDeviceRegisterEvents(h0, types, s)
+        append("0 79")
+        append("1 48")  # device 1 is not registered
+        append({uuid0!r} + " 94")  # events may name the device by UUID
+        got = [wait(s, 2000), wait(s, 2000)]
+        start = time.monotonic()
+        got.append(wait(s, 200))
+        elapsed = time.monotonic() - start
+        late = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h0, types, late)
+        late_got = wait(late, 50)
+        unsupported = attempt(nv.nvmlDeviceRegisterEvents, h0, nv.nvmlEventTypePState, s)
+        nv.nvmlEventSetFree(late)
+        nv.nvmlEventSetFree(s)
+        emit({{"got": got, "elapsed": elapsed, "late": late_got, "unsupported": unsupported}})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    none = 0xFFFFFFFF
+    assert out["got"] == [[0, 8, 79, none, none], [0, 8, 94, none, none], "NVMLError_Timeout"]
+    assert 0.15 <= out["elapsed"] < 5.0
+    assert out["late"] == "NVMLError_Timeout"  # a new set does not replay old lines
+    assert out["unsupported"] == {"error": "NVMLError_NotSupported"}
+
+
+def test_event_wait_in_a_thread_sees_a_line_appended_while_waiting(
+    fake_nvml_libdir: Path, world: World
+) -> None:
+    world.gpu(0)
+    world.gpu(1)
+    script = """
+        nv.nvmlInit()
+        h1 = nv.nvmlDeviceGetHandleByIndex(1)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h1, nv.nvmlEventTypeXidCriticalError, s)
+        result = {}
+        def waiter():
+            try:
+                d = nv.nvmlEventSetWait_v2(s, 10000)
+                result["event"] = [nv.nvmlDeviceGetIndex(d.device), d.eventData]
+            except nv.NVMLError as exc:
+                result["event"] = type(exc).__name__
+        t = threading.Thread(target=waiter)
+        t.start()
+        print("registered", flush=True)
+        queries = 0
+        while t.is_alive():
+            nv.nvmlDeviceGetMemoryInfo(h1)
+            nv.nvmlDeviceGetTemperature(h1, 0)
+            queries += 1
+        t.join()
+        emit({"event": result["event"], "queries": queries})
     """
-    assert run_pynvml(fake_nvml_dir, w, body) == "NVMLError_DriverNotLoaded"
-    assert run_pynvml(tmp_path, w, body) == "NVMLError_LibraryNotFound"
+    with subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(script)],
+        env=child_env(fake_nvml_libdir, world),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as child:
+        assert child.stdout is not None
+        first = child.stdout.readline()  # the child's own wait bounds this (10 s)
+        world.append_events("1 109")
+        stdout, stderr = child.communicate(timeout=CHILD_TIMEOUT_S)
+    assert first.strip() == "registered", stderr
+    assert child.returncode == 0, stderr
+    out = json.loads(stdout.strip().splitlines()[-1])
+    assert out["event"] == [1, 109]
+    assert out["queries"] > 0
+
+
+def test_shutdown_ends_a_pending_wait(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0)
+    out = run_child(
+        """
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        s = nv.nvmlEventSetCreate()
+        nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, s)
+        result = {}
+        def waiter():
+            start = time.monotonic()
+            result["wait"] = attempt(nv.nvmlEventSetWait_v2, s, 20000).get("error")
+            result["elapsed"] = time.monotonic() - start
+        t = threading.Thread(target=waiter)
+        t.start()
+        nv.nvmlShutdown()
+        t.join()
+        emit(result)
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out["wait"] == "NVMLError_Uninitialized"
+    assert out["elapsed"] < 5.0
+
+
+# --------------------------------------------------------------------------------------------
+# Build variants without a symbol (for a backend's fallbacks)
+# --------------------------------------------------------------------------------------------
+
+VARIANT_SCRIPTS = {
+    "FAKENVML_NO_PROCESSES_V3": (
+        "[attempt(nv.nvmlDeviceGetComputeRunningProcesses, h).get('error'),"
+        " attempt(nv.nvmlDeviceGetComputeRunningProcesses_v2, h)]",
+        ["NVMLLibraryMismatchError", {"ok": []}],
+    ),
+    "FAKENVML_NO_MEMORY_V2": (
+        "[attempt(lambda: nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)).get('error'),"
+        " attempt(lambda: nv.nvmlDeviceGetMemoryInfo(h).used)]",
+        ["NVMLError_FunctionNotFound", {"ok": 0}],
+    ),
+    "FAKENVML_NO_TEMPERATURE_V": (
+        "[attempt(nv.nvmlDeviceGetTemperatureV, h, 0).get('error'),"
+        " attempt(nv.nvmlDeviceGetTemperature, h, 0)]",
+        ["NVMLError_FunctionNotFound", {"ok": 40}],
+    ),
+    "FAKENVML_NO_CLOCKS_EVENT_REASONS": (
+        "[attempt(nv.nvmlDeviceGetCurrentClocksEventReasons, h).get('error'),"
+        " attempt(nv.nvmlDeviceGetCurrentClocksThrottleReasons, h)]",
+        ["NVMLError_FunctionNotFound", {"ok": 0}],
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_without_symbol(
+    fake_nvml_libdir: Path, tmp_path: Path, world: World, variant: str
+) -> None:
+    del fake_nvml_libdir  # only for its skip when gcc is missing
+    libdir = build_fake_nvml(tmp_path / "lib", defines=[variant])
+    world.gpu(0)
+    expression, expected = VARIANT_SCRIPTS[variant]
+    out = run_child(
+        f"""
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        emit({expression})
+        """,
+        libdir=libdir,
+        world=world,
+    )
+    assert out == expected

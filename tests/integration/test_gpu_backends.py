@@ -24,7 +24,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[s
     SimBackend(world, 2).open()  # both backends read the same world
     env = {"GPU_SUPERVISOR_SIM_DIR": str(world)}
     if request.param == "nvml":
-        env["LD_LIBRARY_PATH"] = str(request.getfixturevalue("fake_nvml_dir"))
+        env["LD_LIBRARY_PATH"] = str(request.getfixturevalue("fake_nvml_libdir"))
     return request.param, env
 
 
@@ -136,7 +136,7 @@ def test_barrier_marks_suspect_and_moves(
 
 
 def test_nvml_missing_then_appearing(
-    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_dir: Path
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
     """No library: degraded (workers run, no telemetry); the library appears: NVML recovers."""
     libdir = tmp_path / "lib"
@@ -161,7 +161,7 @@ def test_nvml_missing_then_appearing(
     sample = sup.wait_event(event="gpu.sample", workers=lambda w: "g-0" in w)
     assert sample["nvml_available"] is False
     assert sample["workers"]["g-0"]["attribution"] == "unavailable"
-    shutil.copy(fake_nvml_dir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+    shutil.copy(fake_nvml_libdir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
     up = sup.wait_event(event="gpu.backend", timeout=15)
     assert up["uuids"] == [UUID0, UUID1]
     sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
@@ -169,7 +169,7 @@ def test_nvml_missing_then_appearing(
 
 
 def test_nvml_init_failure_is_degraded_and_auto_falls_back(
-    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_dir: Path
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
@@ -179,7 +179,7 @@ def test_nvml_init_failure_is_degraded_and_auto_falls_back(
         "workers": [{"name": "g", "command": worker_cmd("ready_then_sleep")}],
     }
     sup = supervisor(
-        cfg, env={"LD_LIBRARY_PATH": str(fake_nvml_dir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+        cfg, env={"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
     )
     fallback = sup.wait_event(event="gpu.no_telemetry")
     assert "Driver Not Loaded" in fallback["error"]
