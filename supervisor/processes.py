@@ -15,7 +15,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
@@ -74,20 +76,72 @@ class Child:
         self.popen.returncode = status.code if status.code is not None else -(status.signal or 0)
 
 
+@functools.cache
+def _setpriv() -> str | None:
+    """util-linux ``setpriv`` if it supports ``--pdeathsig`` (it lets Popen use vfork).
+
+    Probed once; call ``probe_spawn_helper()`` before the reaper runs (the probe is a child).
+    """
+    path = shutil.which("setpriv")
+    if path is None:
+        return None
+    try:
+        out = subprocess.run(
+            [path, "--help"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "--pdeathsig" in out.stdout else None
+
+
+def probe_spawn_helper() -> str | None:
+    """Find ``setpriv`` now (see ``spawn``); returns its path or None."""
+    return _setpriv()
+
+
+def _resolve(program: str, env: Mapping[str, str], cwd: str | None) -> str:
+    """The executable ``program`` names (as execvpe would find it), or SpawnError."""
+    if "/" in program:
+        path = program if cwd is None or os.path.isabs(program) else os.path.join(cwd, program)
+        if not os.path.exists(path):
+            raise SpawnError(f"cannot execute {program!r}: No such file or directory")
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            raise SpawnError(f"cannot execute {program!r}: Permission denied")
+        return program
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise SpawnError(f"cannot execute {program!r}: not found in PATH")
+    return found
+
+
 def spawn(spec: LaunchSpec) -> Child:
-    """Start the worker described by ``spec``; raise ``SpawnError`` if it cannot be executed."""
+    """Start the worker described by ``spec``; raise ``SpawnError`` if it cannot be executed.
+
+    PR_SET_PDEATHSIG is set through ``setpriv --pdeathsig KILL`` where util-linux has it (Popen
+    can then vfork: ~0.2 ms instead of ~3 ms for a full fork of the supervisor), else in a
+    ``preexec_fn``.
+    """
+    env = dict(spec.env)
+    program = _resolve(spec.argv[0], env, spec.cwd)
+    setpriv = _setpriv()
+    if setpriv is not None:
+        argv = [setpriv, "--pdeathsig", "KILL", "--", program, *spec.argv[1:]]
+        preexec = None
+    else:
+        argv = [program, *spec.argv[1:]]
+        preexec = _child_setup(os.getpid(), _prctl())
     read_fd, write_fd = os.pipe()
     try:
         popen = subprocess.Popen(
-            list(spec.argv),
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=write_fd,
             stderr=subprocess.STDOUT,
-            env=dict(spec.env),
+            env=env,
             cwd=spec.cwd,
             close_fds=True,
             start_new_session=True,
-            preexec_fn=_child_setup(os.getpid(), _prctl()),
+            preexec_fn=preexec,
         )
     except OSError as exc:
         os.close(read_fd)

@@ -33,7 +33,7 @@ from supervisor.output import WorkerOutput
 from supervisor.plan import GpuSlot, Plan, build_plan, launch_spec, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.reload import diff_groups
-from supervisor.processes import Reaped, Reaper, set_child_subreaper
+from supervisor.processes import Reaped, Reaper, probe_spawn_helper, set_child_subreaper
 from supervisor.sampler import Sampler, WorkerRef
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.worker import WorkerRunner, is_idle
@@ -178,6 +178,7 @@ class Runtime:
         sup = self.settings.supervisor
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
+        probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
         (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0
         startup_error: PlacementError | None = None

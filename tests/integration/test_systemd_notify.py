@@ -54,9 +54,11 @@ def test_ready_watchdog_and_status_reach_the_manager(
         ready_msg = manager.wait_for("READY=1")
         assert "STATUS=" in ready_msg
         ready_at = manager.got.index(ready_msg)
-        a_ready = sup.find(event="worker.state", group="a", new="ready")
-        assert a_ready
-        assert sup.find(event="worker.state", worker="b-0", new="ready")
+        # (the log lines may reach the harness after the datagram: wait, do not just look)
+        a_ready = sup.wait_event(event="worker.state", group="a", new="ready")
+        b_ready = sup.wait_event(event="worker.state", worker="b-0", new="ready")
+        assert a_ready["timestamp"] <= sup.wait_event(event="supervisor.ready")["timestamp"]
+        assert b_ready["timestamp"] <= sup.wait_event(event="supervisor.ready")["timestamp"]
         assert all("READY=1" not in m for m in manager.got[:ready_at])
         assert manager.wait_for("WATCHDOG=1")
         assert manager.wait_for("STATUS=3/3 ready, 0 fatal, 2 groups")
