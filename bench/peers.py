@@ -457,7 +457,6 @@ class Circus(Supervisor):
 check_delay = {CIRCUS_CHECK_DELAY_S:g}
 endpoint = ipc://{workdir}/endpoint
 pubsub_endpoint = ipc://{workdir}/pubsub
-stats_endpoint = ipc://{workdir}/stats
 statsd = false
 httpd = false
 loglevel = warning
@@ -479,6 +478,7 @@ copy_env = true
 BENCH_START_FILE = {start_file}
 BENCH_RUN_ID = {self.tracker.run_id}
 """
+        # No stats_endpoint on purpose: setting one silently turns statsd on (circusd-stats).
         path = workdir / "circus.ini"
         path.write_text(text)
         return path
@@ -524,6 +524,9 @@ class GpuSupervisor(Supervisor):
 [supervisor]
 state_dir = {_toml_str(str(workdir / "state"))}
 shutdown_timeout_s = 30
+
+[gpu]
+backend = "none"  # the supervision core only: same on every machine, GPU or not
 
 [[workers]]
 name = "bench"
@@ -736,6 +739,38 @@ def measure_floor(workdir: Path, n: int, rng: random.Random, tracker: Tracker) -
     return out
 
 
+def measure_floor_many(workdir: Path, tracker: Tracker) -> dict[str, Any]:
+    """Bare fork+exec of 32 workers back to back: first Popen call -> last start line."""
+    workdir.mkdir(parents=True)
+    starts = StartFile(workdir / "starts.txt")
+    env = dict(os.environ, BENCH_START_FILE=str(starts.path), BENCH_RUN_ID=tracker.run_id)
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.time_ns()
+    try:
+        for _ in range(WORKERS):
+            proc = subprocess.Popen(
+                _worker_argv(True),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            tracker.add_popen(proc)
+            procs.append(proc)
+        wait_until(pids_at_least(starts, WORKERS), START_DEADLINE_S, "the floor's start lines")
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=5)
+    stamps = [ns for _, ns in starts.lines[:WORKERS]]
+    return {
+        "start_s": (max(stamps) - t0) / 1e9,
+        "start_spread_s": (max(stamps) - min(stamps)) / 1e9,
+    }
+
+
 # --------------------------------------------------------------------------- reporting
 
 
@@ -757,19 +792,21 @@ def summarise(raw: dict[str, Any]) -> dict[str, dict[str, float | None]]:
         r = raw.get(name, {})
         crash = r.get("crash_s", [])
         many = r.get("many", [])
-        idle_cpu = sum(m["idle_cpu_s"] for m in many)
-        idle_win = sum(m["idle_window_s"] for m in many)
+        idle_cpu = sum(m.get("idle_cpu_s", 0.0) for m in many)
+        idle_win = sum(m.get("idle_window_s", 0.0) for m in many)
         out[name] = {
             "crash_median_ms": None if not crash else 1000 * (_median(crash) or 0),
             "crash_p90_ms": None if not crash else 1000 * (_p90(crash) or 0),
             "crash_n": len(crash),
             "start_s": _median([m["start_s"] for m in many]),
             "start_spread_s": _median([m["start_spread_s"] for m in many]),
-            "stop_s": _median([m["stop_s"] for m in many]),
+            "stop_s": _median([m["stop_s"] for m in many if "stop_s" in m]),
             "idle_cpu_s_per_min": (60 * idle_cpu / idle_win) if idle_win else None,
             "idle_window_s": idle_win,
             "rss_mib": (
-                None if not many else (_median([m["rss_bytes"] for m in many]) or 0) / 2**20
+                None
+                if not any("rss_bytes" in m for m in many)
+                else (_median([m["rss_bytes"] for m in many if "rss_bytes" in m]) or 0) / 2**20
             ),
             "rounds": len(many),
         }
@@ -789,8 +826,8 @@ def render_table(summary: dict[str, dict[str, float | None]], status: dict[str, 
     rows: list[tuple[str, str, str, int, bool]] = [
         ("crash → replacement started, median", "crash_median_ms", "ms", 1, True),
         ("crash → replacement started, p90", "crash_p90_ms", "ms", 1, True),
-        (f"start {WORKERS} workers (launch → {WORKERS}th start line)", "start_s", "s", 3, False),
-        (f"… of which 1st → {WORKERS}th start line", "start_spread_s", "s", 3, False),
+        (f"start {WORKERS} workers (launch → last start line)", "start_s", "s", 3, True),
+        ("… of which 1st → last start line", "start_spread_s", "s", 3, True),
         (f"stop {WORKERS} SIGTERM-ignoring workers (2 s timeout)", "stop_s", "s", 3, False),
         (f"idle CPU with {WORKERS} workers", "idle_cpu_s_per_min", "s/min", 3, False),
         (f"RSS after start with {WORKERS} workers", "rss_mib", "MiB", 1, False),
@@ -930,7 +967,9 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gsbench-"))
     order = [n for n in SUPERVISORS if not status.get(n)]
     round_times: list[float] = []
-    old_handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old_handlers = {
+        s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         for rnd in range(plan.rounds):
             if round_times and time.monotonic() + max(round_times) * 1.2 > deadline:
@@ -946,8 +985,9 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     if name == FLOOR:
                         raw[FLOOR]["crash_s"] += measure_floor(
-                            rdir, plan.floor_per_round, rng, tracker
+                            rdir / "crash", plan.floor_per_round, rng, tracker
                         )
+                        raw[FLOOR]["many"].append(measure_floor_many(rdir / "many", tracker))
                         continue
                     if status.get(name):
                         continue
@@ -995,7 +1035,8 @@ def run(args: argparse.Namespace) -> int:
     targets = render_targets(summary, verdict, status)
     cpu = platform.processor() or platform.machine()
     header = (
-        f"{'--quick' if args.quick else 'full'} run, {len(round_times)} rounds, "
+        f"{'--quick' if args.quick else 'full'} run, {len(round_times)} complete rounds"
+        f"{' (interrupted)' if interrupted else ''}, "
         f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
         f"{', '.join(sups[n].version for n in SUPERVISORS if not status.get(n))}"
     )
@@ -1007,6 +1048,13 @@ def run(args: argparse.Namespace) -> int:
     print("Targets (from the issue), PASS/FAIL for gpu-supervisor; peers shown for reference:")
     print()
     print(targets)
+    window = max((summary[n]["idle_window_s"] or 0.0) for n in SUPERVISORS)
+    if window:
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        print(
+            f"\nnote: idle CPU is counted in {tick:g} s kernel ticks over a {window:.0f} s window: "
+            f"resolution {60 * tick / window:.3f} s/min"
+        )
     for name, why in status.items():
         print(f"\nnote: {name} not run: {why}")
     if truncated:
