@@ -15,22 +15,12 @@ import contextlib
 import http.server
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-
-def notify(message: str) -> None:
-    """Send one sd_notify datagram, if a supervisor listens."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(message.encode(), address)
+from sdnotify import notify
 
 
 class World:

@@ -7,17 +7,10 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import sys
 import time
 
-
-def notify(message: str) -> None:
-    """Send one sd_notify datagram, if a supervisor listens."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if address:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message.encode(), address.replace("@", "\0", 1))
+from sdnotify import notify
 
 
 def main() -> None:

@@ -9,23 +9,13 @@ from __future__ import annotations
 import http.server
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 
+from sdnotify import notify
+
 NAME = os.environ.get("GPU_SUPERVISOR_WORKER", "steady")
-
-
-def notify(message: str) -> None:
-    """Send one sd_notify datagram, if a supervisor listens."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(message.encode(), address)
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
