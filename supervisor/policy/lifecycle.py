@@ -465,14 +465,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 after_exit=after,
             )
             return rec, [*acts, SendSignal(t.stop_signal)]
-        if isinstance(ev, Stop):
-            rec = replace(rec, after_exit=AfterExit.STOP, stop_reason=ev.reason)
-            rec, acts = _move(rec, S.STOPPING, ev.reason.value, deadline=now + t.stop_timeout_s)
-            return rec, [*acts, SendSignal(t.stop_signal)]
-        if isinstance(ev, Restart):
-            rec = replace(rec, after_exit=AfterExit.RESTART, stop_reason=ev.reason)
-            rec, acts = _move(rec, S.STOPPING, ev.reason.value, deadline=now + t.stop_timeout_s)
-            return rec, [*acts, SendSignal(t.stop_signal)]
+        if isinstance(ev, Stop | Restart):
+            after = AfterExit.STOP if isinstance(ev, Stop) else AfterExit.RESTART
+            return _begin_stop(rec, now, t, after, ev.reason)
         if isinstance(ev, Heartbeat):
             return replace(rec, heartbeat_at=now), []
         return rec, []
