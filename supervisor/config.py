@@ -7,6 +7,7 @@ must be >= 0 (got -1)``). Unknown keys are rejected so that typos are caught.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -107,6 +108,7 @@ class SupervisorSection(_Strict):
     sample_interval_s: float = Field(default=0.5, ge=0.05, le=60)
     log_max_bytes: int = Field(default=52_428_800, ge=0)
     log_backups: int = Field(default=5, ge=0)
+    postmortem_keep: int = Field(default=200, ge=1)
     systemd_ready: Literal["groups", "start"] = "groups"
 
 
@@ -118,6 +120,84 @@ class GpuSection(_Strict):
     sim_devices: int = Field(default=2, ge=0, le=64)
     reserve_mb: float = Field(default=512, ge=0)
     release_timeout_s: NonNegativeSeconds = 10.0
+
+
+class ApiSection(_Strict):
+    """``[api]``: where the HTTP API listens and who may use it."""
+
+    listen: str = "127.0.0.1:9811"
+    token_file: Path | None = None
+    auth_read: bool = False
+
+    @field_validator("token_file", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_shape(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _no_open_bind_without_token(self) -> ApiSection:
+        kind, host, _ = parse_listen(self.listen)
+        if kind == "tcp" and not _is_loopback(host) and self.token_file is None:
+            raise ValueError(
+                f"listen: {self.listen!r} is not a loopback address and no token_file is set "
+                "(set api.token_file, or listen on 127.0.0.1 or a unix socket)"
+            )
+        if self.auth_read and self.token_file is None:
+            raise ValueError("auth_read: needs api.token_file")
+        return self
+
+
+def parse_listen(value: str) -> tuple[Literal["tcp", "unix", "off"], str, int]:
+    """``"127.0.0.1:9811"`` -> ("tcp", host, port); ``"unix:/path"`` -> ("unix", path, 0).
+
+    ``""`` turns the API off; port 0 picks a free port (logged in ``api.listening``). IPv6
+    hosts are written in brackets: ``"[::1]:9811"``.
+    """
+    if value == "":
+        return ("off", "", 0)
+    if value.startswith("unix:"):
+        path = value[len("unix:") :]
+        if not path.startswith("/") or len(os.fsencode(path)) > 107:
+            raise ValueError(
+                f"unix socket path must be absolute and at most 107 bytes (got {value!r})"
+            )
+        return ("unix", path, 0)
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f'expected "HOST:PORT" or "unix:/path" (got {value!r})')
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host:
+        raise ValueError(f"missing host before the port (got {value!r})")
+    return ("tcp", host, int(port))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AlertsSection(_Strict):
+    """``[alerts]``."""
+
+    webhook_url: str = ""
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _url_shape(cls, value: str) -> str:
+        if value and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("expected an http:// or https:// URL")
+        return value
 
 
 class RestartSection(_Strict):
@@ -159,6 +239,7 @@ class WorkerGroup(_Strict):
     max_workers_per_gpu: int = Field(default=4, ge=1)
     port_base: int | None = Field(default=None, ge=1, le=65535)
     ready: str = "notify"
+    metrics_path: str = ""
     log_passthrough: bool = False
     start_timeout_s: PositiveSeconds = 120.0
     stop_signal: SignalName = "SIGTERM"
@@ -198,6 +279,13 @@ class WorkerGroup(_Strict):
         if value in ("notify", "none") or re.match(r"^https?://[^/\s]+", value):
             return value
         raise ValueError('expected "notify", "none" or an http:// health URL')
+
+    @field_validator("metrics_path")
+    @classmethod
+    def _metrics_path_shape(cls, value: str) -> str:
+        if value and (not value.startswith("/") or any(c.isspace() for c in value)):
+            raise ValueError('expected an absolute URL path such as "/metrics"')
+        return value
 
     @field_validator("env")
     @classmethod
@@ -253,6 +341,8 @@ class Settings(BaseSettings):
 
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
     gpu: GpuSection = Field(default_factory=GpuSection)
+    api: ApiSection = Field(default_factory=ApiSection)
+    alerts: AlertsSection = Field(default_factory=AlertsSection)
     workers: tuple[WorkerGroup, ...] = ()
 
     @classmethod

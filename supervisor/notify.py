@@ -88,6 +88,22 @@ class NotifyListener:
         sock.setblocking(False)
         self._sock = sock
 
+    def rebind(self) -> None:
+        """Bind a fresh socket at the same path (its file was removed, e.g. with state_dir).
+
+        Workers keep their ``NOTIFY_SOCKET``; the serving loop moves to the new socket.
+        """
+        old = self._sock
+        self._sock = None
+        self.open()
+        if old is not None:
+            anyio.notify_closing(old)
+            old.close()
+
+    def bound(self) -> bool:
+        """True while the socket file still exists at ``path``."""
+        return self._sock is not None and self.path.is_socket()
+
     def close(self) -> None:
         """Close and remove the socket."""
         if self._sock is not None:
@@ -125,7 +141,13 @@ class NotifyListener:
         task_status.started()
         try:
             while True:
-                await anyio.wait_readable(self._sock)
+                sock = self._sock
+                if sock is None:
+                    return
+                try:
+                    await anyio.wait_readable(sock)
+                except anyio.ClosedResourceError:
+                    continue  # rebound: wait on the new socket
                 self.drain()
         finally:
             self.close()

@@ -30,6 +30,10 @@ class RotatingFile:
         self._fh: BinaryIO | None = None
         self._size = 0
         self.write_errors = 0
+        self.failing = False
+        #: Called with the error on the first failed write of a run of failures, and with None
+        #: on the first good write after it (write-failure reporting).
+        self.on_health: Callable[[OSError | None], None] | None = None
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
@@ -60,10 +64,19 @@ class RotatingFile:
             fh.write(data)
             fh.flush()
             self._size += len(data)
-        except OSError:
+        except OSError as exc:
             # A full or read-only disk must not stop supervision; the tail stays in memory.
             self.write_errors += 1
             self.close()
+            if not self.failing:
+                self.failing = True
+                if self.on_health is not None:
+                    self.on_health(exc)
+        else:
+            if self.failing:
+                self.failing = False
+                if self.on_health is not None:
+                    self.on_health(None)
 
     def close(self) -> None:
         """Close the file (it is reopened on the next write)."""

@@ -56,6 +56,31 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
+_boot_time: float | None = None
+
+
+def boot_time() -> float:
+    """Seconds since the epoch at boot (``btime`` of ``/proc/stat``, as psutil reads it)."""
+    global _boot_time
+    if _boot_time is None:
+        with open("/proc/stat", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"btime"):
+                    _boot_time = float(line.split()[1])
+                    break
+            else:
+                _boot_time = 0.0
+    return _boot_time
+
+
+def create_time(pid: int) -> float | None:
+    """The process's create time as psutil reports it (None if it is gone)."""
+    st = read_stat(pid)
+    if st is None:
+        return None
+    return st.start_ticks / _TICKS + boot_time()
+
+
 def scan() -> dict[int, ProcStat]:
     """Every visible process."""
     out: dict[int, ProcStat] = {}

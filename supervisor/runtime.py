@@ -11,9 +11,11 @@ import contextlib
 import math
 import os
 import signal
-from collections.abc import Callable, MutableMapping
+from collections import deque
+from collections.abc import Callable, Coroutine, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -21,27 +23,45 @@ import psutil
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from supervisor import procfs
 from supervisor._version import __version__
 from supervisor.backends.base import NoBackend
 from supervisor.backends.factory import make_backend
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
 from supervisor.errors import ConfigError, PlacementError
+from supervisor.journal import Journal
 from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
 from supervisor.plan import GpuSlot, Plan, build_plan, launch_spec, place
 from supervisor.policy import lifecycle as lc
+from supervisor.policy.classify import classify
 from supervisor.policy.reload import diff_groups
 from supervisor.processes import Reaped, Reaper, probe_spawn_helper, set_child_subreaper
+from supervisor.reclaim import reclaim
+from supervisor.records import STATE_FILE, Recorder, WriteHealth, read_json, remove_temp_files
 from supervisor.sampler import Sampler, WorkerRef
 from supervisor.sdnotify import SystemdNotifier
+from supervisor.views import (
+    SamplePoint,
+    StateWorker,
+    WorkerFacts,
+    device_object,
+    postmortem_doc,
+    postmortem_id,
+    state_doc,
+)
 from supervisor.worker import WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
 #: How often the GPU/worker summary is logged.
 SUMMARY_EVERY_S = 15.0
+#: Samples kept per worker for its post-mortem (60 s at the default 0.5 s interval).
+SAMPLES_KEPT = 120
+#: Journal events copied into a post-mortem.
+POSTMORTEM_EVENTS = 50
 
 
 # --- intents -------------------------------------------------------------------------------
@@ -67,7 +87,25 @@ class WorkerCommand:
     event: lc.Start | lc.Stop | lc.Restart | lc.Drain
 
 
-Intent = Shutdown | Reload | WorkerCommand
+@dataclass(frozen=True, slots=True)
+class RollingRestart:
+    """Restart a group one worker at a time, each waiting for readiness."""
+
+    group: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cordon:
+    """Stop (``cordon``) or allow again placing workers on a GPU (by UUID)."""
+
+    uuid: str
+    cordon: bool = True
+
+
+Intent = Shutdown | Reload | WorkerCommand | RollingRestart | Cordon
+
+#: A task started with the runtime (the HTTP API): ``service(runtime, task_status=...)``.
+Service = Callable[..., Coroutine[Any, Any, None]]
 
 
 def signal_intent(signum: int, shutting_down: bool) -> Intent | None:
@@ -91,6 +129,7 @@ class Runtime:
         clock: Clock | None = None,
         subreaper: bool = True,
         trace_samples: bool = False,
+        services: Sequence[Service] = (),
     ) -> None:
         self.settings = settings
         self.config_path = config_path
@@ -133,6 +172,29 @@ class Runtime:
         self._sampled = anyio.Event()
         self._summary_at = 0.0
         self._trace_samples = trace_samples
+        self.services = tuple(services)
+        # read model: journal, records, counters
+        self.journal = Journal()
+        self.write_health = WriteHealth()
+        self.recorder = Recorder(
+            settings.supervisor.state_dir,
+            settings.supervisor.postmortem_keep,
+            self.write_health,
+            self._state_snapshot,
+            on_dir_recreated=self._on_state_dir_recreated,
+            create_time=procfs.create_time,
+        )
+        self.postmortems = self.recorder.store
+        self.reclaimed: list[dict[str, Any]] = []
+        self.stopped = False
+        self.loop_alive_at = 0.0  # monotonic time of the last sample or worker change
+        self.samples_of: dict[str, deque[SamplePoint]] = {}
+        self.restarts_total: dict[tuple[str, str], int] = {}
+        self.postmortems_total: dict[str, int] = {}
+        self.actions_total: dict[tuple[str, str], int] = {}
+        self.sample_listeners: list[Callable[[Sample], None]] = []
+        self.rolling: set[str] = set()
+        self._fingerprints: dict[str, tuple[object, ...]] = {}
 
     # --- public -------------------------------------------------------------------------
 
@@ -188,6 +250,10 @@ class Runtime:
                 await tg.start(self._serve_signals)
                 await tg.start(self.reaper.serve)
                 tg.start_soon(self._serve_intents)
+                await self._reclaim_orphans()
+                await tg.start(self.recorder.serve)
+                for service in self.services:
+                    await tg.start(service, self)
                 await self._open_gpus()
                 try:
                     plan = self._build_plan(self.settings)
@@ -289,10 +355,21 @@ class Runtime:
         return {r.name: WorkerRef(r.record.pid, r.spec.gpus) for r in self.workers()}
 
     def _on_sample(self, sample: Sample) -> None:
+        self.loop_alive_at = self.clock.now()
+        wall = self.clock.wall() - (self.clock.now() - sample.t)
         for name, usage in sample.workers.items():
             runner = self.runners.get(name)
             if runner is not None and runner.record.pid is not None and usage.pids:
                 self._trees[name] = frozenset(usage.pids)
+                ring = self.samples_of.get(name)
+                if ring is None:
+                    ring = self.samples_of[name] = deque(maxlen=SAMPLES_KEPT)
+                ring.append(
+                    SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
+                )
+        self.recorder.mark()
+        for listener in self.sample_listeners:
+            listener(sample)
         if self.suspect:
             listed = {p.pid for d in sample.devices for p in d.processes or ()}
             for uuid, pids in list(self.suspect.items()):
@@ -454,9 +531,16 @@ class Runtime:
             env["GPU_SUPERVISOR_SIM_DIR"] = os.fspath(self.settings.gpu.sim_dir.absolute())
         return env
 
-    def _changed_now(self, _runner: WorkerRunner | None = None) -> None:
+    def _changed_now(self, runner: WorkerRunner | None = None) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+        self.loop_alive_at = self.clock.now()
+        if runner is not None:
+            rec = runner.record
+            fingerprint = (rec.state, rec.pid, rec.restarts, runner.spec.gpus)
+            if self._fingerprints.get(runner.name) != fingerprint:
+                self._fingerprints[runner.name] = fingerprint
+                self.recorder.mark(urgent=True)
         if (
             self.settings.supervisor.systemd_ready == "groups"
             and self._all_added
@@ -505,6 +589,7 @@ class Runtime:
             sup.log_backups,
             passthrough=group.log_passthrough,
         )
+        output.file.on_health = self._on_log_health
         return WorkerRunner(
             spec,
             lc.timing_for(group),
@@ -514,6 +599,8 @@ class Runtime:
             on_change=self._changed_now,
             register_pid=self._register_pid,
             prepare=self._prepare if self.sampler.identities else None,
+            on_event=self._on_worker_event,
+            on_exit=self._on_worker_exit,
         )
 
     async def _start_runner(self, runner: WorkerRunner, start: bool = True) -> None:
@@ -542,6 +629,182 @@ class Runtime:
     def _stop_budget(self, runner: WorkerRunner) -> float:
         t = runner.timing
         return t.drain_timeout_s + t.stop_timeout_s + KILL_WAIT_S
+
+    # --- records ------------------------------------------------------------------------
+
+    async def _reclaim_orphans(self) -> None:
+        """End what a killed predecessor left running (from its ``state.json``)."""
+        state_dir = self.settings.supervisor.state_dir
+        for d in (state_dir, state_dir / "postmortems"):
+            remove_temp_files(d)
+        previous = read_json(state_dir / STATE_FILE)
+        if previous is None:
+            return
+        results = await anyio.to_thread.run_sync(reclaim, previous)
+        self.reclaimed = results
+        for r in results:
+            if r["verdict"] == "end":
+                self.log.warning(
+                    "supervisor.reclaimed_orphan",
+                    worker=r["worker"],
+                    pid=r["pid"],
+                    signal=r.get("signal"),
+                    ended=r.get("ended"),
+                    reason="left running by a previous supervisor (same pid and create time)",
+                )
+            elif r["verdict"] == "reused":
+                self.log.info(
+                    "supervisor.orphan_pid_reused",
+                    worker=r["worker"],
+                    pid=r["pid"],
+                    reason="pid now belongs to another process (create time differs): not touched",
+                )
+            if r["verdict"] in ("end", "reused"):
+                self.journal.append(
+                    self.clock.wall(),
+                    "supervisor.reclaim",
+                    r["worker"],
+                    pid=r["pid"],
+                    verdict=r["verdict"],
+                    signal=r.get("signal"),
+                )
+
+    def _state_snapshot(self) -> dict[str, Any]:
+        sample = self.sampler.last
+        workers = []
+        for r in self.workers():
+            rec = r.record
+            workers.append(
+                StateWorker(
+                    name=r.name,
+                    group=r.spec.group,
+                    state=rec.state.value,
+                    pid=rec.pid,
+                    pid_create_time=r.pid_create_time if rec.pid is not None else None,
+                    gpus=r.spec.gpus,
+                    restarts=rec.restarts,
+                    port=r.spec.port,
+                )
+            )
+        doc = state_doc(
+            written_at=self.clock.wall(),
+            supervisor_pid=os.getpid(),
+            version=__version__,
+            started_at=self.started_wall,
+            workers=workers,
+            devices=self.device_objects(),
+            nvml_available=bool(sample and sample.nvml_available) and bool(self.sampler.identities),
+            reclaimed=self.reclaimed,
+            stopped=self.stopped,
+        )
+        for w, r in zip(doc["workers"], self.workers(), strict=True):
+            usage = sample.workers.get(r.name) if sample is not None else None
+            w["_tree_pids"] = list(usage.pids) if usage is not None and r.record.pid else []
+        return doc
+
+    def device_objects(self) -> list[dict[str, Any]]:
+        """The API's device objects from the last sample."""
+        sample = self.sampler.last
+        if sample is None:
+            return []
+        worker_of = {pid: n for n, u in sample.workers.items() for pid in u.pids}
+        return [
+            device_object(
+                d,
+                cordoned=d.uuid in self.cordoned,
+                suspect=d.uuid in self.suspect,
+                worker_of=worker_of,
+            )
+            for d in sample.devices
+        ]
+
+    def worker_object(self, runner: WorkerRunner) -> dict[str, Any]:
+        """The API's worker object."""
+        sample = self.sampler.last
+        usage = sample.workers.get(runner.name) if sample is not None else None
+        return runner.view(usage)
+
+    def _on_state_dir_recreated(self) -> None:
+        """``state_dir`` was removed: bind the notify socket again, reopen the log files."""
+        with contextlib.suppress(OSError):
+            if not self.listener.bound():
+                self.listener.rebind()
+                self.log.warning("notify.rebound", path=os.fspath(self.notify_path))
+        for runner in self.workers():
+            runner.output.file.close()
+
+    def _on_log_health(self, exc: OSError | None) -> None:
+        if exc is None:
+            if not any(r.output.file.failing for r in self.workers()):
+                self.write_health.ok("log")
+        else:
+            self.write_health.failed("log", exc)
+
+    def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
+        self.journal.append(self.clock.wall(), kind, runner.name, **fields)
+
+    def _on_worker_exit(
+        self, runner: WorkerRunner, action: lc.Exit, before: lc.WorkerRecord
+    ) -> None:
+        outcome = action.outcome
+        rec = runner.record
+        if rec.restarts > before.restarts or rec.state in (WorkerState.BACKOFF,):
+            key = (runner.name, outcome.reason.value)
+            self.restarts_total[key] = self.restarts_total.get(key, 0) + 1
+        if outcome.reason.value in ("hang", "start_timeout"):
+            key = ("restart", outcome.reason.value)
+            self.actions_total[key] = self.actions_total.get(key, 0) + 1
+        timing = runner.timing
+        silent = None
+        if before.heartbeat_at is not None:
+            silent = outcome.at - before.heartbeat_at
+        found = classify(
+            outcome.reason,
+            outcome.status,
+            runner.output.lines(),
+            failure=action.failure,
+            detail=outcome.detail,
+            timing={
+                "watchdog_s": timing.watchdog_s,
+                "start_timeout_s": timing.start_timeout_s,
+                "drain_timeout_s": timing.drain_timeout_s,
+            },
+            silent_for_s=silent,
+        )
+        if found is None:
+            return
+        ended = runner.last_exit_wall or self.clock.wall()
+        spec = runner.spec
+        devices = [
+            d for d in self.device_objects() if spec.gpus is not None and d["uuid"] in spec.gpus
+        ]
+        doc = postmortem_doc(
+            id_=postmortem_id(ended, runner.name, found.reason),
+            worker=WorkerFacts(
+                name=runner.name,
+                group=spec.group,
+                index=spec.index,
+                pid=runner.last_exit_pid,
+                command=spec.argv,
+                gpus=spec.gpus,
+                port=spec.port,
+                started_at=runner.started_wall,
+                ended_at=ended,
+                restarts=before.restarts,
+            ),
+            status=outcome.status,
+            reason=found.reason,
+            evidence=found.evidence,
+            samples=list(self.samples_of.pop(runner.name, ())),
+            devices=devices,
+            log_tail=runner.output.lines(),
+            events=self.journal.for_worker(runner.name, POSTMORTEM_EVENTS),
+        )
+        self.postmortems_total[found.reason] = self.postmortems_total.get(found.reason, 0) + 1
+        self.journal.append(
+            self.clock.wall(), "postmortem", runner.name, id=doc["id"], reason=found.reason
+        )
+        self.recorder.postmortem(doc)
 
     # --- tasks --------------------------------------------------------------------------
 
@@ -574,7 +837,15 @@ class Runtime:
                 else:
                     self._reloading = True
                     self._tg.start_soon(self._reload_loop)
-            elif not self._shutting_down:
+            elif self._shutting_down:
+                continue
+            elif isinstance(intent, RollingRestart):
+                if intent.group in self.groups and intent.group not in self.rolling:
+                    self.rolling.add(intent.group)
+                    self._tg.start_soon(self._rolling_restart, intent.group)
+            elif isinstance(intent, Cordon):
+                self._cordon(intent)
+            else:
                 self._command(intent)
 
     def _targets(self, target: str) -> list[WorkerRunner]:
@@ -583,8 +854,63 @@ class Runtime:
         return [self.runners[n] for n in self.groups.get(target, [])]
 
     def _command(self, cmd: WorkerCommand) -> None:
+        action = type(cmd.event).__name__.lower()
+        key = (action, "operator")
+        self.actions_total[key] = self.actions_total.get(key, 0) + 1
+        self.journal.append(self.clock.wall(), "operator." + action, None, target=cmd.target)
         for runner in self._targets(cmd.target):
             runner.post(cmd.event)
+
+    def _cordon(self, cmd: Cordon) -> None:
+        was = cmd.uuid in self.cordoned
+        if cmd.cordon:
+            self.cordoned.add(cmd.uuid)
+        else:
+            self.cordoned.discard(cmd.uuid)
+        if was != cmd.cordon:
+            kind = "gpu.cordon" if cmd.cordon else "gpu.uncordon"
+            self.log.info(kind, gpu=cmd.uuid, reason="operator")
+            self.journal.append(self.clock.wall(), kind, None, gpu=cmd.uuid, reason="operator")
+            key = ("cordon" if cmd.cordon else "uncordon", "operator")
+            self.actions_total[key] = self.actions_total.get(key, 0) + 1
+            self.recorder.mark(urgent=True)
+        self._changed_now()
+
+    def resolve_gpu(self, ident: str) -> str | None:
+        """The UUID of the GPU with this index or UUID (None when there is none)."""
+        for d in self.sampler.identities:
+            if ident == d.uuid or ident == str(d.index):
+                return d.uuid
+        return None
+
+    async def _rolling_restart(self, group: str) -> None:
+        try:
+            self.log.info("supervisor.rolling_restart", group=group, reason="operator")
+            self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
+            for name in list(self.groups.get(group, [])):
+                runner = self.runners.get(name)
+                if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
+                    continue
+                attempts = runner.spawn_attempts
+                runner.post(lc.Restart())
+                settled = await self.wait_until(
+                    _settled_after(runner, attempts),
+                    self._stop_budget(runner) + runner.timing.start_timeout_s,
+                )
+                if self._shutting_down:
+                    return
+                if not settled or runner.state is not WorkerState.READY:
+                    self.log.error(
+                        "supervisor.rollout_halted",
+                        group=group,
+                        worker=name,
+                        state=runner.state.value,
+                        reason="restarted worker did not become ready; the rest keep running",
+                    )
+                    return
+            self.log.info("supervisor.rolling_restart_done", group=group)
+        finally:
+            self.rolling.discard(group)
 
     async def _shutdown(self, signal_name: str) -> None:
         self.systemd.send("STOPPING=1")
@@ -601,6 +927,9 @@ class Runtime:
                 runner.post(lc.Kill())
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
+        self.stopped = True
+        with anyio.move_on_after(KILL_WAIT_S):
+            await self.recorder.flush()
         self._done.set()
 
     async def _kill_leftover_children(self) -> None:

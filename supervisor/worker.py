@@ -23,7 +23,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor.clock import Clock
 from supervisor.errors import SpawnError
-from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState
+from supervisor.journal import rfc3339
+from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState, WorkerUsage
 from supervisor.notify import NotifyMessage
 from supervisor.output import WorkerOutput
 from supervisor.policy import lifecycle as lc
@@ -47,6 +48,8 @@ class WorkerRunner:
         on_change: Callable[[WorkerRunner], None],
         register_pid: Callable[[int, WorkerRunner | None], None],
         prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
+        on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
+        on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
     ) -> None:
         self.spec = spec
         self.timing = timing
@@ -61,6 +64,12 @@ class WorkerRunner:
         self._on_change = on_change
         self._register_pid = register_pid
         self._prepare = prepare
+        self._on_event = on_event or (lambda _r, _t, _f: None)
+        self._on_exit = on_exit
+        self._before: lc.WorkerRecord = self.record
+        self.pid_create_time: float | None = None
+        self.last_exit_wall: float | None = None
+        self.last_exit_pid: int | None = None
         self._spawn_token = 0
         self.last_exit_at: float | None = None
         self._child: Child | None = None
@@ -130,10 +139,12 @@ class WorkerRunner:
             return None
         return max(0.0, self._clock.now() - started)
 
-    def view(self) -> dict[str, Any]:
-        """A JSON-able summary (for logs, status and later the API)."""
+    def view(self, usage: WorkerUsage | None = None) -> dict[str, Any]:
+        """The worker object of DESIGN.md section 6 (``usage``: its resources at the last tick)."""
         rec = self.record
         last = rec.last_exit
+        uptime = self.uptime_s()
+        running = rec.pid is not None and usage is not None
         return {
             "name": self.spec.name,
             "group": self.spec.group,
@@ -143,8 +154,19 @@ class WorkerRunner:
             "gpus": list(self.spec.gpus) if self.spec.gpus is not None else None,
             "port": self.spec.port,
             "restarts": rec.restarts,
-            "uptime_s": self.uptime_s(),
+            "uptime_s": None if uptime is None else round(uptime, 3),
             "ready": rec.state is WorkerState.READY,
+            "gpu_memory_mb": usage.gpu_memory_mb if running and usage else None,
+            "gpu_memory_by_gpu": dict(usage.gpu_memory_by_gpu) if running and usage else {},
+            "attribution": usage.attribution if running and usage else "none",
+            "host_rss_mb": None
+            if not running or usage is None or usage.host_rss_mb is None
+            else round(usage.host_rss_mb, 3),
+            "cpu_percent": None
+            if not running or usage is None or usage.cpu_percent is None
+            else round(usage.cpu_percent, 2),
+            # Filled by the leak detector (self-healing); null until it has judged the worker.
+            "leak": {"slope_mb_per_min": None, "suspected": False, "projected_oom_s": None},
             "reason": rec.reason,
             "status": self.status_text,
             "last_exit": None
@@ -153,6 +175,7 @@ class WorkerRunner:
                 "code": last.status.code if last.status else None,
                 "signal": last.status.signal_name if last.status else None,
                 "reason": last.reason.value,
+                "at": None if self.last_exit_wall is None else rfc3339(self.last_exit_wall),
                 "detail": last.detail,
             },
         }
@@ -189,6 +212,7 @@ class WorkerRunner:
         while pending:
             event = pending.popleft()
             old = self.record
+            self._before = old
             self.record, actions = lc.step(old, event, self._clock.now(), self.timing)
             changed = changed or self.record != old
             for action in actions:
@@ -222,6 +246,11 @@ class WorkerRunner:
                 new=action.new.value,
                 reason=action.reason,
             )
+            self._on_event(
+                self,
+                "worker.state",
+                {"old": action.old.value, "new": action.new.value, "reason": action.reason},
+            )
         elif isinstance(action, lc.Exit):
             self._exited(action)
         return None
@@ -242,6 +271,10 @@ class WorkerRunner:
         self.stopping_notified = False
         self.status_text = ""
         self.started_wall = self._clock.wall()
+        try:
+            self.pid_create_time = psutil.Process(child.pid).create_time()
+        except psutil.Error:
+            self.pid_create_time = None
         self._register_pid(child.pid, self)
         self._reaper.register(child.pid, self._on_reaped)
         assert self._tg is not None
@@ -250,6 +283,7 @@ class WorkerRunner:
             self._tg.start_soon(self._probe_health, child.pid, self.spec.ready_url)
         self.output.mark(f"started pid {child.pid}")
         self._log.info("worker.spawned", pid=child.pid, argv=list(self.spec.argv), reason="start")
+        self._on_event(self, "worker.spawned", {"pid": child.pid})
         return lc.Spawned(child.pid)
 
     async def _prepare_and_spawn(self, token: int) -> None:
@@ -294,6 +328,9 @@ class WorkerRunner:
         self._child = None
         self._tree = []
         self.last_exit_at = self._clock.now()
+        self.last_exit_wall = self._clock.wall()
+        self.last_exit_pid = child.pid if child else None
+        self.pid_create_time = None
         status = outcome.status
         detail = outcome.detail or outcome.reason.value
         self.output.mark(f"exited: {detail} (reason {outcome.reason.value})")
@@ -306,6 +343,19 @@ class WorkerRunner:
             reason=outcome.reason.value,
             failure=action.failure,
         )
+        self._on_event(
+            self,
+            "worker.exited",
+            {
+                "pid": self.last_exit_pid,
+                "code": status.code if status else None,
+                "signal": status.signal_name if status else None,
+                "reason": outcome.reason.value,
+                "failure": action.failure,
+            },
+        )
+        if self._on_exit is not None:
+            self._on_exit(self, action, self._before)
 
     async def _probe_health(self, pid: int, url: str) -> None:
         import httpx  # only groups with an HTTP health URL pay for the import

@@ -1,0 +1,90 @@
+"""Why a worker's process ended, for its post-mortem (pure).
+
+The lifecycle knows how the process ended (an exit code, a signal, a stop we asked for and why);
+this refines that into the post-mortem ``reason`` vocabulary and the ``evidence`` behind it.
+Exits the operator asked for (stop, restart, reload, shutdown) are not deaths: no post-mortem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.model import ExitReason, ExitStatus
+
+#: Lines that show a CUDA out-of-memory failure (PyTorch, the CUDA runtime and driver APIs).
+CUDA_OOM_PATTERNS: tuple[str, ...] = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "cudaErrorMemoryAllocation",
+    "CUDA_ERROR_OUT_OF_MEMORY",
+    "torch.OutOfMemoryError",
+    "torch.cuda.OutOfMemoryError",
+)
+
+#: Lifecycle reasons that are a worker death (or a healing action) and get a post-mortem.
+POSTMORTEM_EXITS = frozenset(
+    {
+        ExitReason.EXIT,
+        ExitReason.SIGNAL,
+        ExitReason.HANG,
+        ExitReason.START_TIMEOUT,
+        ExitReason.DRAIN,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    """A post-mortem's reason and evidence."""
+
+    reason: str
+    evidence: Mapping[str, Any]
+
+
+def find_line(lines: Sequence[str], patterns: Sequence[str]) -> str | None:
+    """The last line of ``lines`` that contains one of ``patterns``."""
+    for line in reversed(lines):
+        if any(p in line for p in patterns):
+            return line
+    return None
+
+
+def classify(
+    reason: ExitReason,
+    status: ExitStatus | None,
+    log_tail: Sequence[str],
+    *,
+    failure: bool,
+    detail: str = "",
+    timing: Mapping[str, float] | None = None,
+    silent_for_s: float | None = None,
+) -> Classified | None:
+    """The post-mortem reason and evidence, or None when this exit gets no post-mortem."""
+    if reason not in POSTMORTEM_EXITS:
+        return None
+    timing = timing or {}
+    base: dict[str, Any] = {"detail": detail, "counted_as_failure": failure}
+    if status is not None:
+        base["exit_code"] = status.code
+        base["signal"] = status.signal_name
+    if reason in (ExitReason.EXIT, ExitReason.SIGNAL):
+        oom = find_line(log_tail, CUDA_OOM_PATTERNS)
+        if oom is not None:
+            return Classified("cuda_oom", {**base, "log_line": oom[:2000]})
+        return Classified(reason.value, base)
+    if reason is ExitReason.HANG:
+        return Classified(
+            "hang",
+            {
+                **base,
+                "watchdog_s": timing.get("watchdog_s"),
+                "silent_for_s": None if silent_for_s is None else round(silent_for_s, 3),
+            },
+        )
+    if reason is ExitReason.START_TIMEOUT:
+        return Classified(
+            "start_timeout", {**base, "start_timeout_s": timing.get("start_timeout_s")}
+        )
+    return Classified("drain", {**base, "drain_timeout_s": timing.get("drain_timeout_s")})

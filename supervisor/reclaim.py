@@ -1,0 +1,73 @@
+"""Ending the orphans a killed supervisor left running (I/O; decisions in ``policy.reclaim``).
+
+Runs once at start-up, before any worker starts, so orphans stop holding GPU memory before the
+new workers are placed. Each orphan gets SIGTERM, then SIGKILL after a bounded wait; psutil's
+create-time check guards every signal, so a pid reused in between is not hit either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import psutil
+
+from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge
+
+#: How long orphans get to exit after SIGTERM before SIGKILL.
+TERM_WAIT_S = 3.0
+KILL_WAIT_S = 3.0
+
+
+def _live(pid: int) -> tuple[Live | None, psutil.Process | None]:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None, None
+        return Live(pid, proc.create_time(), proc.ppid()), proc
+    except psutil.Error:
+        return None, None
+
+
+def reclaim(doc: Mapping[str, Any], own_pid: int | None = None) -> list[dict[str, Any]]:
+    """End the orphans recorded in a previous ``state.json``; return one record per candidate.
+
+    Blocking (waits up to ``TERM_WAIT_S + KILL_WAIT_S``): call it from a worker thread.
+    """
+    own = os.getpid() if own_pid is None else own_pid
+    results: list[dict[str, Any]] = []
+    doomed: list[tuple[Candidate, psutil.Process]] = []
+    for cand in candidates(doc):
+        live, proc = _live(cand.pid)
+        verdict = judge(cand, live, own)
+        results.append(
+            {
+                "worker": cand.worker,
+                "pid": cand.pid,
+                "leader": cand.leader,
+                "create_time": cand.create_time,
+                "verdict": verdict.value,
+            }
+        )
+        if verdict is Verdict.END and proc is not None:
+            doomed.append((cand, proc))
+    if not doomed:
+        return results
+    procs = [p for _, p in doomed]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()  # psutil checks the create time before signalling
+    _, alive = psutil.wait_procs(procs, timeout=TERM_WAIT_S)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    _, still = psutil.wait_procs(alive, timeout=KILL_WAIT_S)
+    killed = {p.pid for p in alive}
+    survivors = {p.pid for p in still}
+    for r in results:
+        if r["verdict"] == Verdict.END.value:
+            r["signal"] = "SIGKILL" if r["pid"] in killed else "SIGTERM"
+            r["ended"] = r["pid"] not in survivors
+    return results

@@ -1,0 +1,446 @@
+"""Files in ``state_dir``: atomic writes, the post-mortem store, and write-failure tracking.
+
+Every file is written to a temporary file in the same directory, fsynced, renamed over the old
+one and the directory fsynced, so a reader (or a supervisor restarted after SIGKILL) sees the old
+or the new content, never a torn one. A failed write (full disk, read-only or deleted
+``state_dir``) is logged once per kind, counted and reported, and never stops supervision; the
+next write tries again, so the records recover when the disk does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+#: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
+TMP_PREFIX = ".tmp-"
+POSTMORTEM_DIR = "postmortems"
+STATE_FILE = "state.json"
+
+_ID = re.compile(r"^[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[A-Za-z0-9._-]+$")
+
+#: errno -> the kind of write failure it is.
+_KINDS = {
+    errno.ENOSPC: "disk_full",
+    errno.EDQUOT: "disk_full",
+    errno.EROFS: "read_only",
+    errno.ENOENT: "missing",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+}
+
+WRITE_FAILURE_KINDS = ("disk_full", "read_only", "missing", "permission", "other")
+
+
+def failure_kind(exc: OSError) -> str:
+    """``disk_full``, ``read_only``, ``missing``, ``permission`` or ``other``."""
+    return _KINDS.get(exc.errno or 0, "other")
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync dir.
+
+    On failure the temporary file is removed and the old content stays.
+    """
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def dump_json(doc: Any) -> bytes:
+    """Pretty, stable JSON with a trailing newline."""
+    return (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+
+
+def remove_temp_files(directory: Path) -> int:
+    """Remove temporary files a killed writer left behind; return how many."""
+    count = 0
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(TMP_PREFIX) and entry.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    count += 1
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An ongoing write failure of one file kind."""
+
+    kind: str
+    error: str
+    since: float  # wall clock
+
+
+class WriteHealth:
+    """Write failures per file (``state``, ``postmortem``, ``log``): logged once per kind."""
+
+    def __init__(self) -> None:
+        self.failing: dict[str, Failure] = {}
+        self.errors_total: dict[tuple[str, str], int] = {}
+        self._log = structlog.get_logger()
+
+    def failed(self, file: str, exc: OSError) -> None:
+        """A write of ``file`` failed."""
+        kind = failure_kind(exc)
+        key = (file, kind)
+        self.errors_total[key] = self.errors_total.get(key, 0) + 1
+        current = self.failing.get(file)
+        if current is not None and current.kind == kind:
+            return
+        self.failing[file] = Failure(kind, f"{exc.strerror or exc}", time.time())
+        self._log.error(
+            "records.write_failed",
+            file=file,
+            kind=kind,
+            error=exc.strerror or str(exc),
+            path=exc.filename,
+            reason="supervision continues; writes are retried",
+        )
+
+    def ok(self, file: str) -> None:
+        """A write of ``file`` succeeded."""
+        failure = self.failing.pop(file, None)
+        if failure is not None:
+            self._log.info(
+                "records.write_recovered",
+                file=file,
+                kind=failure.kind,
+                failed_for_s=round(time.time() - failure.since, 3),
+            )
+
+    def problems(self) -> dict[str, dict[str, Any]]:
+        """``{file: {kind, error, since}}`` for every file whose last write failed."""
+        return {
+            f: {"kind": v.kind, "error": v.error, "since": v.since} for f, v in self.failing.items()
+        }
+
+
+class PostmortemStore:
+    """``state_dir/postmortems/<id>.json``: written atomically, the newest ``keep`` kept."""
+
+    def __init__(self, directory: Path, keep: int) -> None:
+        self.directory = directory
+        self.keep = keep
+
+    def path_of(self, id_: str) -> Path:
+        """The file of post-mortem ``id_`` (raises ValueError for a malformed id)."""
+        if not _ID.match(id_):
+            raise ValueError(f"not a post-mortem id: {id_!r}")
+        return self.directory / f"{id_}.json"
+
+    def write(self, doc: dict[str, Any]) -> str:
+        """Write ``doc`` (its ``id`` gets a ``-2``... suffix if taken); return the id used."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        base = str(doc["id"])
+        id_, n = base, 1
+        while (self.directory / f"{id_}.json").exists():
+            n += 1
+            id_ = f"{base}-{n}"
+        doc = {**doc, "id": id_}
+        atomic_write(self.path_of(id_), dump_json(doc))
+        self.prune()
+        return id_
+
+    def ids(self) -> list[str]:
+        """Every post-mortem id, newest first."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.match(n[:-5])]
+        return sorted(ids, reverse=True)
+
+    def prune(self) -> int:
+        """Delete all but the newest ``keep``; return how many were deleted."""
+        removed = 0
+        for id_ in self.ids()[self.keep :]:
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / f"{id_}.json").unlink()
+                removed += 1
+        return removed
+
+    def read(self, id_: str) -> dict[str, Any]:
+        """One post-mortem's content (FileNotFoundError if there is none, ValueError if bad)."""
+        doc = json.loads(self.path_of(id_).read_bytes())
+        if not isinstance(doc, dict):
+            raise ValueError(f"{id_}: not a JSON object")
+        return doc
+
+    def summaries(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """``{id, worker, reason, ended_at, exit}`` per post-mortem, newest first.
+
+        Files that vanish or do not parse while being listed are skipped.
+        """
+        out: list[dict[str, Any]] = []
+        for id_ in self.ids():
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                doc = self.read(id_)
+            except (OSError, ValueError):
+                continue
+            worker = doc.get("worker") or {}
+            out.append(
+                {
+                    "id": id_,
+                    "worker": worker.get("name"),
+                    "group": worker.get("group"),
+                    "reason": doc.get("reason"),
+                    "ended_at": worker.get("ended_at"),
+                    "exit": doc.get("exit"),
+                }
+            )
+        return out
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing or does not parse."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+#: ``state.json`` is rewritten at once on a transition, and at most this often otherwise.
+STATE_MIN_INTERVAL_S = 1.0
+#: How often the recorder checks that ``state_dir`` (and the notify socket) still exist.
+CHECK_EVERY_S = 5.0
+#: Post-mortems waiting for a writable disk; beyond this the oldest are dropped (and logged).
+MAX_PENDING_POSTMORTEMS = 100
+
+
+class Recorder:
+    """The snapshot writer task: ``state.json`` and the post-mortem queue, written off the loop.
+
+    ``snapshot()`` (called on the event loop) returns the current ``state.json`` document; a
+    worker's ``"_tree_pids"`` entry is turned into ``tree`` (pid + create time) in the writer
+    thread. A document equal to the last one written (apart from ``written_at``) is not rewritten.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        keep: int,
+        health: WriteHealth,
+        snapshot: Callable[[], dict[str, Any]],
+        on_dir_recreated: Callable[[], None] = lambda: None,
+        create_time: Callable[[int], float | None] | None = None,
+    ) -> None:
+        import anyio  # the recorder is the only async part of this module
+
+        self.state_dir = state_dir
+        self.state_path = state_dir / STATE_FILE
+        self.store = PostmortemStore(state_dir / POSTMORTEM_DIR, keep)
+        self.health = health
+        self._snapshot = snapshot
+        self._on_dir_recreated = on_dir_recreated
+        self._create_time = create_time or (lambda _pid: None)
+        self._anyio = anyio
+        self._wake = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)
+        self._lock = anyio.Lock()  # the serving loop and flush() never write at the same time
+        self._dirty = False
+        self._urgent = False
+        self._last_at = -1e18
+        self._last_body: bytes | None = None
+        self._pending: list[dict[str, Any]] = []
+        self._next_check = 0.0
+        self._recreated = False
+        self.state_writes = 0
+        self.postmortems_written = 0
+        self._log = structlog.get_logger()
+
+    def mark(self, urgent: bool = False) -> None:
+        """The state changed (``urgent``: a transition, written at once)."""
+        self._dirty = True
+        self._urgent = self._urgent or urgent
+        self._wake.set()
+
+    def postmortem(self, doc: dict[str, Any]) -> None:
+        """Queue a post-mortem document for writing."""
+        if len(self._pending) >= MAX_PENDING_POSTMORTEMS:
+            dropped = self._pending.pop(0)
+            self._log.error(
+                "records.postmortem_dropped",
+                id=dropped.get("id"),
+                reason="too many post-mortems waiting for a writable state_dir",
+            )
+        self._pending.append(doc)
+        self._wake.set()
+
+    async def serve(self, *, task_status: Any = None) -> None:
+        """Write until cancelled."""
+        anyio = self._anyio
+        if task_status is not None:
+            task_status.started()
+        while True:
+            now = anyio.current_time()
+            postmortems_due = bool(self._pending) and "postmortem" not in self.health.failing
+            if postmortems_due or (self._dirty and self._urgent):
+                timeout = 0.0
+            elif self._dirty:
+                timeout = max(0.0, self._last_at + STATE_MIN_INTERVAL_S - now)
+            else:
+                timeout = CHECK_EVERY_S
+            timeout = min(timeout, max(0.0, self._next_check - now))
+            with anyio.move_on_after(timeout):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            await self._step()
+
+    async def _step(self) -> None:
+        now = self._anyio.current_time()
+        checked = False
+        if now >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            checked = True
+            if await self._anyio.to_thread.run_sync(self._check_dir, limiter=self._limiter):
+                self._dirty = self._urgent = True
+        if self._pending and ("postmortem" not in self.health.failing or checked):
+            await self._write_postmortems()
+        if self._dirty and (self._urgent or now >= self._last_at + STATE_MIN_INTERVAL_S):
+            await self.write_state()
+        self._after_thread()
+
+    def _after_thread(self) -> None:
+        """Loop-side follow-up of what the writer thread found (the directory was recreated)."""
+        if self._recreated:
+            self._recreated = False
+            self._on_dir_recreated()
+
+    async def flush(self) -> None:
+        """Write every queued post-mortem and the current state now (at shutdown)."""
+        await self._write_postmortems()
+        self._dirty = True
+        await self.write_state()
+        self._after_thread()
+
+    async def write_state(self) -> None:
+        """Write ``state.json`` now (if it differs from the last written)."""
+        async with self._lock:
+            await self._write_state_locked()
+
+    async def _write_state_locked(self) -> None:
+        self._dirty = self._urgent = False
+        doc = self._snapshot()
+        body = dump_json({k: v for k, v in doc.items() if k != "written_at"})
+        if body == self._last_body and "state" not in self.health.failing:
+            return
+        self._last_at = self._anyio.current_time()
+        ok = await self._anyio.to_thread.run_sync(self._write_state, doc, limiter=self._limiter)
+        if ok:
+            self._last_body = body
+        else:
+            self._dirty = True  # retried after STATE_MIN_INTERVAL_S
+
+    async def _write_postmortems(self) -> None:
+        async with self._lock:
+            while self._pending:
+                doc = self._pending[0]
+                ok = await self._anyio.to_thread.run_sync(
+                    self._write_postmortem, doc, limiter=self._limiter
+                )
+                if not ok:
+                    return
+                self._pending.pop(0)
+
+    # --- in the writer thread -------------------------------------------------------------
+
+    def _retrying(self, file: str, write: Callable[[], None]) -> bool:
+        """Run ``write``; on ENOENT recreate the directories once and retry."""
+        try:
+            try:
+                write()
+            except FileNotFoundError:
+                self._recreate()
+                write()
+        except OSError as exc:
+            self.health.failed(file, exc)
+            return False
+        self.health.ok(file)
+        return True
+
+    def _write_state(self, doc: dict[str, Any]) -> bool:
+        for w in doc.get("workers", []):
+            pids = w.pop("_tree_pids", ())
+            tree = []
+            for pid in pids:
+                ct = self._create_time(pid)
+                if ct is not None:
+                    tree.append({"pid": pid, "create_time": ct})
+            w["tree"] = tree
+        data = dump_json(doc)
+        ok = self._retrying("state", lambda: atomic_write(self.state_path, data))
+        if ok:
+            self.state_writes += 1
+        return ok
+
+    def _write_postmortem(self, doc: dict[str, Any]) -> bool:
+        written: list[str] = []
+        ok = self._retrying("postmortem", lambda: written.append(self.store.write(doc)))
+        if ok:
+            self.postmortems_written += 1
+            self._log.info(
+                "records.postmortem",
+                id=written[0],
+                worker=(doc.get("worker") or {}).get("name"),
+                reason=doc.get("reason"),
+            )
+        return ok
+
+    def _recreate(self) -> None:
+        existed = self.state_dir.is_dir()
+        self.store.directory.mkdir(parents=True, exist_ok=True)
+        if not existed:
+            self._log.warning(
+                "records.state_dir_recreated",
+                path=os.fspath(self.state_dir),
+                reason="state_dir was removed while running",
+            )
+            self._recreated = True
+
+    def _check_dir(self) -> bool:
+        """Recreate a removed ``state_dir``; True if it was recreated."""
+        if self.state_dir.is_dir():
+            return False
+        try:
+            self._recreate()
+        except OSError as exc:
+            self.health.failed("state", exc)
+            return False
+        return True

@@ -1,0 +1,233 @@
+"""JSON documents built from plain values (no I/O): the device object of the API, the
+``state.json`` snapshot and the post-mortem file of DESIGN.md sections 6 and 8.
+
+The API, ``state.json``, the post-mortems and the CLI all use these builders, so a field has one
+spelling everywhere. Documents with a ``schema_version`` are described by the JSON Schemas in
+``docs/schemas/``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from supervisor.journal import Event, rfc3339
+from supervisor.model import DeviceSample, ExitStatus
+
+STATE_SCHEMA_VERSION = 1
+POSTMORTEM_SCHEMA_VERSION = 1
+
+#: The post-mortem ``reason`` vocabulary (DESIGN.md section 8).
+POSTMORTEM_REASONS = frozenset(
+    {
+        "exit",
+        "signal",
+        "cuda_oom",
+        "host_oom",
+        "hang",
+        "leak",
+        "gpu_memory_limit",
+        "host_memory_limit",
+        "thermal",
+        "xid",
+        "gpu_lost",
+        "drain",
+        "start_timeout",
+    }
+)
+
+
+def device_object(
+    d: DeviceSample,
+    *,
+    cordoned: bool = False,
+    suspect: bool = False,
+    worker_of: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
+    """The device object of DESIGN.md section 6; unsupported fields are null, never 0."""
+    worker_of = worker_of or {}
+    throttle = d.throttle_reasons
+    return {
+        "id": d.index,
+        "uuid": d.uuid,
+        "name": d.name,
+        "temperature_celsius": d.temperature_c,
+        "utilization_percent": d.utilization_percent,
+        "memory": {
+            "used_mb": d.memory_used_mb,
+            "total_mb": d.memory_total_mb,
+            "free_mb": d.memory_free_mb,
+        },
+        "power_watts": d.power_watts,
+        "power_limit_watts": d.power_limit_watts,
+        "encoder_util_percent": d.encoder_percent,
+        "decoder_util_percent": d.decoder_percent,
+        "temperature_slowdown_celsius": d.temperature_slowdown_c,
+        "temperature_shutdown_celsius": d.temperature_shutdown_c,
+        "throttle_reasons": None if throttle is None else list(throttle),
+        "healthy": d.healthy,
+        "error": d.error,
+        "cordoned": cordoned,
+        "suspect": suspect,
+        "processes": None
+        if d.processes is None
+        else [
+            {"pid": p.pid, "worker": worker_of.get(p.pid), "used_mb": p.used_mb}
+            for p in d.processes
+        ],
+    }
+
+
+def exit_object(status: ExitStatus | None) -> dict[str, Any]:
+    """``{"code", "signal", "signal_name"}`` (all null when the process never ran)."""
+    if status is None:
+        return {"code": None, "signal": None, "signal_name": None}
+    return {"code": status.code, "signal": status.signal, "signal_name": status.signal_name}
+
+
+@dataclass(frozen=True, slots=True)
+class StateWorker:
+    """One worker as ``state.json`` records it."""
+
+    name: str
+    group: str
+    state: str
+    pid: int | None
+    pid_create_time: float | None
+    gpus: tuple[str, ...] | None
+    restarts: int
+    port: int | None
+    tree: tuple[tuple[int, float], ...] = ()  # (pid, create time) of the whole process tree
+
+
+def state_doc(
+    *,
+    written_at: float,
+    supervisor_pid: int,
+    version: str,
+    started_at: float,
+    workers: Sequence[StateWorker],
+    devices: Sequence[Mapping[str, Any]],
+    nvml_available: bool,
+    reclaimed: Sequence[Mapping[str, Any]] = (),
+    stopped: bool = False,
+) -> dict[str, Any]:
+    """The ``state.json`` document (DESIGN.md section 8)."""
+    return {
+        "schema_version": STATE_SCHEMA_VERSION,
+        "written_at": rfc3339(written_at),
+        "supervisor": {
+            "pid": supervisor_pid,
+            "version": version,
+            "started_at": rfc3339(started_at),
+            "stopped": stopped,
+            "reclaimed": list(reclaimed),
+        },
+        "workers": [
+            {
+                "name": w.name,
+                "group": w.group,
+                "state": w.state,
+                "pid": w.pid,
+                "pid_create_time": w.pid_create_time,
+                "gpus": None if w.gpus is None else list(w.gpus),
+                "restarts": w.restarts,
+                "port": w.port,
+                "tree": [{"pid": pid, "create_time": ct} for pid, ct in w.tree],
+            }
+            for w in workers
+        ],
+        "nvml_available": nvml_available,
+        "devices": list(devices),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    """What a post-mortem says about the worker whose process ended."""
+
+    name: str
+    group: str
+    index: int
+    pid: int | None
+    command: tuple[str, ...]
+    gpus: tuple[str, ...] | None
+    port: int | None
+    started_at: float | None  # wall clock
+    ended_at: float  # wall clock
+    restarts: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplePoint:
+    """One of the worker's recent samples."""
+
+    at: float  # wall clock
+    gpu_memory_mb: float | None
+    host_rss_mb: float | None
+    cpu_percent: float | None
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def postmortem_id(ended_at: float, worker: str, reason: str) -> str:
+    """``20261203T083644.123456Z-gpen-1-exit``: sortable by time, safe on any filesystem."""
+    secs, micro = divmod(round(ended_at * 1_000_000), 1_000_000)
+    compact = datetime.fromtimestamp(secs, UTC).strftime("%Y%m%dT%H%M%S") + f".{micro:06d}Z"
+    safe_worker = _UNSAFE.sub("_", worker)[:80] or "worker"
+    safe_reason = _UNSAFE.sub("_", reason)[:40] or "unknown"
+    return f"{compact}-{safe_worker}-{safe_reason}"
+
+
+def postmortem_doc(
+    *,
+    id_: str,
+    worker: WorkerFacts,
+    status: ExitStatus | None,
+    reason: str,
+    evidence: Mapping[str, Any],
+    samples: Iterable[SamplePoint],
+    devices: Sequence[Mapping[str, Any]],
+    log_tail: Sequence[str],
+    events: Iterable[Event],
+) -> dict[str, Any]:
+    """The post-mortem document (DESIGN.md section 8)."""
+    if reason not in POSTMORTEM_REASONS:
+        raise ValueError(f"unknown post-mortem reason {reason!r}")
+    uptime = None if worker.started_at is None else max(0.0, worker.ended_at - worker.started_at)
+    return {
+        "schema_version": POSTMORTEM_SCHEMA_VERSION,
+        "id": id_,
+        "worker": {
+            "name": worker.name,
+            "group": worker.group,
+            "index": worker.index,
+            "pid": worker.pid,
+            "command": list(worker.command),
+            "gpus": None if worker.gpus is None else list(worker.gpus),
+            "port": worker.port,
+            "started_at": None if worker.started_at is None else rfc3339(worker.started_at),
+            "ended_at": rfc3339(worker.ended_at),
+            "uptime_s": None if uptime is None else round(uptime, 3),
+            "restarts": worker.restarts,
+        },
+        "exit": exit_object(status),
+        "reason": reason,
+        "evidence": dict(evidence),
+        "samples": [
+            {
+                "t": rfc3339(s.at),
+                "gpu_memory_mb": s.gpu_memory_mb,
+                "host_rss_mb": None if s.host_rss_mb is None else round(s.host_rss_mb, 3),
+                "cpu_percent": None if s.cpu_percent is None else round(s.cpu_percent, 2),
+            }
+            for s in samples
+        ],
+        "devices": list(devices),
+        "log_tail": list(log_tail),
+        "events": [e.to_json() for e in events],
+    }
