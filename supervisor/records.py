@@ -408,6 +408,11 @@ class Recorder:
         ok = self._retrying("state", lambda: atomic_write(self.state_path, data))
         if ok:
             self.state_writes += 1
+            self._log.debug(
+                "records.state_written",
+                writes=self.state_writes,
+                pids=sorted({t["pid"] for w in doc.get("workers", []) for t in w["tree"]}),
+            )
         return ok
 
     def _write_postmortem(self, doc: dict[str, Any]) -> bool:

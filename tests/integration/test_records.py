@@ -1,0 +1,418 @@
+"""Records end to end: post-mortems, state.json, orphan reclaim, SIGKILL churn, broken disks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.conftest import SupervisorFactory
+from tests.harness import Supervisor, alive, wait_dead, worker_cmd
+from tests.schemas import validate_file
+
+#: SIGKILLs of the supervisor in the churn test (the bench script runs more).
+CHURN_KILLS = int(os.environ.get("GPU_SUPERVISOR_CHURN_KILLS", "50"))
+
+
+def group(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "command": worker_cmd(script, *args),
+        "log_passthrough": True,
+        "stop_timeout_s": 2,
+        **extra,
+    }
+
+
+def postmortems(sup: Supervisor) -> list[dict[str, Any]]:
+    directory = sup.state_dir / "postmortems"
+    if not directory.exists():
+        return []
+    return [validate_file(p) for p in sorted(directory.glob("*.json"))]
+
+
+def validate_all(state_dir: Path) -> int:
+    """Every file the supervisor wrote parses and validates; return how many there were."""
+    count = 0
+    state = state_dir / "state.json"
+    if state.exists():
+        validate_file(state)
+        count += 1
+    for path in (state_dir / "postmortems").glob("*.json") if state_dir.exists() else ():
+        validate_file(path)
+        count += 1
+    return count
+
+
+def test_crash_gives_exactly_one_postmortem_with_reason_and_log_tail(
+    supervisor: SupervisorFactory,
+) -> None:
+    sup = supervisor({"workers": [group("c", "crash_after", "0.2", restart={"stable_s": 0.05})]})
+    first = sup.wait_event(event="worker.spawned", worker="c-0")
+    written = sup.wait_event(event="records.postmortem", worker="c-0")
+    assert sup.stop() == 0
+    crashes = sup.find(event="worker.exited", worker="c-0", reason="exit")
+    docs = postmortems(sup)
+    assert len(docs) == len(crashes) >= 1
+    doc = next(d for d in docs if d["id"] == written["id"])
+    assert doc["reason"] == "exit"
+    assert doc["exit"] == {"code": 3, "signal": None, "signal_name": None}
+    assert doc["worker"]["pid"] == first["pid"] and doc["worker"]["name"] == "c-0"
+    assert doc["evidence"]["exit_code"] == 3
+    assert f"c-0 {first['pid']} crashing" in doc["log_tail"]
+    assert any(e["type"] == "worker.spawned" and e["pid"] == first["pid"] for e in doc["events"])
+    state = validate_file(sup.state_dir / "state.json")
+    assert state["supervisor"]["stopped"] is True
+    assert [w["state"] for w in state["workers"]] == ["stopped"]
+
+
+def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    script = tmp_path / "oom.py"
+    script.write_text(
+        "import sys\n"
+        "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
+        "sys.exit(1)\n"
+    )
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "o",
+                    "command": [sys.executable, str(script)],
+                    "ready": "none",
+                    "restart": {"burst": 1, "backoff_initial_s": 0.01},
+                }
+            ]
+        }
+    )
+    sup.wait_event(event="worker.state", worker="o-0", new="fatal")
+    assert sup.stop() == 0
+    docs = postmortems(sup)
+    assert docs and all(d["reason"] == "cuda_oom" for d in docs)
+    assert "CUDA out of memory" in docs[0]["evidence"]["log_line"]
+
+
+def test_hang_gives_a_postmortem_with_evidence(supervisor: SupervisorFactory) -> None:
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "h",
+                    "heartbeat_then_stop",
+                    "2",
+                    health={"watchdog_s": 0.4},
+                    restart={"stable_s": 0.1},
+                    stop_signal="SIGKILL",
+                )
+            ]
+        }
+    )
+    hung = sup.wait_event(event="worker.exited", worker="h-0", reason="hang")
+    sup.wait_event(event="records.postmortem", worker="h-0", reason="hang")
+    assert sup.stop() == 0
+    doc = next(d for d in postmortems(sup) if d["reason"] == "hang")
+    assert doc["worker"]["pid"] == hung["pid"]
+    assert doc["evidence"]["watchdog_s"] == 0.4
+    assert doc["evidence"]["silent_for_s"] >= 0.4
+    assert doc["exit"]["signal_name"] == "SIGKILL"
+
+
+def test_state_json_has_gpus_devices_and_trees_on_sim(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(
+        {
+            "supervisor": {"sample_interval_s": 0.1},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            "workers": [group("g", "gpu_user", "700")],
+        },
+        log_level="debug",
+    )
+    ready = sup.ready("g-0")
+    sup.wait_event(event="records.state_written", pids=lambda p: ready["pid"] in p)
+    state = validate_file(sup.state_dir / "state.json")
+    (worker,) = state["workers"]
+    assert worker["pid"] == ready["pid"]
+    assert worker["pid_create_time"] == psutil.Process(ready["pid"]).create_time()
+    assert worker["gpus"] and worker["gpus"][0].startswith("GPU-")
+    assert {"pid": ready["pid"], "create_time": worker["pid_create_time"]} in worker["tree"]
+    assert len(state["devices"]) == 2 and state["nvml_available"] is True
+    assert sup.stop() == 0
+
+
+def test_state_written_on_transitions_not_on_heartbeats(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A transition is written at once; heartbeats and unchanged samples do not rewrite it."""
+    sup = supervisor(
+        {
+            "supervisor": {"sample_interval_s": 0.1},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            "workers": [
+                group(
+                    "hb", "heartbeat_then_stop", "100000", gpus="none", health={"watchdog_s": 0.2}
+                )
+            ],
+        },
+        log_level="debug",
+    )
+    ready = sup.ready("hb-0")
+    written = sup.wait_event(event="records.state_written", pids=lambda p: ready["pid"] in p)
+    state = json.loads((sup.state_dir / "state.json").read_text())
+    assert state["workers"][0]["state"] == "ready"
+    mark = sup.mark()
+    sup.wait_events(15, after=mark, event="gpu.sample")  # 1.5 s: ~30 heartbeats, 15 samples
+    quiet = [e for e in sup.events[mark:] if e.get("event") == "records.state_written"]
+    assert quiet == []
+    stop_at = sup.mark()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    after = [e for e in sup.events[stop_at:] if e.get("event") == "records.state_written"]
+    assert after and after[0]["writes"] == written["writes"] + 1
+    assert json.loads((sup.state_dir / "state.json").read_text())["supervisor"]["stopped"]
+
+
+def _orphan(tmp_path: Path) -> psutil.Process:
+    """A process that is not our child (its parent exited), as orphans of a killed supervisor are."""
+    out = subprocess.run(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return psutil.Process(int(out.stdout))
+
+
+@pytest.fixture
+def orphans(tmp_path: Path) -> Iterator[list[psutil.Process]]:
+    made: list[psutil.Process] = []
+    yield made
+    for p in made:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def test_restarted_supervisor_reclaims_orphans(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """SIGKILL the supervisor: the worker dies (PDEATHSIG) but its grandchild lives on; the next
+    supervisor ends the grandchild and records that it did."""
+    config = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+        "workers": [group("f", "fork_grandchild", gpus="none")],
+    }
+    first = supervisor(config, log_level="debug")
+    first.ready("f-0")
+    grandchild = int(first.wait_line("[f-0] ", contains="forked").split()[-1])
+    first.wait_event(event="records.state_written", pids=lambda p: grandchild in p)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait_exit()
+    assert alive(grandchild), "the grandchild should outlive a SIGKILLed supervisor"
+    second = supervisor(config)
+    event = second.wait_event(event="supervisor.reclaimed_orphan", pid=grandchild, timeout=15)
+    assert event["worker"] == "f-0" and event["ended"] is True
+    assert not wait_dead([grandchild])
+    second.ready("f-0")
+    assert second.stop() == 0
+    state = validate_file(second.state_dir / "state.json")
+    reclaimed = {r["pid"]: r for r in state["supervisor"]["reclaimed"]}
+    assert reclaimed[grandchild]["verdict"] == "end"
+
+
+def test_reused_pid_is_not_killed(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    stranger, mine = _orphan(tmp_path), _orphan(tmp_path)
+    orphans += [stranger, mine]
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "state.json").write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "workers": [
+                    # same pid, another create time: the pid was reused, not ours
+                    {
+                        "name": "w-0",
+                        "pid": stranger.pid,
+                        "pid_create_time": stranger.create_time() - 50,
+                    },
+                    # same pid, same create time: an orphan of the previous supervisor
+                    {"name": "w-1", "pid": mine.pid, "pid_create_time": mine.create_time()},
+                ],
+            }
+        )
+    )
+    sup = supervisor({"workers": [group("w", "ready_then_sleep", replicas=2)]})
+    reused = sup.wait_event(event="supervisor.orphan_pid_reused", pid=stranger.pid)
+    assert reused["worker"] == "w-0"
+    ended = sup.wait_event(event="supervisor.reclaimed_orphan", pid=mine.pid)
+    assert ended["signal"] == "SIGTERM" and ended["ended"] is True
+    sup.ready("w-0")
+    assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
+    assert not mine.is_running()
+    assert sup.stop() == 0
+
+
+def test_sigkill_during_churn_never_leaves_a_torn_file(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """SIGKILL the supervisor at random moments while workers crash and restart: every file in
+    state_dir parses and validates each time, and the next supervisor starts over it."""
+    rng = random.Random(1234)
+    config = {
+        "supervisor": {"postmortem_keep": 30, "sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [
+            {
+                "name": "churn",
+                "command": worker_cmd("crash_after", "0.02"),
+                "replicas": 4,
+                "gpus": "none",
+                "stop_timeout_s": 1,
+                "restart": {
+                    "stable_s": 0.01,
+                    "burst": 0,
+                    "backoff_initial_s": 0.01,
+                    "backoff_max_s": 0.05,
+                },
+            }
+        ],
+    }
+    files_seen = 0
+    for _ in range(CHURN_KILLS):
+        sup = supervisor(config)
+        sup.wait_event(event="worker.spawned", timeout=15)
+        # a random moment: anywhere from just after the first spawn to a few restarts later
+        deadline_events = rng.randint(1, 25)
+        with contextlib.suppress(AssertionError):
+            sup.wait_events(deadline_events, event="worker.exited", timeout=0.6)
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait_exit()
+        sup.close()
+        files_seen += validate_all(tmp_path / "state")
+    assert files_seen > CHURN_KILLS  # state.json each time, and post-mortems
+    final = supervisor(config)
+    final.wait_event(event="worker.spawned")
+    assert final.stop() == 0
+    assert validate_all(tmp_path / "state") >= 1
+    leftovers = [p for p in os.listdir(tmp_path / "state") if p.endswith(".tmp")]
+    assert not leftovers
+
+
+# --- broken disks ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path/state`` on a 1 MiB tmpfs (skipped where it cannot be mounted)."""
+    target = tmp_path / "state"
+    target.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount(8) here: cannot make a tiny filesystem for state_dir")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for state_dir: {result.stderr.strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def _fill(directory: Path) -> Path:
+    filler = directory / "filler"
+    with open(filler, "wb") as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"\0" * 65536)
+            fh.flush()
+    return filler
+
+
+def _crashing(**extra: Any) -> dict[str, Any]:
+    return {
+        "workers": [
+            group(
+                "c",
+                "crash_after",
+                "0.05",
+                restart={
+                    "stable_s": 0.01,
+                    "burst": 0,
+                    "backoff_initial_s": 0.01,
+                    "backoff_max_s": 0.05,
+                },
+                **extra,
+            )
+        ]
+    }
+
+
+def test_full_disk_does_not_stop_supervision(supervisor: SupervisorFactory, small_fs: Path) -> None:
+    sup = supervisor(_crashing())
+    sup.wait_event(event="records.postmortem")
+    filler = _fill(small_fs)
+    failed = sup.wait_event(event="records.write_failed", kind="disk_full")
+    mark = sup.mark()
+    sup.wait_events(5, after=mark, event="worker.spawned", worker="c-0")  # still supervising
+    filler.unlink()
+    sup.wait_event(event="records.write_recovered", file=failed["file"], after=mark, timeout=15)
+    assert sup.stop() == 0
+    crashes = sup.find(event="worker.exited", worker="c-0", reason="exit")
+    assert len(postmortems(sup)) == len(crashes)  # the queued ones were written after recovery
+    validate_file(small_fs / "state.json")
+
+
+def test_read_only_state_dir_does_not_stop_supervision(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """A read-only filesystem mounted over state_dir while running (a plain ``remount,ro`` is
+    refused while files are open for writing; the kernel's own error remount is not): writes
+    fail with EROFS, workers keep being restarted, and everything recovers when it goes away."""
+    sup = supervisor(_crashing(ready="none"))
+    sup.wait_event(event="records.postmortem")
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(small_fs)], check=True
+    )
+    try:
+        failed = sup.wait_event(event="records.write_failed", kind="read_only")
+        mark = sup.mark()
+        sup.wait_events(5, after=mark, event="worker.spawned", worker="c-0")
+    finally:
+        subprocess.run(["umount", str(small_fs)], check=True)
+    sup.wait_event(event="records.write_recovered", file=failed["file"], after=mark, timeout=15)
+    assert sup.stop() == 0
+    validate_file(small_fs / "state.json")
+
+
+def test_deleted_state_dir_is_recreated_and_notify_keeps_working(
+    supervisor: SupervisorFactory,
+) -> None:
+    sup = supervisor(_crashing())
+    sup.wait_event(event="records.postmortem")
+    gone = sup.state_dir.with_name("removed")
+    sup.state_dir.rename(gone)  # what `rm -rf` does, without racing the writer
+    shutil.rmtree(gone)
+    sup.wait_event(event="records.state_dir_recreated", timeout=15)
+    mark = sup.mark()
+    # the notify socket was bound again: replacements still become ready by READY=1
+    sup.wait_events(3, after=mark, event="worker.state", worker="c-0", new="ready")
+    assert sup.stop() == 0
+    validate_file(sup.state_dir / "state.json")
+    assert (sup.state_dir / "logs" / "c-0.log").exists()

@@ -1,0 +1,292 @@
+"""Records without a supervisor: atomic writes, the post-mortem store, write-failure tracking,
+the journal, crash classification and the orphan verdicts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from structlog.testing import capture_logs
+
+from supervisor import procfs
+from supervisor.journal import Journal, rfc3339
+from supervisor.model import DeviceSample, ExitReason, ExitStatus, GpuProcess
+from supervisor.policy.classify import classify
+from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge
+from supervisor.records import (
+    TMP_PREFIX,
+    PostmortemStore,
+    WriteHealth,
+    atomic_write,
+    failure_kind,
+    remove_temp_files,
+)
+from supervisor.views import (
+    SamplePoint,
+    StateWorker,
+    WorkerFacts,
+    device_object,
+    postmortem_doc,
+    postmortem_id,
+    state_doc,
+)
+from tests.schemas import validate
+
+T0 = 1_796_000_000.25
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    target = tmp_path / "state.json"
+    atomic_write(target, b"old")
+    atomic_write(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["state.json"]
+
+
+def test_atomic_write_failure_keeps_nothing_half_written(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        atomic_write(tmp_path / "gone" / "state.json", b"x")
+    assert not (tmp_path / "gone").exists()
+
+
+def test_remove_temp_files_only_removes_ours(tmp_path: Path) -> None:
+    (tmp_path / f"{TMP_PREFIX}state.json.123.tmp").write_text("torn")
+    (tmp_path / "state.json").write_text("{}")
+    (tmp_path / "notes.tmp").write_text("not ours")
+    assert remove_temp_files(tmp_path) == 1
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp", "state.json"]
+
+
+def _pm(ended: float, worker: str = "gpen-1", reason: str = "exit") -> dict[str, Any]:
+    return postmortem_doc(
+        id_=postmortem_id(ended, worker, reason),
+        worker=WorkerFacts(
+            worker, "gpen", 1, 42, ("python", "x.py"), ("GPU-a",), 8002, ended - 5, ended, 3
+        ),
+        status=ExitStatus(code=None, signal=signal.SIGSEGV),
+        reason=reason,
+        evidence={"signal": "SIGSEGV"},
+        samples=[
+            SamplePoint(ended - 1, 100.0, 50.5, 12.0),
+            SamplePoint(ended - 0.5, None, None, None),
+        ],
+        devices=[],
+        log_tail=["a", "b"],
+        events=Journal().since(0),
+    )
+
+
+def test_postmortem_document_matches_its_schema() -> None:
+    doc = _pm(T0)
+    validate(doc, "postmortem.schema.json")
+    assert doc["worker"]["uptime_s"] == 5.0
+    assert doc["exit"] == {"code": None, "signal": 11, "signal_name": "SIGSEGV"}
+
+
+def test_postmortem_rejects_unknown_reason() -> None:
+    with pytest.raises(ValueError, match="unknown post-mortem reason"):
+        _pm(T0, reason="stop")
+
+
+@pytest.mark.parametrize(
+    "worker",
+    ["gpen-1", 'a/b\\c:d*e?f"g<h>i|j', "x" * 300, "Ünïcødé-0", "..", ""],
+)
+def test_postmortem_ids_are_safe_file_names(worker: str) -> None:
+    id_ = postmortem_id(T0, worker, "exit")
+    assert id_.startswith("20261130T0053")  # sortable UTC time first
+    assert all(c.isascii() and (c.isalnum() or c in "._-") for c in id_)
+    assert len(id_) < 200 and "/" not in id_
+    PostmortemStore(Path("/nonexistent"), 1).path_of(id_)  # accepted by the store
+
+
+def test_postmortem_id_rounds_microseconds_without_overflow() -> None:
+    assert postmortem_id(1_796_000_000.9999999, "w", "exit").startswith("20261130T0053") and (
+        ".000000Z" in postmortem_id(1_796_000_000.9999999, "w", "exit")
+    )
+
+
+def test_store_keeps_the_newest_and_lists_newest_first(tmp_path: Path) -> None:
+    store = PostmortemStore(tmp_path / "pm", keep=3)
+    ids = [store.write(_pm(T0 + i)) for i in range(5)]
+    assert store.ids() == list(reversed(ids[2:]))
+    assert [s["id"] for s in store.summaries()] == list(reversed(ids[2:]))
+    assert store.summaries(limit=1)[0]["reason"] == "exit"
+
+
+def test_store_never_overwrites_a_same_named_post_mortem(tmp_path: Path) -> None:
+    store = PostmortemStore(tmp_path, keep=10)
+    first, second = store.write(_pm(T0)), store.write(_pm(T0))
+    assert second == first + "-2"
+    assert store.read(second)["id"] == second
+
+
+def test_store_read_refuses_paths_and_skips_unreadable_files(tmp_path: Path) -> None:
+    store = PostmortemStore(tmp_path, keep=10)
+    good = store.write(_pm(T0))
+    (tmp_path / "20261130T000000.000000Z-bad-exit.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a post-mortem id"):
+        store.read("../state")
+    with pytest.raises(FileNotFoundError):
+        store.read("20261130T000000.000000Z-none-exit")
+    assert [s["id"] for s in store.summaries()] == [good]
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (errno.ENOSPC, "disk_full"),
+        (errno.EDQUOT, "disk_full"),
+        (errno.EROFS, "read_only"),
+        (errno.ENOENT, "missing"),
+        (errno.EACCES, "permission"),
+        (errno.EIO, "other"),
+    ],
+)
+def test_failure_kinds(code: int, kind: str) -> None:
+    assert failure_kind(OSError(code, os.strerror(code))) == kind
+
+
+def test_write_failures_are_logged_once_per_kind_and_recover() -> None:
+    health = WriteHealth()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with capture_logs() as logs:
+        for _ in range(5):
+            health.failed("state", full)
+        health.failed("state", OSError(errno.EROFS, "Read-only file system"))
+        health.ok("state")
+        health.ok("state")
+    assert [(e["event"], e.get("kind")) for e in logs] == [
+        ("records.write_failed", "disk_full"),
+        ("records.write_failed", "read_only"),
+        ("records.write_recovered", "read_only"),
+    ]
+    assert health.errors_total == {("state", "disk_full"): 5, ("state", "read_only"): 1}
+    assert health.problems() == {}
+
+
+def test_journal_sequence_and_per_worker_view() -> None:
+    j = Journal(size=3)
+    for i in range(5):
+        j.append(T0 + i, "worker.state", f"w-{i % 2}", new="ready")
+    assert [e.seq for e in j.since(0)] == [3, 4, 5]
+    assert [e.seq for e in j.since(4)] == [5]
+    assert [e.seq for e in j.for_worker("w-0", 5)] == [3, 5]
+    assert j.since(3, limit=1)[0].to_json() == {
+        "seq": 4,
+        "at": rfc3339(T0 + 3),
+        "type": "worker.state",
+        "worker": "w-1",
+        "new": "ready",
+    }
+
+
+CLASSIFY_ROWS = [
+    # reason, status, tail, expected reason (None: no post-mortem)
+    (ExitReason.EXIT, ExitStatus(3, None), ["bye"], "exit"),
+    (ExitReason.SIGNAL, ExitStatus(None, 11), [], "signal"),
+    (
+        ExitReason.EXIT,
+        ExitStatus(1, None),
+        ["torch.OutOfMemoryError: CUDA out of memory. Tried"],
+        "cuda_oom",
+    ),
+    (ExitReason.SIGNAL, ExitStatus(None, 6), ["CUDA error: out of memory"], "cuda_oom"),
+    (ExitReason.HANG, ExitStatus(None, 15), [], "hang"),
+    (ExitReason.START_TIMEOUT, ExitStatus(None, 9), [], "start_timeout"),
+    (ExitReason.DRAIN, ExitStatus(0, None), [], "drain"),
+    (ExitReason.STOP, ExitStatus(0, None), [], None),
+    (ExitReason.SHUTDOWN, ExitStatus(None, 15), [], None),
+    (ExitReason.RELOAD, ExitStatus(0, None), [], None),
+    (ExitReason.RESTART, ExitStatus(0, None), [], None),
+    (ExitReason.SPAWN_FAILED, None, [], None),
+]
+
+
+@pytest.mark.parametrize(("reason", "status", "tail", "want"), CLASSIFY_ROWS)
+def test_classify(
+    reason: ExitReason, status: ExitStatus | None, tail: list[str], want: str | None
+) -> None:
+    found = classify(
+        reason, status, tail, failure=False, timing={"watchdog_s": 2.0}, silent_for_s=2.5
+    )
+    assert (found and found.reason) == want
+    if want == "cuda_oom":
+        assert found is not None and "out of memory" in found.evidence["log_line"]
+    if want == "hang":
+        assert found is not None and found.evidence["watchdog_s"] == 2.0
+        assert found.evidence["silent_for_s"] == 2.5
+
+
+def test_reclaim_candidates_skip_malformed_entries() -> None:
+    doc = {
+        "workers": [
+            {
+                "name": "a-0",
+                "pid": 10,
+                "pid_create_time": 5.0,
+                "tree": [{"pid": 11, "create_time": 6.0}, {"pid": "x"}],
+            },
+            {"name": "b-0", "pid": None, "pid_create_time": None},
+            {"name": "c-0", "pid": True, "pid_create_time": 1.0},
+            {"name": "d-0", "pid": 1, "pid_create_time": 1.0},
+            {"pid": 12, "pid_create_time": 1.0},
+            "garbage",
+        ]
+    }
+    assert candidates(doc) == [Candidate("a-0", 10, 5.0, True), Candidate("a-0", 11, 6.0, False)]
+    assert candidates({"workers": "nope"}) == []
+
+
+@pytest.mark.parametrize(
+    ("live", "verdict"),
+    [
+        (None, Verdict.GONE),
+        (Live(10, 100.0, 1), Verdict.END),
+        (Live(10, 100.01, 1), Verdict.END),  # one clock tick of rounding
+        (Live(10, 101.0, 1), Verdict.REUSED),
+        (Live(10, 99.0, 1), Verdict.REUSED),
+        (Live(10, 100.0, 777), Verdict.OURS),  # our child
+        (Live(777, 100.0, 1), Verdict.OURS),  # ourselves
+    ],
+)
+def test_reclaim_verdicts(live: Live | None, verdict: Verdict) -> None:
+    assert judge(Candidate("w-0", 10, 100.0, True), live, own_pid=777) is verdict
+
+
+def test_procfs_create_time_is_psutils() -> None:
+    assert procfs.create_time(os.getpid()) == psutil.Process().create_time()
+    assert procfs.create_time(2**22 + 12345) is None
+
+
+def test_state_document_matches_its_schema() -> None:
+    device = DeviceSample(
+        0,
+        "GPU-a",
+        "Sim",
+        memory_total_mb=1000,
+        memory_used_mb=10,
+        memory_free_mb=990,
+        processes=(GpuProcess(42, 10.0),),
+    )
+    doc = state_doc(
+        written_at=T0,
+        supervisor_pid=1234,
+        version="0.1",
+        started_at=T0 - 10,
+        workers=[
+            StateWorker("gpen-0", "gpen", "ready", 42, T0 - 5, ("GPU-a",), 0, 8001, ((43, T0 - 4),))
+        ],
+        devices=[device_object(device, worker_of={42: "gpen-0"})],
+        nvml_available=True,
+    )
+    validate(doc, "state.schema.json")
+    assert doc["workers"][0]["tree"] == [{"pid": 43, "create_time": T0 - 4}]
+    assert doc["devices"][0]["processes"] == [{"pid": 42, "worker": "gpen-0", "used_mb": 10.0}]
+    assert json.loads(json.dumps(doc)) == doc
