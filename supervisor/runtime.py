@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import signal
+import tempfile
 from collections import deque
 from collections.abc import Callable, Coroutine, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -241,7 +242,7 @@ class Runtime:
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
-        (sup.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._open_state_dir()
         self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0
         startup_error: PlacementError | None = None
         try:
@@ -631,6 +632,30 @@ class Runtime:
         return t.drain_timeout_s + t.stop_timeout_s + KILL_WAIT_S
 
     # --- records ------------------------------------------------------------------------
+
+    def _open_state_dir(self) -> None:
+        """Create ``state_dir`` and bind the notify socket; a broken disk only degrades records.
+
+        When the socket cannot be bound there (read-only or full ``state_dir``), it goes to a
+        private temporary directory instead, so readiness and watchdogs keep working.
+        """
+        state_dir = self.settings.supervisor.state_dir
+        try:
+            (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.write_health.failed("state", exc)
+        try:
+            self.listener.open()
+        except OSError as exc:
+            self.write_health.failed("state", exc)
+            self.notify_path = Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
+            self.listener = NotifyListener(self.notify_path, self._on_notify)
+            self.listener.open()
+            self.log.warning(
+                "notify.moved",
+                path=os.fspath(self.notify_path),
+                reason="cannot bind the notify socket in state_dir",
+            )
 
     async def _reclaim_orphans(self) -> None:
         """End what a killed predecessor left running (from its ``state.json``)."""

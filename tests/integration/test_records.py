@@ -266,6 +266,7 @@ def test_reused_pid_is_not_killed(
     assert sup.stop() == 0
 
 
+@pytest.mark.timeout(60 + 4 * CHURN_KILLS)
 def test_sigkill_during_churn_never_leaves_a_torn_file(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -416,3 +417,16 @@ def test_deleted_state_dir_is_recreated_and_notify_keeps_working(
     assert sup.stop() == 0
     validate_file(sup.state_dir / "state.json")
     assert (sup.state_dir / "logs" / "c-0.log").exists()
+
+
+def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: Path) -> None:
+    """Starting over a read-only state_dir: records fail (reported), supervision works, and the
+    notify socket moves to a private temporary directory so readiness still arrives."""
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    sup = supervisor(_crashing())
+    sup.wait_event(event="records.write_failed", kind="read_only")
+    moved = sup.wait_event(event="notify.moved")
+    assert not moved["path"].startswith(str(small_fs))
+    sup.wait_events(3, event="worker.state", worker="c-0", new="ready")
+    assert sup.stop() == 0
+    assert not (small_fs / "state.json").exists()
