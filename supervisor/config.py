@@ -476,6 +476,15 @@ def format_validation_error(
     if msg.startswith("Assertion failed, "):
         msg = msg[len("Assertion failed, ") :]
     msg = msg.replace("Tuple should", "List should").replace("valid tuple", "valid list")
+    inner = re.match(r"^([a-z_]+): (.*)$", msg)
+    value = first.get("input")
+    if inner and kind == "value_error" and isinstance(value, dict) and inner[1] in value:
+        # A model-level check about one of its keys: name that key, show its value.
+        loc = (*loc, inner[1])
+        msg = inner[2]
+        value = value[inner[1]]
+        first = {**first, "input": value}
+        path = _loc_path(loc)
     if kind == "extra_forbidden":
         msg = "unknown key"
     elif kind == "missing":

@@ -155,3 +155,42 @@ def test_defaults_match_the_design() -> None:
     )
     assert (g.restart.backoff_initial_s, g.restart.backoff_max_s, g.restart.burst) == (1, 60, 5)
     assert (g.restart.stable_s, g.restart.interval_s, g.restart.delay_s) == (10, 120, 0)
+
+
+@pytest.mark.parametrize(
+    ("api", "expected"),
+    [
+        ({"listen": "0.0.0.0:9811"}, "is not a loopback address"),
+        ({"listen": "10.1.2.3:80"}, "no token_file is set"),
+        ({"listen": "9811"}, 'api.listen: expected "HOST:PORT" or "unix:/path"'),
+        ({"listen": "127.0.0.1:70000"}, "api.listen: expected"),
+        ({"listen": ":9811"}, "api.listen: missing host"),
+        ({"listen": "unix:relative.sock"}, "api.listen: unix socket path must be absolute"),
+        ({"auth_read": True}, "auth_read: needs api.token_file"),
+        ({"lisen": "x"}, "api.lisen: unknown key"),
+    ],
+)
+def test_bad_api_section(api: dict[str, object], expected: str) -> None:
+    assert expected in bad({"api": api})
+
+
+@pytest.mark.parametrize(
+    "listen", ["127.0.0.1:9811", "127.0.0.1:0", "[::1]:9811", "localhost:1", "unix:/run/x.sock", ""]
+)
+def test_good_listen_values(listen: str) -> None:
+    assert parse_settings({"api": {"listen": listen}}).api.listen == listen
+
+
+def test_non_loopback_listen_is_fine_with_a_token(tmp_path: Path) -> None:
+    settings = parse_settings(
+        {"api": {"listen": "0.0.0.0:9811", "token_file": str(tmp_path / "t")}}
+    )
+    assert settings.api.token_file == tmp_path / "t"
+
+
+def test_bad_alerts_and_metrics_path() -> None:
+    assert "alerts.webhook_url: expected an http" in bad({"alerts": {"webhook_url": "ftp://x"}})
+    assert "workers[0].metrics_path: expected an absolute URL path" in bad(
+        {"workers": [{**W, "metrics_path": "metrics"}]}
+    )
+    assert "supervisor.postmortem_keep" in bad({"supervisor": {"postmortem_keep": 0}})
