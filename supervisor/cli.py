@@ -12,6 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -24,7 +25,9 @@ from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan
+from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime
+from supervisor.views import device_object
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -63,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpus.add_argument("--sim-dir", help="override [gpu] sim_dir")
     gpus.add_argument("--json", action="store_true", help="print JSON")
+
+    pm = sub.add_parser("postmortem", help="read post-mortem files")
+    pm_sub = pm.add_subparsers(dest="pm_command", required=True, parser_class=_Parser)
+    pm_list = pm_sub.add_parser("list", help="post-mortems, newest first")
+    pm_show = pm_sub.add_parser("show", help="one post-mortem")
+    pm_show.add_argument("id", help="post-mortem id (from `postmortem list`)")
+    for p in (pm_list, pm_show):
+        p.add_argument("-c", "--config", help="TOML config file (its [supervisor] state_dir)")
+        p.add_argument("--state-dir", help="the supervisor's state_dir")
+        p.add_argument("--json", action="store_true", help="print JSON")
+    pm_list.add_argument("--limit", type=int, default=None, help="at most this many")
     return parser
 
 
@@ -197,28 +211,107 @@ def _gpus(args: argparse.Namespace) -> int:
     return EXIT_OK if error is None or gpu.backend == "auto" else EXIT_FAILURE
 
 
-def device_json(d: DeviceSample) -> dict[str, object]:
-    """The device object of DESIGN.md section 6 (processes without worker names)."""
-    return {
-        "id": d.index,
-        "uuid": d.uuid,
-        "name": d.name,
-        "temperature_celsius": d.temperature_c,
-        "utilization_percent": d.utilization_percent,
-        "memory": {
-            "used_mb": d.memory_used_mb,
-            "total_mb": d.memory_total_mb,
-            "free_mb": d.memory_free_mb,
-        },
-        "power_watts": d.power_watts,
-        "encoder_util_percent": d.encoder_percent,
-        "decoder_util_percent": d.decoder_percent,
-        "throttle_reasons": None if d.throttle_reasons is None else list(d.throttle_reasons),
-        "healthy": d.healthy,
-        "processes": None
-        if d.processes is None
-        else [{"pid": p.pid, "used_mb": p.used_mb} for p in d.processes],
-    }
+def device_json(d: DeviceSample) -> dict[str, Any]:
+    """The device object of DESIGN.md section 6 (a one-shot read: no cordons, no worker names)."""
+    return device_object(d)
+
+
+def _store(args: argparse.Namespace) -> PostmortemStore:
+    if args.state_dir:
+        state_dir = Path(args.state_dir)
+    elif args.config:
+        state_dir = load_settings(args.config).supervisor.state_dir
+    else:
+        raise UsageError("gpu-supervisor postmortem: give -c FILE or --state-dir DIR")
+    return PostmortemStore(state_dir / POSTMORTEM_DIR, keep=1)
+
+
+def postmortem_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The ``postmortem list`` table."""
+    if not rows:
+        return "no post-mortems"
+    header = ("ID", "WORKER", "REASON", "ENDED", "EXIT")
+    table = [header]
+    for r in rows:
+        ex = r.get("exit") or {}
+        if ex.get("signal_name"):
+            exit_text = str(ex["signal_name"])
+        elif ex.get("code") is not None:
+            exit_text = f"code {ex['code']}"
+        else:
+            exit_text = "-"
+        table.append(
+            (str(r["id"]), str(r["worker"]), str(r["reason"]), str(r["ended_at"]), exit_text)
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table
+    )
+
+
+def postmortem_text(doc: dict[str, Any]) -> str:
+    """``postmortem show``: the facts first, then evidence, samples and the log tail."""
+    w = doc.get("worker") or {}
+    ex = doc.get("exit") or {}
+    how = ex.get("signal_name") or (
+        f"exit code {ex['code']}" if ex.get("code") is not None else "-"
+    )
+    lines = [
+        f"post-mortem {doc.get('id')}",
+        f"  worker    {w.get('name')} (group {w.get('group')}, index {w.get('index')})",
+        f"  reason    {doc.get('reason')}",
+        f"  exit      {how}",
+        f"  pid       {w.get('pid')}",
+        f"  started   {w.get('started_at')}",
+        f"  ended     {w.get('ended_at')} (uptime {w.get('uptime_s')} s)",
+        f"  restarts  {w.get('restarts')}",
+        f"  gpus      {', '.join(w.get('gpus') or []) or '-'}",
+        f"  port      {w.get('port')}",
+        f"  command   {shlex.join(w.get('command') or [])}",
+        "evidence:",
+    ]
+    lines += [f"  {k}: {json.dumps(v)}" for k, v in (doc.get("evidence") or {}).items()]
+    samples = doc.get("samples") or []
+    lines.append(f"samples (last {min(len(samples), 10)} of {len(samples)}):")
+    for smp in samples[-10:]:
+        lines.append(
+            f"  {smp.get('t')}  gpu {_fmt(smp.get('gpu_memory_mb'), ' MiB')}  "
+            f"rss {_fmt(smp.get('host_rss_mb'), ' MiB', 1)}  "
+            f"cpu {_fmt(smp.get('cpu_percent'), '%', 1)}"
+        )
+    for d in doc.get("devices") or []:
+        mem = d.get("memory") or {}
+        lines.append(
+            f"gpu {d.get('id')} {d.get('uuid')}: {_fmt(mem.get('used_mb'))}/"
+            f"{_fmt(mem.get('total_mb'))} MiB, {_fmt(d.get('temperature_celsius'), 'C')}, "
+            f"{'healthy' if d.get('healthy') else 'UNHEALTHY'}"
+        )
+    tail = doc.get("log_tail") or []
+    lines.append(f"log tail ({len(tail)} lines):")
+    lines += [f"  {line}" for line in tail]
+    return "\n".join(lines)
+
+
+def _postmortem(args: argparse.Namespace) -> int:
+    store = _store(args)
+    if args.pm_command == "list":
+        if args.limit is not None and args.limit < 1:
+            raise UsageError(
+                f"gpu-supervisor postmortem list: --limit must be >= 1 (got {args.limit})"
+            )
+        rows = store.summaries(args.limit)
+        print(json.dumps(rows, indent=2) if args.json else postmortem_table(rows))
+        return EXIT_OK
+    try:
+        doc = store.read(args.id)
+    except ValueError as exc:
+        raise UsageError(f"gpu-supervisor postmortem show: {exc}") from None
+    except FileNotFoundError:
+        raise UsageError(
+            f"gpu-supervisor postmortem show: no post-mortem {args.id!r} in {store.directory}"
+        ) from None
+    print(json.dumps(doc, indent=2) if args.json else postmortem_text(doc))
+    return EXIT_OK
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -246,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "gpus":
             return _gpus(args)
+        if args.command == "postmortem":
+            return _postmortem(args)
         raise UsageError(f"unknown command {args.command!r}")
     except (ConfigError, UsageError) as exc:
         print(

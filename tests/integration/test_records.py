@@ -430,3 +430,41 @@ def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: P
     sup.wait_events(3, event="worker.state", worker="c-0", new="ready")
     assert sup.stop() == 0
     assert not (small_fs / "state.json").exists()
+
+
+def test_postmortem_cli_lists_newest_first_and_shows_one(
+    supervisor: SupervisorFactory,
+) -> None:
+    sup = supervisor({"workers": [group("c", "crash_after", "0.1", restart={"stable_s": 0.05})]})
+    sup.wait_events(2, event="records.postmortem", worker="c-0")
+    assert sup.stop() == 0
+    cli = [sys.executable, "-m", "supervisor", "postmortem"]
+    listed = subprocess.run(
+        [*cli, "list", "--state-dir", str(sup.state_dir), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(listed.stdout)
+    assert len(rows) == len(postmortems(sup)) >= 2
+    assert [r["id"] for r in rows] == sorted((r["id"] for r in rows), reverse=True)
+    table = subprocess.run(
+        [*cli, "list", "-c", str(sup.config_path)], capture_output=True, text=True, check=True
+    )
+    assert table.stdout.splitlines()[0].split() == ["ID", "WORKER", "REASON", "ENDED", "EXIT"]
+    assert rows[0]["id"] in table.stdout and "code 3" in table.stdout
+    shown = subprocess.run(
+        [*cli, "show", rows[0]["id"], "--state-dir", str(sup.state_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "reason    exit" in shown.stdout and "crashing" in shown.stdout
+    missing = subprocess.run(
+        [*cli, "show", "20000101T000000.000000Z-x-exit", "--state-dir", str(sup.state_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert missing.returncode == 2 and "no post-mortem" in missing.stderr
+    assert missing.stderr.count("\n") == 1
