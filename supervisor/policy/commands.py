@@ -1,0 +1,49 @@
+"""Which operator commands make sense in which worker state (pure).
+
+The API answers 409 ("impossible now") when ``refusal`` returns a reason, instead of queueing an
+intent that the lifecycle would ignore or turn into something the operator did not ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from supervisor.model import WorkerState
+
+S = WorkerState
+
+Command = Literal["start", "stop", "restart", "drain"]
+
+COMMANDS: tuple[Command, ...] = ("start", "stop", "restart", "drain")
+
+#: States in which a ``start`` has nothing to do: the worker runs (or is coming up) already.
+_RUNNING = frozenset({S.STARTING, S.READY, S.DRAINING})
+
+
+def refusal(command: Command, state: WorkerState) -> str | None:
+    """Why ``command`` is impossible for a worker in ``state`` now, or None when it is possible.
+
+    - ``start``: possible when stopped, fatal (clears it), in backoff (starts at once) or stopping
+      (starts again once the process is gone); refused while starting, ready or draining.
+    - ``stop``: refused only when the worker is stopped already.
+    - ``restart``: always possible (from stopped or fatal it is a start).
+    - ``drain``: only a ready worker is in routing, so only a ready worker can be drained.
+    """
+    if command == "start" and state in _RUNNING:
+        return f"worker is already {state.value}"
+    if command == "stop" and state is S.STOPPED:
+        return "worker is already stopped"
+    if command == "drain" and state is not S.READY:
+        return f"only a ready worker can be drained (worker is {state.value})"
+    return None
+
+
+def group_refusal(command: Command, states: Sequence[WorkerState]) -> str | None:
+    """For a whole group: refused only when the command is impossible for every worker."""
+    if not states:
+        return "group has no workers"
+    reasons = [refusal(command, s) for s in states]
+    if all(r is not None for r in reasons):
+        return f"{command} is impossible for every worker of the group ({reasons[0]})"
+    return None

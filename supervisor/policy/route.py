@@ -1,0 +1,137 @@
+"""Routing: which ready worker of a group should take the next request (pure).
+
+``GET /api/v1/route?group=G[&need_mb=N]`` asks this. A worker is a candidate when it is ready, not
+derated, and none of its GPUs is cordoned or unhealthy. Candidates are ranked by the free memory
+of their GPUs (most first; for a multi-GPU worker the GPU with the least free memory counts), then
+by utilization (lowest first; the busiest of its GPUs counts), then by config order. A GPU the
+supervisor has no reading for (no telemetry) is not held against a worker: its free memory is
+unknown, it ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from supervisor.model import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker of the group, as routing sees it."""
+
+    name: str
+    port: int | None
+    state: WorkerState
+    gpus: tuple[str, ...]  # UUIDs; empty for a worker without GPUs
+    derated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GpuLoad:
+    """One GPU at the last sample."""
+
+    free_mb: float | None
+    utilization_percent: float | None
+    healthy: bool = True
+    cordoned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Send the request here."""
+
+    name: str
+    port: int | None
+    gpu: str | None
+    free_mb: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NoneReady:
+    """No worker can take requests now (503)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NoRoom:
+    """Workers are ready, but none has ``need_mb`` free (429: retry later)."""
+
+    need_mb: float
+    best_free_mb: float
+
+
+Verdict = Routed | NoneReady | NoRoom
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranked:
+    order: int
+    worker: Candidate
+    gpu: str | None
+    free_mb: float | None
+    utilization: float | None
+
+    def key(self) -> tuple[int, float, int, float, int]:
+        return (
+            self.free_mb is None,
+            -(self.free_mb or 0.0),
+            self.utilization is None,
+            self.utilization or 0.0,
+            self.order,
+        )
+
+
+def _rank(order: int, w: Candidate, gpus: Mapping[str, GpuLoad]) -> _Ranked | str:
+    """The worker's standing, or why it is not a candidate."""
+    if w.state is not WorkerState.READY:
+        return f"{w.name} is {w.state.value}"
+    if w.derated:
+        return f"{w.name} is derated"
+    free: float | None = None
+    tightest: str | None = w.gpus[0] if w.gpus else None
+    util: float | None = None
+    unknown_free = False
+    for uuid in w.gpus:
+        load = gpus.get(uuid)
+        if load is None:
+            unknown_free = True
+            continue
+        if load.cordoned:
+            return f"{w.name} is on cordoned GPU {uuid}"
+        if not load.healthy:
+            return f"{w.name} is on unhealthy GPU {uuid}"
+        if load.free_mb is None:
+            unknown_free = True
+        elif free is None or load.free_mb < free:
+            free, tightest = load.free_mb, uuid
+        if load.utilization_percent is not None:
+            util = max(util or 0.0, load.utilization_percent)
+    return _Ranked(order, w, tightest, None if unknown_free else free, util)
+
+
+def choose(
+    workers: Sequence[Candidate], gpus: Mapping[str, GpuLoad], need_mb: float | None = None
+) -> Verdict:
+    """The best candidate for the next request (see the module docstring for the rules)."""
+    ranked: list[_Ranked] = []
+    why: list[str] = []
+    for order, w in enumerate(workers):
+        r = _rank(order, w, gpus)
+        if isinstance(r, str):
+            why.append(r)
+        else:
+            ranked.append(r)
+    if not ranked:
+        detail = "; ".join(why) if why else "the group has no workers"
+        return NoneReady(f"no ready worker ({detail})")
+    ranked.sort(key=_Ranked.key)
+    if need_mb is not None:
+        fitting = [r for r in ranked if r.free_mb is None or r.free_mb >= need_mb]
+        if not fitting:
+            best = max(r.free_mb or 0.0 for r in ranked)
+            return NoRoom(need_mb, best)
+        ranked = fitting
+    best_r = ranked[0]
+    return Routed(best_r.worker.name, best_r.worker.port, best_r.gpu, best_r.free_mb)

@@ -1,0 +1,193 @@
+"""Operator commands that are impossible now (409) and routing choices (pure, table-driven)."""
+
+from __future__ import annotations
+
+import pytest
+
+from supervisor.model import WorkerState
+from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
+from supervisor.policy.route import (
+    Candidate,
+    GpuLoad,
+    NoneReady,
+    NoRoom,
+    Routed,
+    Verdict,
+    choose,
+)
+
+S = WorkerState
+ALL_STATES = list(WorkerState)
+
+# (command, state, possible)
+COMMAND_TABLE: list[tuple[Command, WorkerState, bool]] = [
+    ("start", S.STOPPED, True),
+    ("start", S.FATAL, True),
+    ("start", S.BACKOFF, True),
+    ("start", S.STOPPING, True),
+    ("start", S.STARTING, False),
+    ("start", S.READY, False),
+    ("start", S.DRAINING, False),
+    ("stop", S.STOPPED, False),
+    *[("stop", s, True) for s in ALL_STATES if s is not S.STOPPED],
+    *[("restart", s, True) for s in ALL_STATES],
+    ("drain", S.READY, True),
+    *[("drain", s, False) for s in ALL_STATES if s is not S.READY],
+]
+
+
+@pytest.mark.parametrize(("command", "state", "possible"), COMMAND_TABLE)
+def test_command_table(command: Command, state: WorkerState, possible: bool) -> None:
+    reason = refusal(command, state)
+    assert (reason is None) == possible
+    if reason is not None:
+        assert state.value in reason
+
+
+def test_table_covers_every_command_and_state() -> None:
+    covered = {(c, s) for c, s, _ in COMMAND_TABLE}
+    assert covered == {(c, s) for c in COMMANDS for s in ALL_STATES}
+
+
+def test_group_refused_only_when_impossible_for_all() -> None:
+    assert group_refusal("drain", [S.READY, S.STOPPED]) is None
+    reason = group_refusal("drain", [S.STOPPED, S.STARTING])
+    assert reason is not None and "every worker" in reason
+    assert group_refusal("stop", []) == "group has no workers"
+
+
+G0, G1, G2 = "GPU-0", "GPU-1", "GPU-2"
+
+
+def w(
+    name: str, gpus: tuple[str, ...] = (G0,), state: WorkerState = S.READY, **kw: bool
+) -> Candidate:
+    return Candidate(name=name, port=8000 + int(name[-1]), state=state, gpus=gpus, **kw)
+
+
+LOADS = {
+    G0: GpuLoad(free_mb=1000, utilization_percent=50),
+    G1: GpuLoad(free_mb=4000, utilization_percent=90),
+    G2: GpuLoad(free_mb=4000, utilization_percent=10),
+}
+
+# (case, workers, loads, need_mb, expected)
+ROUTE_TABLE: list[tuple[str, list[Candidate], dict[str, GpuLoad], float | None, Verdict]] = [
+    (
+        "most free memory wins",
+        [w("a-0", (G0,)), w("a-1", (G1,))],
+        LOADS,
+        None,
+        Routed("a-1", 8001, G1, 4000),
+    ),
+    (
+        "equal memory: lowest utilization wins",
+        [w("a-1", (G1,)), w("a-2", (G2,))],
+        LOADS,
+        None,
+        Routed("a-2", 8002, G2, 4000),
+    ),
+    (
+        "full tie: config order",
+        [w("a-2", (G2,)), w("a-3", (G2,))],
+        LOADS,
+        None,
+        Routed("a-2", 8002, G2, 4000),
+    ),
+    (
+        "draining, starting and derated workers are skipped",
+        [
+            w("a-1", (G1,), S.DRAINING),
+            w("a-2", (G2,), derated=True),
+            w("a-3", (G1,), S.STARTING),
+            w("a-0", (G0,)),
+        ],
+        LOADS,
+        None,
+        Routed("a-0", 8000, G0, 1000),
+    ),
+    (
+        "cordoned and unhealthy GPUs are skipped",
+        [w("a-1", (G1,)), w("a-2", (G2,)), w("a-0", (G0,))],
+        {
+            **LOADS,
+            G1: GpuLoad(4000, 0, cordoned=True),
+            G2: GpuLoad(4000, 0, healthy=False),
+        },
+        None,
+        Routed("a-0", 8000, G0, 1000),
+    ),
+    (
+        "multi-GPU worker counts its tightest GPU",
+        [w("a-1", (G1, G0)), w("a-2", (G2,))],
+        LOADS,
+        None,
+        Routed("a-2", 8002, G2, 4000),
+    ),
+    (
+        "need_mb filters out workers without room",
+        [w("a-1", (G1,)), w("a-0", (G0,))],
+        LOADS,
+        2000,
+        Routed("a-1", 8001, G1, 4000),
+    ),
+    (
+        "need_mb fits nowhere: 429",
+        [w("a-1", (G1,)), w("a-0", (G0,))],
+        LOADS,
+        5000,
+        NoRoom(5000, 4000),
+    ),
+    (
+        "unknown free memory ranks last but is admitted",
+        [w("a-5", ("GPU-unknown",)), w("a-0", (G0,))],
+        LOADS,
+        None,
+        Routed("a-0", 8000, G0, 1000),
+    ),
+    (
+        "unknown free memory is not refused by need_mb",
+        [w("a-5", ("GPU-unknown",)), w("a-0", (G0,))],
+        LOADS,
+        2000,
+        Routed("a-5", 8005, "GPU-unknown", None),
+    ),
+    (
+        "worker without GPUs",
+        [w("c-0", ())],
+        {},
+        None,
+        Routed("c-0", 8000, None, None),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "workers", "loads", "need_mb", "expected"),
+    ROUTE_TABLE,
+    ids=[r[0] for r in ROUTE_TABLE],
+)
+def test_route_table(
+    case: str,
+    workers: list[Candidate],
+    loads: dict[str, GpuLoad],
+    need_mb: float | None,
+    expected: Verdict,
+) -> None:
+    assert choose(workers, loads, need_mb) == expected
+
+
+@pytest.mark.parametrize(
+    ("workers", "words"),
+    [
+        ([], "no workers"),
+        (
+            [w("a-0", state=S.STARTING), w("a-1", state=S.DRAINING)],
+            "a-0 is starting; a-1 is draining",
+        ),
+    ],
+)
+def test_none_ready_says_why(workers: list[Candidate], words: str) -> None:
+    verdict = choose(workers, LOADS)
+    assert isinstance(verdict, NoneReady)
+    assert words in verdict.reason
