@@ -1,0 +1,315 @@
+"""Client commands of the CLI: ``status``, ``drain``, ``restart [--rolling]``, ``stop``, ``start``,
+``cordon``, ``uncordon``, all through the HTTP API of a running supervisor.
+
+The API is found from ``--url`` or from ``-c FILE`` (its ``[api] listen``; ``unix:/path`` goes
+through a unix-socket transport), else the default ``127.0.0.1:9811``. The token comes from
+``GPU_SUPERVISOR_API_TOKEN`` or the config's ``api.token_file``.
+
+Exit codes (through the errors raised): 0 ok; 1 (``ApiClientError``) when the supervisor is not
+running, refuses the command as impossible now (409) or fails; 2 (``UsageError``/``ConfigError``)
+for bad use: an unknown worker, group or GPU (404), a bad value (400/422), a missing or wrong
+token (401).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from supervisor.config import ApiSection, load_settings, parse_listen
+from supervisor.errors import ApiClientError, ConfigError, UsageError
+
+TOKEN_ENV = "GPU_SUPERVISOR_API_TOKEN"  # noqa: S105 - a variable name, not a secret
+DEFAULT_TIMEOUT_S = 10.0
+API = "/api/v1"
+
+#: The client subcommands and their help lines.
+COMMANDS: Mapping[str, str] = {
+    "status": "table of GPUs and workers from a running supervisor",
+    "drain": "take a worker (or every worker of a group) out of routing and let it stop",
+    "restart": "restart a worker or a group (--rolling: one worker at a time)",
+    "stop": "stop a worker or a group",
+    "start": "start a worker or a group (also clears fatal)",
+    "cordon": "place no more workers on a GPU (index or UUID)",
+    "uncordon": "allow placing workers on a GPU again",
+}
+
+
+def add_commands(sub: Any) -> None:
+    """Add the client subcommands to the CLI's subparsers action."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-c", "--config", help="the supervisor's TOML config (for [api])")
+    common.add_argument("--url", help="API URL: http://HOST:PORT or unix:/path (overrides -c)")
+    common.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request"
+    )
+    for name, text in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text, parents=[common])
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the raw JSON")
+        elif name in ("cordon", "uncordon"):
+            p.add_argument("gpu", help="GPU index or UUID")
+        else:
+            p.add_argument("name", help="worker (gpen-1) or group (gpen)")
+            if name == "restart":
+                p.add_argument(
+                    "--rolling",
+                    action="store_true",
+                    help="NAME is a group: restart one worker at a time, waiting for readiness",
+                )
+
+
+# --- connection -------------------------------------------------------------------------------
+
+
+def url_for(listen: str) -> str | None:
+    """The URL a client on this machine uses for ``api.listen`` (None: off, or port 0)."""
+    kind, host, port = parse_listen(listen)
+    if kind == "unix":
+        return f"unix:{host}"
+    if kind != "tcp" or port == 0:
+        return None
+    if host == "0.0.0.0":  # noqa: S104 - a wildcard bind is reached through loopback
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (``ConfigError`` when it cannot be read)."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"api.token_file {path}: cannot read: {why}") from None
+    if not token:
+        raise ConfigError(f"api.token_file {path}: empty")
+    return token
+
+
+def resolve(
+    url: str | None, config: str | None, environ: Mapping[str, str] | None = None
+) -> tuple[str, str | None]:
+    """``(url, token)`` from ``--url``, ``-c FILE`` and the environment."""
+    environ = os.environ if environ is None else environ
+    api = load_settings(config).api if config else ApiSection()
+    if url is None:
+        url = url_for(api.listen)
+        if url is None:
+            where = f"{config}: " if config else ""
+            if parse_listen(api.listen)[0] == "off":
+                raise UsageError(f'gpu-supervisor: {where}api.listen is "" (the API is off)')
+            raise UsageError(
+                f"gpu-supervisor: {where}api.listen {api.listen} picks a free port: pass --url"
+            )
+    elif not url.startswith(("http://", "https://", "unix:/")):
+        raise UsageError(f"gpu-supervisor: --url {url!r}: expected http://HOST:PORT or unix:/path")
+    token = environ.get(TOKEN_ENV) or None
+    if token is None and api.token_file is not None:
+        token = read_token_file(api.token_file)
+    return url, token
+
+
+class Client:
+    """A small synchronous client of the supervisor's API."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url.startswith("unix:"):
+            transport = transport or httpx.HTTPTransport(uds=url[len("unix:") :])
+            base = "http://localhost"
+        else:
+            base = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=base, headers=headers, timeout=timeout, transport=transport
+        )
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, ok: Sequence[int] = (200,)) -> httpx.Response:
+        """Send one request; return the response if its status is one of ``ok`` or a 404."""
+        try:
+            response = self._http.request(method, path)
+        except httpx.TimeoutException:
+            raise ApiClientError(
+                f"no answer from the supervisor at {self.url} (timed out)"
+            ) from None
+        except httpx.TransportError as exc:
+            raise ApiClientError(
+                f"cannot reach the supervisor at {self.url}: is it running? ({_reason(exc)})"
+            ) from None
+        if response.status_code in ok:
+            return response
+        message = _error_text(response)
+        if response.status_code in (400, 401, 403, 404, 422):
+            raise UsageError(f"gpu-supervisor: {message}")
+        raise ApiClientError(message)
+
+    def json(self, path: str) -> Any:
+        """GET ``path`` and return its JSON."""
+        return self.request("GET", path).json()
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    text = str(exc) or type(exc).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused"
+    if "No such file" in text or "Errno 2" in text:
+        return "no such socket"
+    return text
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return f"{body['error']} (HTTP {response.status_code})"
+    return f"HTTP {response.status_code} from {response.request.url.path}"
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run one client command; return the exit code (errors are raised)."""
+    url, token = resolve(args.url, args.config)
+    with Client(url, token, args.timeout) as client:
+        if args.command == "status":
+            return status(client, args.json)
+        if args.command in ("cordon", "uncordon"):
+            body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
+            verb = "cordoned" if body["cordoned"] else "uncordoned"
+            print(f"GPU {body['id']} ({body['uuid']}) {verb}")
+            return 0
+        if args.command == "restart" and args.rolling:
+            client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))
+            print(f"{args.name}: rolling restart started (one worker at a time)")
+            return 0
+        return command(client, args.command, args.name)
+
+
+def _quote(segment: str) -> str:
+    return quote(segment, safe="")
+
+
+def command(client: Client, verb: str, name: str) -> int:
+    """``drain|restart|stop|start NAME``: a worker, else a group of that name."""
+    try:
+        body = client.request("POST", f"{API}/workers/{_quote(name)}/{verb}", ok=(202,)).json()
+    except UsageError as exc:
+        if "unknown worker" not in str(exc):
+            raise
+        try:
+            body = client.request("POST", f"{API}/groups/{_quote(name)}/{verb}", ok=(202,)).json()
+        except UsageError as exc2:
+            if "unknown group" not in str(exc2):
+                raise
+            raise UsageError(f"gpu-supervisor: unknown worker or group {name!r}") from None
+        names = ", ".join(w["name"] for w in body["workers"])
+        print(f"{name}: {verb} requested for {len(body['workers'])} workers ({names})")
+        return 0
+    print(f"{name}: {verb} requested (was {body['state']})")
+    return 0
+
+
+def status(client: Client, as_json: bool) -> int:
+    """``status``: GPUs, then workers."""
+    gpu = client.json(f"{API}/gpu/status")
+    workers = client.json(f"{API}/workers")
+    if as_json:
+        print(json.dumps({"gpu": gpu, "workers": workers}, indent=2))
+        return 0
+    print(format_status(gpu, workers))
+    return 0
+
+
+def _num(value: Any, unit: str = "", digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    return f"{float(value):.{digits}f}{unit}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> str:
+    """The ``status`` table: GPUs first, then workers."""
+    lines: list[str] = []
+    devices = gpu.get("devices") or []
+    index_of = {d["uuid"]: str(d["id"]) for d in devices}
+    if devices:
+        rows: list[tuple[str, ...]] = [
+            ("GPU", "UUID", "NAME", "MEMORY (MiB)", "UTIL", "TEMP", "HEALTH", "CORDONED")
+        ]
+        for d in devices:
+            mem = d.get("memory") or {}
+            rows.append(
+                (
+                    str(d["id"]),
+                    d["uuid"],
+                    d["name"],
+                    f"{_num(mem.get('used_mb'))}/{_num(mem.get('total_mb'))}",
+                    _num(d.get("utilization_percent"), "%"),
+                    _num(d.get("temperature_celsius"), "C"),
+                    "ok" if d.get("healthy") else f"UNHEALTHY ({d.get('error') or 'lost'})",
+                    "yes" if d.get("cordoned") else "no",
+                )
+            )
+        lines += _table(rows)
+    else:
+        why = gpu.get("error") or "none found"
+        lines.append(f"no GPU telemetry: {why}")
+    lines.append("")
+    if not workers:
+        lines.append("no workers")
+        return "\n".join(lines)
+    rows = [("WORKER", "STATE", "PID", "GPU", "GPU MEM", "RSS", "RESTARTS", "LEAK (MiB/min)")]
+    for w in workers:
+        gpus = w.get("gpus")
+        gpu_text = "-" if not gpus else ",".join(index_of.get(u, u) for u in gpus)
+        leak = w.get("leak") or {}
+        slope = leak.get("slope_mb_per_min")
+        leak_text = (
+            "-" if slope is None else f"{slope:+.1f}" + (" !" if leak.get("suspected") else "")
+        )
+        rows.append(
+            (
+                w["name"],
+                w["state"],
+                "-" if w.get("pid") is None else str(w["pid"]),
+                gpu_text,
+                "-" if w.get("gpu_memory_mb") is None else _num(w["gpu_memory_mb"], " MiB"),
+                "-" if w.get("host_rss_mb") is None else _num(w["host_rss_mb"], " MiB"),
+                str(w.get("restarts", 0)),
+                leak_text,
+            )
+        )
+    lines += _table(rows)
+    return "\n".join(lines)

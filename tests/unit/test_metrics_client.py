@@ -1,0 +1,277 @@
+"""The metrics collector over a runtime's read model, and the client's pure helpers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.api import load_token
+from supervisor.client import format_status, resolve, url_for
+from supervisor.config import ApiSection
+from supervisor.errors import ConfigError, UsageError
+from supervisor.journal import Journal
+from supervisor.metrics import Metrics
+from supervisor.model import DeviceIdentity, DeviceSample, Sample
+from supervisor.records import WriteHealth
+
+if TYPE_CHECKING:
+    from supervisor.runtime import Runtime
+
+UUID0 = "GPU-0"
+UUID1 = "GPU-1"
+
+
+@dataclass
+class FakeSampler:
+    last: Sample | None
+    identities: tuple[DeviceIdentity, ...] = (
+        DeviceIdentity(0, UUID0, "Sim"),
+        DeviceIdentity(1, UUID1, "Sim"),
+    )
+
+
+@dataclass
+class FakeRuntime:
+    """The part of ``Runtime``'s read model that the collector reads (no workers)."""
+
+    sampler: FakeSampler
+    cordoned: set[str] = field(default_factory=set)
+    xid_counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    restarts_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    actions_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    postmortems_total: dict[str, int] = field(default_factory=dict)
+    write_health: WriteHealth = field(default_factory=WriteHealth)
+    journal: Journal = field(default_factory=Journal)
+    runners: dict[str, object] = field(default_factory=dict)
+    sample_listeners: list[object] = field(default_factory=list)
+    loop_alive_at: float = 0.0
+
+    def workers(self) -> list[object]:
+        return []
+
+
+def runtime_with(sample: Sample) -> Runtime:
+    return cast("Runtime", FakeRuntime(FakeSampler(sample)))
+
+
+def families(metrics: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = metrics.render().decode()
+    return {
+        f.name: [(dict(s.labels), s.value) for s in f.samples]
+        for f in text_string_to_metric_families(text)
+    }
+
+
+def sample(t: float, **gpu1: object) -> Sample:
+    return Sample(
+        t=t,
+        devices=(
+            DeviceSample(
+                0,
+                UUID0,
+                "Sim",
+                memory_total_mb=100.0,
+                memory_used_mb=25.0,
+                utilization_percent=50.0,
+                temperature_c=None,
+                power_watts=None,
+                clocks_event_reasons=0x1 | 0x40,
+            ),
+            DeviceSample(1, UUID1, "Sim", **gpu1),  # type: ignore[arg-type]
+        ),
+        workers={},
+        nvml_available=True,
+    )
+
+
+def test_gpu_metrics_leave_unknown_values_out() -> None:
+    rt = runtime_with(sample(1.0, healthy=False, error="GPU is lost"))
+    rt.cordoned.add(UUID1)
+    rt.xid_counts[(UUID0, 79)] = 2
+    rt.xid_counts[("1", 13)] = 1
+    m = families(Metrics(rt))
+    mib = 1024 * 1024
+    assert m["gpu_supervisor_gpu_memory_used_bytes"] == [
+        ({"gpu": "0", "uuid": UUID0, "name": "Sim"}, 25 * mib)
+    ]
+    assert m["gpu_supervisor_gpu_utilization_percent"][0][1] == 50.0
+    assert m["gpu_supervisor_gpu_temperature_celsius"] == []  # not supported: absent, never 0
+    assert m["gpu_supervisor_gpu_power_watts"] == []
+    throttle = {
+        s["reason"]: v for s, v in m["gpu_supervisor_gpu_throttle_reason"] if s["gpu"] == "0"
+    }
+    assert throttle["hw_thermal_slowdown"] == 1 and throttle["sw_power_cap"] == 0
+    assert "gpu_idle" not in throttle
+    assert m["gpu_supervisor_gpu_throttled"] == [({"gpu": "0", "uuid": UUID0, "name": "Sim"}, 1.0)]
+    assert [v for _, v in m["gpu_supervisor_gpu_healthy"]] == [1.0, 0.0]
+    assert [v for _, v in m["gpu_supervisor_gpu_cordoned"]] == [0.0, 1.0]
+    xids = {(s["gpu"], s["xid"]): v for s, v in m["gpu_supervisor_gpu_xid_errors"]}
+    assert xids == {("0", "79"): 2.0, ("1", "13"): 1.0}
+    assert m["gpu_supervisor_nvml_up"] == [({}, 1.0)]
+    assert {s["file"] for s, _ in m["gpu_supervisor_records_writable"]} == {
+        "state",
+        "postmortem",
+        "log",
+    }
+
+
+def test_render_is_cached_until_something_changes() -> None:
+    rt = runtime_with(sample(1.0))
+    metrics = Metrics(rt)
+    first = metrics.render()
+    assert metrics.render() is first and metrics.renders == 1
+    rt.actions_total[("drain", "operator")] = 1
+    assert b'gpu_supervisor_actions_total{action="drain",reason="operator"} 1.0' in metrics.render()
+    assert metrics.renders == 2
+    new = sample(2.0)
+    rt.sampler.last = new
+    metrics.observe(new)
+    assert b"gpu_supervisor_sample_duration_seconds_count 1.0" in metrics.render()
+    assert metrics.renders == 3
+
+
+def test_nvml_down_means_no_gpu_series() -> None:
+    rt = runtime_with(Sample(t=1.0, devices=(), workers={}, nvml_available=False, error="x"))
+    m = families(Metrics(rt))
+    assert m["gpu_supervisor_nvml_up"] == [({}, 0.0)]
+    assert m["gpu_supervisor_gpu_healthy"] == []
+
+
+@pytest.mark.parametrize(
+    ("listen", "url"),
+    [
+        ("127.0.0.1:9811", "http://127.0.0.1:9811"),
+        ("0.0.0.0:80", "http://127.0.0.1:80"),
+        ("[::]:9811", "http://[::1]:9811"),
+        ("[::1]:9811", "http://[::1]:9811"),
+        ("localhost:1", "http://localhost:1"),
+        ("unix:/run/gs.sock", "unix:/run/gs.sock"),
+        ("127.0.0.1:0", None),
+        ("", None),
+    ],
+)
+def test_url_for_listen(listen: str, url: str | None) -> None:
+    assert url_for(listen) == url
+
+
+def test_resolve_token_from_env_then_file(tmp_path: Path) -> None:
+    token = tmp_path / "t"
+    token.write_text("from-file\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[api]\nlisten = "unix:{tmp_path}/s"\ntoken_file = "{token}"\n'
+        '[[workers]]\nname = "a"\ncommand = ["x"]\n'
+    )
+    assert resolve(None, str(cfg), {}) == (f"unix:{tmp_path}/s", "from-file")
+    env = {"GPU_SUPERVISOR_API_TOKEN": "from-env"}
+    assert resolve("http://h:1", str(cfg), env) == ("http://h:1", "from-env")
+    assert resolve(None, None, {}) == ("http://127.0.0.1:9811", None)
+    with pytest.raises(UsageError):
+        resolve("h:1", None, {})
+
+
+@pytest.mark.parametrize(
+    ("mode", "text", "error"),
+    [
+        (0o600, "tok\n", None),
+        (0o400, "tok", None),
+        (0o640, "tok", "mode 0640 lets group or others access the token"),
+        (0o604, "tok", "mode 0604"),
+        (0o600, "\n", "must hold one token"),
+        (0o600, "two words", "must hold one token"),
+    ],
+)
+def test_token_file_checks(tmp_path: Path, mode: int, text: str, error: str | None) -> None:
+    path = tmp_path / "token"
+    path.write_text(text)
+    os.chmod(path, mode)
+    api = ApiSection(listen="127.0.0.1:0", token_file=path)
+    if error is None:
+        assert load_token(api) == "tok"
+    else:
+        with pytest.raises(ConfigError, match=error) as info:
+            load_token(api)
+        assert str(info.value).startswith(f"api.token_file {path}: ")
+    missing = ApiSection(listen="127.0.0.1:0", token_file=tmp_path / "nope")
+    with pytest.raises(ConfigError, match="file not found"):
+        load_token(missing)
+
+
+def test_status_table() -> None:
+    gpu = {
+        "devices": [
+            {
+                "id": 0,
+                "uuid": UUID0,
+                "name": "Sim",
+                "memory": {"used_mb": 10.0, "total_mb": 100.0, "free_mb": 90.0},
+                "utilization_percent": None,
+                "temperature_celsius": 40.0,
+                "healthy": False,
+                "error": "GPU is lost",
+                "cordoned": True,
+            }
+        ]
+    }
+    workers: list[dict[str, Any]] = [
+        {
+            "name": "a-0",
+            "state": "ready",
+            "pid": 12,
+            "gpus": [UUID0],
+            "gpu_memory_mb": 10.0,
+            "host_rss_mb": 5.5,
+            "restarts": 2,
+            "leak": {"slope_mb_per_min": 12.5, "suspected": True},
+        },
+        {"name": "b-0", "state": "stopped", "pid": None, "gpus": None, "restarts": 0},
+    ]
+    lines = format_status(gpu, workers).splitlines()
+    assert lines[1].split() == [
+        "0",
+        UUID0,
+        "Sim",
+        "10/100",
+        "n/a",
+        "40C",
+        "UNHEALTHY",
+        "(GPU",
+        "is",
+        "lost)",
+        "yes",
+    ]
+    assert lines[4].split() == [
+        "a-0",
+        "ready",
+        "12",
+        "0",
+        "10",
+        "MiB",
+        "6",
+        "MiB",
+        "2",
+        "+12.5",
+        "!",
+    ]
+    assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "0", "-"]
+    assert format_status({"devices": [], "error": "NVML missing"}, []).splitlines() == [
+        "no GPU telemetry: NVML missing",
+        "",
+        "no workers",
+    ]
+
+
+async def test_async_render_formats_off_the_loop_and_serves_a_young_one_meanwhile() -> None:
+    rt = runtime_with(sample(1.0))
+    metrics = Metrics(rt)
+    first = await metrics.render_async()
+    assert first == metrics.render() and metrics.renders == 1
+    rt.actions_total[("drain", "operator")] = 1
+    fresh = await metrics.render_async()
+    assert b'action="drain"' in fresh and metrics.renders == 2
+    assert await metrics.render_async() is fresh  # unchanged: cached
