@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import structlog
 
+from supervisor import client
 from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.config import GpuSection, Settings, load_settings
@@ -26,7 +27,7 @@ from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
-from supervisor.runtime import Runtime
+from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
 
 EXIT_OK = 0
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--state-dir", help="the supervisor's state_dir")
         p.add_argument("--json", action="store_true", help="print JSON")
     pm_list.add_argument("--limit", type=int, default=None, help="at most this many")
+    client.add_commands(sub)
     return parser
 
 
@@ -318,14 +320,43 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     path = Path(args.config)
     settings = load_settings(path)
-    runtime = Runtime(settings, path, trace_samples=args.log_level.lower() == "debug")
+    services: list[Service] = []
+    if settings.api.listen:
+        from supervisor import api  # imports FastAPI and uvicorn: only when serving
+
+        services.append(api.serve)
+    runtime = Runtime(
+        settings,
+        path,
+        trace_samples=args.log_level.lower() == "debug",
+        services=services,
+    )
     try:
         return anyio.run(runtime.run)
     except SupervisorError:
         raise
+    except ExceptionGroup as group:
+        # A service that fails to start (the API cannot bind, bad token file) ends the task
+        # group: report its error in one line like any other.
+        first = _first_supervisor_error(group)
+        if first is None:
+            structlog.get_logger().exception("supervisor.crashed", error=str(group))
+            return EXIT_FAILURE
+        raise first from None
     except Exception as exc:
         structlog.get_logger().exception("supervisor.crashed", error=str(exc))
         return EXIT_FAILURE
+
+
+def _first_supervisor_error(group: BaseExceptionGroup[Any]) -> SupervisorError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, SupervisorError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_supervisor_error(exc)
+            if found is not None:
+                return found
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,6 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _gpus(args)
         if args.command == "postmortem":
             return _postmortem(args)
+        if args.command in client.COMMANDS:
+            return client.main(args)
         raise UsageError(f"unknown command {args.command!r}")
     except (ConfigError, UsageError) as exc:
         print(

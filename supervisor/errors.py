@@ -12,6 +12,8 @@
     ├── WorkerError
     │   ├── SpawnError       the worker's command could not be executed
     │   └── IllegalTransition a lifecycle transition that the state table forbids
+    ├── ListenError          the HTTP API cannot listen where configured (address in use...)
+    ├── ApiClientError       a client command could not reach or use the supervisor's API
     └── UsageError           bad command-line use: exit code 2
 
 Only ``supervisor.__main__`` turns these into exit codes; library code raises them.
@@ -30,6 +32,14 @@ class ConfigError(SupervisorError):
 
 class UsageError(SupervisorError):
     """The command line is invalid."""
+
+
+class ListenError(SupervisorError):
+    """The API cannot bind its socket (``api.listen``); exit code 1, as it may be transient."""
+
+
+class ApiClientError(SupervisorError):
+    """A client command (``status``, ``drain``...) failed at run time: not running, 409, 5xx."""
 
 
 class PlacementError(ConfigError):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from tests import tomlw
@@ -84,6 +85,8 @@ class Supervisor:
         sup = dict(cfg.get("supervisor", {}))
         sup.setdefault("state_dir", str(self.state_dir))
         cfg["supervisor"] = sup
+        # A free loopback port, so that tests in parallel never collide on 9811.
+        cfg.setdefault("api", {"listen": "127.0.0.1:0"})
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(tomlw.dumps(cfg))
         os.replace(tmp, self.config_path)
@@ -237,6 +240,21 @@ class Supervisor:
     def ready(self, worker: str, timeout: float = 10.0, after: int = 0) -> dict[str, Any]:
         """Wait until ``worker`` becomes ready; return that event."""
         return self.wait_event(timeout, after, event="worker.state", worker=worker, new="ready")
+
+    def api_url(self, timeout: float = 10.0) -> str:
+        """The API's base URL, from the ``api.listening`` event (``http://...`` or ``unix:/...``)."""
+        return str(self.wait_event(timeout, event="api.listening")["url"])
+
+    def api(self, timeout: float = 10.0, token: str | None = None) -> httpx.Client:
+        """An HTTP client for the API (close it, or use it in a ``with`` block)."""
+        url = self.api_url(timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=url[len("unix:") :])
+            return httpx.Client(
+                base_url="http://localhost", transport=transport, headers=headers, timeout=10
+            )
+        return httpx.Client(base_url=url, headers=headers, timeout=10)
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the supervisor."""

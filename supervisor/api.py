@@ -1,0 +1,1036 @@
+"""The HTTP API (DESIGN.md section 6): a FastAPI app served by uvicorn inside the runtime's tree.
+
+Handlers run on the event loop and never touch processes: they read the runtime's read model
+(``workers()``, ``worker_object()``, ``device_objects()``, the journal, the post-mortem store)
+and send intents to the single writer with ``runtime.submit``. Every error is JSON
+``{"error": "..."}`` with a 4xx code; the OpenAPI document at ``/openapi.json`` describes every
+answer, including the errors.
+
+Auth: with ``api.token_file`` set, mutating endpoints need ``Authorization: Bearer <token>``
+(compared in constant time); ``api.auth_read`` extends that to every GET except ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hmac
+import json
+import logging
+import math
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from supervisor._version import __version__
+from supervisor.config import ApiSection, parse_listen
+from supervisor.errors import ConfigError, ListenError
+from supervisor.journal import JOURNAL_SIZE, rfc3339
+from supervisor.metrics import Metrics, state_key
+from supervisor.model import WorkerState
+from supervisor.policy import lifecycle as lc
+from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
+from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, choose
+from supervisor.runtime import Cordon, RollingRestart, WorkerCommand
+
+if TYPE_CHECKING:
+    from supervisor.runtime import Runtime
+
+API_PREFIX = "/api/v1"
+#: How long a cordon request waits for the single writer to apply it before answering.
+CORDON_WAIT_S = 2.0
+#: Graceful shutdown of open connections when the supervisor exits.
+SHUTDOWN_GRACE_S = 2
+BACKLOG = 128
+#: A cached body is reused for at most this long (``uptime_s`` is at most this old).
+BODY_REUSE_S = 0.1
+#: At most this share of the event loop's time goes to API requests (see ``Front``).
+LOOP_SHARE = 0.75
+LOOP_PERIOD_S = 0.01
+#: ... and this share while a worker is being replaced.
+URGENT_SHARE = 0.1
+
+# --- response models (the OpenAPI document is generated from these) ------------------------
+
+
+class _Open(BaseModel):
+    """A JSON object that may carry more fields than the ones documented."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer."""
+
+    error: str
+
+
+class Memory(BaseModel):
+    used_mb: float | None
+    total_mb: float | None
+    free_mb: float | None
+
+
+class DeviceProcess(_Open):
+    pid: int
+    worker: str | None
+    used_mb: float | None
+
+
+class Device(_Open):
+    """A GPU at the last sample; a field the GPU does not support is null."""
+
+    id: int
+    uuid: str
+    name: str
+    temperature_celsius: float | None
+    utilization_percent: float | None
+    memory: Memory
+    power_watts: float | None
+    encoder_util_percent: float | None
+    decoder_util_percent: float | None
+    throttle_reasons: list[str] | None
+    healthy: bool
+    cordoned: bool
+    processes: list[DeviceProcess] | None
+
+
+class GpuStatus(_Open):
+    devices: list[Device]
+    timestamp: Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+    nvml_available: bool
+    error: str | None
+
+
+class Leak(_Open):
+    slope_mb_per_min: float | None
+    suspected: bool
+    projected_oom_s: float | None
+
+
+class LastExit(_Open):
+    code: int | None
+    signal: str | int | None
+    reason: str
+    at: str | None
+
+
+class Worker(_Open):
+    """One worker (DESIGN.md section 6)."""
+
+    name: str
+    group: str
+    index: int
+    state: WorkerState
+    pid: int | None
+    gpus: list[str] | None
+    port: int | None
+    restarts: int
+    uptime_s: float | None
+    ready: bool
+    gpu_memory_mb: float | None
+    host_rss_mb: float | None
+    leak: Leak
+    last_exit: LastExit | None
+
+
+class GroupAccepted(BaseModel):
+    group: str
+    command: str
+    workers: list[Worker]
+
+
+class GpuCordon(BaseModel):
+    id: int
+    uuid: str
+    cordoned: bool
+
+
+class Route(BaseModel):
+    name: str
+    port: int | None
+    gpu: str | None
+    free_mb: float | None
+
+
+class Target(BaseModel):
+    targets: list[str]
+    labels: dict[str, str]
+
+
+class PostmortemSummary(_Open):
+    id: str
+    worker: str | None
+    group: str | None
+    reason: str | None
+    ended_at: str | None
+    exit: dict[str, Any] | None
+
+
+class Event(_Open):
+    seq: int
+    at: str
+    type: str
+    worker: str | None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+    uptime_s: float
+
+
+class GroupReadiness(BaseModel):
+    ready: int
+    workers: int
+    replicas: int
+
+
+class Readiness(BaseModel):
+    ready: bool
+    error: str | None
+    reasons: list[str]
+    groups: dict[str, GroupReadiness]
+    gpus_unhealthy: list[dict[str, Any]]
+    records: dict[str, dict[str, Any]]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {
+        400: "bad request",
+        401: "missing or wrong bearer token",
+        404: "not found",
+        409: "impossible in the current state",
+        422: "invalid parameter",
+        429: "no worker has the memory asked for",
+        503: "unavailable",
+    }
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        out[code] = {"model": ErrorBody, "description": text.get(code, "error")}
+    return out
+
+
+def _problem(status: int, message: str, headers: Mapping[str, str] | None = None) -> HTTPException:
+    return HTTPException(status, message, headers=dict(headers) if headers else None)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    text = f"{loc}: {first.get('msg', 'invalid')}"
+    if "input" in first and first.get("type") != "missing":
+        value = repr(first["input"])
+        text += f" (got {value if len(value) <= 80 else value[:77] + '...'})"
+    return text
+
+
+# --- auth -----------------------------------------------------------------------------------
+
+
+def load_token(api: ApiSection) -> str | None:
+    """The bearer token from ``api.token_file`` (None when unset); ``ConfigError`` if unusable.
+
+    The file must not be readable or writable by group or others.
+    """
+    path = api.token_file
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"api.token_file {path}: not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ConfigError(
+                f"api.token_file {path}: mode {mode:04o} lets group or others access the token "
+                f"(chmod 600 {path})"
+            )
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise ConfigError(f"api.token_file {path}: file not found") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"api.token_file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(f"api.token_file {path}: cannot read: {exc.strerror or exc}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"api.token_file {path}: must hold one token without spaces")
+    return token
+
+
+class _BearerCheck:
+    """The dependency that guards an endpoint: 401 unless the bearer token matches."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = token.encode()
+
+    async def __call__(self, request: Request) -> None:
+        why = bearer_refusal(request.headers.get("authorization", ""), self._expected)
+        if why is not None:
+            raise _problem(401, why, {"WWW-Authenticate": "Bearer"})
+
+
+def bearer_refusal(header: str, expected: bytes) -> str | None:
+    """Why an ``Authorization`` header value does not carry the token (None: it does)."""
+    scheme, _, credentials = header.partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() != "bearer" or not credentials:
+        return "missing bearer token (Authorization: Bearer <token>)"
+    if not hmac.compare_digest(credentials.encode(), expected):
+        return "invalid bearer token"
+    return None
+
+
+def _auth_dependencies(token: str | None) -> list[Any]:
+    """The dependencies of a guarded endpoint (the scheme is there for the OpenAPI document)."""
+    if token is None:
+        return []
+    scheme = HTTPBearer(auto_error=False, description="the token in api.token_file")
+    return [Depends(scheme), Depends(_BearerCheck(token))]
+
+
+# --- the app --------------------------------------------------------------------------------
+
+
+def _event(command: Command) -> lc.Start | lc.Stop | lc.Restart | lc.Drain:
+    if command == "start":
+        return lc.Start()
+    if command == "stop":
+        return lc.Stop()
+    if command == "restart":
+        return lc.Restart()
+    return lc.Drain(restart=False)
+
+
+def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> FastAPI:
+    """The ASGI app for ``runtime`` (``token``: the bearer token, None for no auth)."""
+    rt = runtime
+    log = structlog.get_logger()
+    auth_read = rt.settings.api.auth_read and token is not None
+    write_deps = _auth_dependencies(token)
+    read_deps = write_deps if auth_read else []
+    write_errors = (401,) if token is not None else ()
+    read_errors = (401,) if auth_read else ()
+
+    app = FastAPI(
+        title="gpu-supervisor",
+        version=__version__,
+        description="Process supervisor for GPU inference workers (DESIGN.md section 6).",
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        return JSONResponse(
+            {"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_input(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> Response:
+        log.error("api.error", path=request.url.path, error=repr(exc))
+        return JSONResponse({"error": "internal error"}, status_code=500)
+
+    def get(
+        path: str,
+        model: Any,
+        *errors: int,
+        responses_extra: dict[int | str, dict[str, Any]] | None = None,
+        **kw: Any,
+    ) -> Callable[[Any], Any]:
+        return app.get(
+            path,
+            response_model=model,
+            responses={**_error_responses(*read_errors, *errors), **(responses_extra or {})},
+            dependencies=read_deps,
+            **kw,
+        )
+
+    def post(path: str, model: Any, status: int, *errors: int) -> Callable[[Any], Any]:
+        return app.post(
+            path,
+            response_model=model,
+            status_code=status,
+            responses=_error_responses(*write_errors, *errors),
+            dependencies=write_deps,
+        )
+
+    def client_of(request: Request) -> str:
+        return request.client.host if request.client else "unix"
+
+    # --- GPUs ---
+
+    @get(f"{API_PREFIX}/gpu/status", GpuStatus)
+    async def gpu_status() -> dict[str, Any]:
+        """Every GPU at the last sample; 200 with ``devices: []`` and ``error`` if NVML is down."""
+        sample = rt.sampler.last
+        available = bool(sample and sample.nvml_available) and bool(rt.sampler.identities)
+        error: str | None
+        if sample is None:
+            at, error = rt.clock.wall(), "no sample taken yet"
+        else:
+            at = rt.clock.wall() - max(0.0, rt.clock.now() - sample.t)
+            error = sample.error or rt.sampler.error
+            if not available and error is None:
+                error = f"no GPU telemetry (backend {rt.sampler.backend_name})"
+        return {
+            "devices": rt.device_objects() if available else [],
+            "timestamp": rfc3339(at),
+            "nvml_available": available,
+            "error": error,
+            "backend": rt.sampler.backend_name,
+        }
+
+    def gpu_uuid(ident: str) -> str:
+        uuid = rt.resolve_gpu(ident)
+        if uuid is None:
+            known = ", ".join(f"{d.index}" for d in rt.sampler.identities) or "none"
+            raise _problem(404, f"unknown GPU {ident!r} (known: {known})")
+        return uuid
+
+    async def set_cordon(request: Request, ident: str, cordon: bool) -> dict[str, Any]:
+        uuid = gpu_uuid(ident)
+        rt.submit(Cordon(uuid, cordon))
+        log.info(
+            "api.command",
+            command="cordon" if cordon else "uncordon",
+            target=uuid,
+            client=client_of(request),
+        )
+        await rt.wait_until(lambda: (uuid in rt.cordoned) == cordon, CORDON_WAIT_S)
+        index = next(d.index for d in rt.sampler.identities if d.uuid == uuid)
+        return {"id": index, "uuid": uuid, "cordoned": uuid in rt.cordoned}
+
+    @post(f"{API_PREFIX}/gpus/{{id}}/cordon", GpuCordon, 200, 404)
+    async def cordon(request: Request, id: str) -> dict[str, Any]:
+        """Place no more workers on this GPU (index or UUID)."""
+        return await set_cordon(request, id, True)
+
+    @post(f"{API_PREFIX}/gpus/{{id}}/uncordon", GpuCordon, 200, 404)
+    async def uncordon(request: Request, id: str) -> dict[str, Any]:
+        """Allow placing workers on this GPU again (index or UUID)."""
+        return await set_cordon(request, id, False)
+
+    # --- workers ---
+
+    def runner_of(name: str) -> Any:
+        runner = rt.runners.get(name)
+        if runner is None:
+            raise _problem(404, f"unknown worker {name!r}")
+        return runner
+
+    workers_body = _BodyCache(
+        lambda: (state_key(rt), int(rt.clock.now() / BODY_REUSE_S)),
+        lambda: [rt.worker_object(r) for r in rt.workers()],
+    )
+
+    @get(f"{API_PREFIX}/workers", list[Worker])
+    async def workers() -> Response:
+        """Every worker, in config order."""
+        # The hot read (dashboards, load balancers): built once per change or BODY_REUSE_S,
+        # serialized without a second validation pass (the response model documents it).
+        return Response(workers_body.get(), media_type="application/json")
+
+    @get(f"{API_PREFIX}/workers/{{name}}", Worker, 404)
+    async def worker(name: str) -> dict[str, Any]:
+        """One worker."""
+        return rt.worker_object(runner_of(name))
+
+    def worker_command(request: Request, name: str, command: Command) -> dict[str, Any]:
+        runner = runner_of(name)
+        why = refusal(command, runner.state)
+        if why is not None:
+            raise _problem(409, f"cannot {command} {name}: {why}")
+        rt.submit(WorkerCommand(name, _event(command)))
+        log.info("api.command", command=command, target=name, client=client_of(request))
+        obj: dict[str, Any] = rt.worker_object(runner)
+        return obj
+
+    def group_command(request: Request, group: str, command: Command) -> dict[str, Any]:
+        names = group_names(group)
+        states = [rt.runners[n].state for n in names]
+        why = group_refusal(command, states)
+        if why is not None:
+            raise _problem(409, f"cannot {command} group {group}: {why}")
+        rt.submit(WorkerCommand(group, _event(command)))
+        log.info("api.command", command=command, target=group, client=client_of(request))
+        return {
+            "group": group,
+            "command": command,
+            "workers": [rt.worker_object(rt.runners[n]) for n in names],
+        }
+
+    def group_names(group: str) -> list[str]:
+        if group not in rt.groups:
+            raise _problem(404, f"unknown group {group!r}")
+        return [n for n in rt.groups[group] if n in rt.runners]
+
+    for command in COMMANDS:
+        _add_command_routes(app, post, command, worker_command, group_command)
+
+    @post(f"{API_PREFIX}/groups/{{group}}/rolling-restart", GroupAccepted, 202, 404, 409)
+    async def rolling_restart(request: Request, group: str) -> dict[str, Any]:
+        """Restart the group one worker at a time, each waiting for readiness."""
+        names = group_names(group)
+        if group in rt.rolling:
+            raise _problem(409, f"a rolling restart of group {group} is already running")
+        running = [n for n in names if rt.runners[n].state not in _IDLE]
+        if not running:
+            raise _problem(409, f"group {group} has no running worker to restart")
+        rt.submit(RollingRestart(group))
+        log.info("api.command", command="rolling-restart", target=group, client=client_of(request))
+        return {
+            "group": group,
+            "command": "rolling-restart",
+            "workers": [rt.worker_object(rt.runners[n]) for n in names],
+        }
+
+    # --- routing, targets ---
+
+    @get(
+        f"{API_PREFIX}/route",
+        Route,
+        404,
+        422,
+        503,
+        responses_extra={
+            429: {
+                "model": ErrorBody,
+                "description": "no ready worker has need_mb free; retry after the given delay",
+                "headers": {
+                    "Retry-After": {
+                        "description": "seconds until the next sample",
+                        "schema": {"type": "integer"},
+                    }
+                },
+            }
+        },
+    )
+    async def route(
+        group: Annotated[str, Query(description="the worker group")],
+        need_mb: Annotated[
+            float | None,
+            Query(ge=0, le=1e9, allow_inf_nan=False, description="GPU memory the request needs"),
+        ] = None,
+    ) -> dict[str, Any]:
+        """The ready worker to send the next request to (most free GPU memory, lowest load)."""
+        names = group_names(group)
+        loads = _gpu_loads(rt)
+        candidates = []
+        for n in names:
+            r = rt.runners[n]
+            obj = rt.worker_object(r)
+            candidates.append(
+                Candidate(
+                    name=n,
+                    port=r.spec.port,
+                    state=r.state,
+                    gpus=tuple(r.spec.gpus or ()),
+                    derated=bool(obj.get("derated", False)),
+                )
+            )
+        verdict = choose(candidates, loads, need_mb)
+        retry = str(max(1, math.ceil(rt.settings.supervisor.sample_interval_s)))
+        if isinstance(verdict, NoneReady):
+            raise _problem(503, f"group {group}: {verdict.reason}", {"Retry-After": retry})
+        if isinstance(verdict, NoRoom):
+            raise _problem(
+                429,
+                f"group {group}: no ready worker has {verdict.need_mb:g} MiB free "
+                f"(most free: {verdict.best_free_mb:g} MiB)",
+                {"Retry-After": retry},
+            )
+        return {
+            "name": verdict.name,
+            "port": verdict.port,
+            "gpu": verdict.gpu,
+            "free_mb": verdict.free_mb,
+        }
+
+    @get(f"{API_PREFIX}/targets", list[Target])
+    async def targets() -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery for the workers' own metrics endpoints."""
+        out: list[dict[str, Any]] = []
+        for group in rt.settings.workers:
+            if not group.metrics_path:
+                continue
+            for n in rt.groups.get(group.name, []):
+                runner = rt.runners.get(n)
+                if runner is None or runner.spec.port is None:
+                    continue
+                labels = {"worker": n, "group": group.name}
+                if group.metrics_path != "/metrics":
+                    labels["__metrics_path__"] = group.metrics_path
+                out.append({"targets": [f"127.0.0.1:{runner.spec.port}"], "labels": labels})
+        return out
+
+    # --- records ---
+
+    @get(f"{API_PREFIX}/postmortems", list[PostmortemSummary])
+    async def postmortems(
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+    ) -> list[dict[str, Any]]:
+        """Post-mortem summaries, newest first."""
+        result: list[dict[str, Any]] = await anyio.to_thread.run_sync(
+            rt.postmortems.summaries, limit
+        )
+        return result
+
+    @get(f"{API_PREFIX}/postmortems/{{id}}", dict[str, Any], 404, 503)
+    async def postmortem(id: str) -> dict[str, Any]:
+        """One post-mortem file's content."""
+        try:
+            doc: dict[str, Any] = await anyio.to_thread.run_sync(rt.postmortems.read, id)
+        except (FileNotFoundError, ValueError):
+            raise _problem(404, f"no post-mortem {id!r}") from None
+        except OSError as exc:
+            raise _problem(503, f"cannot read post-mortem {id!r}: {exc.strerror or exc}") from None
+        return doc
+
+    @get(f"{API_PREFIX}/events", list[Event], 422)
+    async def events(
+        since: Annotated[int, Query(ge=0, description="only events with a greater seq")] = 0,
+        limit: Annotated[int, Query(ge=1, le=JOURNAL_SIZE)] = JOURNAL_SIZE,
+    ) -> list[dict[str, Any]]:
+        """Recent lifecycle events, oldest first, with increasing ``seq``."""
+        return [e.to_json() for e in rt.journal.since(since, limit)]
+
+    # --- probes, metrics, schema ---
+
+    def healthz_body() -> bytes:
+        uptime = round(max(0.0, rt.clock.wall() - rt.started_wall), 3)
+        return json.dumps({"status": "ok", "version": __version__, "uptime_s": uptime}).encode()
+
+    @app.get("/healthz", response_model=Health)
+    async def healthz() -> Response:
+        """200 while the supervisor's event loop answers."""
+        return Response(healthz_body(), media_type="application/json")
+
+    @get(
+        "/readyz",
+        Readiness,
+        responses_extra={503: {"model": Readiness, "description": "a group has no ready worker"}},
+    )
+    async def readyz() -> Response:
+        """200 when every group has at least one ready worker, else 503 with the reasons."""
+        body = _readiness(rt)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @get(
+        "/metrics",
+        None,
+        response_class=Response,
+        responses_extra={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {metrics.content_type: {"schema": {"type": "string"}}},
+            }
+        },
+    )
+    async def metrics_endpoint() -> Response:
+        """Prometheus metrics (DESIGN.md section 9)."""
+        return Response(await metrics.render_async(), media_type=metrics.content_type)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=read_deps)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    async def healthz_async() -> bytes:
+        return healthz_body()
+
+    async def workers_async() -> bytes:
+        return workers_body.get()
+
+    app.state.fast_routes = {
+        "/healthz": FastRoute(False, healthz_async, "application/json"),
+        "/metrics": FastRoute(auth_read, metrics.render_async, metrics.content_type),
+        f"{API_PREFIX}/workers": FastRoute(auth_read, workers_async, "application/json"),
+    }
+    return app
+
+
+_IDLE = frozenset({WorkerState.STOPPED, WorkerState.FATAL})
+
+
+class _BodyCache:
+    """A JSON body rebuilt only when its key changes."""
+
+    def __init__(self, key: Callable[[], object], build: Callable[[], Any]) -> None:
+        self._key_of = key
+        self._build = build
+        self._key: object = object()
+        self._body = b""
+
+    def get(self) -> bytes:
+        key = self._key_of()
+        if key != self._key:
+            self._body = json.dumps(self._build(), separators=(",", ":")).encode()
+            self._key = key
+        return self._body
+
+
+def _add_command_routes(
+    app: FastAPI,
+    post: Callable[..., Callable[[Any], Any]],
+    command: Command,
+    worker_command: Callable[[Request, str, Command], dict[str, Any]],
+    group_command: Callable[[Request, str, Command], dict[str, Any]],
+) -> None:
+    """``POST /workers/{name}/<command>`` and ``POST /groups/{group}/<command>``."""
+    what = {
+        "drain": "take out of routing, wait for it to exit (drain_timeout_s), stay stopped",
+        "restart": "stop, then start again",
+        "stop": "stop and stay stopped",
+        "start": "start (also clears fatal)",
+    }[command]
+
+    async def on_worker(request: Request, name: str) -> dict[str, Any]:
+        return worker_command(request, name, command)
+
+    async def on_group(request: Request, group: str) -> dict[str, Any]:
+        return group_command(request, group, command)
+
+    on_worker.__doc__ = f"{command.capitalize()} one worker: {what}."
+    on_group.__doc__ = f"{command.capitalize()} every worker of a group: {what}."
+    on_worker.__name__ = f"{command}_worker"
+    on_group.__name__ = f"{command}_group"
+    post(f"{API_PREFIX}/workers/{{name}}/{command}", Worker, 202, 404, 409)(on_worker)
+    post(f"{API_PREFIX}/groups/{{group}}/{command}", GroupAccepted, 202, 404, 409)(on_group)
+
+
+def _replacing(rt: Runtime) -> bool:
+    """A worker is between its exit and its next spawn (the GPU-release barrier, placement)."""
+    return any(r.state is WorkerState.STARTING and r.record.pid is None for r in rt.workers())
+
+
+def _gpu_loads(rt: Runtime) -> dict[str, GpuLoad]:
+    sample = rt.sampler.last
+    if sample is None or not sample.nvml_available:
+        return {}
+    return {
+        d.uuid: GpuLoad(
+            free_mb=d.memory_free_mb,
+            utilization_percent=d.utilization_percent,
+            healthy=d.healthy,
+            cordoned=d.uuid in rt.cordoned or d.uuid in rt.suspect,
+        )
+        for d in sample.devices
+    }
+
+
+def _readiness(rt: Runtime) -> dict[str, Any]:
+    reasons: list[str] = []
+    groups: dict[str, dict[str, int]] = {}
+    for group in rt.settings.workers:
+        runners = [rt.runners[n] for n in rt.groups.get(group.name, []) if n in rt.runners]
+        ready = sum(r.state is WorkerState.READY for r in runners)
+        groups[group.name] = {"ready": ready, "workers": len(runners), "replicas": group.replicas}
+        if group.replicas == 0 or ready:
+            continue
+        if not runners:
+            reasons.append(f"group {group.name}: no worker started yet")
+            continue
+        counts: dict[str, int] = {}
+        for r in runners:
+            counts[r.state.value] = counts.get(r.state.value, 0) + 1
+        states = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        reasons.append(f"group {group.name}: no ready worker ({states})")
+    if rt.stopped:
+        reasons.append("supervisor has stopped")
+    sample = rt.sampler.last
+    unhealthy = [
+        {"id": d.index, "uuid": d.uuid, "error": d.error}
+        for d in (sample.devices if sample is not None else ())
+        if not d.healthy
+    ]
+    return {
+        "ready": not reasons,
+        "error": "; ".join(reasons) if reasons else None,
+        "reasons": reasons,
+        "groups": groups,
+        "gpus_unhealthy": unhealthy,
+        "records": rt.write_health.problems(),
+    }
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FastRoute:
+    """A GET answered without the framework: ``body()`` is the whole answer."""
+
+    guarded: bool  # needs the bearer token
+    body: Callable[[], Awaitable[bytes]]
+    content_type: str
+
+
+class Front:
+    """The ASGI app uvicorn serves: a fast path for the hot GETs, and a share of the loop.
+
+    Fast path: ``GET /metrics``, ``/healthz`` and ``/api/v1/workers`` (scrapes, probes and
+    dashboards, called in tight loops) are answered here with the same bodies the FastAPI routes
+    give, without the framework's middleware, routing and validation (about ten times cheaper).
+
+    Share of the loop: the API runs on the supervisor's own event loop. A client hammering it
+    would otherwise keep the loop, and with it the GIL, busy all the time: the sampler and NVML
+    threads then get the GIL only at switch intervals, a sampling tick takes hundreds of
+    milliseconds instead of ten, and crash recovery (which waits for a fresh sample: the
+    GPU-release barrier) slows down by the same. So requests are admitted one at a time, and
+    once the loop's thread has used ``share`` of the current ``period_s`` in CPU time (requests,
+    HTTP parsing, everything), the next request waits for the next period: the loop sleeps in
+    epoll and the threads run. While ``urgent()`` holds (a worker is being replaced: its
+    GPU-release barrier waits for a sample), the share drops to ``urgent_share``. Requests that
+    wait on something else (a post-mortem read in a thread, a cordon being applied) skip the
+    queue and the count.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        fast: Mapping[str, FastRoute],
+        token: str | None,
+        *,
+        share: float = 0.5,
+        period_s: float = 0.02,
+        exempt: Sequence[str] = (),
+        urgent: Callable[[], bool] = lambda: False,
+        urgent_share: float = 0.1,
+    ) -> None:
+        self.app = app
+        self.urgent = urgent
+        self.urgent_share = urgent_share
+        self.fast = dict(fast)
+        self._expected = (token or "").encode()
+        self.share = share
+        self.period_s = period_s
+        self.exempt = tuple(exempt)
+        self._lock = anyio.Lock()
+        self._window_at = 0.0
+        self._window_cpu = 0.0
+        self.waits = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"].startswith(self.exempt):
+            await self.app(scope, receive, send)
+            return
+        async with self._lock:
+            await self._admit()
+            route = self.fast.get(scope["path"]) if scope["method"] == "GET" else None
+            if route is None:
+                await self.app(scope, receive, send)
+            else:
+                await self._answer(route, scope, send)
+
+    async def _admit(self) -> None:
+        """Wait for the next period once the loop's thread used its share of this one."""
+        now = time.perf_counter()
+        if now - self._window_at >= self.period_s:
+            self._window_at, self._window_cpu = now, time.thread_time()
+        elif time.thread_time() - self._window_cpu >= self._share() * self.period_s:
+            self.waits += 1
+            await anyio.sleep(self._window_at + self.period_s - now)
+            self._window_at, self._window_cpu = time.perf_counter(), time.thread_time()
+
+    def _share(self) -> float:
+        return self.urgent_share if self.urgent() else self.share
+
+    async def _answer(self, route: FastRoute, scope: Any, send: Any) -> None:
+        status, body, content_type = 200, b"", route.content_type
+        headers: list[tuple[bytes, bytes]] = []
+        if route.guarded:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            why = bearer_refusal(header.decode("latin-1"), self._expected)
+            if why is not None:
+                status, content_type = 401, "application/json"
+                body = json.dumps({"error": why}).encode()
+                headers.append((b"www-authenticate", b"Bearer"))
+        if status == 200:
+            body = await route.body()
+        headers += [
+            (b"content-type", content_type.encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the runtime owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class _ToStructlog(logging.Handler):
+    """uvicorn's warnings and errors as structlog events (``api.server``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields: dict[str, Any] = {"message": record.getMessage()}
+        if record.exc_info and record.exc_info[1] is not None:
+            fields["error"] = repr(record.exc_info[1])
+        level = "error" if record.levelno >= logging.ERROR else "warning"
+        getattr(structlog.get_logger(), level)("api.server", **fields)
+
+
+def _quiet_uvicorn_logging() -> None:
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+        logger.handlers = [_ToStructlog()]
+    access = logging.getLogger("uvicorn.access")
+    access.handlers = []
+    access.propagate = False
+    access.disabled = True
+
+
+def bind(listen: str) -> tuple[socket.socket, str]:
+    """A listening socket for ``api.listen`` and its URL; ``ListenError`` in one line."""
+    kind, host, port = parse_listen(listen)
+    if kind == "unix":
+        return _bind_unix(listen, host), f"unix:{host}"
+    if kind != "tcp":
+        raise ListenError("api.listen is off")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"api.listen {listen}: cannot resolve {host!r}: {exc.strerror}") from None
+    family, socktype, proto, _, address = infos[0]
+    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and without it
+    # a keep-alive client waits for a delayed ACK (40 ms) on every response.
+    sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"api.listen {listen}: {_os_error(exc)}") from None
+    sock.setblocking(False)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"http://{shown}:{bound_port}"
+
+
+def _os_error(exc: OSError) -> str:
+    text = exc.strerror or str(exc)
+    return text[:1].lower() + text[1:]
+
+
+def _bind_unix(listen: str, path: str) -> socket.socket:
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ListenError(f"api.listen {listen}: {path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a stale socket of a supervisor that is gone
+        else:
+            raise ListenError(
+                f"api.listen {listen}: address already in use (another supervisor answers there)"
+            )
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o660)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(f"api.listen {listen}: address already in use") from None
+        raise ListenError(f"api.listen {listen}: {_os_error(exc)}") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(
+    runtime: Runtime, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the API for ``runtime`` until cancelled (a runtime service)."""
+    api = runtime.settings.api
+    token = load_token(api)
+    sock, url = bind(api.listen)
+    unix_path = url[len("unix:") :] if url.startswith("unix:") else None
+    metrics = Metrics(runtime)
+    app = create_app(runtime, metrics, token)
+    _quiet_uvicorn_logging()
+    config = uvicorn.Config(
+        Front(
+            app,
+            app.state.fast_routes,
+            token,
+            share=LOOP_SHARE,
+            period_s=LOOP_PERIOD_S,
+            exempt=(f"{API_PREFIX}/postmortems", f"{API_PREFIX}/gpus/"),
+            urgent=lambda: _replacing(runtime),
+            urgent_share=URGENT_SHARE,
+        ),
+        lifespan="off",
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    config.load()
+    server = _QuietServer(config)
+    server.lifespan = config.lifespan_class(config)
+    metrics.attach()
+    try:
+        await server.startup(sockets=[sock])
+        structlog.get_logger().info(
+            "api.listening", url=url, auth=token is not None, auth_read=api.auth_read
+        )
+        task_status.started()
+        while True:  # uvicorn's own loop ticks 10 times a second; the Date header needs 1
+            await server.on_tick(0)
+            await anyio.sleep(1.0)
+    finally:
+        metrics.detach()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S + 1):
+            if server.started:
+                await server.shutdown()
+        sock.close()
+        if unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(unix_path)
+
+
+__all__: Sequence[str] = ("bind", "create_app", "load_token", "serve")

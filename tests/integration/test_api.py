@@ -1,0 +1,474 @@
+"""The HTTP API end to end: real HTTP against a running supervisor on simulated GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.backends.sim import default_device_text
+from tests.conftest import SupervisorFactory
+from tests.harness import ROOT, Supervisor, worker_cmd
+from tests.tomlw import dumps
+
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
+
+DEVICE_KEYS = {
+    "id",
+    "uuid",
+    "name",
+    "temperature_celsius",
+    "utilization_percent",
+    "memory",
+    "power_watts",
+    "encoder_util_percent",
+    "decoder_util_percent",
+    "throttle_reasons",
+    "healthy",
+    "cordoned",
+    "processes",
+}
+WORKER_KEYS = {
+    "name",
+    "group",
+    "index",
+    "state",
+    "pid",
+    "gpus",
+    "port",
+    "restarts",
+    "uptime_s",
+    "ready",
+    "gpu_memory_mb",
+    "host_rss_mb",
+    "leak",
+    "last_exit",
+}
+METRICS = {
+    # GPU
+    "gpu_supervisor_gpu_utilization_percent",
+    "gpu_supervisor_gpu_memory_used_bytes",
+    "gpu_supervisor_gpu_memory_total_bytes",
+    "gpu_supervisor_gpu_temperature_celsius",
+    "gpu_supervisor_gpu_power_watts",
+    "gpu_supervisor_gpu_throttled",
+    "gpu_supervisor_gpu_throttle_reason",
+    "gpu_supervisor_gpu_healthy",
+    "gpu_supervisor_gpu_cordoned",
+    "gpu_supervisor_gpu_xid_errors",
+    # workers
+    "gpu_supervisor_worker_up",
+    "gpu_supervisor_worker_ready",
+    "gpu_supervisor_worker_state",
+    "gpu_supervisor_worker_restarts",
+    "gpu_supervisor_worker_gpu_memory_bytes",
+    "gpu_supervisor_worker_host_rss_bytes",
+    "gpu_supervisor_worker_leak_slope_bytes_per_second",
+    "gpu_supervisor_worker_projected_oom_seconds",
+    # supervisor
+    "gpu_supervisor_nvml_up",
+    "gpu_supervisor_sample_duration_seconds",
+    "gpu_supervisor_actions",
+    "gpu_supervisor_postmortems",
+    "gpu_supervisor_record_write_errors",
+    "gpu_supervisor_records_writable",
+}
+
+
+def sim_config(tmp_path: Path, *groups: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "release_timeout_s": 1},
+        "workers": [{"stop_timeout_s": 2, "log_passthrough": True, **g} for g in groups],
+    }
+
+
+def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """``{family name: [(labels, value), ...]}`` of a text exposition."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        out[family.name] = [(dict(s.labels), s.value) for s in family.samples]
+    return out
+
+
+def value_of(
+    samples: dict[str, list[tuple[dict[str, str], float]]], family: str, **labels: str
+) -> float | None:
+    for have, value in samples.get(family, []):
+        if all(have.get(k) == v for k, v in labels.items()):
+            return value
+    return None
+
+
+def assert_error(response: httpx.Response, status: int, words: str = "") -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str)
+    assert words in body["error"]
+    return str(body["error"])
+
+
+def memory_seen(sup: Supervisor, **mb: float) -> None:
+    """Wait for a sample in which each named worker holds the given MiB."""
+    sup.wait_event(
+        event="gpu.sample",
+        workers=lambda w: all(w.get(n, {}).get("gpu_mb") == v for n, v in mb.items()),
+    )
+
+
+def test_read_endpoints_on_simulated_gpus(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """Every GET of DESIGN.md section 6 answers with its documented shape."""
+    sup = supervisor(
+        sim_config(
+            tmp_path,
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "500"),
+                "metrics_path": "/metrics",
+                "restart": {"stable_s": 0.1},
+            },
+            {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+        ),
+        log_level="debug",
+    )
+    for w in ("g-0", "g-1", "c-0"):
+        sup.ready(w)
+    memory_seen(sup, **{"g-0": 500.0, "g-1": 500.0})
+    with sup.api() as http:
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        ready = http.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["ready"] is True
+        assert ready.json()["groups"]["g"] == {"ready": 2, "workers": 2, "replicas": 2}
+
+        gpu = http.get("/api/v1/gpu/status").json()
+        assert gpu["nvml_available"] is True and gpu["error"] is None
+        assert datetime.fromisoformat(gpu["timestamp"]).utcoffset() is not None
+        assert gpu["timestamp"].endswith("Z")
+        assert [d["uuid"] for d in gpu["devices"]] == [UUID0, UUID1]
+        for d in gpu["devices"]:
+            assert set(d) >= DEVICE_KEYS
+            assert set(d["memory"]) == {"used_mb", "total_mb", "free_mb"}
+            assert d["cordoned"] is False and d["healthy"] is True
+        assert {p["worker"] for d in gpu["devices"] for p in d["processes"]} == {"g-0", "g-1"}
+
+        workers = http.get("/api/v1/workers").json()
+        assert [w["name"] for w in workers] == ["g-0", "g-1", "c-0"]
+        for w in workers:
+            assert set(w) >= WORKER_KEYS
+            assert w["state"] == "ready" and w["ready"] is True
+            assert set(w["leak"]) >= {"slope_mb_per_min", "suspected", "projected_oom_s"}
+        g0 = http.get("/api/v1/workers/g-0").json()
+        assert g0["gpus"] == [UUID0] and g0["gpu_memory_mb"] == 500.0
+        assert g0["last_exit"] is None and isinstance(g0["pid"], int)
+        assert_error(http.get("/api/v1/workers/nope"), 404, "unknown worker 'nope'")
+
+        ports = {w["name"]: w["port"] for w in workers}
+        assert http.get("/api/v1/targets").json() == [
+            {"targets": [f"127.0.0.1:{ports['g-0']}"], "labels": {"worker": "g-0", "group": "g"}},
+            {"targets": [f"127.0.0.1:{ports['g-1']}"], "labels": {"worker": "g-1", "group": "g"}},
+        ]
+
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        samples = metric_samples(metrics.text)
+        missing = METRICS - set(samples) - {"gpu_supervisor_gpu_xid_errors"}
+        missing -= {"gpu_supervisor_worker_leak_slope_bytes_per_second"}  # null until judged
+        missing -= {"gpu_supervisor_worker_projected_oom_seconds"}
+        missing -= {"gpu_supervisor_worker_restarts", "gpu_supervisor_actions"}  # none yet
+        missing -= {"gpu_supervisor_postmortems", "gpu_supervisor_record_write_errors"}
+        assert not missing
+        assert value_of(samples, "gpu_supervisor_nvml_up") == 1
+        gib = 1024 * 1024
+        assert value_of(samples, "gpu_supervisor_gpu_memory_used_bytes", gpu="0") == 500 * gib
+        assert value_of(samples, "gpu_supervisor_worker_gpu_memory_bytes", worker="g-0") == (
+            500 * gib
+        )
+        assert value_of(samples, "gpu_supervisor_worker_state", worker="c-0", state="ready") == 1
+        assert value_of(samples, "gpu_supervisor_worker_state", worker="c-0", state="fatal") == 0
+        assert value_of(samples, "gpu_supervisor_worker_up", worker="c-0", group="c") == 1
+        assert value_of(samples, "gpu_supervisor_records_writable", file="state") == 1
+        # a worker without GPUs has no GPU memory series, not a zero
+        assert value_of(samples, "gpu_supervisor_worker_gpu_memory_bytes", worker="c-0") is None
+
+        # a death: post-mortem, events, counters
+        os.kill(g0["pid"], signal.SIGKILL)
+        written = sup.wait_event(event="records.postmortem", worker="g-0")
+        listed = http.get("/api/v1/postmortems").json()
+        assert listed[0]["id"] == written["id"] and listed[0]["worker"] == "g-0"
+        assert listed[0]["reason"] == "signal"
+        doc = http.get(f"/api/v1/postmortems/{written['id']}").json()
+        assert doc["id"] == written["id"] and doc["exit"]["signal_name"] == "SIGKILL"
+        assert_error(http.get("/api/v1/postmortems/nope"), 404, "no post-mortem")
+        assert_error(http.get("/api/v1/postmortems/..%2F..%2Fstate"), 404)
+        sup.ready("g-0", after=sup.events.index(written))
+        samples = metric_samples(http.get("/metrics").text)
+        assert value_of(samples, "gpu_supervisor_postmortems", reason="signal") == 1
+        assert value_of(samples, "gpu_supervisor_worker_restarts", worker="g-0") == 1
+
+        events = http.get("/api/v1/events").json()
+        seqs = [e["seq"] for e in events]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        assert any(e["type"] == "postmortem" and e["worker"] == "g-0" for e in events)
+        tail = http.get("/api/v1/events", params={"since": seqs[-3]}).json()
+        assert [e["seq"] for e in tail] == seqs[-2:]
+        assert http.get("/api/v1/events", params={"since": seqs[-1] + 100}).json() == []
+        assert http.get("/api/v1/events", params={"since": 0, "limit": 2}).json() == events[:2]
+        assert_error(http.get("/api/v1/events", params={"since": -1}), 422, "since")
+        assert_error(http.get("/api/v1/events", params={"since": "abc"}), 422, "since")
+    assert sup.stop() == 0
+
+
+def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """POSTs answer 202 + the worker, 404 for unknown names, 409 when impossible now."""
+    sup = supervisor(
+        sim_config(
+            tmp_path,
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "100"),
+                "drain_timeout_s": 0.2,
+            },
+            {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+        )
+    )
+    for w in ("g-0", "g-1", "c-0"):
+        sup.ready(w)
+    with sup.api() as http:
+        mark = sup.mark()
+        drained = http.post("/api/v1/workers/g-0/drain")
+        assert drained.status_code == 202
+        assert drained.json()["name"] == "g-0"
+        sup.wait_event(event="worker.state", worker="g-0", new="stopped", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["state"] == "stopped"
+        assert_error(http.post("/api/v1/workers/g-0/drain"), 409, "only a ready worker")
+        assert_error(http.post("/api/v1/workers/g-0/stop"), 409, "already stopped")
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/g-0/start").status_code == 202
+        sup.ready("g-0", after=mark)
+        assert_error(http.post("/api/v1/workers/g-0/start"), 409, "already ready")
+        assert_error(http.post("/api/v1/workers/nope/restart"), 404, "unknown worker")
+
+        old = http.get("/api/v1/workers/g-1").json()["pid"]
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/g-1/restart").status_code == 202
+        sup.wait_event(event="worker.spawned", worker="g-1", pid=lambda p: p != old, after=mark)
+
+        # groups
+        mark = sup.mark()
+        stopped = http.post("/api/v1/groups/c/stop")
+        assert stopped.status_code == 202
+        assert [w["name"] for w in stopped.json()["workers"]] == ["c-0"]
+        sup.wait_event(event="worker.state", worker="c-0", new="stopped", after=mark)
+        assert_error(http.post("/api/v1/groups/c/stop"), 409, "every worker")
+        assert_error(http.post("/api/v1/groups/nope/start"), 404, "unknown group")
+        assert_error(http.post("/api/v1/groups/c/rolling-restart"), 409, "no running worker")
+        mark = sup.mark()
+        assert http.post("/api/v1/groups/c/start").status_code == 202
+        sup.ready("c-0", after=mark)
+        mark = sup.mark()
+        rolling = http.post("/api/v1/groups/g/rolling-restart")
+        assert rolling.status_code == 202 and rolling.json()["command"] == "rolling-restart"
+        sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark)
+        assert_error(http.post("/api/v1/groups/nope/rolling-restart"), 404, "unknown group")
+
+        # cordon by index, uncordon by UUID
+        cordoned = http.post("/api/v1/gpus/0/cordon")
+        assert cordoned.status_code == 200
+        assert cordoned.json() == {"id": 0, "uuid": UUID0, "cordoned": True}
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+        assert [d["cordoned"] for d in devices] == [True, False]
+        samples = metric_samples(http.get("/metrics").text)
+        assert value_of(samples, "gpu_supervisor_gpu_cordoned", gpu="0") == 1
+        assert value_of(samples, "gpu_supervisor_actions", action="cordon") == 1
+        assert value_of(samples, "gpu_supervisor_actions", action="drain") == 1
+        assert http.post(f"/api/v1/gpus/{UUID0}/uncordon").json()["cordoned"] is False
+        assert_error(http.post("/api/v1/gpus/7/cordon"), 404, "unknown GPU '7'")
+
+        # bad input is a JSON 4xx, never a 500
+        assert_error(http.get("/no/such/path"), 404)
+        assert_error(http.get("/api/v1/workers/g-0/drain"), 405)
+        assert_error(http.post("/api/v1/workers"), 405)
+    assert sup.stop() == 0
+
+
+def test_readyz_flips_to_503_when_a_group_has_no_ready_worker(
+    supervisor: SupervisorFactory,
+) -> None:
+    sup = supervisor(
+        {
+            "gpu": {"backend": "none"},
+            "workers": [
+                {"name": "a", "command": worker_cmd("ready_then_sleep")},
+                {"name": "b", "command": worker_cmd("ready_then_sleep"), "stop_timeout_s": 2},
+            ],
+        }
+    )
+    sup.ready("a-0")
+    sup.ready("b-0")
+    with sup.api() as http:
+        assert http.get("/readyz").status_code == 200
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/b-0/stop").status_code == 202
+        sup.wait_event(event="worker.state", worker="b-0", new="stopped", after=mark)
+        ready = http.get("/readyz")
+        assert ready.status_code == 503
+        body = ready.json()
+        assert body["ready"] is False
+        assert body["error"] == "group b: no ready worker (1 stopped)"
+        assert body["groups"]["a"]["ready"] == 1
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/b-0/start").status_code == 202
+        sup.ready("b-0", after=mark)
+        assert http.get("/readyz").status_code == 200
+    assert sup.stop() == 0
+
+
+def test_route_by_free_memory_429_and_503(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """The route answer follows free memory; 429 + Retry-After when nothing fits; 503 when none
+    is ready."""
+    world = tmp_path / "sim"
+    (world / "gpus").mkdir(parents=True)
+    for index, total in ((0, 10000), (1, 20000)):
+        (world / "gpus" / str(index)).write_text(default_device_text(index, total))
+    sup = supervisor(
+        sim_config(
+            tmp_path,
+            {
+                "name": "r",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "1000"),
+                "drain_timeout_s": 0.2,
+            },
+        ),
+        log_level="debug",
+    )
+    sup.ready("r-0")
+    sup.ready("r-1")
+    memory_seen(sup, **{"r-0": 1000.0, "r-1": 1000.0})
+    with sup.api() as http:
+        devices = {d["uuid"]: d for d in http.get("/api/v1/gpu/status").json()["devices"]}
+        on = {w["name"]: w["gpus"][0] for w in http.get("/api/v1/workers").json()}
+        best = max(on, key=lambda n: devices[on[n]]["memory"]["free_mb"])
+        other = next(n for n in on if n != best)
+        answer = http.get("/api/v1/route", params={"group": "r"})
+        assert answer.status_code == 200
+        assert answer.json() == {
+            "name": best,
+            "port": http.get(f"/api/v1/workers/{best}").json()["port"],
+            "gpu": on[best],
+            "free_mb": devices[on[best]]["memory"]["free_mb"],
+        }
+        fits_one = http.get("/api/v1/route", params={"group": "r", "need_mb": 15000})
+        assert fits_one.json()["name"] == best
+        full = http.get("/api/v1/route", params={"group": "r", "need_mb": 50000})
+        assert_error(full, 429, "50000 MiB")
+        assert full.headers["retry-after"] == "1"
+        assert_error(http.get("/api/v1/route", params={"group": "x"}), 404, "unknown group")
+        assert_error(http.get("/api/v1/route", params={"group": "r", "need_mb": -1}), 422)
+        assert_error(http.get("/api/v1/route", params={"group": "r", "need_mb": "nan"}), 422)
+        assert_error(http.get("/api/v1/route"), 422, "group")
+
+        mark = sup.mark()
+        assert http.post(f"/api/v1/workers/{best}/drain").status_code == 202
+        assert http.get("/api/v1/route", params={"group": "r"}).json()["name"] == other
+        assert http.post(f"/api/v1/workers/{other}/stop").status_code == 202
+        for name in (best, other):
+            sup.wait_event(event="worker.state", worker=name, new="stopped", after=mark)
+        assert_error(http.get("/api/v1/route", params={"group": "r"}), 503, "no ready worker")
+    assert sup.stop() == 0
+
+
+def test_gpu_status_when_nvml_is_down(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """No NVML library: 200 with no devices and the error; supervision and the API go on."""
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    sup = supervisor(
+        {
+            "gpu": {"backend": "nvml"},
+            "workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}],
+        },
+        env={"LD_LIBRARY_PATH": str(libdir)},
+    )
+    sup.wait_event(event="gpu.unavailable")
+    sup.ready("c-0")
+    with sup.api() as http:
+        answer = http.get("/api/v1/gpu/status")
+        assert answer.status_code == 200
+        body = answer.json()
+        assert body["devices"] == [] and body["nvml_available"] is False
+        assert isinstance(body["error"], str) and body["error"]
+        samples = metric_samples(http.get("/metrics").text)
+        assert value_of(samples, "gpu_supervisor_nvml_up") == 0
+        assert (
+            "gpu_supervisor_gpu_utilization_percent" not in samples
+            or not samples["gpu_supervisor_gpu_utilization_percent"]
+        )
+        assert http.get("/api/v1/workers/c-0").json()["state"] == "ready"
+        assert_error(http.post("/api/v1/gpus/0/cordon"), 404, "unknown GPU")
+        assert http.get("/readyz").status_code == 200
+    assert sup.stop() == 0
+
+
+def run_once(tmp_path: Path, config: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``gpu-supervisor run`` that is expected to fail at start."""
+    cfg = {"supervisor": {"state_dir": str(tmp_path / "state")}, **config}
+    path = tmp_path / "fail.toml"
+    path.write_text(dumps(cfg))
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", "-c", str(path), "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_start_refused_when_the_address_is_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run_once(
+            tmp_path,
+            {
+                "api": {"listen": f"127.0.0.1:{port}"},
+                "workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}],
+            },
+        )
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == f"gpu-supervisor: api.listen 127.0.0.1:{port}: address already in use"
+    assert "worker.spawned" not in out.stderr
+
+
+def test_start_refused_with_a_readable_token_file(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    token.chmod(0o644)
+    out = run_once(
+        tmp_path,
+        {
+            "api": {"listen": "127.0.0.1:0", "token_file": str(token)},
+            "workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}],
+        },
+    )
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"gpu-supervisor: api.token_file {token}: mode 0644")
+    assert "Traceback" not in out.stderr

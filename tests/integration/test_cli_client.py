@@ -1,0 +1,178 @@
+"""The client commands end to end: ``status``, ``drain``, ``restart [--rolling]``, ``stop``,
+``start``, ``cordon``, ``uncordon`` against a running supervisor (API on a unix socket, with a
+token), with their exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.cli import main
+from tests.conftest import SupervisorFactory
+from tests.harness import ROOT, worker_cmd
+
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+TOKEN = "cli-token"  # noqa: S105 - test data
+
+
+def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``main(argv)`` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_client_commands(
+    supervisor: SupervisorFactory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    socket_path = tmp_path / "api.sock"
+    config: dict[str, Any] = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "release_timeout_s": 1},
+        "api": {"listen": f"unix:{socket_path}", "token_file": str(token_file)},
+        "workers": [
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "100"),
+                "drain_timeout_s": 0.2,
+                "stop_timeout_s": 2,
+            },
+            {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+        ],
+    }
+    sup = supervisor(config, log_level="debug")
+    cfg = str(sup.config_path)
+    assert sup.api_url() == f"unix:{socket_path}"
+    for w in ("g-0", "g-1", "c-0"):
+        sup.ready(w)
+    sup.wait_event(event="gpu.sample", workers=lambda w: w.get("g-1", {}).get("gpu_mb") == 100.0)
+    monkeypatch.delenv("GPU_SUPERVISOR_API_TOKEN", raising=False)
+
+    # status, in a real child process: the table, GPUs first
+    out = cli("status", "-c", cfg)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["GPU", "UUID", "NAME"]
+    assert "CORDONED" in lines[0]
+    assert lines[1].split()[:2] == ["0", UUID0]
+    header = next(i for i, line in enumerate(lines) if line.startswith("WORKER"))
+    assert header > 2
+    assert lines[header].split() == [
+        "WORKER",
+        "STATE",
+        "PID",
+        "GPU",
+        "GPU",
+        "MEM",
+        "RSS",
+        "RESTARTS",
+        "LEAK",
+        "(MiB/min)",
+    ]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 :]}
+    assert rows["g-0"][1] == "ready" and rows["g-0"][3] == "0"
+    assert rows["g-1"][3] == "1" and rows["g-1"][4:6] == ["100", "MiB"]
+    assert rows["c-0"][3] == "-"
+
+    code, text, _ = run(capsys, "status", "-c", cfg, "--json")
+    assert code == 0
+    raw = json.loads(text)
+    assert [w["name"] for w in raw["workers"]] == ["g-0", "g-1", "c-0"]
+    assert raw["gpu"]["devices"][0]["uuid"] == UUID0
+
+    # commands on workers: 0 ok, 1 impossible now (409), 2 unknown name (404)
+    mark = sup.mark()
+    code, text, err = run(capsys, "drain", "g-0", "-c", cfg)
+    assert (code, text.strip()) == (0, "g-0: drain requested (was ready)"), err
+    sup.wait_event(event="worker.state", worker="g-0", new="stopped", after=mark)
+    code, _, err = run(capsys, "drain", "g-0", "-c", cfg)
+    assert code == 1
+    assert err.strip() == (
+        "gpu-supervisor: cannot drain g-0: only a ready worker can be drained "
+        "(worker is stopped) (HTTP 409)"
+    )
+    mark = sup.mark()
+    assert run(capsys, "start", "g-0", "-c", cfg)[0] == 0
+    sup.ready("g-0", after=mark)
+    code, _, err = run(capsys, "stop", "nope", "-c", cfg)
+    assert (code, err.strip()) == (2, "gpu-supervisor: unknown worker or group 'nope'")
+    mark = sup.mark()
+    assert run(capsys, "restart", "g-1", "-c", cfg)[0] == 0
+    sup.wait_event(event="worker.spawned", worker="g-1", after=mark)
+
+    # a group name acts on every worker of the group
+    mark = sup.mark()
+    code, text, _ = run(capsys, "stop", "c", "-c", cfg)
+    assert (code, text.strip()) == (0, "c: stop requested for 1 workers (c-0)")
+    sup.wait_event(event="worker.state", worker="c-0", new="stopped", after=mark)
+    mark = sup.mark()
+    assert run(capsys, "start", "c", "-c", cfg)[0] == 0
+    sup.ready("c-0", after=mark)
+    mark = sup.mark()
+    code, text, _ = run(capsys, "restart", "--rolling", "g", "-c", cfg)
+    assert code == 0 and "rolling restart started" in text
+    sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark)
+    assert run(capsys, "restart", "--rolling", "nope", "-c", cfg)[0] == 2
+
+    # GPUs
+    code, text, _ = run(capsys, "cordon", "0", "-c", cfg)
+    assert (code, text.strip()) == (0, f"GPU 0 ({UUID0}) cordoned")
+    assert run(capsys, "uncordon", UUID0, "-c", cfg)[1].strip() == f"GPU 0 ({UUID0}) uncordoned"
+    code, _, err = run(capsys, "cordon", "5", "-c", cfg)
+    assert code == 2 and "unknown GPU '5'" in err
+
+    # the token: the environment wins over the config's token_file
+    monkeypatch.setenv("GPU_SUPERVISOR_API_TOKEN", "wrong")
+    code, _, err = run(capsys, "stop", "g-0", "-c", cfg)
+    assert code == 2 and "invalid bearer token" in err
+    monkeypatch.setenv("GPU_SUPERVISOR_API_TOKEN", TOKEN)
+    assert run(capsys, "status", "--url", f"unix:{socket_path}")[0] == 0
+
+    assert sup.stop() == 0
+    out = cli("status", "-c", cfg)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        f"gpu-supervisor: cannot reach the supervisor at unix:{socket_path}: is it running? "
+        "(no such socket)"
+    )
+
+
+def test_client_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad use answers exit code 2 without a request; a closed port is exit code 1."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[api]\nlisten = "127.0.0.1:0"\n[[workers]]\nname = "a"\ncommand = ["x"]\n')
+    code, _, err = run(capsys, "status", "-c", str(cfg))
+    assert code == 2 and "picks a free port: pass --url" in err
+    cfg.write_text('[api]\nlisten = ""\n[[workers]]\nname = "a"\ncommand = ["x"]\n')
+    code, _, err = run(capsys, "status", "-c", str(cfg))
+    assert code == 2 and "the API is off" in err
+    code, _, err = run(capsys, "status", "--url", "ftp://x")
+    assert code == 2 and "expected http://HOST:PORT" in err
+    assert run(capsys, "drain")[0] == 2
+    code, _, err = run(capsys, "status", "--url", "http://127.0.0.1:1", "--timeout", "2")
+    assert code == 1 and "is it running? (connection refused)" in err

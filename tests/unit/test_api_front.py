@@ -1,0 +1,78 @@
+"""The API's front: fast-path answers and the loop-share limit (ASGI calls, no server)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from supervisor.api import FastRoute, Front
+
+
+async def call(
+    front: Front, path: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> dict[str, Any]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": headers or []}
+    await front(scope, receive, send)
+    start, body = sent
+    return {"status": start["status"], "headers": dict(start["headers"]), "body": body["body"]}
+
+
+async def slow_app(scope: Any, receive: Any, send: Any) -> None:
+    end = time.thread_time() + 0.004  # 4 ms of CPU per request
+    while time.thread_time() < end:
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"slow"})
+
+
+async def ok_body() -> bytes:
+    return b'{"ok":true}'
+
+
+async def secret_body() -> bytes:
+    return b"secret"
+
+
+FAST = {
+    "/open": FastRoute(False, ok_body, "application/json"),
+    "/guarded": FastRoute(True, secret_body, "text/plain"),
+}
+
+
+async def test_fast_routes_and_their_auth() -> None:
+    front = Front(slow_app, FAST, "tok")
+    answer = await call(front, "/open")
+    assert answer["status"] == 200 and json.loads(answer["body"]) == {"ok": True}
+    assert answer["headers"][b"content-length"] == b"11"
+    denied = await call(front, "/guarded")
+    assert denied["status"] == 401 and denied["headers"][b"www-authenticate"] == b"Bearer"
+    assert json.loads(denied["body"])["error"].startswith("missing bearer token")
+    wrong = await call(front, "/guarded", [(b"authorization", b"Bearer nope")])
+    assert json.loads(wrong["body"]) == {"error": "invalid bearer token"}
+    right = await call(front, "/guarded", [(b"authorization", b"Bearer tok")])
+    assert (right["status"], right["body"]) == (200, b"secret")
+    assert (await call(front, "/other"))["body"] == b"slow"  # everything else: the app
+
+
+async def test_requests_past_the_share_wait_for_the_next_period() -> None:
+    front = Front(slow_app, {}, None, share=0.5, period_s=0.02)
+    started = time.perf_counter()
+    for _ in range(10):
+        await call(front, "/x")
+    elapsed = time.perf_counter() - started
+    # 40 ms of CPU at most 50 % of the loop: about 80 ms, and the loop slept in between
+    assert front.waits >= 3
+    assert elapsed >= 0.06
+    exempt = Front(slow_app, {}, None, share=0.5, period_s=0.02, exempt=("/x",))
+    for _ in range(10):
+        await call(exempt, "/x")
+    assert exempt.waits == 0
