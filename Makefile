@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit venv bench clean
+.PHONY: demo test lint typecheck unit venv bench bench-api clean
 
 $(BIN)/gpu-supervisor: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ unit: venv
 ## bench: comparative benchmarks (installs supervisord and circus into bench/.venvs)
 bench: venv
 	$(BIN)/python bench/peers.py
+
+## bench-api: HTTP API under load (64 workers on 8 sim GPUs) and crash recovery during it
+bench-api: venv
+	$(BIN)/python bench/api_load.py
 
 clean:
 	rm -rf $(VENV) state .pytest_cache .mypy_cache .ruff_cache

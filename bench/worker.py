@@ -3,6 +3,8 @@
 On start it appends ``<pid> <time.time_ns()>`` to the file named by ``BENCH_START_FILE``
 (or the first positional argument), then waits in ``signal.pause()`` forever.
 
+``--sim-mib N`` claims N MiB on each of its GPUs in the simulated-GPU world (``procs/<pid>`` in
+``GPU_SUPERVISOR_SIM_DIR``, GPUs from ``CUDA_VISIBLE_DEVICES``), as a sim workload would.
 ``--ignore-term`` makes it ignore SIGTERM (installed *before* the start line is written, so
 a worker that has announced itself is guaranteed to need the supervisor's SIGKILL).
 Stdlib only; meant to be run with ``python -S`` so that start-up cost is minimal and equal
@@ -17,15 +19,33 @@ import sys
 import time
 
 
+def claim_sim_memory(mib: float) -> None:
+    world = os.environ.get("GPU_SUPERVISOR_SIM_DIR")
+    gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    if not world or not gpus:
+        return
+    pid = os.getpid()
+    tmp = os.path.join(world, "procs", f".{pid}.tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(f"{g} {mib:g}\n" for g in gpus))
+    os.replace(tmp, os.path.join(world, "procs", str(pid)))
+
+
 def main(argv: list[str]) -> int:
     ignore_term = "--ignore-term" in argv
-    positional = [a for a in argv if not a.startswith("--")]
+    positional = [
+        a
+        for i, a in enumerate(argv)
+        if not a.startswith("--") and not (i > 0 and argv[i - 1] == "--sim-mib")
+    ]
     path = os.environ.get("BENCH_START_FILE") or (positional[0] if positional else "")
     if not path:
         print("worker.py: set BENCH_START_FILE or pass the start file", file=sys.stderr)
         return 2
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--sim-mib" in argv:
+        claim_sim_memory(float(argv[argv.index("--sim-mib") + 1]))
     line = f"{os.getpid()} {time.time_ns()}\n".encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
