@@ -372,6 +372,11 @@ def test_full_disk_does_not_stop_supervision(supervisor: SupervisorFactory, smal
     failed = sup.wait_event(event="records.write_failed", kind="disk_full")
     mark = sup.mark()
     sup.wait_events(5, after=mark, event="worker.spawned", worker="c-0")  # still supervising
+    with sup.api() as api:  # reported: /readyz detail and the records_writable metric
+        problem = api.get("/readyz").json()["records"][failed["file"]]
+        assert problem["kind"] == "disk_full"
+        scrape = api.get("/metrics").text
+        assert f'gpu_supervisor_records_writable{{file="{failed["file"]}"}} 0.0' in scrape
     filler.unlink()
     sup.wait_event(event="records.write_recovered", file=failed["file"], after=mark, timeout=15)
     assert sup.stop() == 0
