@@ -1,0 +1,408 @@
+"""Alert webhooks: self-healing actions and FATAL states POSTed as JSON, off the supervision path.
+
+``Alerter.send`` (sync, O(1), never raises) puts a document in a bounded in-memory queue;
+``Alerter.serve``, a task of its own, POSTs the documents one at a time with retries and
+exponential backoff. A webhook that is down, slow or refusing costs the supervisor nothing but a
+full queue: when it is full the oldest alert is dropped (and counted). Repeated alerts about the
+same thing are rate-limited per key. URLs are logged as ``scheme://host[:port]`` only, because
+webhook URLs carry their tokens in the userinfo, the path or the query.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import ssl
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import httpx
+import structlog
+
+from supervisor._version import __version__
+from supervisor.journal import rfc3339
+
+ALERT_SCHEMA_VERSION = 1
+ALERT_KINDS = ("action", "fatal", "recovered", "alert")
+USER_AGENT = f"gpu-supervisor/{__version__}"
+#: A server's ``Retry-After`` is honoured up to this many seconds.
+RETRY_AFTER_CAP_S = 30.0
+#: Statuses worth another attempt besides 5xx: the server is busy, not refusing this alert.
+_RETRY_STATUSES = frozenset({408, 429})
+#: Statuses whose ``Retry-After`` is honoured.
+_RETRY_AFTER_STATUSES = frozenset({429, 503})
+
+Verdict = Literal["delivered", "retry", "give_up"]
+
+
+def alert_doc(
+    *,
+    kind: str,
+    reason: str,
+    message: str,
+    at: float,
+    worker: str | None = None,
+    group: str | None = None,
+    gpu: str | None = None,
+    action: str | None = None,
+    evidence: Mapping[str, Any] | None = None,
+    host: str,
+    supervisor_pid: int,
+) -> dict[str, Any]:
+    """The JSON body of one alert (``at`` is wall-clock seconds since the epoch)."""
+    if kind not in ALERT_KINDS:
+        raise ValueError(f"alert kind must be one of {', '.join(ALERT_KINDS)}: {kind!r}")
+    return {
+        "schema_version": ALERT_SCHEMA_VERSION,
+        "kind": kind,
+        "action": action or None,
+        "reason": reason,
+        "worker": worker,
+        "group": group,
+        "gpu": gpu,
+        "message": message,
+        "evidence": dict(evidence or {}),
+        "at": rfc3339(at),
+        "host": host,
+        "supervisor_pid": supervisor_pid,
+    }
+
+
+@dataclass
+class RateLimit:
+    """At most one alert per key per ``interval_s``; the time is passed in, so this is pure.
+
+    Only allowed alerts start a new interval. Keys whose interval has passed are forgotten, so
+    memory is bounded by the keys seen within one interval (amortised O(1) per call).
+    """
+
+    interval_s: float = 60.0
+    _last: dict[tuple[str, ...], float] = field(default_factory=dict, init=False, repr=False)
+
+    def allow(self, key: tuple[str, ...], now: float) -> bool:
+        """True (recording ``now`` for ``key``) unless ``key`` was allowed within the interval."""
+        self._prune(now)
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last.pop(key, None)  # re-inserted last: the dict stays ordered by time
+        self._last[key] = now
+        return True
+
+    @property
+    def tracked(self) -> int:
+        """How many keys are remembered."""
+        return len(self._last)
+
+    def _prune(self, now: float) -> None:
+        while self._last:
+            oldest = next(iter(self._last))
+            if now - self._last[oldest] < self.interval_s:
+                return
+            del self._last[oldest]
+
+
+def verdict(status: int) -> Verdict:
+    """What an HTTP status means for an alert: 2xx delivered, 408/429/5xx retry, else give up."""
+    if 200 <= status < 300:
+        return "delivered"
+    if status >= 500 or status in _RETRY_STATUSES:
+        return "retry"
+    return "give_up"
+
+
+def retry_after_s(value: str | None, cap_s: float = RETRY_AFTER_CAP_S) -> float | None:
+    """Seconds from a ``Retry-After`` header's delay-seconds form, capped at ``cap_s``.
+
+    None when absent, negative, not a number, or an HTTP date (the backoff applies then).
+    """
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, cap_s)
+
+
+def retry_delay(attempt: int, backoff_s: float, retry_after: float | None = None) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1-based): the server's ``Retry-After``
+    if it gave one, else ``backoff_s`` doubled per attempt (1x, 2x, 4x...)."""
+    if retry_after is not None:
+        return retry_after
+    return backoff_s * 2.0 ** (attempt - 1)
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, for logs: userinfo, path and query may hold tokens."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "<invalid url>"
+    if not parts.scheme or not host:
+        return "<invalid url>"
+    netloc = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One verifying TLS context for every client (loading the CA bundle takes tens of ms)."""
+    return httpx.create_ssl_context()
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (strict JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def encode(doc: Mapping[str, Any]) -> bytes:
+    """Strict JSON for an alert; values JSON lacks become strings, non-finite numbers null.
+
+    Raises TypeError, ValueError or RecursionError for a document that cannot be encoded at all.
+    """
+    try:
+        text = json.dumps(doc, allow_nan=False, default=str, separators=(",", ":"))
+    except ValueError:
+        text = json.dumps(_finite(doc), allow_nan=False, default=str, separators=(",", ":"))
+    return text.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """The outcome of one POST: a status (and its ``Retry-After``), or an error."""
+
+    status: int | None = None
+    error: str | None = None
+    retry_after: float | None = None
+    retryable: bool = True  # for an error: False when another attempt cannot help
+
+    @property
+    def verdict(self) -> Verdict:
+        """A status by :func:`verdict`; network errors and timeouts are retried."""
+        if self.status is not None:
+            return verdict(self.status)
+        return "retry" if self.retryable else "give_up"
+
+
+class Alerter:
+    """Delivers alert documents to one webhook in the background.
+
+    ``send`` queues (from the event loop's thread; it is not thread-safe); ``serve`` delivers
+    until cancelled. Counters: ``sent``, ``failed`` (given up on), ``dropped`` (pushed out of a
+    full queue), ``rate_limited`` (refused by ``send``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        queue_size: int = 100,
+        timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        rate: RateLimit | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be at least 1: {queue_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive: {timeout_s}")
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"retries and backoff_s must not be negative: {retries}, {backoff_s}")
+        self.url = url  # may be changed (a reload); the next POST uses the new one
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.rate = rate if rate is not None else RateLimit()
+        self._transport = transport
+        self._clock = clock
+        self._queue: deque[dict[str, Any]] = deque(maxlen=queue_size)
+        self._current: dict[str, Any] | None = None  # being delivered
+        self._wake: anyio.Event | None = None  # set by send while serve waits
+        self._overflowing = False  # queue_full logged; reset once the queue drains
+        self._failures = 0  # alerts given up on since the last delivery
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+        self.rate_limited = 0
+        self._log = structlog.get_logger()
+
+    @property
+    def log_url(self) -> str:
+        """The URL as logged: ``scheme://host[:port]``."""
+        return redact_url(self.url) if self.url else ""
+
+    def pending(self) -> int:
+        """Alerts queued or being delivered."""
+        return len(self._queue) + (self._current is not None)
+
+    def send(self, doc: dict[str, Any], key: tuple[str, ...] | None = None) -> bool:
+        """Queue ``doc``; never blocks, never raises.
+
+        False when there is no URL, or ``key`` was sent within the rate limit's interval. When
+        the queue is full the oldest queued alert is dropped to make room.
+        """
+        try:
+            return self._send(doc, key)
+        except Exception:
+            self._log.exception("alerts.send_failed", url=self.log_url)
+            return False
+
+    def _send(self, doc: dict[str, Any], key: tuple[str, ...] | None) -> bool:
+        if not self.url:
+            return False
+        if key is not None and not self.rate.allow(key, self._clock()):
+            self.rate_limited += 1
+            return False
+        if len(self._queue) == self._queue.maxlen:
+            self.dropped += 1  # append pushes out the oldest
+            if not self._overflowing:
+                self._overflowing = True
+                self._log.warning(
+                    "alerts.queue_full",
+                    url=self.log_url,
+                    size=self._queue.maxlen,
+                    reason="the webhook is slower than alerts arrive; the oldest are dropped",
+                )
+        self._queue.append(doc)
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Deliver queued alerts until cancelled; on cancellation the undelivered are dropped."""
+        try:
+            tls = await self._tls()
+            async with httpx.AsyncClient(
+                transport=self._transport,
+                verify=tls,
+                timeout=self.timeout_s,
+                headers={"User-Agent": USER_AGENT, "Content-Type": "application/json"},
+                follow_redirects=False,
+            ) as client:
+                task_status.started()
+                while True:
+                    self._current = await self._next()
+                    try:
+                        await self._deliver(client, self._current)
+                    except Exception:  # a bug must not end alerting; cancellation passes
+                        self.failed += 1
+                        self._log.exception("alerts.delivery_crashed", url=self.log_url)
+                    self._current = None
+        finally:
+            self._discard()
+
+    async def _tls(self) -> ssl.SSLContext:
+        """The TLS context, loaded off the loop; the system's CAs if the configured ones fail."""
+        try:
+            return await anyio.to_thread.run_sync(_tls_context)
+        except (OSError, ssl.SSLError) as exc:
+            self._log.error("alerts.tls_context_failed", error=str(exc), fallback="system CAs")
+            return ssl.create_default_context()
+
+    async def _next(self) -> dict[str, Any]:
+        """The oldest queued alert, waiting for one."""
+        while not self._queue:
+            self._overflowing = False
+            self._wake = anyio.Event()
+            await self._wake.wait()
+        self._wake = None
+        return self._queue.popleft()
+
+    def _discard(self) -> None:
+        """Drop what is left at shutdown (delivering it could block the shutdown)."""
+        left = self.pending()
+        self._queue.clear()
+        self._current = None
+        self._wake = None
+        if left:
+            self._log.info("alerts.pending_dropped", url=self.log_url, count=left)
+
+    async def _deliver(self, client: httpx.AsyncClient, doc: dict[str, Any]) -> None:
+        """POST ``doc`` until delivered, refused, or out of retries."""
+        try:
+            body = encode(doc)
+        except (TypeError, ValueError, RecursionError) as exc:
+            self._gave_up(doc, Attempt(error=f"not JSON: {exc}"), attempts=0)
+            return
+        attempts = 0
+        while True:
+            attempts += 1
+            attempt = await self._post(client, body)
+            outcome = attempt.verdict
+            if outcome == "delivered":
+                self._delivered(attempts)
+                return
+            if outcome == "give_up" or attempts > self.retries:
+                self._gave_up(doc, attempt, attempts)
+                return
+            await anyio.sleep(retry_delay(attempts, self.backoff_s, attempt.retry_after))
+
+    async def _post(self, client: httpx.AsyncClient, body: bytes) -> Attempt:
+        """One POST under an overall deadline (httpx's timeouts are per phase)."""
+        try:
+            with anyio.fail_after(self.timeout_s):
+                response = await client.post(self.url, content=body)
+        except (TimeoutError, httpx.TimeoutException):
+            return Attempt(error="timeout")
+        except (httpx.HTTPError, OSError) as exc:
+            return Attempt(error=self._error_text(exc))
+        except Exception as exc:  # an invalid URL, a bug in a transport: not worth retrying
+            return Attempt(error=self._error_text(exc), retryable=False)
+        header = None
+        if response.status_code in _RETRY_AFTER_STATUSES:
+            header = response.headers.get("retry-after")
+        return Attempt(status=response.status_code, retry_after=retry_after_s(header))
+
+    def _error_text(self, exc: BaseException) -> str:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return text.replace(self.url, self.log_url)
+
+    def _delivered(self, attempts: int) -> None:
+        self.sent += 1
+        if self._failures:
+            self._log.info(
+                "alerts.delivery_recovered",
+                url=self.log_url,
+                failed_alerts=self._failures,
+                attempts=attempts,
+            )
+            self._failures = 0
+
+    def _gave_up(self, doc: dict[str, Any], attempt: Attempt, attempts: int) -> None:
+        self.failed += 1
+        self._failures += 1
+        outcome: dict[str, Any] = {}
+        if attempt.status is not None:
+            outcome["status"] = attempt.status
+        if attempt.error is not None:
+            outcome["error"] = attempt.error
+        self._log.warning(
+            "alerts.delivery_failed",
+            url=self.log_url,
+            attempts=attempts,
+            **outcome,
+            kind=doc.get("kind"),
+            alert_reason=doc.get("reason"),
+            worker=doc.get("worker"),
+        )
