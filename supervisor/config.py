@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from supervisor.errors import ConfigError
+from supervisor.model import DEVICE_FATAL_XIDS, WORKER_FATAL_XIDS
 
 ENV_PREFIX = "GPU_SUPERVISOR_"
 ENV_DELIMITER = "__"
@@ -120,6 +121,23 @@ class GpuSection(_Strict):
     sim_devices: int = Field(default=2, ge=0, le=64)
     reserve_mb: float = Field(default=512, ge=0)
     release_timeout_s: NonNegativeSeconds = 10.0
+    # Thermal/power: hot = a heat or power clock-event reason, or within thermal_margin_c of the
+    # slowdown threshold, for thermal_sustain_s; cool again after thermal_clear_s below it.
+    thermal_margin_c: float = Field(default=5.0, ge=0, le=50)
+    thermal_sustain_s: NonNegativeSeconds = 10.0
+    thermal_clear_s: NonNegativeSeconds = 30.0
+    # XID classes (NVML.md section 2); an XID in neither list is counted only.
+    xid_worker_fatal: tuple[int, ...] = WORKER_FATAL_XIDS
+    xid_device_fatal: tuple[int, ...] = DEVICE_FATAL_XIDS
+
+    @model_validator(mode="after")
+    def _xid_lists_disjoint(self) -> GpuSection:
+        both = sorted(set(self.xid_worker_fatal) & set(self.xid_device_fatal))
+        if both:
+            raise ValueError(
+                f"xid_worker_fatal and xid_device_fatal both list {', '.join(map(str, both))}"
+            )
+        return self
 
 
 class ApiSection(_Strict):
@@ -220,11 +238,35 @@ class RestartSection(_Strict):
         return self
 
 
-class HealthSection(_Strict):
-    """``[workers.health]`` (the keys the supervision core implements)."""
+HealAction = Literal["drain", "restart", "alert"]
 
-    watchdog_s: NonNegativeSeconds = 0.0
+
+class HealthSection(_Strict):
+    """``[workers.health]``: budgets, watchdog, leak detection and the healing actions."""
+
     gpu_memory_limit_mb: float = Field(default=0, ge=0)
+    host_memory_limit_mb: float = Field(default=0, ge=0)
+    watchdog_s: NonNegativeSeconds = 0.0
+    leak_warmup_s: NonNegativeSeconds = 60.0
+    leak_window_s: float = Field(default=600.0, ge=5, le=86_400)
+    leak_min_mb_per_min: float = Field(default=10.0, gt=0)
+    oom_horizon_s: NonNegativeSeconds = 300.0
+    on_leak: HealAction = "drain"
+    on_over_budget: HealAction = "restart"
+    on_thermal: Literal["derate", "migrate", "cordon", "alert", "none"] = "derate"
+    log_restart_patterns: tuple[str, ...] = (
+        "CUDA error: an illegal memory access",
+        "device-side assert triggered",
+    )
+    max_unavailable: int = Field(default=1, ge=1)
+
+    @field_validator("log_restart_patterns")
+    @classmethod
+    def _patterns_not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for i, pattern in enumerate(value):
+            if not pattern.strip():
+                raise ValueError(f"entry {i} is empty (it would match every line)")
+        return value
 
 
 class WorkerGroup(_Strict):

@@ -70,6 +70,28 @@ class ExitReason(enum.StrEnum):
     RELOAD = "reload"
     SPAWN_FAILED = "spawn_failed"
     SHUTDOWN = "shutdown"
+    # healing actions (self-healing): the process was stopped because of
+    LEAK = "leak"
+    GPU_MEMORY_LIMIT = "gpu_memory_limit"
+    HOST_MEMORY_LIMIT = "host_memory_limit"
+    THERMAL = "thermal"  # migrated off a hot GPU
+    XID = "xid"
+    GPU_LOST = "gpu_lost"
+    LOG_PATTERN = "log_pattern"  # a sticky-error line in its output
+
+
+#: Exits caused by a healing action: each gets a post-mortem with the action's evidence.
+HEALING_REASONS = frozenset(
+    {
+        ExitReason.LEAK,
+        ExitReason.GPU_MEMORY_LIMIT,
+        ExitReason.HOST_MEMORY_LIMIT,
+        ExitReason.THERMAL,
+        ExitReason.XID,
+        ExitReason.GPU_LOST,
+        ExitReason.LOG_PATTERN,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +167,13 @@ CLOCK_EVENT_REASONS: Mapping[int, str] = {
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
+
+
+#: XID classes (NVML.md section 2). Worker-fatal: the GPU stays usable, the worker's CUDA
+#: context does not (restart the workers on it). Device-fatal: the GPU needs a reset (quarantine
+#: it, move its workers). Any other XID is informational: counted only.
+WORKER_FATAL_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 94)
+DEVICE_FATAL_XIDS: tuple[int, ...] = (46, 48, 62, 64, 74, 79, 95, 109, 119, 120, 140, 143)
 
 
 def clock_event_names(mask: int | None) -> tuple[str, ...] | None:

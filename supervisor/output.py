@@ -105,6 +105,8 @@ class WorkerOutput:
         self._partial = b""
         self._stdout = stdout or _write_stdout
         self._prefix = f"[{name}] ".encode()
+        #: Called with every complete line of output (the sticky-error patterns watch it).
+        self.on_line: Callable[[str], None] | None = None
 
     def feed(self, data: bytes) -> None:
         """Take a chunk of output."""
@@ -112,7 +114,10 @@ class WorkerOutput:
         buf = self._partial + data
         *lines, rest = buf.split(b"\n")
         for line in lines:
-            self.tail.append(line.decode("utf-8", errors="replace"))
+            text = line.decode("utf-8", errors="replace")
+            self.tail.append(text)
+            if self.on_line is not None:
+                self.on_line(text)
             if self.passthrough:
                 self._stdout(self._prefix + line + b"\n")
         if len(rest) > _MAX_LINE:

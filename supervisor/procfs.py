@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 _PAGE_MB = os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -132,3 +133,20 @@ class CachedTable:
 
 
 TABLE = CachedTable()
+
+
+def oom_kills(cgroup_events: Path | None = None) -> int | None:
+    """The kernel's count of OOM kills: a cgroup's ``memory.events`` when given and readable,
+    else ``/proc/vmstat``'s ``oom_kill`` (Linux 4.13+); None when neither can be read."""
+    for path, key in ((cgroup_events, "oom_kill"), (Path("/proc/vmstat"), "oom_kill")):
+        if path is None:
+            continue
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    return None

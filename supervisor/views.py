@@ -34,6 +34,7 @@ POSTMORTEM_REASONS = frozenset(
         "thermal",
         "xid",
         "gpu_lost",
+        "log_pattern",  # a sticky-error line; not in DESIGN.md section 8 (docs/healing.md)
         "drain",
         "start_timeout",
     }
@@ -45,6 +46,8 @@ def device_object(
     *,
     cordoned: bool = False,
     suspect: bool = False,
+    quarantined: str | None = None,
+    hot: bool = False,
     worker_of: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The device object of DESIGN.md section 6; unsupported fields are null, never 0."""
@@ -68,10 +71,12 @@ def device_object(
         "temperature_slowdown_celsius": d.temperature_slowdown_c,
         "temperature_shutdown_celsius": d.temperature_shutdown_c,
         "throttle_reasons": None if throttle is None else list(throttle),
-        "healthy": d.healthy,
-        "error": d.error,
+        "healthy": d.healthy and quarantined is None,
+        "error": d.error if quarantined is None else d.error or f"quarantined: {quarantined}",
         "cordoned": cordoned,
         "suspect": suspect,
+        "quarantined": quarantined is not None,
+        "hot": hot,
         "processes": None
         if d.processes is None
         else [

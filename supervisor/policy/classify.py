@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.model import ExitReason, ExitStatus
+from supervisor.model import HEALING_REASONS, ExitReason, ExitStatus
 
 #: Lines that show a CUDA out-of-memory failure (PyTorch, the CUDA runtime and driver APIs).
 CUDA_OOM_PATTERNS: tuple[str, ...] = (
@@ -31,8 +31,12 @@ POSTMORTEM_EXITS = frozenset(
         ExitReason.HANG,
         ExitReason.START_TIMEOUT,
         ExitReason.DRAIN,
+        *HEALING_REASONS,
     }
 )
+
+#: A SIGKILL is an out-of-memory kill when the kernel's (or the cgroup's) oom_kill count went up.
+SIGKILL = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +64,14 @@ def classify(
     detail: str = "",
     timing: Mapping[str, float] | None = None,
     silent_for_s: float | None = None,
+    healing: Mapping[str, Any] | None = None,
+    oom_kills: int = 0,
 ) -> Classified | None:
-    """The post-mortem reason and evidence, or None when this exit gets no post-mortem."""
+    """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
+
+    ``healing``: the evidence of the healing action that stopped the worker (for a healing
+    reason); ``oom_kills``: how many OOM kills the kernel counted while the process ran.
+    """
     if reason not in POSTMORTEM_EXITS:
         return None
     timing = timing or {}
@@ -69,10 +79,14 @@ def classify(
     if status is not None:
         base["exit_code"] = status.code
         base["signal"] = status.signal_name
+    if reason in HEALING_REASONS:
+        return Classified(reason.value, {**base, **(healing or {})})
     if reason in (ExitReason.EXIT, ExitReason.SIGNAL):
         oom = find_line(log_tail, CUDA_OOM_PATTERNS)
         if oom is not None:
             return Classified("cuda_oom", {**base, "log_line": oom[:2000]})
+        if status is not None and status.signal == SIGKILL and oom_kills > 0:
+            return Classified("host_oom", {**base, "oom_kills": oom_kills})
         return Classified(reason.value, base)
     if reason is ExitReason.HANG:
         return Classified(

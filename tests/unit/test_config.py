@@ -92,6 +92,25 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "port_base": 65535, "replicas": 2}]},
             "workers[0].port_base: ports 65535-65536 go past 65535",
         ),
+        (
+            {"workers": [{**W, "health": {"on_leak": "reboot"}}]},
+            "workers[0].health.on_leak: Input should be 'drain', 'restart' or 'alert' (got 'reboot')",
+        ),
+        (
+            {"workers": [{**W, "health": {"on_thermal": "restart"}}]},
+            "workers[0].health.on_thermal:",
+        ),
+        (
+            {"workers": [{**W, "health": {"log_restart_patterns": ["ok", " "]}}]},
+            "workers[0].health.log_restart_patterns: entry 1 is empty",
+        ),
+        ({"workers": [{**W, "health": {"max_unavailable": 0}}]}, "health.max_unavailable:"),
+        ({"workers": [{**W, "health": {"leak_window_s": 1}}]}, "health.leak_window_s:"),
+        ({"workers": [{**W, "health": {"host_memory_limit_mb": -1}}]}, "host_memory_limit_mb"),
+        (
+            {"gpu": {"xid_worker_fatal": [13, 79]}},
+            "gpu: xid_worker_fatal and xid_device_fatal both list 79",
+        ),
     ],
 )
 def test_bad_values(data: dict[str, object], expected: str) -> None:
@@ -155,6 +174,24 @@ def test_defaults_match_the_design() -> None:
     )
     assert (g.restart.backoff_initial_s, g.restart.backoff_max_s, g.restart.burst) == (1, 60, 5)
     assert (g.restart.stable_s, g.restart.interval_s, g.restart.delay_s) == (10, 120, 0)
+    h = g.health
+    assert (h.gpu_memory_limit_mb, h.host_memory_limit_mb, h.watchdog_s) == (0, 0, 0)
+    assert (h.leak_warmup_s, h.leak_window_s, h.leak_min_mb_per_min, h.oom_horizon_s) == (
+        60,
+        600,
+        10,
+        300,
+    )
+    assert (h.on_leak, h.on_over_budget, h.on_thermal, h.max_unavailable) == (
+        "drain",
+        "restart",
+        "derate",
+        1,
+    )
+    assert h.log_restart_patterns == (
+        "CUDA error: an illegal memory access",
+        "device-side assert triggered",
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,274 @@
+"""Healing policy (pure): findings + worker states + group config -> actions.
+
+A *finding* is what a detector saw (a leak, a budget breach, a hot GPU, an XID, a sticky-error
+line). :func:`decide` turns findings into :class:`Act` values, each carrying its reason and
+evidence, under three rules:
+
+- the group's ``on_leak`` / ``on_over_budget`` / ``on_thermal`` choose the action;
+- actions that take a ready worker down (drain, restart, migrate) never leave more than
+  ``max_unavailable`` workers of its group not ready; those that would are *deferred* (the
+  caller keeps them and asks again later). Acting on a worker that is not ready anyway costs
+  nothing and is allowed. Crashes are not delayed by any of this: they are not findings;
+- the same action for the same worker and reason is not repeated within ``cooldown_s``
+  (alert-only policies would otherwise alert on every judgement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from supervisor.model import WorkerState
+
+FindingKind = Literal[
+    "leak",  # worker: GPU memory (or host RSS) grows and is projected to run out
+    "gpu_memory_limit",  # worker: over its GPU memory budget
+    "host_memory_limit",  # worker: over its host memory budget
+    "log_pattern",  # worker: a sticky CUDA error in its output
+    "xid_worker",  # GPU: a worker-fatal XID: restart the workers on it
+    "xid_device",  # GPU: a device-fatal XID: quarantine it, move its workers
+    "gpu_lost",  # GPU: stopped answering: same as device-fatal
+    "thermal",  # GPU: hot or power-braked for long enough
+    "thermal_cleared",  # GPU: cool again
+]
+
+ActionKind = Literal[
+    "drain",  # out of routing, wait drain_timeout_s, stop, restart (via the release barrier)
+    "restart",
+    "migrate",  # drain, then start on another GPU
+    "derate",  # out of routing, keeps running
+    "restore",  # back into routing
+    "cordon",  # no new workers on the GPU
+    "uncordon",
+    "quarantine",  # the GPU is unusable until the supervisor restarts
+    "alert",  # tell someone, change nothing
+]
+
+#: Actions that take a worker down.
+DISRUPTIVE: frozenset[str] = frozenset({"drain", "restart", "migrate"})
+
+#: Findings about a GPU (the others are about one worker).
+GPU_FINDINGS: frozenset[str] = frozenset(
+    {"xid_worker", "xid_device", "gpu_lost", "thermal", "thermal_cleared"}
+)
+
+#: The post-mortem / metrics reason of each finding.
+REASON: Mapping[str, str] = {
+    "leak": "leak",
+    "gpu_memory_limit": "gpu_memory_limit",
+    "host_memory_limit": "host_memory_limit",
+    "log_pattern": "log_pattern",
+    "xid_worker": "xid",
+    "xid_device": "xid",
+    "gpu_lost": "gpu_lost",
+    "thermal": "thermal",
+    "thermal_cleared": "thermal",
+}
+
+#: Default time before the same action for the same worker and reason is taken again.
+COOLDOWN_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """What a detector found; ``worker`` or ``gpu`` (a UUID) says what it is about."""
+
+    kind: FindingKind
+    message: str
+    worker: str | None = None
+    gpu: str | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Identifies the finding while it is pending."""
+        return (self.kind, self.worker or self.gpu or "")
+
+    @property
+    def reason(self) -> str:
+        """The reason recorded for the actions it leads to."""
+        return REASON[self.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Act:
+    """One action to carry out, with its reason and evidence."""
+
+    action: ActionKind
+    reason: str
+    message: str
+    worker: str | None = None
+    gpu: str | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def disruptive(self) -> bool:
+        """Takes a worker down."""
+        return self.action in DISRUPTIVE
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the policy needs to know about a worker."""
+
+    group: str
+    state: WorkerState
+    gpus: tuple[str, ...] = ()
+    derated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPolicy:
+    """A group's ``[workers.health]`` actions."""
+
+    on_leak: Literal["drain", "restart", "alert"] = "drain"
+    on_over_budget: Literal["drain", "restart", "alert"] = "restart"
+    on_thermal: Literal["derate", "migrate", "cordon", "alert", "none"] = "derate"
+    max_unavailable: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The actions to take now, and the findings to ask about again later."""
+
+    acts: tuple[Act, ...]
+    deferred: tuple[Finding, ...]
+    why_deferred: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+
+#: States in which a worker is already on its way down (or out): nothing more to do to it.
+_LEAVING = frozenset({WorkerState.DRAINING, WorkerState.STOPPING})
+_DOWN = frozenset({WorkerState.STOPPED, WorkerState.FATAL, WorkerState.BACKOFF})
+
+
+def candidate_acts(
+    finding: Finding,
+    workers: Mapping[str, WorkerView],
+    policies: Mapping[str, GroupPolicy],
+    *,
+    can_migrate: Mapping[str, bool] | None = None,
+) -> list[Act]:
+    """The actions a finding calls for, before the availability and cooldown rules.
+
+    ``can_migrate``: per worker, whether another GPU would take it (no: ``alert`` instead).
+    """
+    f = finding
+
+    def act(
+        action: ActionKind,
+        worker: str | None = None,
+        evidence: Mapping[str, Any] | None = None,
+    ) -> Act:
+        return Act(
+            action,
+            f.reason,
+            f.message,
+            worker=worker,
+            gpu=f.gpu,
+            evidence=f.evidence if evidence is None else evidence,
+        )
+
+    if f.kind not in GPU_FINDINGS:
+        view = workers.get(f.worker or "")
+        if view is None:
+            return []
+        policy = policies.get(view.group, GroupPolicy())
+        if f.kind == "leak":
+            choice: ActionKind = policy.on_leak
+        elif f.kind in ("gpu_memory_limit", "host_memory_limit"):
+            choice = policy.on_over_budget
+        else:
+            choice = "restart"
+        return [act(choice, f.worker)]
+    on_gpu = sorted(n for n, v in workers.items() if f.gpu in v.gpus)
+    acts: list[Act] = []
+    if f.kind == "xid_worker":
+        acts += [act("restart", n) for n in on_gpu]
+    elif f.kind in ("xid_device", "gpu_lost"):
+        acts.append(act("quarantine"))
+        acts += [act("drain", n) for n in on_gpu]
+    elif f.kind == "thermal":
+        alerted = cordoned = False
+        for n in on_gpu:
+            choice_t = policies.get(workers[n].group, GroupPolicy()).on_thermal
+            if choice_t == "none":
+                continue
+            if choice_t == "migrate" and can_migrate is not None and not can_migrate.get(n):
+                acts.append(act("alert", n, {**f.evidence, "migrate": "no cooler GPU has room"}))
+            elif choice_t == "cordon":
+                if not cordoned:
+                    acts.append(act("cordon"))
+                    cordoned = True
+            elif choice_t == "alert":
+                if not alerted:
+                    acts.append(act("alert"))
+                    alerted = True
+            else:
+                acts.append(act(choice_t, n))
+        if not alerted and any(a.action == "derate" for a in acts):
+            acts.append(act("alert"))
+    else:  # thermal_cleared
+        acts += [act("restore", n) for n in on_gpu if workers[n].derated]
+        acts.append(act("uncordon"))
+    return acts
+
+
+def decide(
+    findings: Sequence[Finding],
+    workers: Mapping[str, WorkerView],
+    policies: Mapping[str, GroupPolicy],
+    now: float,
+    recent: Mapping[tuple[str, str, str], float],
+    *,
+    cooldown_s: float = COOLDOWN_S,
+    can_migrate: Mapping[str, bool] | None = None,
+    migrating: int = 0,
+) -> Decision:
+    """The actions for ``findings`` now.
+
+    ``recent``: ``(action, worker or gpu, reason) -> time`` of actions already taken (for the
+    cooldown); ``migrating``: migrations still in flight (they go one at a time).
+    """
+    down: dict[str, int] = {}
+    for view in workers.values():
+        if view.state is not WorkerState.READY:
+            down[view.group] = down.get(view.group, 0) + 1
+    taken: set[str] = set()  # workers acted on (disruptively) in this round
+    acts: list[Act] = []
+    deferred: list[Finding] = []
+    why: dict[tuple[str, str], str] = {}
+    for f in findings:
+        held_back = False
+        for act in candidate_acts(f, workers, policies, can_migrate=can_migrate):
+            target = act.worker or act.gpu or ""
+            last = recent.get((act.action, target, act.reason))
+            if last is not None and now - last < cooldown_s:
+                continue
+            if not act.disruptive:
+                acts.append(act)
+                continue
+            view = workers[act.worker or ""]
+            if view.state in _LEAVING or view.state in _DOWN or act.worker in taken:
+                continue  # already going down (or down): its restart will come from that
+            if act.action == "migrate" and migrating:
+                held_back = True
+                why[f.key] = "another migration is in flight"
+                continue
+            policy = policies.get(view.group, GroupPolicy())
+            if view.state is WorkerState.READY:
+                if down.get(view.group, 0) >= policy.max_unavailable:
+                    held_back = True
+                    why[f.key] = (
+                        f"group {view.group} has {down.get(view.group, 0)} of its workers not "
+                        f"ready (max_unavailable {policy.max_unavailable})"
+                    )
+                    continue
+                down[view.group] = down.get(view.group, 0) + 1
+            if act.action == "migrate":
+                migrating += 1
+            taken.add(act.worker or "")
+            acts.append(act)
+        if held_back:
+            deferred.append(f)
+    return Decision(tuple(acts), tuple(deferred), why)

@@ -1,0 +1,264 @@
+"""The healing policy (``policy.heal``) and the healing side of crash classification: pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.model import ExitReason, ExitStatus, WorkerState
+from supervisor.policy.classify import classify
+from supervisor.policy.heal import (
+    COOLDOWN_S,
+    Finding,
+    GroupPolicy,
+    WorkerView,
+    candidate_acts,
+    decide,
+)
+
+R = WorkerState.READY
+G0 = "GPU-0"
+G1 = "GPU-1"
+
+
+def views(**states: WorkerState) -> dict[str, WorkerView]:
+    """Workers ``<group>-<i>``, even indices on GPU-0, odd on GPU-1."""
+    out = {}
+    for name, state in states.items():
+        name = name.replace("_", "-")
+        index = int(name.rsplit("-", 1)[1])
+        out[name] = WorkerView(
+            group=name.rsplit("-", 1)[0], state=state, gpus=(f"GPU-{index % 2}",)
+        )
+    return out
+
+
+def leak(worker: str) -> Finding:
+    return Finding("leak", "grows", worker=worker, evidence={"slope_mb_per_min": 50.0})
+
+
+def acts_of(decision: Any) -> list[tuple[str, str | None, str | None, str]]:
+    return [(a.action, a.worker, a.gpu, a.reason) for a in decision.acts]
+
+
+@pytest.mark.parametrize(
+    ("finding", "policy", "expected"),
+    [
+        (leak("w-0"), GroupPolicy(on_leak="drain"), [("drain", "w-0", None, "leak")]),
+        (leak("w-0"), GroupPolicy(on_leak="restart"), [("restart", "w-0", None, "leak")]),
+        (leak("w-0"), GroupPolicy(on_leak="alert"), [("alert", "w-0", None, "leak")]),
+        (
+            Finding("gpu_memory_limit", "over", worker="w-0"),
+            GroupPolicy(),
+            [("restart", "w-0", None, "gpu_memory_limit")],
+        ),
+        (
+            Finding("host_memory_limit", "over", worker="w-0"),
+            GroupPolicy(on_over_budget="drain"),
+            [("drain", "w-0", None, "host_memory_limit")],
+        ),
+        (
+            Finding("log_pattern", "line", worker="w-0"),
+            GroupPolicy(),
+            [("restart", "w-0", None, "log_pattern")],
+        ),
+        (
+            Finding("xid_worker", "XID 13", gpu=G0),
+            GroupPolicy(),
+            [("restart", "w-0", G0, "xid"), ("restart", "w-2", G0, "xid")],
+        ),
+        (
+            Finding("xid_device", "XID 79", gpu=G1),
+            GroupPolicy(),
+            [("quarantine", None, G1, "xid"), ("drain", "w-1", G1, "xid")],
+        ),
+        (
+            Finding("gpu_lost", "lost", gpu=G1),
+            GroupPolicy(),
+            [("quarantine", None, G1, "gpu_lost"), ("drain", "w-1", G1, "gpu_lost")],
+        ),
+        (
+            Finding("thermal", "hot", gpu=G0),
+            GroupPolicy(on_thermal="derate"),
+            [
+                ("derate", "w-0", G0, "thermal"),
+                ("derate", "w-2", G0, "thermal"),
+                ("alert", None, G0, "thermal"),
+            ],
+        ),
+        (
+            Finding("thermal", "hot", gpu=G0),
+            GroupPolicy(on_thermal="migrate"),
+            [("migrate", "w-0", G0, "thermal"), ("migrate", "w-2", G0, "thermal")],
+        ),
+        (
+            Finding("thermal", "hot", gpu=G0),
+            GroupPolicy(on_thermal="cordon"),
+            [("cordon", None, G0, "thermal")],
+        ),
+        (
+            Finding("thermal", "hot", gpu=G0),
+            GroupPolicy(on_thermal="alert"),
+            [("alert", None, G0, "thermal")],
+        ),
+        (Finding("thermal", "hot", gpu=G0), GroupPolicy(on_thermal="none"), []),
+        (
+            Finding("thermal_cleared", "cool", gpu=G0),
+            GroupPolicy(),
+            [("uncordon", None, G0, "thermal")],
+        ),
+        (leak("nobody-0"), GroupPolicy(), []),
+    ],
+)
+def test_candidate_acts(finding: Finding, policy: GroupPolicy, expected: list[Any]) -> None:
+    workers = views(w_0=R, w_1=R, w_2=R)
+    got = candidate_acts(finding, workers, {"w": policy})
+    assert [(a.action, a.worker, a.gpu, a.reason) for a in got] == expected
+    assert all(a.evidence == finding.evidence for a in got if a.action != "alert" or not a.worker)
+
+
+def test_thermal_cleared_restores_only_derated_workers() -> None:
+    workers = views(w_0=R, w_2=R)
+    workers["w-0"] = WorkerView("w", R, (G0,), derated=True)
+    got = candidate_acts(Finding("thermal_cleared", "cool", gpu=G0), workers, {})
+    assert [(a.action, a.worker) for a in got] == [("restore", "w-0"), ("uncordon", None)]
+
+
+def test_migrate_without_room_alerts_instead() -> None:
+    workers = views(w_0=R)
+    got = candidate_acts(
+        Finding("thermal", "hot", gpu=G0),
+        workers,
+        {"w": GroupPolicy(on_thermal="migrate")},
+        can_migrate={"w-0": False},
+    )
+    assert [(a.action, a.worker) for a in got] == [("alert", "w-0")]
+    assert got[0].evidence["migrate"] == "no cooler GPU has room"
+
+
+def test_max_unavailable_defers_the_second_disruptive_action() -> None:
+    workers = views(w_0=R, w_1=R, w_2=R)
+    d = decide([leak("w-0"), leak("w-1"), leak("w-2")], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("drain", "w-0", None, "leak")]
+    assert [f.worker for f in d.deferred] == ["w-1", "w-2"]
+    assert "max_unavailable 1" in d.why_deferred[("leak", "w-1")]
+
+
+def test_a_worker_already_down_counts_against_max_unavailable() -> None:
+    workers = views(w_0=WorkerState.BACKOFF, w_1=R)
+    d = decide([leak("w-1")], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert d.acts == () and [f.worker for f in d.deferred] == ["w-1"]
+    d2 = decide([leak("w-1")], workers, {"w": GroupPolicy(max_unavailable=2)}, 0.0, {})
+    assert acts_of(d2) == [("drain", "w-1", None, "leak")]
+
+
+def test_acting_on_a_worker_that_is_not_ready_is_always_allowed() -> None:
+    workers = views(w_0=WorkerState.STARTING, w_1=WorkerState.STARTING)
+    budget = Finding("gpu_memory_limit", "over", worker="w-0")
+    d = decide([budget], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("restart", "w-0", None, "gpu_memory_limit")]
+
+
+def test_workers_already_leaving_are_not_acted_on_again() -> None:
+    workers = views(w_0=WorkerState.DRAINING, w_1=WorkerState.STOPPING, w_2=WorkerState.FATAL)
+    d = decide([leak("w-0"), leak("w-1"), leak("w-2")], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert d.acts == () and d.deferred == ()
+
+
+def test_non_disruptive_actions_are_never_deferred() -> None:
+    workers = views(w_0=R, w_2=WorkerState.BACKOFF)
+    d = decide([Finding("thermal", "hot", gpu=G0)], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert [a.action for a in d.acts] == ["derate", "derate", "alert"]
+
+
+def test_device_fatal_quarantines_at_once_and_drains_within_max_unavailable() -> None:
+    workers = views(w_0=R, w_2=R)
+    d = decide([Finding("xid_device", "XID 79", gpu=G0)], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("quarantine", None, G0, "xid"), ("drain", "w-0", G0, "xid")]
+    assert len(d.deferred) == 1
+    # next round: w-0 is draining; quarantine is in its cooldown; w-2 waits for w-0
+    workers["w-0"] = WorkerView("w", WorkerState.DRAINING, (G0,))
+    recent = {("quarantine", G0, "xid"): 0.0, ("drain", "w-0", "xid"): 0.0}
+    d2 = decide(d.deferred, workers, {"w": GroupPolicy()}, 1.0, recent)
+    assert d2.acts == () and len(d2.deferred) == 1
+    workers["w-0"] = WorkerView("w", R, (G1,))  # moved and ready again
+    d3 = decide(d2.deferred, workers, {"w": GroupPolicy()}, 2.0, recent)
+    assert acts_of(d3) == [("drain", "w-2", G0, "xid")]
+
+
+def test_cooldown_suppresses_the_same_action() -> None:
+    workers = views(w_0=R)
+    recent = {("alert", "w-0", "leak"): 100.0}
+    policy = {"w": GroupPolicy(on_leak="alert")}
+    assert decide([leak("w-0")], workers, policy, 100.0 + COOLDOWN_S - 1, recent).acts == ()
+    assert len(decide([leak("w-0")], workers, policy, 100.0 + COOLDOWN_S, recent).acts) == 1
+
+
+def test_migrations_go_one_at_a_time() -> None:
+    workers = views(w_0=R, w_2=R)
+    policy = {"w": GroupPolicy(on_thermal="migrate", max_unavailable=5)}
+    d = decide([Finding("thermal", "hot", gpu=G0)], workers, policy, 0.0, {})
+    assert [(a.action, a.worker) for a in d.acts] == [("migrate", "w-0")]
+    assert len(d.deferred) == 1
+    busy = decide([Finding("thermal", "hot", gpu=G0)], workers, policy, 0.0, {}, migrating=1)
+    assert busy.acts == () and busy.why_deferred
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    states=st.lists(st.sampled_from(list(WorkerState)), min_size=1, max_size=8),
+    leaking=st.lists(st.integers(0, 7), max_size=8),
+    max_unavailable=st.integers(1, 4),
+)
+def test_never_more_than_max_unavailable_down(
+    states: list[WorkerState], leaking: list[int], max_unavailable: int
+) -> None:
+    """Whatever the states and findings, ready workers taken down never push the group's
+    not-ready count above max_unavailable (when it was not already above)."""
+    workers = {f"w-{i}": WorkerView("w", s, (G0,)) for i, s in enumerate(states)}
+    findings = [leak(f"w-{i}") for i in leaking if i < len(states)]
+    policy = {"w": GroupPolicy(max_unavailable=max_unavailable)}
+    d = decide(findings, workers, policy, 0.0, {})
+    down = sum(v.state is not R for v in workers.values())
+    taken_ready = sum(1 for a in d.acts if a.disruptive and workers[a.worker or ""].state is R)
+    assert taken_ready <= max(0, max_unavailable - down)
+    assert len({a.worker for a in d.acts}) == len(d.acts)
+
+
+# --- classification ---------------------------------------------------------------------------
+
+
+def test_healing_exit_gets_its_reason_and_the_actions_evidence() -> None:
+    got = classify(
+        ExitReason.LEAK,
+        ExitStatus(None, 15),
+        [],
+        failure=False,
+        healing={"action": "drain", "slope_mb_per_min": 42.0},
+    )
+    assert got is not None
+    assert got.reason == "leak"
+    assert got.evidence["slope_mb_per_min"] == 42.0 and got.evidence["signal"] == "SIGTERM"
+
+
+@pytest.mark.parametrize(
+    ("status", "oom_kills", "tail", "reason"),
+    [
+        (ExitStatus(None, 9), 1, [], "host_oom"),
+        (ExitStatus(None, 9), 0, [], "signal"),
+        (ExitStatus(None, 15), 3, [], "signal"),  # only a SIGKILL can be the OOM killer
+        (ExitStatus(1, None), 2, [], "exit"),
+        (ExitStatus(None, 9), 1, ["torch.OutOfMemoryError: CUDA out of memory"], "cuda_oom"),
+    ],
+)
+def test_host_oom_needs_sigkill_and_an_oom_kill(
+    status: ExitStatus, oom_kills: int, tail: list[str], reason: str
+) -> None:
+    kind = ExitReason.SIGNAL if status.signal else ExitReason.EXIT
+    got = classify(kind, status, tail, failure=True, oom_kills=oom_kills)
+    assert got is not None and got.reason == reason
+    if reason == "host_oom":
+        assert got.evidence["oom_kills"] == oom_kills
