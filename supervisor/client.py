@@ -284,8 +284,8 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
             )
         lines += _table(rows)
     else:
-        why = gpu.get("error") or "none found"
-        lines.append(f"no GPU telemetry: {why}")
+        why = str(gpu.get("error") or "none found")
+        lines.append(why if why.startswith("no GPU telemetry") else f"no GPU telemetry: {why}")
     lines.append("")
     if not workers:
         lines.append("no workers")
@@ -312,4 +312,12 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
             )
         )
     lines += _table(rows)
+    modes = {str(m) for w in workers if (m := w.get("host_memory_enforcement")) is not None}
+    if modes:
+        text = {
+            "memory.max": "cgroup v2 memory.max per worker, plus the RSS watch",
+            "rss_watch": "the RSS watch only (no delegated cgroup v2 memory controller)",
+        }
+        lines.append("")
+        lines.append("host memory budgets: " + "; ".join(text.get(m, m) for m in sorted(modes)))
     return "\n".join(lines)

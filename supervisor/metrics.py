@@ -83,6 +83,7 @@ class RuntimeCollector(Collector):
         healthy = _gauge("gpu_healthy", "1 while the GPU answers NVML queries.", GPU_LABELS)
         cordoned = _gauge("gpu_cordoned", "1 while no worker may be placed on the GPU.", GPU_LABELS)
         xid = _counter("gpu_xid_errors", "XID errors reported for the GPU.", [*GPU_LABELS, "xid"])
+        quarantined = rt.healer.state.quarantined
         labels_of: dict[str, list[str]] = {}
         for ident in rt.sampler.identities:
             labels_of[ident.uuid] = labels_of[str(ident.index)] = [
@@ -103,7 +104,7 @@ class RuntimeCollector(Collector):
                 throttled.add_metric(labels, float(bool(active)))
                 for name in (*THROTTLE_REASONS, *(a for a in active if a not in THROTTLE_REASONS)):
                     reason.add_metric([*labels, name], float(name in active))
-            healthy.add_metric(labels, float(d.healthy))
+            healthy.add_metric(labels, float(d.healthy and d.uuid not in quarantined))
             cordoned.add_metric(labels, float(d.uuid in rt.cordoned))
         for (gpu, code), count in sorted(rt.xid_counts.items()):
             labels = labels_of.get(gpu, [gpu, gpu if gpu.startswith("GPU-") else "", ""])

@@ -8,6 +8,8 @@ consumer, the systemd notifier and one runner per worker. Signals (and, later, t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
 import signal
@@ -26,11 +28,15 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor import procfs
 from supervisor._version import __version__
+from supervisor.alerts import Alerter
 from supervisor.backends.base import NoBackend
 from supervisor.backends.factory import make_backend
+from supervisor.cgroups import CgroupSupport, WorkerCgroups
+from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
 from supervisor.errors import ConfigError, PlacementError
+from supervisor.healing import Healer
 from supervisor.journal import Journal
 from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
@@ -38,6 +44,7 @@ from supervisor.output import WorkerOutput
 from supervisor.plan import GpuSlot, Plan, build_plan, launch_spec, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.classify import classify
+from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.reload import diff_groups
 from supervisor.processes import Reaped, Reaper, probe_spawn_helper, set_child_subreaper
 from supervisor.reclaim import reclaim
@@ -196,6 +203,14 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         self.rolling: set[str] = set()
         self._fingerprints: dict[str, tuple[object, ...]] = {}
+        # self-healing: detectors and actions; webhook alerts
+        url = settings.alerts.webhook_url
+        self.alerter = Alerter(url) if url else None
+        self.healer = Healer(self, self.alerter)
+        self.cgroups = WorkerCgroups(
+            CgroupSupport(None, False, "no worker has host_memory_limit_mb")
+        )
+        self.healer.oom_events_of = self.cgroups.events_file
 
     # --- public -------------------------------------------------------------------------
 
@@ -243,6 +258,7 @@ class Runtime:
             set_child_subreaper()
         probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
         self._open_state_dir()
+        self._probe_cgroups()
         self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0
         startup_error: PlacementError | None = None
         try:
@@ -253,6 +269,8 @@ class Runtime:
                 tg.start_soon(self._serve_intents)
                 await self._reclaim_orphans()
                 await tg.start(self.recorder.serve)
+                if self.alerter is not None:
+                    await tg.start(self.alerter.serve)
                 for service in self.services:
                     await tg.start(service, self)
                 await self._open_gpus()
@@ -296,6 +314,18 @@ class Runtime:
         self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
         return self.exit_code
 
+    def _probe_cgroups(self) -> None:
+        if not any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
+            return
+        support = probe_cgroups()
+        self.cgroups.support = support
+        self.log.info(
+            "cgroup.mode",
+            mode=support.mode,
+            cgroup=None if support.root is None else os.fspath(support.root),
+            reason=support.why or "delegated cgroup v2 subtree with the memory controller",
+        )
+
     # --- GPUs ---------------------------------------------------------------------------
 
     async def _open_gpus(self) -> None:
@@ -324,6 +354,8 @@ class Runtime:
             why = ""
             if not d.healthy:
                 why = f"is unhealthy ({d.error})"
+            elif d.uuid in self.healer.state.quarantined:
+                why = f"is quarantined ({self.healer.state.quarantined[d.uuid]})"
             elif d.uuid in self.cordoned:
                 why = "is cordoned"
             elif d.uuid in self.suspect:
@@ -369,6 +401,7 @@ class Runtime:
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
         self.recorder.mark()
+        self.healer.on_sample(sample)
         for listener in self.sample_listeners:
             listener(sample)
         if self.suspect:
@@ -431,6 +464,7 @@ class Runtime:
         key = (event.uuid or str(event.gpu_index), event.xid)
         self.xid_counts[key] = self.xid_counts.get(key, 0) + 1
         self.log.warning("gpu.xid", gpu=event.gpu_index, uuid=event.uuid, xid=event.xid)
+        self.healer.on_xid(event)
 
     async def _fresh_sample(self, after: float, timeout: float) -> Sample | None:
         """The first sample taken after monotonic time ``after``, or None on timeout.
@@ -490,7 +524,14 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
-        usable = {s.uuid for s in self.slots() if s.usable}
+        avoid = self.healer.avoid.pop(runner.name, set())
+        slots = [
+            dataclasses.replace(s, usable=False, why_not="is hot (migrating off it)")
+            if s.uuid in avoid
+            else s
+            for s in self.slots()
+        ]
+        usable = {s.uuid for s in slots if s.usable}
         if all(u in usable for u in gpus):
             return spec
         group = self.settings.group(spec.group)
@@ -505,7 +546,7 @@ class Runtime:
         try:
             chosen = place(
                 self.settings.workers,
-                self.slots(),
+                slots,
                 self.settings.gpu.reserve_mb,
                 fixed=self._assignments(),
                 only={runner.name},
@@ -520,7 +561,7 @@ class Runtime:
             worker=runner.name,
             old_gpus=list(gpus),
             new_gpus=list(chosen or ()),
-            reason="previous GPU unusable",
+            reason="migrated off a hot GPU" if avoid & set(gpus) else "previous GPU unusable",
         )
         return new
 
@@ -591,7 +632,7 @@ class Runtime:
             passthrough=group.log_passthrough,
         )
         output.file.on_health = self._on_log_health
-        return WorkerRunner(
+        runner = WorkerRunner(
             spec,
             lc.timing_for(group),
             reaper=self.reaper,
@@ -603,6 +644,8 @@ class Runtime:
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
         )
+        output.on_line = functools.partial(self.healer.on_line, runner)
+        return runner
 
     async def _start_runner(self, runner: WorkerRunner, start: bool = True) -> None:
         assert self._tg is not None
@@ -738,6 +781,8 @@ class Runtime:
                 d,
                 cordoned=d.uuid in self.cordoned,
                 suspect=d.uuid in self.suspect,
+                quarantined=self.healer.state.quarantined.get(d.uuid),
+                hot=self.healer.state.thermal.get(d.uuid, ThermalTrack()).hot,
                 worker_of=worker_of,
             )
             for d in sample.devices
@@ -747,7 +792,16 @@ class Runtime:
         """The API's worker object."""
         sample = self.sampler.last
         usage = sample.workers.get(runner.name) if sample is not None else None
-        return runner.view(usage)
+        obj = self.healer.annotate(runner.name, runner.view(usage))
+        group = self.settings.group(runner.spec.group)
+        limited = group is not None and group.health.host_memory_limit_mb > 0
+        obj["host_memory_enforcement"] = self.cgroups.support.mode if limited else None
+        return obj
+
+    def changed(self) -> None:
+        """Something the read model shows changed (wake waiters, mark the state file)."""
+        self._changed_now()
+        self.recorder.mark(urgent=True)
 
     def _on_state_dir_recreated(self) -> None:
         """``state_dir`` was removed: bind the notify socket again, reopen the log files."""
@@ -767,6 +821,13 @@ class Runtime:
 
     def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)
+        if kind == "worker.spawned":
+            group = self.settings.group(runner.spec.group)
+            if group is not None and group.health.host_memory_limit_mb > 0:
+                self.cgroups.place(runner.name, fields["pid"], group.health.host_memory_limit_mb)
+            self.healer.on_spawned(runner)
+        elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
+            self.healer.on_fatal(runner, str(fields.get("reason", "")))
 
     def _on_worker_exit(
         self, runner: WorkerRunner, action: lc.Exit, before: lc.WorkerRecord
@@ -795,6 +856,8 @@ class Runtime:
                 "drain_timeout_s": timing.drain_timeout_s,
             },
             silent_for_s=silent,
+            healing=self.healer.exit_evidence(runner.name),
+            oom_kills=self.healer.oom_kills_during(runner.name),
         )
         if found is None:
             return
@@ -1030,6 +1093,7 @@ class Runtime:
             self.log.error(  # noqa: TRY400 - one line, no traceback
                 "supervisor.reload_rejected", reason="placement", error=str(exc)
             )
+            self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return
         for name in diff.removed:
             await self._stop_group(name)

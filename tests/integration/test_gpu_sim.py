@@ -66,7 +66,15 @@ def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     sup = supervisor(
-        config(tmp_path, {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "100")}),
+        config(
+            tmp_path,
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "100"),
+                "drain_timeout_s": 0.2,
+            },
+        ),
         log_level="debug",
     )
     sup.ready("g-0")
@@ -79,8 +87,11 @@ def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
     )
     assert sample["devices"][UUID0]["healthy"] is True
     assert sample["workers"]["g-0"]["gpu_mb"] == 100.0
-    # the workers keep running
-    assert not sup.find(event="worker.exited")
+    # supervision goes on: the lost GPU is quarantined, its worker moved, the other untouched
+    moved = sup.wait_event(event="worker.moved", worker="g-1", after=mark)
+    assert moved["new_gpus"] == [UUID0]
+    assert sup.find(event="heal.action", action="quarantine")[0]["reason"] == "gpu_lost"
+    assert not sup.find(event="worker.exited", worker="g-0")
     assert sup.stop() == 0
 
 

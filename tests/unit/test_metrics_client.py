@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import pytest
@@ -14,6 +15,7 @@ from supervisor.api import load_token
 from supervisor.client import format_status, resolve, url_for
 from supervisor.config import ApiSection
 from supervisor.errors import ConfigError, UsageError
+from supervisor.healing import HealState
 from supervisor.journal import Journal
 from supervisor.metrics import Metrics
 from supervisor.model import DeviceIdentity, DeviceSample, Sample
@@ -50,6 +52,7 @@ class FakeRuntime:
     runners: dict[str, object] = field(default_factory=dict)
     sample_listeners: list[object] = field(default_factory=list)
     loop_alive_at: float = 0.0
+    healer: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(state=HealState()))
 
     def workers(self) -> list[object]:
         return []
@@ -228,6 +231,7 @@ def test_status_table() -> None:
             "host_rss_mb": 5.5,
             "restarts": 2,
             "leak": {"slope_mb_per_min": 12.5, "suspected": True},
+            "host_memory_enforcement": "rss_watch",
         },
         {"name": "b-0", "state": "stopped", "pid": None, "gpus": None, "restarts": 0},
     ]
@@ -259,6 +263,9 @@ def test_status_table() -> None:
         "!",
     ]
     assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "0", "-"]
+    assert lines[7] == (
+        "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
+    )
     assert format_status({"devices": [], "error": "NVML missing"}, []).splitlines() == [
         "no GPU telemetry: NVML missing",
         "",

@@ -1,0 +1,610 @@
+"""Self-healing: feeds samples, XIDs and log lines to the detectors, and carries out the policy.
+
+The judgements are pure (``policy.detect``, ``policy.heal``); this module holds the per-worker
+and per-GPU state between samples and executes the actions through the workers' lifecycles
+(``Drain``/``Restart`` events with a healing reason), the runtime's cordon set and its own
+derate / quarantine sets. Every action is logged (``heal.action`` with reason and evidence),
+counted (``actions_total``), journaled and, with ``[alerts] webhook_url``, sent as a webhook.
+
+It runs inside the runtime's single writer: every entry point is called from the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import psutil
+import structlog
+
+from supervisor import procfs
+from supervisor.alerts import Alerter, alert_doc
+from supervisor.errors import PlacementError
+from supervisor.model import ExitReason, Sample, XidEvent
+from supervisor.plan import GpuSlot, place
+from supervisor.policy import lifecycle as lc
+from supervisor.policy.detect import (
+    BUDGET_SAMPLES,
+    FLOOR_BUCKET_S,
+    NO_VERDICT,
+    FloorSeries,
+    LeakSettings,
+    LeakVerdict,
+    ThermalSettings,
+    ThermalTrack,
+    budget_streak,
+    headroom,
+    judge_leak,
+    match_pattern,
+    thermal_step,
+    xid_class,
+)
+from supervisor.policy.heal import Act, Finding, GroupPolicy, WorkerView, decide
+
+if TYPE_CHECKING:
+    from supervisor.clock import Clock
+    from supervisor.config import HealthSection, Settings, WorkerGroup
+    from supervisor.journal import Journal
+    from supervisor.worker import WorkerRunner
+
+MIB = 1024 * 1024
+DEFAULT_WINDOW_S = 600.0
+
+
+def floor_bucket_s(window_s: float) -> float:
+    """The floor bucket for a leak window: the detector's default scaled to the window."""
+    return FLOOR_BUCKET_S * window_s / DEFAULT_WINDOW_S
+
+
+class HealHost(Protocol):
+    """What the healer needs from the runtime."""
+
+    settings: Settings
+    runners: dict[str, WorkerRunner]
+    cordoned: set[str]
+    journal: Journal
+    actions_total: dict[tuple[str, str], int]
+    clock: Clock
+
+    def workers(self) -> list[WorkerRunner]: ...
+
+    def slots(self) -> list[GpuSlot]: ...
+
+    def changed(self) -> None: ...
+
+
+@dataclass
+class _Watch:
+    """One worker's detector state for its current process."""
+
+    pid: int | None
+    gpu_floor: FloorSeries
+    host_floor: FloorSeries
+    gpu_streak: int = 0
+    host_streak: int = 0
+    gpu_leak: LeakVerdict = NO_VERDICT
+    host_leak: LeakVerdict = NO_VERDICT
+    judged_at: float = float("-inf")
+    pattern_hit: bool = False
+    oom_kills_at_start: int | None = None
+
+
+@dataclass
+class HealState:
+    """What the healer has decided that the read model shows."""
+
+    derated: dict[str, str] = field(default_factory=dict)  # worker -> why
+    quarantined: dict[str, str] = field(default_factory=dict)  # GPU UUID -> why
+    thermal: dict[str, ThermalTrack] = field(default_factory=dict)  # GPU UUID -> track
+    thermal_cordoned: set[str] = field(default_factory=set)
+
+
+class Healer:
+    """Detector state and action execution for a runtime."""
+
+    def __init__(
+        self,
+        host: HealHost,
+        alerter: Alerter | None = None,
+        *,
+        host_available_mb: Callable[[], float | None] | None = None,
+    ) -> None:
+        self.host = host
+        self.alerter = alerter
+        self.log = structlog.get_logger()
+        self.state = HealState()
+        self._watch: dict[str, _Watch] = {}
+        self._pending: dict[tuple[str, str], Finding] = {}
+        self._deferred_logged: set[tuple[str, str]] = set()
+        self._recent: dict[tuple[str, str, str], float] = {}
+        #: worker -> evidence of the healing action that is stopping it (for its post-mortem)
+        self._exit_evidence: dict[str, dict[str, Any]] = {}
+        #: worker -> GPUs its next placement must avoid (migrate)
+        self.avoid: dict[str, set[str]] = {}
+        self._migrating: set[str] = set()
+        self._lost: set[str] = set()
+        self._host_available_mb = host_available_mb or _host_available_mb
+        #: worker -> its cgroup's memory.events (its own OOM-kill count), when it has one
+        self.oom_events_of: Callable[[str], Path | None] = lambda _name: None
+
+    # --- read model ---------------------------------------------------------------------
+
+    def annotate(self, name: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """Fill the leak fields (and ``derated``) of a worker object."""
+        w = self._watch.get(name)
+        verdict = w.gpu_leak if w is not None else NO_VERDICT
+        host = w.host_leak if w is not None else NO_VERDICT
+        obj["leak"] = {
+            "slope_mb_per_min": _round(verdict.slope_mb_per_min),
+            "suspected": verdict.suspected,
+            "projected_oom_s": _round(verdict.projected_oom_s),
+            "host_slope_mb_per_min": _round(host.slope_mb_per_min),
+            "host_suspected": host.suspected,
+            "host_projected_oom_s": _round(host.projected_oom_s),
+        }
+        obj["derated"] = name in self.state.derated
+        if name in self.state.derated:
+            obj["derated_reason"] = self.state.derated[name]
+        return obj
+
+    def exit_evidence(self, name: str) -> dict[str, Any] | None:
+        """The evidence of the healing action that stopped ``name`` (once)."""
+        return self._exit_evidence.pop(name, None)
+
+    def oom_kills_during(self, name: str) -> int:
+        """OOM kills the kernel counted since ``name``'s process started (0 when unknown)."""
+        w = self._watch.get(name)
+        if w is None or w.oom_kills_at_start is None:
+            return 0
+        now = procfs.oom_kills(self.oom_events_of(name))
+        return 0 if now is None else max(0, now - w.oom_kills_at_start)
+
+    # --- inputs -------------------------------------------------------------------------
+
+    def on_spawned(self, runner: WorkerRunner) -> None:
+        """A new process: its detectors start over."""
+        self._reset(runner)
+        self._migrating.discard(runner.name)
+
+    def on_line(self, runner: WorkerRunner, line: str) -> None:
+        """A line of a worker's output: a sticky-error pattern restarts it."""
+        w = self._watch.get(runner.name)
+        group = self._group(runner)
+        if w is None or w.pattern_hit or group is None or runner.record.pid is None:
+            return
+        pattern = match_pattern(line, group.health.log_restart_patterns)
+        if pattern is None:
+            return
+        w.pattern_hit = True
+        self._add(
+            Finding(
+                "log_pattern",
+                f"output matches {pattern!r}",
+                worker=runner.name,
+                evidence={"pattern": pattern, "log_line": line[:2000]},
+            )
+        )
+        self._run(self.host.clock.now())
+
+    def on_xid(self, event: XidEvent) -> None:
+        """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
+        gpu = self.host.settings.gpu
+        kind = xid_class(event.xid, gpu.xid_worker_fatal, gpu.xid_device_fatal)
+        uuid = event.uuid or self._uuid_of(event.gpu_index)
+        if kind == "info" or uuid is None:
+            return
+        evidence = {"xid": event.xid, "gpu_index": event.gpu_index, "class": kind}
+        if kind == "worker":
+            finding = Finding(
+                "xid_worker", f"XID {event.xid} (worker-fatal)", gpu=uuid, evidence=evidence
+            )
+        else:
+            finding = Finding(
+                "xid_device", f"XID {event.xid} (device-fatal)", gpu=uuid, evidence=evidence
+            )
+        self._add(finding)
+        self._run(self.host.clock.now())
+
+    def on_sample(self, sample: Sample) -> None:
+        """Judge every worker and GPU at this sample; act."""
+        now = sample.t
+        free_of = {d.uuid: d.memory_free_mb for d in sample.devices}
+        judge = any(now - w.judged_at >= w.gpu_floor.bucket_s for w in self._watch.values())
+        host_free = self._host_available_mb() if judge else None
+        for runner in self.host.workers():
+            self._judge_worker(runner, sample, now, free_of, host_free)
+        self._judge_devices(sample, now)
+        self._run(now)
+
+    # --- detectors ----------------------------------------------------------------------
+
+    def _reset(self, runner: WorkerRunner) -> _Watch:
+        window = self._health(runner).leak_window_s if self._group(runner) else 600.0
+        bucket = floor_bucket_s(window)
+        w = _Watch(
+            pid=runner.record.pid,
+            gpu_floor=FloorSeries(window, bucket),
+            host_floor=FloorSeries(window, bucket),
+            oom_kills_at_start=procfs.oom_kills(self.oom_events_of(runner.name)),
+        )
+        self._watch[runner.name] = w
+        for key in [k for k in self._pending if k[1] == runner.name]:
+            del self._pending[key]
+        return w
+
+    def _judge_worker(
+        self,
+        runner: WorkerRunner,
+        sample: Sample,
+        now: float,
+        free_of: Mapping[str, float | None],
+        host_free: float | None,
+    ) -> None:
+        group = self._group(runner)
+        if group is None:
+            return
+        health = group.health
+        w = self._watch.get(runner.name)
+        pid = runner.record.pid
+        if w is None or w.pid != pid:
+            w = self._reset(runner)
+        usage = sample.workers.get(runner.name)
+        if pid is None or usage is None:
+            return
+        ready_at = runner.record.ready_at
+        if w.gpu_floor.since is None and ready_at is not None:
+            since = ready_at + health.leak_warmup_s
+            w.gpu_floor.reset(since)
+            w.host_floor.reset(since)
+        w.gpu_floor.add(now, usage.gpu_memory_mb)
+        w.host_floor.add(now, usage.host_rss_mb)
+        w.gpu_streak = budget_streak(w.gpu_streak, usage.gpu_memory_mb, health.gpu_memory_limit_mb)
+        w.host_streak = budget_streak(w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb)
+        if w.gpu_streak >= BUDGET_SAMPLES:
+            self._add(_budget("gpu_memory_limit", runner.name, usage.gpu_memory_mb, health))
+        if w.host_streak >= BUDGET_SAMPLES:
+            self._add(_budget("host_memory_limit", runner.name, usage.host_rss_mb, health))
+        if now - w.judged_at < w.gpu_floor.bucket_s:
+            return
+        w.judged_at = now
+        settings = LeakSettings(
+            window_s=health.leak_window_s,
+            min_mb_per_min=health.leak_min_mb_per_min,
+            horizon_s=health.oom_horizon_s,
+        )
+        gpus = runner.spec.gpus or ()
+        frees = [f for u in gpus if (f := free_of.get(u)) is not None]
+        device_free = min(frees) if frees else None
+        w.gpu_leak = judge_leak(
+            w.gpu_floor.points(),
+            now,
+            settings,
+            headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb, device_free),
+        )
+        w.host_leak = judge_leak(
+            w.host_floor.points(),
+            now,
+            settings,
+            headroom(usage.host_rss_mb, health.host_memory_limit_mb, host_free),
+        )
+        for memory, verdict, current, limit in (
+            ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
+            ("host", w.host_leak, usage.host_rss_mb, health.host_memory_limit_mb),
+        ):
+            if verdict.act:
+                what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
+                self._add(
+                    Finding(
+                        "leak",
+                        f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
+                        f"{verdict.projected_oom_s or 0:.0f} s",
+                        worker=runner.name,
+                        evidence={
+                            "memory": memory,
+                            **verdict.evidence(),
+                            "used_mb": _round(current),
+                            "limit_mb": limit or None,
+                            "oom_horizon_s": health.oom_horizon_s,
+                            "leak_min_mb_per_min": health.leak_min_mb_per_min,
+                        },
+                    )
+                )
+
+    def _judge_devices(self, sample: Sample, now: float) -> None:
+        gpu = self.host.settings.gpu
+        settings = ThermalSettings(
+            margin_c=gpu.thermal_margin_c,
+            sustain_s=gpu.thermal_sustain_s,
+            clear_s=gpu.thermal_clear_s,
+        )
+        for d in sample.devices:
+            if not d.healthy:
+                if d.uuid not in self._lost and d.uuid not in self.state.quarantined:
+                    self._lost.add(d.uuid)
+                    self._add(
+                        Finding(
+                            "gpu_lost",
+                            f"GPU {d.index} stopped answering ({d.error})",
+                            gpu=d.uuid,
+                            evidence={"gpu_index": d.index, "error": d.error},
+                        )
+                    )
+                continue
+            self._lost.discard(d.uuid)
+            track = self.state.thermal.get(d.uuid, ThermalTrack())
+            track, change = thermal_step(track, d, now, settings)
+            self.state.thermal[d.uuid] = track
+            if change is None:
+                continue
+            evidence = {
+                "gpu_index": d.index,
+                "temperature_c": d.temperature_c,
+                "temperature_slowdown_c": d.temperature_slowdown_c,
+                "throttle_reasons": list(d.throttle_reasons or ()),
+                "why": track.why,
+            }
+            if change == "hot":
+                self._add(
+                    Finding(
+                        "thermal",
+                        f"GPU {d.index} is hot: {track.why}",
+                        gpu=d.uuid,
+                        evidence=evidence,
+                    )
+                )
+            else:
+                self._pending.pop(("thermal", d.uuid), None)
+                self._add(
+                    Finding(
+                        "thermal_cleared",
+                        f"GPU {d.index} is cool again",
+                        gpu=d.uuid,
+                        evidence=evidence,
+                    )
+                )
+
+    # --- policy and actions -------------------------------------------------------------
+
+    def _add(self, finding: Finding) -> None:
+        self._pending.setdefault(finding.key, finding)
+
+    def _run(self, now: float) -> None:
+        if not self._pending:
+            return
+        findings = list(self._pending.values())
+        views = {
+            r.name: WorkerView(
+                group=r.spec.group,
+                state=r.state,
+                gpus=tuple(r.spec.gpus or ()),
+                derated=r.name in self.state.derated,
+            )
+            for r in self.host.workers()
+        }
+        policies = {
+            g.name: GroupPolicy(
+                on_leak=g.health.on_leak,
+                on_over_budget=g.health.on_over_budget,
+                on_thermal=g.health.on_thermal,
+                max_unavailable=g.health.max_unavailable,
+            )
+            for g in self.host.settings.workers
+        }
+        decision = decide(
+            findings,
+            views,
+            policies,
+            now,
+            self._recent,
+            can_migrate=self._can_migrate(findings),
+            migrating=len(self._migrating),
+        )
+        self._pending = {f.key: f for f in decision.deferred}
+        for key, why in decision.why_deferred.items():
+            if key not in self._deferred_logged:
+                self._deferred_logged.add(key)
+                self.log.info("heal.deferred", finding=key[0], target=key[1], reason=why)
+        self._deferred_logged &= set(self._pending)
+        for act in decision.acts:
+            self._execute(act, now)
+        self._prune_recent(now)
+
+    def _can_migrate(self, findings: list[Finding]) -> dict[str, bool]:
+        hot = {f.gpu for f in findings if f.kind == "thermal" and f.gpu}
+        if not hot:
+            return {}
+        out: dict[str, bool] = {}
+        slots = [
+            replace(s, usable=False, why_not="is hot") if s.uuid in hot else s
+            for s in self.host.slots()
+        ]
+        fixed = {r.name: r.spec.gpus for r in self.host.workers()}
+        for r in self.host.workers():
+            if not set(r.spec.gpus or ()) & hot:
+                continue
+            group = self._group(r)
+            if group is None or group.gpus != "auto":
+                out[r.name] = False
+                continue
+            try:
+                place(
+                    self.host.settings.workers,
+                    slots,
+                    self.host.settings.gpu.reserve_mb,
+                    fixed=fixed,
+                    only={r.name},
+                )
+            except PlacementError:
+                out[r.name] = False
+            else:
+                out[r.name] = True
+        return out
+
+    def _execute(self, act: Act, now: float) -> None:
+        runner = self.host.runners.get(act.worker or "")
+        if act.action in ("drain", "restart", "migrate"):
+            if runner is None:
+                return
+            reason = ExitReason(act.reason)
+            self._exit_evidence[runner.name] = {
+                **act.evidence,
+                "action": act.action,
+                "message": act.message,
+            }
+            if act.action == "restart":
+                runner.post(lc.Restart(reason=reason))
+            else:
+                if act.action == "migrate" and act.gpu is not None:
+                    self.avoid.setdefault(runner.name, set()).add(act.gpu)
+                    self._migrating.add(runner.name)
+                runner.post(lc.Drain(restart=True, reason=reason))
+        elif act.action == "derate":
+            if act.worker is None or act.worker in self.state.derated:
+                return
+            self.state.derated[act.worker] = act.message
+        elif act.action == "restore":
+            if self.state.derated.pop(act.worker or "", None) is None:
+                return
+        elif act.action == "cordon":
+            if act.gpu is None or act.gpu in self.host.cordoned:
+                return
+            self.host.cordoned.add(act.gpu)
+            self.state.thermal_cordoned.add(act.gpu)
+        elif act.action == "uncordon":
+            if act.gpu not in self.state.thermal_cordoned:
+                return
+            self.state.thermal_cordoned.discard(act.gpu)
+            self.host.cordoned.discard(act.gpu)
+        elif act.action == "quarantine":
+            if act.gpu is None or act.gpu in self.state.quarantined:
+                return
+            self.state.quarantined[act.gpu] = act.message
+        self._record(act, now)
+
+    def _record(self, act: Act, now: float) -> None:
+        target = act.worker or act.gpu or ""
+        self._recent[(act.action, target, act.reason)] = now
+        key = (act.action, act.reason)
+        self.host.actions_total[key] = self.host.actions_total.get(key, 0) + 1
+        group = None
+        if act.worker is not None and act.worker in self.host.runners:
+            group = self.host.runners[act.worker].spec.group
+        self.log.warning(
+            "heal.action",
+            action=act.action,
+            reason=act.reason,
+            worker=act.worker,
+            gpu=act.gpu,
+            message=act.message,
+            evidence=dict(act.evidence),
+        )
+        wall = self.host.clock.wall()
+        self.host.journal.append(
+            wall,
+            "heal." + act.action,
+            act.worker,
+            reason=act.reason,
+            gpu=act.gpu,
+            message=act.message,
+        )
+        if self.alerter is not None:
+            self.alerter.send(
+                alert_doc(
+                    kind="alert" if act.action == "alert" else "action",
+                    action=act.action,
+                    reason=act.reason,
+                    message=act.message,
+                    at=wall,
+                    worker=act.worker,
+                    group=group,
+                    gpu=act.gpu,
+                    evidence=act.evidence,
+                    host=_hostname(),
+                    supervisor_pid=_pid(),
+                )
+            )
+        self.host.changed()
+
+    def on_fatal(self, runner: WorkerRunner, why: str) -> None:
+        """A worker gave up (fatal): alert."""
+        if self.alerter is None:
+            return
+        self.alerter.send(
+            alert_doc(
+                kind="fatal",
+                reason="fatal",
+                message=f"{runner.name} is fatal: {why}",
+                at=self.host.clock.wall(),
+                worker=runner.name,
+                group=runner.spec.group,
+                gpu=",".join(runner.spec.gpus or ()) or None,
+                evidence={"restarts": runner.record.restarts, "why": why},
+                host=_hostname(),
+                supervisor_pid=_pid(),
+            ),
+            key=("fatal", runner.name),
+        )
+
+    def _prune_recent(self, now: float) -> None:
+        if len(self._recent) > 1024:
+            for key in [k for k, t in self._recent.items() if now - t > 3600]:
+                del self._recent[key]
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _group(self, runner: WorkerRunner) -> WorkerGroup | None:
+        return self.host.settings.group(runner.spec.group)
+
+    def _health(self, runner: WorkerRunner) -> HealthSection:
+        group = self._group(runner)
+        assert group is not None
+        return group.health
+
+    def _uuid_of(self, index: int) -> str | None:
+        return next((s.uuid for s in self.host.slots() if s.index == index), None)
+
+
+def _budget(
+    kind: Literal["gpu_memory_limit", "host_memory_limit"],
+    name: str,
+    used: float | None,
+    health: HealthSection,
+) -> Finding:
+    limit = (
+        health.gpu_memory_limit_mb if kind == "gpu_memory_limit" else health.host_memory_limit_mb
+    )
+    what = "GPU memory" if kind == "gpu_memory_limit" else "host memory (RSS)"
+    return Finding(
+        kind,
+        f"{what} {used or 0:.0f} MiB over its budget of {limit:g} MiB",
+        worker=name,
+        evidence={"used_mb": _round(used), "limit_mb": limit, "samples_over": BUDGET_SAMPLES},
+    )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _host_available_mb() -> float | None:
+    try:
+        return float(psutil.virtual_memory().available) / MIB
+    except OSError:
+        return None
+
+
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+__all__ = ("HealHost", "HealState", "Healer")

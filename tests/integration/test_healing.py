@@ -1,0 +1,330 @@
+"""Self-healing end to end on simulated GPUs with real workers (``tests/workers/sim_worker.py``).
+
+Each test drives the sim world (memory claims, clock-event reasons, XID lines) and waits for
+the supervisor's own log events and API answers: no sleeping.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SupervisorFactory
+from tests.harness import Supervisor, worker_cmd
+from tests.schemas import validate_file
+
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
+
+#: Leak detection scaled down: a 12 s window (floor buckets of 0.1 s), no warm-up.
+FAST_LEAK = {"leak_warmup_s": 0, "leak_window_s": 12, "leak_min_mb_per_min": 10}
+
+
+def config(tmp_path: Path, *groups: dict[str, Any], **gpu: Any) -> dict[str, Any]:
+    return {
+        "supervisor": {"sample_interval_s": 0.05},
+        "gpu": {
+            "backend": "sim",
+            "sim_dir": str(tmp_path / "sim"),
+            "thermal_sustain_s": 0.3,
+            "thermal_clear_s": 0.3,
+            "release_timeout_s": 2,
+            **gpu,
+        },
+        "workers": [
+            {
+                "log_passthrough": True,
+                "stop_timeout_s": 2,
+                "drain_timeout_s": 0.2,
+                "restart": {"delay_s": 0, "stable_s": 0.1},
+                **g,
+            }
+            for g in groups
+        ],
+    }
+
+
+def sim(*args: str) -> list[str]:
+    return worker_cmd("sim_worker", *args)
+
+
+def set_gpu(tmp_path: Path, index: int, **keys: object) -> None:
+    """Rewrite keys of a simulated GPU (atomically, as the sim world requires)."""
+    path = tmp_path / "sim" / "gpus" / str(index)
+    lines = dict(line.split(" ", 1) for line in path.read_text().splitlines() if " " in line)
+    lines.update({k: str(v) for k, v in keys.items()})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{k} {v}\n" for k, v in lines.items()))
+    tmp.replace(path)
+
+
+def xid(tmp_path: Path, index: int, code: int) -> None:
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write(f"{index} {code}\n")
+
+
+def postmortem(sup: Supervisor, reason: str) -> dict[str, Any]:
+    event = sup.wait_event(event="records.postmortem", reason=reason)
+    path = sup.state_dir / "postmortems" / f"{event['id']}.json"
+    validate_file(path)
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+def test_leaking_worker_is_drained_and_restarted_before_its_budget(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "leaky",
+                "command": sim("500", "--leak", "4"),  # 240 MiB/min
+                "health": {**FAST_LEAK, "gpu_memory_limit_mb": 2000},
+            },
+        )
+    )
+    sup.ready("leaky-0")
+    action = sup.wait_event(event="heal.action", worker="leaky-0", timeout=30)
+    assert (action["action"], action["reason"]) == ("drain", "leak")
+    assert action["evidence"]["memory"] == "gpu"
+    assert action["evidence"]["slope_mb_per_min"] > 100
+    assert action["evidence"]["projected_oom_s"] <= 300
+    assert action["evidence"]["used_mb"] < 2000  # acted on before the budget
+    doc = postmortem(sup, "leak")
+    assert doc["worker"]["name"] == "leaky-0"
+    assert doc["evidence"]["action"] == "drain"
+    assert doc["evidence"]["slope_mb_per_min"] == action["evidence"]["slope_mb_per_min"]
+    sup.wait_events(2, event="worker.spawned", worker="leaky-0")
+    assert not sup.find(event="heal.action", reason="gpu_memory_limit")
+    assert sup.stop() == 0
+
+
+def test_over_gpu_and_host_budget_restarts(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "big",
+                "command": sim("3000"),
+                "health": {"gpu_memory_limit_mb": 2000},
+            },
+            {
+                "name": "fat",
+                "command": sim("100", "--host-mb", "150"),
+                "health": {"host_memory_limit_mb": 100},
+            },
+        )
+    )
+    env_line = sup.wait_line("[big-0] ", contains="ready on")
+    assert env_line
+    big = sup.wait_event(event="heal.action", worker="big-0", timeout=20)
+    assert (big["action"], big["reason"]) == ("restart", "gpu_memory_limit")
+    assert big["evidence"]["used_mb"] == 3000 and big["evidence"]["limit_mb"] == 2000
+    fat = sup.wait_event(event="heal.action", worker="fat-0", timeout=20)
+    assert (fat["action"], fat["reason"]) == ("restart", "host_memory_limit")
+    assert fat["evidence"]["used_mb"] > 100
+    assert postmortem(sup, "gpu_memory_limit")["worker"]["name"] == "big-0"
+    assert postmortem(sup, "host_memory_limit")["worker"]["name"] == "fat-0"
+    mode = sup.wait_event(event="cgroup.mode")  # how the host budget is enforced, and why
+    assert mode["mode"] in ("memory.max", "rss_watch") and mode["reason"]
+    with sup.api() as api:
+        workers = {w["name"]: w for w in api.get("/api/v1/workers").json()}
+    assert workers["fat-0"]["host_memory_enforcement"] == mode["mode"]
+    assert workers["big-0"]["host_memory_enforcement"] is None
+    assert sup.stop() == 0
+
+
+def test_hot_gpu_derates_its_workers_then_restores_them(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(config(tmp_path, {"name": "g", "replicas": 2, "command": sim("100")}))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x20)  # SW thermal slowdown
+    derate = sup.wait_event(event="heal.action", action="derate", timeout=20)
+    assert (derate["worker"], derate["reason"], derate["gpu"]) == ("g-0", "thermal", UUID0)
+    with sup.api() as api:
+        workers = {w["name"]: w for w in api.get("/api/v1/workers").json()}
+        assert workers["g-0"]["derated"] is True and workers["g-1"]["derated"] is False
+        for _ in range(3):  # routing avoids the derated worker
+            assert api.get("/api/v1/route", params={"group": "g"}).json()["name"] == "g-1"
+        gpu0 = api.get("/api/v1/gpu/status").json()["devices"][0]
+        assert gpu0["hot"] is True
+        mark = sup.mark()
+        set_gpu(tmp_path, 0, clocks_event_reasons=0)
+        sup.wait_event(event="heal.action", action="restore", worker="g-0", after=mark)
+        assert api.get("/api/v1/workers/g-0").json()["derated"] is False
+    assert not sup.find(event="worker.exited")  # never a plain restart
+    assert sup.stop() == 0
+
+
+def test_migrate_moves_a_worker_to_the_cooler_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "m", "command": sim("100"), "health": {"on_thermal": "migrate"}},
+        )
+    )
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, temperature_c=84, temperature_slowdown_c=87)  # within the 5 C margin
+    action = sup.wait_event(event="heal.action", action="migrate", after=mark, timeout=20)
+    assert action["reason"] == "thermal"
+    moved = sup.wait_event(event="worker.moved", worker="m-0", after=mark)
+    assert moved["new_gpus"] == [UUID1]
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID1}")
+    assert postmortem(sup, "thermal")["evidence"]["action"] == "migrate"
+    assert sup.stop() == 0
+
+
+def test_xid_13_restarts_only_the_worker_on_that_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(config(tmp_path, {"name": "g", "replicas": 2, "command": sim("100")}))
+    g0 = sup.ready("g-0")
+    sup.ready("g-1")
+    xid(tmp_path, 0, 13)
+    action = sup.wait_event(event="heal.action", reason="xid", timeout=20)
+    assert (action["action"], action["worker"]) == ("restart", "g-0")
+    sup.wait_events(2, event="worker.spawned", worker="g-0")
+    assert postmortem(sup, "xid")["evidence"]["xid"] == 13
+    assert len(sup.find(event="worker.spawned", worker="g-1")) == 1
+    assert not sup.find(event="heal.action", worker="g-1")
+    assert g0
+    assert sup.stop() == 0
+
+
+def test_xid_79_quarantines_the_gpu_and_moves_its_workers(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(config(tmp_path, {"name": "g", "replicas": 2, "command": sim("100")}))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark, timeout=20)
+    drain = sup.wait_event(event="heal.action", action="drain", after=mark)
+    assert drain["worker"] == "g-0"
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+    assert moved["new_gpus"] == [UUID1]
+    with sup.api() as api:
+        gpu0 = api.get("/api/v1/gpu/status").json()["devices"][0]
+        assert (gpu0["healthy"], gpu0["quarantined"]) == (False, True)
+        ready = api.get("/readyz").json()
+        assert [g["uuid"] for g in ready["gpus_unhealthy"]] == [UUID0]
+        assert 'gpu_supervisor_gpu_healthy{gpu="0"' in api.get("/metrics").text
+    assert sup.stop() == 0
+
+
+def test_sticky_cuda_error_line_restarts_the_worker(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    line = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    sup = supervisor(
+        config(tmp_path, {"name": "s", "command": sim("100", "--say-after", "0.2", line)})
+    )
+    sup.ready("s-0")
+    action = sup.wait_event(event="heal.action", worker="s-0", timeout=20)
+    assert (action["action"], action["reason"]) == ("restart", "log_pattern")
+    doc = postmortem(sup, "log_pattern")
+    assert doc["evidence"]["log_line"] == line
+    assert doc["evidence"]["pattern"] == "CUDA error: an illegal memory access"
+    assert sup.stop() == 0
+
+
+def test_max_unavailable_holds_when_several_workers_leak(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Three workers leak at once: they are restarted one at a time, each after the previous
+    one is ready again, so the group never has more than one worker down."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "l",
+                "replicas": 3,
+                "gpus": [0],
+                "command": sim("500", "--leak", "4"),
+                "drain_timeout_s": 0.3,
+                "health": {
+                    **FAST_LEAK,
+                    "gpu_memory_limit_mb": 2000,
+                    "on_leak": "drain",
+                    "max_unavailable": 1,
+                },
+            },
+        )
+    )
+    for w in ("l-0", "l-1", "l-2"):
+        sup.ready(w)
+    sup.wait_events(3, event="heal.action", reason="leak", timeout=60)
+    sup.wait_event(event="heal.deferred")
+    down: set[str] = set()
+    worst = 0
+    for e in sup.find(event="worker.state"):
+        if e["new"] == "ready":
+            down.discard(e["worker"])
+        elif e["old"] == "ready":
+            down.add(e["worker"])
+        worst = max(worst, len(down))
+    assert worst == 1
+    assert sup.stop() == 0
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    received: list[dict[str, Any]]
+    got: threading.Event
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append(json.loads(body))
+        type(self).got.set()
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook() -> Iterator[type[_Hook]]:
+    hook = type("Hook", (_Hook,), {"received": [], "got": threading.Event()})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), hook)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    hook.url = f"http://127.0.0.1:{server.server_address[1]}/hook"  # type: ignore[attr-defined]
+    try:
+        yield hook
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_webhook_receives_the_action(
+    supervisor: SupervisorFactory, tmp_path: Path, webhook: type[_Hook]
+) -> None:
+    cfg = config(
+        tmp_path,
+        {"name": "big", "command": sim("3000"), "health": {"gpu_memory_limit_mb": 2000}},
+    )
+    cfg["alerts"] = {"webhook_url": webhook.url}  # type: ignore[attr-defined]
+    sup = supervisor(cfg)
+    sup.wait_event(event="heal.action", worker="big-0", timeout=20)
+    assert webhook.got.wait(10)
+    doc = webhook.received[0]
+    assert doc["schema_version"] == 1
+    assert (doc["kind"], doc["action"], doc["reason"]) == ("action", "restart", "gpu_memory_limit")
+    assert (doc["worker"], doc["group"], doc["gpu"]) == ("big-0", "big", None)
+    assert doc["evidence"]["limit_mb"] == 2000
+    assert doc["at"].endswith("Z")
+    assert sup.stop() == 0

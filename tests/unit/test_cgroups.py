@@ -1,0 +1,112 @@
+"""cgroup v2 support detection and worker placement, on fake cgroup directories and for real.
+
+The fake directories exercise the decisions (which hierarchy, which controllers, what is
+written where); the last test uses the machine's own cgroup v2 hierarchy and skips, saying why,
+where the memory controller is not delegated to us.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.cgroups import PREFIX, WorkerCgroups, own_cgroup, probe
+
+MOUNTINFO_HYBRID = (
+    "35 24 0:30 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro\n"
+    "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+)
+MOUNTINFO_NAMESPACED = "50 40 0:40 /system.slice/x.service /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+
+
+def fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "mountinfo", "expected"),
+    [
+        ("0::/\n4:memory:/x\n", MOUNTINFO_HYBRID, "/sys/fs/cgroup/unified"),
+        (
+            "0::/system.slice/gpu.service\n",
+            MOUNTINFO_HYBRID,
+            "/sys/fs/cgroup/unified/system.slice/gpu.service",
+        ),
+        # a container's cgroup namespace mount shows the part below its root
+        ("0::/system.slice/x.service/w\n", MOUNTINFO_NAMESPACED, "/sys/fs/cgroup/w"),
+        ("4:memory:/x\n", MOUNTINFO_HYBRID, None),  # cgroup v1 only
+        ("0::/\n", "35 24 0:30 / /sys/fs/cgroup ro - tmpfs tmpfs ro\n", None),  # not mounted
+    ],
+)
+def test_own_cgroup(tmp_path: Path, cgroup: str, mountinfo: str, expected: str | None) -> None:
+    got = own_cgroup(fake_proc(tmp_path, cgroup, mountinfo))
+    assert (None if got is None else str(got)) == expected
+
+
+def fake_cgroup(tmp_path: Path, controllers: str, subtree: str = "") -> Path:
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text(controllers + "\n")
+    (root / "cgroup.subtree_control").write_text(subtree)
+    return root
+
+
+def test_no_memory_controller_means_rss_watch(tmp_path: Path) -> None:
+    support = probe(fake_cgroup(tmp_path, "cpu hugetlb"))
+    assert (support.memory, support.mode) == (False, "rss_watch")
+    assert "memory controller is not available" in support.why and "cpu hugetlb" in support.why
+
+
+def test_delegated_subtree_enables_memory_and_places_workers(tmp_path: Path) -> None:
+    root = fake_cgroup(tmp_path, "cpu memory pids")
+    support = probe(root, move_self=False)
+    assert (support.memory, support.mode, support.why) == (True, "memory.max", "")
+    assert (root / "cgroup.subtree_control").read_text() == "+memory"
+    cgroups = WorkerCgroups(support)
+    assert cgroups.place("gpen-0", 4242, 512)
+    leaf = root / f"{PREFIX}gpen-0"
+    assert (leaf / "memory.max").read_text() == str(512 * 1024 * 1024)
+    assert (leaf / "cgroup.procs").read_text() == "4242"
+    assert cgroups.events_file("gpen-0") == leaf / "memory.events"
+    assert not cgroups.place("gpen-1", 4243, 0)  # no budget: no cgroup
+
+
+def test_without_support_nothing_is_written(tmp_path: Path) -> None:
+    cgroups = WorkerCgroups(probe(fake_cgroup(tmp_path, "cpu")))
+    assert not cgroups.place("gpen-0", 4242, 512)
+    assert cgroups.path("gpen-0") is None and cgroups.events_file("gpen-0") is None
+
+
+def test_real_memory_max_is_enforced_where_delegated(tmp_path: Path) -> None:
+    """On a machine with a delegated cgroup v2 memory controller, a child over memory.max is
+    OOM-killed by the kernel. Probed without moving this test process (move_self=False)."""
+    support = probe(move_self=False)
+    if not support.memory:
+        pytest.skip(f"per-worker memory.max cannot be tested here: {support.why}")
+    cgroups = WorkerCgroups(support)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.stdin.read(); b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096])",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        assert cgroups.place("memtest", child.pid, 64)
+        assert child.stdin is not None
+        child.stdin.close()
+        assert child.wait(30) == -9
+        events = (cgroups.events_file("memtest") or Path("/nonexistent")).read_text()
+        assert "oom_kill 1" in events
+    finally:
+        child.kill()
+        child.wait()
+        cgroups.remove("memtest")

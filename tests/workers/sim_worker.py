@@ -1,0 +1,54 @@
+"""A worker on simulated GPUs for the self-healing tests.
+
+``sim_worker.py MB [--leak MB_PER_S] [--host-mb N] [--say-after S TEXT]``: claims MB MiB on every
+GPU in CUDA_VISIBLE_DEVICES (the sim world's procs/<pid>), then READY=1; ``--leak`` grows the
+claim every 0.05 s; ``--host-mb`` holds that much host memory (touched, so it is resident);
+``--say-after`` prints TEXT on stdout after S seconds (a sticky-error line, say).
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from common import notify, say
+
+args = sys.argv[1:]
+
+
+def option(name: str, default: str | None = None) -> str | None:
+    return args[args.index(name) + 1] if name in args else default
+
+
+mb = float(args[0])
+leak = float(option("--leak", "0") or 0)
+host_mb = float(option("--host-mb", "0") or 0)
+say_after = float(option("--say-after", "-1") or -1)
+text = args[args.index("--say-after") + 2] if "--say-after" in args else ""
+world = Path(os.environ["GPU_SUPERVISOR_SIM_DIR"])
+gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+
+
+def claim(amount: float) -> None:
+    tmp = world / "procs" / f".{os.getpid()}.tmp"
+    tmp.write_text("".join(f"{g} {amount:.3f}\n" for g in gpus))
+    os.replace(tmp, world / "procs" / str(os.getpid()))
+
+
+held = bytearray(int(host_mb * 1024 * 1024))
+for i in range(0, len(held), 4096):
+    held[i] = 1
+claim(mb)
+notify("READY=1")
+say(f"ready on {','.join(gpus)}")
+start = time.monotonic()
+said = False
+while True:
+    time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    if leak:
+        claim(mb + leak * elapsed)
+    if not said and 0 <= say_after <= elapsed:
+        said = True
+        print(text, flush=True)
+    notify("WATCHDOG=1")
