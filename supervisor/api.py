@@ -12,13 +12,17 @@ Auth: with ``api.token_file`` set, mutating endpoints need ``Authorization: Bear
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
+import hashlib
 import hmac
+import importlib.resources
 import json
 import logging
 import math
 import os
+import re
 import socket
 import stat
 import time
@@ -310,6 +314,60 @@ def _auth_dependencies(token: str | None) -> list[Any]:
         return []
     scheme = HTTPBearer(auto_error=False, description="the token in api.token_file")
     return [Depends(scheme), Depends(_BearerCheck(token))]
+
+
+# --- the status page ------------------------------------------------------------------------
+
+#: The status page (``GET /``): one self-contained HTML file in this package.
+STATUS_PAGE = "status.html"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusPage:
+    """The page's bytes and the headers it is served with."""
+
+    body: bytes
+    headers: Mapping[str, str]
+
+
+def status_page() -> StatusPage:
+    """``supervisor/status.html`` (read through ``importlib.resources``: works from a wheel).
+
+    Its Content-Security-Policy allows the page's one inline ``<style>`` and one inline
+    ``<script>`` by their sha256 (nothing else runs, even if text from the API were ever parsed
+    as HTML), fetches to this origin only, and no framing.
+    """
+    text = importlib.resources.files("supervisor").joinpath(STATUS_PAGE).read_text("utf-8")
+
+    def source_hash(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+        if len(blocks) != 1:
+            raise RuntimeError(f"{STATUS_PAGE}: {len(blocks)} inline <{tag}> blocks, want 1")
+        digest = hashlib.sha256(blocks[0].encode("utf-8")).digest()
+        return f"'sha256-{base64.b64encode(digest).decode()}'"
+
+    csp = "; ".join(
+        (
+            "default-src 'none'",
+            f"script-src {source_hash('script')}",
+            f"style-src {source_hash('style')}",
+            "connect-src 'self'",
+            "img-src data:",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        )
+    )
+    return StatusPage(
+        text.encode("utf-8"),
+        {
+            "Cache-Control": "no-cache",
+            "Content-Security-Policy": csp,
+            "X-Content-Type-Options": "nosniff",
+            "X-Frame-Options": "DENY",
+            "Referrer-Policy": "no-referrer",
+        },
+    )
 
 
 # --- the app --------------------------------------------------------------------------------
@@ -663,6 +721,27 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
+    page = status_page()
+    page_token = (token or "").encode()
+
+    @app.get("/", include_in_schema=False)
+    async def status(request: Request) -> Response:
+        """The status page (HTML; it reads the API from the browser every 2 s).
+
+        With ``auth_read``, 401 without the bearer token like every other read: JSON for an API
+        client, and for a browser (``Accept: text/html``) the page itself, which holds no data
+        and asks for the token (``/#token=...``, kept in the browser's localStorage).
+        """
+        headers = dict(page.headers)
+        code = 200
+        if auth_read:
+            why = bearer_refusal(request.headers.get("authorization", ""), page_token)
+            if why is not None:
+                if "text/html" not in request.headers.get("accept", ""):
+                    raise _problem(401, why, {"WWW-Authenticate": "Bearer"})
+                code, headers["WWW-Authenticate"] = 401, "Bearer"
+        return Response(page.body, code, headers, media_type="text/html")
+
     async def healthz_async() -> bytes:
         return healthz_body()
 
@@ -766,10 +845,11 @@ def _readiness(rt: Runtime) -> dict[str, Any]:
     if rt.stopped:
         reasons.append("supervisor has stopped")
     sample = rt.sampler.last
+    quarantined = rt.healer.state.quarantined
     unhealthy = [
-        {"id": d.index, "uuid": d.uuid, "error": d.error}
+        {"id": d.index, "uuid": d.uuid, "error": d.error or f"quarantined: {quarantined[d.uuid]}"}
         for d in (sample.devices if sample is not None else ())
-        if not d.healthy
+        if not d.healthy or d.uuid in quarantined
     ]
     return {
         "ready": not reasons,
