@@ -6,6 +6,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -101,32 +103,85 @@ def _pid1_works() -> bool:
     return probe.returncode == 0
 
 
+def _ns_pid(proc: psutil.Process) -> int | None:
+    """The pid of ``proc`` in its innermost PID namespace (last ``NSpid:`` entry), or None."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in status.splitlines() if ln.startswith("NSpid:")), None)
+    return int(line.split()[-1]) if line else None
+
+
+def _zombies(procs: list[psutil.Process]) -> list[int]:
+    out = []
+    for p in procs:
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 @pytest.mark.skipif(
     not _pid1_works(), reason="unshare --pid --fork --mount-proc not permitted here"
 )
 def test_as_pid1_reaps_orphans_and_stops_on_sigterm(supervisor: SupervisorFactory) -> None:
-    """Inside a new PID namespace the supervisor is PID 1: it reaps re-parented orphans and a
-    SIGTERM sent to it stops every worker gracefully (the signal reaches the workers)."""
+    """Inside a new PID namespace the supervisor is PID 1: it reaps re-parented orphans (no
+    zombie is left in the namespace) and a SIGTERM sent to it stops every worker gracefully,
+    escalating to SIGKILL for one that ignores SIGTERM after its stop_timeout_s, all within
+    shutdown_timeout_s (the container case: docker stop, examples/docker)."""
     assert unshare is not None
+    shutdown_timeout_s = 10.0
+    stubborn_stop_s = 1.0
     sup = supervisor(
-        {"workers": [g("df", "double_fork", "0.2"), g("plain", replicas=2)]},
+        {
+            "supervisor": {"shutdown_timeout_s": shutdown_timeout_s},
+            "workers": [
+                g("df", "double_fork", "0.2"),
+                g("plain", replicas=2),
+                g("stubborn", "ignore_sigterm", stop_timeout_s=stubborn_stop_s),
+            ],
+        },
         prefix=[unshare, "--pid", "--fork", "--mount-proc"],
     )
     start = sup.wait_event(event="supervisor.start")
     assert start["pid"] == 1 and start["pid1"] is True
-    for w in ("df-0", "plain-0", "plain-1"):
+    for w in ("df-0", "plain-0", "plain-1", "stubborn-0"):
         sup.ready(w)
+    # the double-forked grandchild announces its (namespace) pid, outlives its parent, exits 7
+    orphan = int(sup.wait_line("[df-0] ", endswith=" orphan").split()[2])
     reaped = sup.wait_event(event="supervisor.reaped_orphan")
-    assert reaped["code"] == 7
+    assert reaped["code"] == 7 and reaped["pid"] == orphan
     sup.seen_pids.clear()  # pids inside the namespace mean nothing out here
     # Signal the supervisor itself (PID 1 inside, a child of unshare outside).
     inner = psutil.Process(sup.pid).children()[0]
+    assert _ns_pid(inner) == 1
+    in_namespace = inner.children(recursive=True)
+    assert len(in_namespace) >= 4  # the four workers
+    assert _zombies(in_namespace) == []
+    assert orphan not in {_ns_pid(p) for p in in_namespace}
+    t0 = time.monotonic()
     inner.send_signal(signal.SIGTERM)
     assert sup.wait_exit() == 0
+    elapsed = time.monotonic() - t0
     for w in ("plain-0", "plain-1", "df-0"):
         exited = sup.wait_event(event="worker.exited", worker=w)
         assert exited["signal"] == "SIGTERM" and exited["reason"] == "shutdown"
+    term = sup.wait_event(event="worker.signal", worker="stubborn-0", signal="SIGTERM")
+    killed = sup.wait_event(event="worker.exited", worker="stubborn-0")
+    assert killed["signal"] == "SIGKILL" and killed["reason"] == "shutdown"
+    waited = _ts(killed) - _ts(term)
+    assert stubborn_stop_s - 0.1 <= waited <= stubborn_stop_s + 0.5, waited
+    # the whole stop: escalation included, well inside shutdown_timeout_s
+    assert stubborn_stop_s <= elapsed < shutdown_timeout_s, elapsed
     assert sup.wait_event(event="supervisor.exit")["code"] == 0
+    assert not sup.find(event="supervisor.shutdown_timeout")
+
+
+def _ts(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

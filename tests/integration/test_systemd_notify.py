@@ -17,13 +17,13 @@ class Manager:
         self.sock = sock
         self.got: list[str] = []
 
-    def wait_for(self, want: str, timeout: float = 10.0) -> str:
-        """The first message (old or new) containing ``want``."""
+    def wait_for(self, want: str, timeout: float = 10.0, count: int = 1) -> str:
+        """The ``count``-th message (old or new) containing ``want``."""
         deadline = time.monotonic() + timeout
         while True:
-            found = next((m for m in self.got if want in m), None)
-            if found is not None:
-                return found
+            found = [m for m in self.got if want in m]
+            if len(found) >= count:
+                return found[count - 1]
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AssertionError(f"no {want!r} within {timeout}s; got {self.got[-20:]}")
@@ -60,7 +60,8 @@ def test_ready_watchdog_and_status_reach_the_manager(
         assert a_ready["timestamp"] <= sup.wait_event(event="supervisor.ready")["timestamp"]
         assert b_ready["timestamp"] <= sup.wait_event(event="supervisor.ready")["timestamp"]
         assert all("READY=1" not in m for m in manager.got[:ready_at])
-        assert manager.wait_for("WATCHDOG=1")
+        # WATCHDOG=1 keeps coming, every WATCHDOG_USEC/2 (0.2 s), not just once
+        assert manager.wait_for("WATCHDOG=1", count=3)
         assert manager.wait_for("STATUS=3/3 ready, 0 fatal, 2 groups")
         assert sup.stop() == 0
         assert manager.wait_for("STOPPING=1")
