@@ -904,8 +904,12 @@ class Front:
         exempt: Sequence[str] = (),
         urgent: Callable[[], bool] = lambda: False,
         urgent_share: float = 0.1,
+        wall: Callable[[], float] = time.perf_counter,
+        cpu: Callable[[], float] = time.thread_time,
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self.app = app
+        self._wall, self._cpu, self._sleep = wall, cpu, sleep
         self.urgent = urgent
         self.urgent_share = urgent_share
         self.fast = dict(fast)
@@ -932,13 +936,13 @@ class Front:
 
     async def _admit(self) -> None:
         """Wait for the next period once the loop's thread used its share of this one."""
-        now = time.perf_counter()
+        now = self._wall()
         if now - self._window_at >= self.period_s:
-            self._window_at, self._window_cpu = now, time.thread_time()
-        elif time.thread_time() - self._window_cpu >= self._share() * self.period_s:
+            self._window_at, self._window_cpu = now, self._cpu()
+        elif self._cpu() - self._window_cpu >= self._share() * self.period_s:
             self.waits += 1
-            await anyio.sleep(self._window_at + self.period_s - now)
-            self._window_at, self._window_cpu = time.perf_counter(), time.thread_time()
+            await self._sleep(self._window_at + self.period_s - now)
+            self._window_at, self._window_cpu = self._wall(), self._cpu()
 
     def _share(self) -> float:
         return self.urgent_share if self.urgent() else self.share

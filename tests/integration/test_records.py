@@ -276,6 +276,7 @@ def test_sigkill_during_churn_never_leaves_a_torn_file(
     config = {
         "supervisor": {"postmortem_keep": 30, "sample_interval_s": 0.1},
         "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "api": {"listen": ""},  # not under test here; starts faster without FastAPI
         "workers": [
             {
                 "name": "churn",

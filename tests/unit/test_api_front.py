@@ -6,6 +6,8 @@ import json
 import time
 from typing import Any
 
+import pytest
+
 from supervisor.api import FastRoute, Front
 
 
@@ -63,15 +65,61 @@ async def test_fast_routes_and_their_auth() -> None:
     assert (await call(front, "/other"))["body"] == b"slow"  # everything else: the app
 
 
+class FakeTimes:
+    """Wall-clock and CPU time that move only when the test says (a request burns CPU)."""
+
+    def __init__(self) -> None:
+        self.wall = 100.0
+        self.cpu = 5.0
+        self.slept = 0.0
+
+    def burn(self, seconds: float) -> None:
+        self.wall += seconds
+        self.cpu += seconds
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        self.wall += seconds
+
+
 async def test_requests_past_the_share_wait_for_the_next_period() -> None:
-    front = Front(slow_app, {}, None, share=0.5, period_s=0.02)
-    started = time.perf_counter()
+    t = FakeTimes()
+
+    async def burning_app(scope: Any, receive: Any, send: Any) -> None:
+        t.burn(0.004)  # 4 ms of CPU per request
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"slow"})
+
+    front = Front(
+        burning_app,
+        {},
+        None,
+        share=0.5,
+        period_s=0.02,
+        wall=lambda: t.wall,
+        cpu=lambda: t.cpu,
+        sleep=t.sleep,
+    )
     for _ in range(10):
         await call(front, "/x")
-    elapsed = time.perf_counter() - started
-    # 40 ms of CPU at most 50 % of the loop: about 80 ms, and the loop slept in between
-    assert front.waits >= 3
-    assert elapsed >= 0.06
+    # 10 ms of CPU per 20 ms period: three requests fit, the fourth waits for the next period
+    assert front.waits == 3
+    assert t.slept == pytest.approx(3 * 0.008)
+    urgent = Front(
+        burning_app,
+        {},
+        None,
+        share=0.5,
+        period_s=0.02,
+        urgent=lambda: True,
+        urgent_share=0.1,
+        wall=lambda: t.wall,
+        cpu=lambda: t.cpu,
+        sleep=t.sleep,
+    )
+    for _ in range(4):
+        await call(urgent, "/x")
+    assert urgent.waits == 3  # 2 ms a period while a worker is being replaced: one each
     exempt = Front(slow_app, {}, None, share=0.5, period_s=0.02, exempt=("/x",))
     for _ in range(10):
         await call(exempt, "/x")
