@@ -12,6 +12,7 @@ It runs inside the runtime's single writer: every entry point is called from the
 from __future__ import annotations
 
 import functools
+import math
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -214,10 +215,19 @@ class Healer:
         """Judge every worker and GPU at this sample; act."""
         now = sample.t
         free_of = {d.uuid: d.memory_free_mb for d in sample.devices}
-        judge = any(now - w.judged_at >= w.gpu_floor.bucket_s for w in self._watch.values())
-        host_free = self._host_available_mb() if judge else None
+        due = sorted(
+            (w.judged_at, name)
+            for name, w in self._watch.items()
+            if now - w.judged_at >= w.gpu_floor.bucket_s
+        )
+        # Leak judgements are spread over the ticks (about one bucket's worth of workers per
+        # tick), so 64 workers never cost one tick all of their fits at once.
+        interval = self.host.settings.supervisor.sample_interval_s
+        share = math.ceil(len(self._watch) * interval / FLOOR_BUCKET_S) if self._watch else 0
+        judged = {name for _, name in due[: max(1, share)]}
+        host_free = self._host_available_mb() if judged else None
         for runner in self.host.workers():
-            self._judge_worker(runner, sample, now, free_of, host_free)
+            self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
         self._judge_devices(sample, now)
         self._run(now)
 
@@ -244,6 +254,7 @@ class Healer:
         now: float,
         free_of: Mapping[str, float | None],
         host_free: float | None,
+        judge: bool,
     ) -> None:
         group = self._group(runner)
         if group is None:
@@ -269,7 +280,7 @@ class Healer:
             self._add(_budget("gpu_memory_limit", runner.name, usage.gpu_memory_mb, health))
         if w.host_streak >= BUDGET_SAMPLES:
             self._add(_budget("host_memory_limit", runner.name, usage.host_rss_mb, health))
-        if now - w.judged_at < w.gpu_floor.bucket_s:
+        if not judge:
             return
         w.judged_at = now
         settings = LeakSettings(
