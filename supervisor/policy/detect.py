@@ -14,6 +14,9 @@ Nothing here reads a clock, a file or a process: callers pass the values and ``n
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -24,16 +27,61 @@ from supervisor.model import DeviceSample
 
 # --- leak ----------------------------------------------------------------------------------
 
-#: Width of the fine buckets a floor series keeps (seconds); judging merges them further.
+#: Width of the fine buckets a floor series keeps (seconds, for a 600 s window; the runtime
+#: scales it with the window).
 FLOOR_BUCKET_S = 5.0
-#: A leak needs at least this many coarse floor points, spanning at least this long.
+#: Nothing is judged before the series has this many fine points spanning this long (seconds
+#: for a 600 s window, scaled with it).
 MIN_POINTS = 6
-MIN_SPAN_S = 45.0
-#: About this many coarse points are fitted (the fine buckets are merged to get them).
+MIN_SPAN_S = 30.0
+#: About this many points :func:`coarse_floors` merges a series into by default.
 TARGET_POINTS = 12
-#: The floor must have grown by at least this much over the window (MiB): less is noise or one
-#: allocator block.
+#: The floor must have grown by at least this much over a scale (MiB): less is noise or one
+#: allocator segment. Short scales need more (see :data:`SHORT_SCALE`).
 MIN_GROWTH_MB = 32.0
+
+#: The time scales judged, as fractions of ``window_s``: the leak may have started anywhere in
+#: the window, and the shortest scale that it fills answers fastest.
+SCALES = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1)
+#: A scale is cut into this many segments of ``BLOCKS_PER_SEGMENT`` blocks each (blocks at least
+#: ``MIN_BLOCK_S`` long, for a 600 s window); every segment must show growth of its own.
+SEGMENTS = 4
+BLOCKS_PER_SEGMENT = 3
+MIN_BLOCK_S = 10.0
+#: ...or, for growth spread over (nearly) every block rather than a few steps, three segments
+#: with at least ``SPREAD`` of the block-to-block steps rising by ``SPREAD_STEP`` of the mean.
+FAST_SEGMENTS = 3
+SPREAD = 0.85
+SPREAD_STEP = 0.35
+SPREAD_BALANCE = 0.5
+#: Scales shorter than this fraction of the window count spread growth only: a few steps in a
+#: minute or two are as likely a burst of bigger batches.
+STEPS_FROM = 0.2
+#: The fitted slope may be this much below ``min_mb_per_min`` (estimates of a leak at exactly the
+#: threshold scatter around it); each segment's own slope must reach ``SEGMENT_SLOPE`` of it.
+SLOPE_TOLERANCE = 0.8
+SEGMENT_SLOPE = 0.3
+#: The smallest segment growth must be at least this fraction of the largest (one big step and
+#: some small ones is not a leak).
+BALANCE = 0.25
+#: Growth needed over a scale: the larger of ``MIN_GROWTH_MB`` x ``SHORT_SCALE x window / scale``
+#: (so short scales need fast growth) and ``NEED_FRACTION`` of what the threshold rate gives.
+SHORT_SCALE = 0.4
+NEED_FRACTION = 0.5
+#: Each segment must grow by at least this (MiB), and by ``RISE_NOISE`` x the noise of a point.
+RISE_MIN_MB = 8.0
+RISE_NOISE = 2.0
+#: The noise of a point is estimated from this quantile of the (detrended) differences between
+#: points one to three apart; ``NOISE_Q_Z`` is where ``|N(0, 1)|`` has that quantile.
+NOISE_QUANTILE = 0.25
+NOISE_Q_Z = 0.3186
+#: A dip (an allocator release: a point well below both of its neighbourhoods) is at least this
+#: deep (MiB), and ``DIP_NOISE`` x the noise.
+DIP_MIN_MB = 48.0
+DIP_NOISE = 6.0
+#: When the dips of a scale are flat (slope below this fraction of the tolerated threshold), the
+#: growth between them is the cache refilling, not a leak.
+DIP_VETO = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,41 +205,238 @@ def judge_leak(
 
     ``headroom_mb``: memory left before the worker's budget or the device's (or host's) total,
     whichever is nearer; None when unknown (then nothing is projected and nothing acted on).
+
+    How (``docs/benchmarks.md`` has the figures on synthetic caching-allocator traces):
+
+    1. *Dips* are points well below the points on both sides (an allocator release shows the
+       true floor for a moment); the rest is the *plateau* (mostly the allocator's cache).
+    2. Every scale of :data:`SCALES` (the last ``scale`` seconds) is cut into
+       :data:`SEGMENTS` segments of blocks; a block's level is its second-lowest plateau point
+       (one stray low point does not count). A scale suspects a leak when the Theil-Sen slope of
+       the block levels reaches ``SLOPE_TOLERANCE x min_mb_per_min``, the levels grew by the
+       scale's minimum growth, and *every* segment grew (by more than the noise, at a slope of
+       its own, and not far less than the others). One step of the cache, or two or three, moves
+       at most that many segments: it is never enough. Growth spread over nearly every block
+       (a steady leak, not steps) needs three segments only.
+    3. Where a scale holds dips, their own staircase can suspect a leak too (the true floor is
+       rising), and dips that stay flat veto the plateau: what grows between releases is the
+       cache refilling.
+
+    The verdict reports the fastest-growing suspected scale (or the longest scale when nothing
+    is suspected); ``act`` needs the projection to the headroom at that slope within
+    ``horizon_s``.
     """
     window = [(t, v) for t, v in points if now - settings.window_s <= t <= now]
-    if len(window) < MIN_POINTS or window[-1][0] - window[0][0] < MIN_SPAN_S:
+    factor = settings.window_s / 600.0
+    if len(window) < MIN_POINTS or window[-1][0] - window[0][0] < MIN_SPAN_S * factor:
         return NO_VERDICT
-    floors = coarse_floors(window)
-    if len(floors) < MIN_POINTS:
-        return NO_VERDICT
-    per_s = theil_sen(floors)
-    recent_per_s = theil_sen(floors[len(floors) // 2 :])
-    if per_s is None or recent_per_s is None:
-        return NO_VERDICT
-    slope = per_s * 60.0
-    recent = recent_per_s * 60.0
-    span = floors[-1][0] - floors[0][0]
-    growth = floors[-1][1] - floors[0][1]
     threshold = settings.min_mb_per_min
-    suspected = (
-        slope >= threshold
-        and recent >= threshold / 2
-        and growth >= max(settings.min_growth_mb, threshold * span / 60.0 / 2)
-    )
+    values = [v for _, v in window]
+    depth = max(DIP_MIN_MB, DIP_NOISE * _noise(values))
+    dip = _dips(values, depth)
+    plateau = [p for p, d in zip(window, dip, strict=True) if not d]
+    dips = [p for p, d in zip(window, dip, strict=True) if d]
+    plateau_t = [t for t, _ in plateau]
+    dips_t = [t for t, _ in dips]
+    rise = max(RISE_MIN_MB, RISE_NOISE * _noise([v for _, v in plateau]))
+    min_block = MIN_BLOCK_S * factor
+    available = now - window[0][0]
+    best: _Scale | None = None
+    longest: _Scale | None = None
+    partial_done = False
+    for fraction in SCALES:
+        scale = settings.window_s * fraction
+        if scale > available:
+            if partial_done:
+                continue
+            scale, partial_done = available, True  # judge what there is, once
+        start = now - scale
+        need = max(
+            settings.min_growth_mb * max(1.0, SHORT_SCALE * settings.window_s / scale),
+            NEED_FRACTION * SLOPE_TOLERANCE * threshold * scale / 60.0,
+        )
+        shape = _Shape(start, scale, threshold, need, rise, min_block)
+        in_scale = dips[bisect.bisect_left(dips_t, start) :]
+        on_scale = plateau[bisect.bisect_left(plateau_t, start) :]
+        veto = False
+        results: list[_Scale] = []
+        if len(in_scale) >= 2 and in_scale[-1][0] - in_scale[0][0] >= scale / 3:
+            per_s = theil_sen(in_scale) or 0.0
+            veto = per_s * 60.0 < DIP_VETO * SLOPE_TOLERANCE * threshold
+            on_dips = _staircase(in_scale, shape, SEGMENTS, second=False, adaptive=True)
+            if on_dips is not None:
+                results.append(on_dips)
+        on_plateau = _staircase(on_scale, shape, SEGMENTS)
+        if on_plateau is not None and scale < STEPS_FROM * settings.window_s:
+            on_plateau = replace(on_plateau, suspected=False)  # too short for steps
+        if on_plateau is not None and not on_plateau.suspected and FAST_SEGMENTS:
+            spread = _staircase(on_scale, shape, FAST_SEGMENTS, spread=SPREAD)
+            if spread is not None and spread.suspected:
+                on_plateau = spread
+        if on_plateau is not None:
+            if veto:
+                on_plateau = replace(on_plateau, suspected=False)
+            results.append(on_plateau)
+        for result in results:
+            longest = longest or result
+            if result.suspected and (best is None or result.slope > best.slope):
+                best = result
+    chosen = best or longest
+    if chosen is None:
+        return NO_VERDICT
+    per_s = chosen.slope / 60.0
     projected: float | None = None
-    if headroom_mb is not None and slope > 0:
+    if headroom_mb is not None and per_s > 0:
         projected = max(0.0, headroom_mb) / per_s
-    act = suspected and projected is not None and projected <= settings.horizon_s
+    act = best is not None and projected is not None and projected <= settings.horizon_s
     return LeakVerdict(
-        slope_mb_per_min=slope,
-        suspected=suspected,
+        slope_mb_per_min=chosen.slope,
+        suspected=best is not None,
         projected_oom_s=projected,
         act=act,
-        points=len(floors),
-        span_s=span,
-        growth_mb=growth,
-        recent_mb_per_min=recent,
+        points=chosen.blocks,
+        span_s=chosen.span,
+        growth_mb=chosen.growth,
+        recent_mb_per_min=chosen.recent,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What one scale is judged against."""
+
+    start: float
+    scale: float
+    threshold: float  # min_mb_per_min
+    need_mb: float  # growth over the scale
+    rise_mb: float  # growth of every segment
+    min_block_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Scale:
+    """One scale's judgement."""
+
+    suspected: bool
+    slope: float  # MiB/min
+    span: float
+    growth: float
+    blocks: int
+    recent: float  # the last segment's slope, MiB/min
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
+def _noise(values: Sequence[float]) -> float:
+    """The noise (sd) of one point, from the 10th percentile of detrended lag-1..3 differences.
+
+    The low percentile and the best of three lags keep steps, dips and alternating release
+    patterns (most differences large) from inflating it.
+    """
+    best = math.inf
+    for lag in (1, 2, 3):
+        if len(values) < lag + 8:
+            break
+        diffs = [values[i + lag] - values[i] for i in range(len(values) - lag)]
+        mid = _median(diffs)
+        spread = sorted(abs(d - mid) for d in diffs)
+        # |N(0, 2 s^2)| has its NOISE_QUANTILE quantile at NOISE_Q_Z x sqrt(2) x s.
+        best = min(best, spread[int(len(spread) * NOISE_QUANTILE)] / (NOISE_Q_Z * math.sqrt(2.0)))
+    return 0.0 if best == math.inf else best
+
+
+def _dips(values: Sequence[float], depth: float) -> list[bool]:
+    """Which points are dips: local minima ``depth`` below the higher of two points each side."""
+    out = [False] * len(values)
+    for i in range(2, len(values) - 2):
+        v = values[i]
+        out[i] = (
+            v <= values[i - 1]
+            and v <= values[i + 1]
+            and v < max(values[i - 1], values[i - 2]) - depth
+            and v < max(values[i + 1], values[i + 2]) - depth
+        )
+    return out
+
+
+def _second_lowest(values: Sequence[float]) -> float:
+    low = second = math.inf
+    for v in values:
+        if v < low:
+            low, second = v, low
+        elif v < second:
+            second = v
+    return second
+
+
+def _staircase(
+    points: Sequence[tuple[float, float]],
+    shape: _Shape,
+    segments: int,
+    *,
+    second: bool = True,
+    adaptive: bool = False,
+    spread: float = 0.0,
+) -> _Scale | None:
+    """Judge ``points`` (none before ``shape.start``) as ``segments`` segments of blocks.
+
+    None when a block is empty.
+
+    ``second``: a block's level is its second-lowest point (of three or more), else its lowest.
+    ``adaptive``: use fewer blocks per segment until none is empty (sparse points: dips).
+    ``spread``: also require this fraction of block-to-block steps to rise.
+    """
+    per = BLOCKS_PER_SEGMENT
+    while per > 1 and shape.scale / (segments * per) < shape.min_block_s:
+        per -= 1
+    while True:
+        count = segments * per
+        width = shape.scale / count
+        groups: list[list[float]] = [[] for _ in range(count)]
+        last = count - 1
+        for t, v in points:
+            k = int((t - shape.start) / width)
+            groups[k if k < last else last].append(v)
+        if all(groups):
+            break
+        if not adaptive or per == 1:
+            return None
+        per -= 1
+    levels = [_second_lowest(g) if second and len(g) >= 3 else min(g) for g in groups]
+    blocks = [(shape.start + (k + 0.5) * width, v) for k, v in enumerate(levels)]
+    per_s = theil_sen(blocks)
+    if per_s is None:
+        return None
+    slope = per_s * 60.0
+    growth = levels[-1] - levels[0]
+    # The count - 1 block-to-block steps, split into contiguous groups: every step in one segment
+    # (one block per segment leaves one step fewer than segments: then a segment per step).
+    parts = min(segments, count - 1)
+    cuts = [round(j * (count - 1) / parts) for j in range(parts + 1)]
+    seg_growth: list[float] = []
+    seg_pace: list[float] = []  # growth per block step (segments may hold unequal numbers)
+    seg_slope: list[float] = []
+    for lo, hi in itertools.pairwise(cuts):
+        seg = blocks[lo : hi + 1]
+        seg_growth.append(seg[-1][1] - seg[0][1])
+        seg_pace.append(seg_growth[-1] / (hi - lo))
+        seg_slope.append((theil_sen(seg) or 0.0) * 60.0)
+    suspected = (
+        slope >= SLOPE_TOLERANCE * shape.threshold
+        and growth >= shape.need_mb
+        and min(seg_slope) >= SEGMENT_SLOPE * shape.threshold
+        and min(seg_growth) >= shape.rise_mb
+        and min(seg_pace) >= (SPREAD_BALANCE if spread else BALANCE) * max(seg_pace)
+    )
+    if suspected and spread:
+        step = max(1.0, SPREAD_STEP * growth / (count - 1))
+        rising = sum(1 for a, b in itertools.pairwise(levels) if b - a >= step)
+        suspected = rising >= spread * (count - 1)
+    return _Scale(suspected, slope, shape.scale, growth, count, seg_slope[-1])
 
 
 def headroom(
