@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit venv bench bench-api clean
+.PHONY: demo test lint typecheck unit venv bench bench-api bench-leak clean
 
 $(BIN)/gpu-supervisor: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: venv
 ## bench-api: HTTP API under load (64 workers on 8 sim GPUs) and crash recovery during it
 bench-api: venv
 	$(BIN)/python bench/api_load.py
+
+## bench-leak: leak-detector quality on synthetic caching-allocator traces (figures in docs/)
+bench-leak: venv
+	$(BIN)/python bench/leak_quality.py
 
 clean:
 	rm -rf $(VENV) state .pytest_cache .mypy_cache .ruff_cache
