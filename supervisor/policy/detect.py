@@ -4,9 +4,10 @@ Nothing here reads a clock, a file or a process: callers pass the values and ``n
 
 - Leak: the memory *floor* (per-interval minima: caching allocators hold memory in steps and
   release it now and then, so raw samples mostly show the cache, the minima show what is really
-  kept) is tracked by :class:`FloorSeries`; :func:`judge_leak` fits a Theil-Sen slope to it over
-  the window, and calls it a leak only when the recent half grows too (one step up of the cache
-  is not a leak) and the floor grew by a minimum amount.
+  kept) is tracked by :class:`FloorSeries`; :func:`judge_leak` looks at several time scales of
+  the window and calls it a leak only when the floor grew in every quarter of a scale (a few
+  steps of the cache are not a leak), by a minimum amount and at the threshold rate; releases
+  (dips to the true floor) that stay flat veto what grows between them.
 - Budget: :func:`budget_streak` counts consecutive samples over a limit.
 - Thermal: :func:`thermal_step` is a per-GPU state machine with a sustain time and hysteresis.
 - XIDs: :func:`xid_class`. Log lines: :func:`match_pattern`.
@@ -41,27 +42,20 @@ TARGET_POINTS = 12
 MIN_GROWTH_MB = 32.0
 
 #: The time scales judged, as fractions of ``window_s``: the leak may have started anywhere in
-#: the window, and the shortest scale that it fills answers fastest.
-SCALES = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.15, 0.1)
+#: the window, and the shortest scale that it fills answers fastest. None is shorter than two
+#: minutes (of a 600 s window): within a minute, a burst of bigger batches adds as much as a
+#: fast leak.
+SCALES = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2)
 #: A scale is cut into this many segments of ``BLOCKS_PER_SEGMENT`` blocks each (blocks at least
 #: ``MIN_BLOCK_S`` long, for a 600 s window); every segment must show growth of its own.
 SEGMENTS = 4
 BLOCKS_PER_SEGMENT = 3
 MIN_BLOCK_S = 10.0
-#: ...or, for growth spread over (nearly) every block rather than a few steps, three segments
-#: with at least ``SPREAD`` of the block-to-block steps rising by ``SPREAD_STEP`` of the mean.
-FAST_SEGMENTS = 3
-SPREAD = 0.85
-SPREAD_STEP = 0.35
-SPREAD_BALANCE = 0.5
-#: Scales shorter than this fraction of the window count spread growth only: a few steps in a
-#: minute or two are as likely a burst of bigger batches.
-STEPS_FROM = 0.2
 #: The fitted slope may be this much below ``min_mb_per_min`` (estimates of a leak at exactly the
 #: threshold scatter around it); each segment's own slope must reach ``SEGMENT_SLOPE`` of it.
 SLOPE_TOLERANCE = 0.8
 SEGMENT_SLOPE = 0.3
-#: The smallest segment growth must be at least this fraction of the largest (one big step and
+#: The slowest segment must grow at least this fraction as fast as the fastest (one big step and
 #: some small ones is not a leak).
 BALANCE = 0.25
 #: Growth needed over a scale: the larger of ``MIN_GROWTH_MB`` x ``SHORT_SCALE x window / scale``
@@ -215,9 +209,9 @@ def judge_leak(
        (one stray low point does not count). A scale suspects a leak when the Theil-Sen slope of
        the block levels reaches ``SLOPE_TOLERANCE x min_mb_per_min``, the levels grew by the
        scale's minimum growth, and *every* segment grew (by more than the noise, at a slope of
-       its own, and not far less than the others). One step of the cache, or two or three, moves
-       at most that many segments: it is never enough. Growth spread over nearly every block
-       (a steady leak, not steps) needs three segments only.
+       its own, and not far slower than the others). One step of the cache, or two or three,
+       moves at most that many segments: it is never enough. Scales under a minute or two need
+       faster growth (:data:`SHORT_SCALE`).
     3. Where a scale holds dips, their own staircase can suspect a leak too (the true floor is
        rising), and dips that stay flat veto the plateau: what grows between releases is the
        cache refilling.
@@ -267,12 +261,6 @@ def judge_leak(
             if on_dips is not None:
                 results.append(on_dips)
         on_plateau = _staircase(on_scale, shape, SEGMENTS)
-        if on_plateau is not None and scale < STEPS_FROM * settings.window_s:
-            on_plateau = replace(on_plateau, suspected=False)  # too short for steps
-        if on_plateau is not None and not on_plateau.suspected and FAST_SEGMENTS:
-            spread = _staircase(on_scale, shape, FAST_SEGMENTS, spread=SPREAD)
-            if spread is not None and spread.suspected:
-                on_plateau = spread
         if on_plateau is not None:
             if veto:
                 on_plateau = replace(on_plateau, suspected=False)
@@ -380,7 +368,6 @@ def _staircase(
     *,
     second: bool = True,
     adaptive: bool = False,
-    spread: float = 0.0,
 ) -> _Scale | None:
     """Judge ``points`` (none before ``shape.start``) as ``segments`` segments of blocks.
 
@@ -388,7 +375,8 @@ def _staircase(
 
     ``second``: a block's level is its second-lowest point (of three or more), else its lowest.
     ``adaptive``: use fewer blocks per segment until none is empty (sparse points: dips).
-    ``spread``: also require this fraction of block-to-block steps to rise.
+    Blocks are at least ``shape.min_block_s`` long where that leaves two a segment or more; with
+    one block a segment, every block-to-block step is a segment of its own.
     """
     per = BLOCKS_PER_SEGMENT
     while per > 1 and shape.scale / (segments * per) < shape.min_block_s:
@@ -430,12 +418,8 @@ def _staircase(
         and growth >= shape.need_mb
         and min(seg_slope) >= SEGMENT_SLOPE * shape.threshold
         and min(seg_growth) >= shape.rise_mb
-        and min(seg_pace) >= (SPREAD_BALANCE if spread else BALANCE) * max(seg_pace)
+        and min(seg_pace) >= BALANCE * max(seg_pace)
     )
-    if suspected and spread:
-        step = max(1.0, SPREAD_STEP * growth / (count - 1))
-        rising = sum(1 for a, b in itertools.pairwise(levels) if b - a >= step)
-        suspected = rising >= spread * (count - 1)
     return _Scale(suspected, slope, shape.scale, growth, count, seg_slope[-1])
 
 
