@@ -524,10 +524,6 @@ def thermal_step(
 
 # --- XIDs and log lines --------------------------------------------------------------------
 
-#: NVML.md section 2: the GPU stays usable, the worker's CUDA context does not.
-WORKER_FATAL_XIDS: tuple[int, ...] = (13, 31, 43, 45, 68, 94)
-#: NVML.md section 2: the GPU needs a reset; quarantine it.
-DEVICE_FATAL_XIDS: tuple[int, ...] = (46, 48, 62, 64, 74, 79, 95, 109, 119, 120, 140, 143)
 
 XidClass = Literal["worker", "device", "info"]
 

@@ -14,15 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.model import DeviceSample
+from supervisor.model import DEVICE_FATAL_XIDS, WORKER_FATAL_XIDS, DeviceSample
 from supervisor.policy import detect
 from supervisor.policy.detect import (
     BUDGET_SAMPLES,
-    DEVICE_FATAL_XIDS,
     FLOOR_BUCKET_S,
     NO_VERDICT,
     THERMAL_REASONS,
-    WORKER_FATAL_XIDS,
     FloorSeries,
     LeakSettings,
     LeakVerdict,
