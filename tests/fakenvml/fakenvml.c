@@ -1,8 +1,10 @@
 /*
  * fakenvml.c: a fake libnvidia-ml.so.1 for testing gpu-supervisor without a GPU.
  *
- * The real pynvml (nvidia-ml-py) loads it through LD_LIBRARY_PATH. Every call re-reads the
- * simulated-GPU world directory named by $GPU_SUPERVISOR_SIM_DIR (DESIGN.md section 7):
+ * The real pynvml (nvidia-ml-py) loads it through LD_LIBRARY_PATH. Every call answers from the
+ * simulated-GPU world directory named by $GPU_SUPERVISOR_SIM_DIR (DESIGN.md section 7), as it
+ * is when the call begins; the parsed world is cached and revalidated cheaply by each call
+ * (see "The world cache" below):
  *
  *   gpus/<index>   one device, "key value" lines; missing keys take defaults
  *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; dead pids are ignored
@@ -31,6 +33,8 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
@@ -38,7 +42,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
@@ -269,25 +276,6 @@ static int world_is_dir(void)
     return world != NULL && world[0] != '\0' && stat(world, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-static int device_file(char *buf, size_t size, unsigned int index)
-{
-    char rel[64];
-    snprintf(rel, sizeof rel, "gpus/%u", index);
-    return world_path(buf, size, rel);
-}
-
-/* Devices are gpus/0, gpus/1, ... up to the first missing index. */
-static unsigned int device_count(void)
-{
-    char path[PATH_BUF];
-    struct stat st;
-    unsigned int n = 0;
-    while (n < MAX_DEVICES && device_file(path, sizeof path, n) == 0 && stat(path, &st) == 0
-           && S_ISREG(st.st_mode))
-        n++;
-    return n;
-}
-
 static long long file_size(const char *rel)
 {
     char path[PATH_BUF];
@@ -401,13 +389,10 @@ struct kv_field {
 #define KV_FIELD(key, type, st, member) \
     { key, type, offsetof(st, member), sizeof(((st *)0)->member) }
 
-/* Parse "key value" lines into a struct described by fields; "rc_*" keys go to rc. */
-static int read_kv_file(const char *path, const struct kv_field *fields, size_t n_fields,
-                        void *target, struct rc_table *rc)
+/* Parse the "key value" lines of f into a struct described by fields; "rc_*" keys go to rc. */
+static void parse_kv_stream(FILE *f, const struct kv_field *fields, size_t n_fields,
+                            void *target, struct rc_table *rc)
 {
-    FILE *f = fopen(path, "re");
-    if (f == NULL)
-        return -1;
     char *line = NULL;
     size_t cap = 0;
     while (getline(&line, &cap, f) >= 0) {
@@ -452,8 +437,6 @@ static int read_kv_file(const char *path, const struct kv_field *fields, size_t 
         }
     }
     free(line);
-    fclose(f);
-    return 0;
 }
 
 struct device_info {
@@ -530,17 +513,6 @@ static void device_defaults(struct device_info *d, unsigned int index)
     d->clock_video_mhz = 1755;
 }
 
-/* Read gpus/<index> into *out (defaults for missing keys); -1 when the file is missing. */
-static int read_device(unsigned int index, struct device_info *out)
-{
-    char path[PATH_BUF];
-    device_defaults(out, index);
-    if (device_file(path, sizeof path, index) != 0)
-        return -1;
-    return read_kv_file(path, DEVICE_FIELDS, sizeof DEVICE_FIELDS / sizeof DEVICE_FIELDS[0],
-                        out, &out->rc);
-}
-
 struct system_info {
     char driver_version[80];
     char nvml_version[80];
@@ -554,26 +526,6 @@ static const struct kv_field SYSTEM_FIELDS[] = {
     KV_FIELD("cuda_driver_version", KV_I32, struct system_info, cuda_driver_version),
 };
 
-/* Read the optional world file "nvml" (system-level state and faults). */
-static void read_system(struct system_info *out)
-{
-    char path[PATH_BUF];
-    memset(out, 0, sizeof *out);
-    snprintf(out->driver_version, sizeof out->driver_version, "580.65.06");
-    snprintf(out->nvml_version, sizeof out->nvml_version, "13.580.65.06");
-    out->cuda_driver_version = 13000;
-    if (world_path(path, sizeof path, "nvml") == 0)
-        read_kv_file(path, SYSTEM_FIELDS, sizeof SYSTEM_FIELDS / sizeof SYSTEM_FIELDS[0], out,
-                     &out->rc);
-}
-
-static int system_rc(const char *function)
-{
-    struct system_info sys;
-    read_system(&sys);
-    return rc_lookup(&sys.rc, function);
-}
-
 /* ------------------------------------------------------------------------------------------ */
 /* Processes: procs/<pid>                                                                      */
 /* ------------------------------------------------------------------------------------------ */
@@ -586,15 +538,18 @@ struct proc_entry {
     int known;                                  /* some line gave a number (not "na") */
 };
 
-/* Alive: kill(pid, 0) does not say ESRCH and /proc does not show a zombie. */
-static int pid_alive(unsigned int pid)
+/*
+ * The slow liveness test, used where pidfds are not available: kill(pid, 0) does not say ESRCH
+ * and /proc/<pid>/stat does not show a zombie (Z) or a dead (X) task.
+ */
+static int pid_alive_slow(unsigned long long pid)
 {
-    if (pid == 0 || pid > 0x7FFFFFFFu)
+    if (pid == 0 || pid > 0x7FFFFFFFULL)
         return 0;
     if (kill((pid_t)pid, 0) != 0 && errno == ESRCH)
         return 0;
     char path[64];
-    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    snprintf(path, sizeof path, "/proc/%llu/stat", pid);
     FILE *f = fopen(path, "re");
     if (f == NULL)
         return 1;
@@ -608,50 +563,6 @@ static int pid_alive(unsigned int pid)
     return 1;
 }
 
-/* A procs line names a device by UUID or by index. */
-static int device_ref_matches(const char *ref, const struct device_info *dev)
-{
-    unsigned long long index;
-    if (strcmp(ref, dev->uuid) == 0)
-        return 1;
-    return all_digits(ref) && parse_u64(ref, &index) == 0 && index == dev->index;
-}
-
-/* Merge one procs/<pid> file's lines for dev into *entry; 1 if any line matched. */
-static int read_proc_file(const char *path, const struct device_info *dev, enum proc_kind kind,
-                          struct proc_entry *entry)
-{
-    FILE *f = fopen(path, "re");
-    if (f == NULL)
-        return 0;
-    int matched = 0;
-    char *line = NULL;
-    size_t cap = 0;
-    while (getline(&line, &cap, f) >= 0) {
-        char *save = NULL;
-        char *ref = strtok_r(line, " \t\r\n", &save);
-        char *mem = strtok_r(NULL, " \t\r\n", &save);
-        char *tag = strtok_r(NULL, " \t\r\n", &save);
-        if (ref == NULL || ref[0] == '#' || mem == NULL || !device_ref_matches(ref, dev))
-            continue;
-        enum proc_kind line_kind =
-            (tag != NULL && strcmp(tag, "graphics") == 0) ? PROC_GRAPHICS : PROC_COMPUTE;
-        if (kind != PROC_ANY && kind != line_kind)
-            continue;
-        unsigned long long mib;
-        if (strcmp(mem, "na") == 0) {
-            matched = 1;
-        } else if (parse_u64(mem, &mib) == 0) {
-            matched = 1;
-            entry->known = 1;
-            entry->used_bytes += mib * MIB;
-        }
-    }
-    free(line);
-    fclose(f);
-    return matched;
-}
-
 static int compare_pid(const void *a, const void *b)
 {
     unsigned int x = ((const struct proc_entry *)a)->pid;
@@ -659,33 +570,804 @@ static int compare_pid(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* The world cache                                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/*
+ * The parsed world is cached here, under g_world_lock, and revalidated by every call, so that
+ * a call never answers from a stale cache (README.md, "How the world is read"):
+ *
+ * - An inotify instance watches the world directory, gpus/ and procs/. Each call first drains
+ *   it; an event on gpus/, procs/ or nvml starts a new epoch (without inotify, every call is a
+ *   new epoch). The kernel queues an event inside the writer's own system call, so a change
+ *   whose write, rename or unlink returned before a call began is always seen by that call.
+ * - Each cached item (the gpus/ device count, the procs/ listing, one file's parsed content) is
+ *   checked at most once per epoch: stat() its path and compare device, inode, mode, size,
+ *   mtime and ctime with those of the read the cache holds. It is read again when they differ,
+ *   or when that read was "racy": its mtime or ctime was not older than RACY_WINDOW_NS when the
+ *   call began (timestamps come from a coarse clock, so a change in the same tick as the read
+ *   could leave them unchanged). Git's index uses the same rule.
+ * - A file reached through a symlink or with more than one hard link is checked at every
+ *   access: a change made through another path raises no event in the watched directories.
+ * - The liveness of the pids in procs/ is evaluated at every call (procs_liveness).
+ */
+
+#define RACY_WINDOW_NS (20LL * 1000000LL)
+#define RACY_WINDOW_COARSE_NS (2LL * 1000000000LL) /* whole-second timestamps (FAT, ext3) */
+#define PIDFD_MAX 1024
+#define WATCH_MASK                                                                           \
+    (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_CREATE | IN_DELETE | IN_MOVED_FROM          \
+     | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR)
+#define WATCH_GONE (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED | IN_UNMOUNT)
+
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL /* Linux 6.9: the pidfd reports the exit of that thread itself */
+#endif
+
+enum slot_state { SLOT_UNREAD = 0, SLOT_MISSING, SLOT_PRESENT };
+
+/* What the cache knows about one file or directory it has read. */
+struct slot {
+    enum slot_state state;
+    int racy;                    /* its timestamps were too recent to trust: re-read */
+    int always_check;            /* symlink or hard link: check at every access */
+    unsigned long long checked;  /* epoch of the last check */
+    dev_t dev;
+    ino_t ino;
+    mode_t mode;
+    off_t size;
+    struct timespec mtime, ctime;
+};
+
+struct cached_device {
+    struct slot slot;
+    struct device_info info;     /* valid when slot.state == SLOT_PRESENT */
+};
+
+/* One valid line of a procs/<pid> file. */
+struct proc_line {
+    char *ref;                   /* the device as written: UUID or index */
+    int ref_is_index;
+    unsigned long long ref_index;
+    enum proc_kind kind;
+    int known;                   /* a number of MiB, not "na" */
+    unsigned long long mib;
+};
+
+struct cached_proc {
+    char *name;                  /* file name in procs/: all digits */
+    unsigned long long pid;
+    struct slot slot;
+    struct proc_line *lines;
+    size_t n_lines;
+    int pidfd;                   /* -1, or a pidfd of the process that had pid when opened */
+    int alive;                   /* liveness in the current call; -1 while undecided */
+    int taken;                   /* scratch for procs_check */
+};
+
+enum pidfd_mode { PIDFD_ON = 0, PIDFD_OFF };
+
+static pthread_mutex_t g_world_lock = PTHREAD_MUTEX_INITIALIZER; /* guards g_world */
+
+static struct {
+    int reset_needed;            /* first use, after the last shutdown, in a forked child */
+    char root[PATH_BUF];         /* the $GPU_SUPERVISOR_SIM_DIR the cache holds */
+    int have_root;
+    unsigned long long epoch;
+    long long t0_ns;             /* CLOCK_REALTIME when the current call began reading */
+    int inotify_fd;              /* -1: no watches; every call is then a new epoch */
+    int wd_root, wd_gpus, wd_procs;
+    struct slot gpus_dir;
+    unsigned int gpus_count;
+    struct cached_device devices[MAX_DEVICES];
+    struct slot system_slot;
+    struct system_info system;
+    struct slot procs_dir;
+    struct cached_proc *procs;   /* sorted by name */
+    size_t n_procs;
+    struct pollfd *pollfds;
+    size_t *poll_index;
+    size_t poll_cap;
+    enum pidfd_mode pidfd_mode;
+    unsigned int pidfd_flags;
+    size_t n_pidfds, pidfd_cap;
+} g_world = {.reset_needed = 1, .inotify_fd = -1, .wd_root = -1, .wd_gpus = -1, .wd_procs = -1};
+
+static long long ts_ns(const struct timespec *ts)
+{
+    return (long long)ts->tv_sec * 1000000000LL + ts->tv_nsec;
+}
+
+static int env_set(const char *name)
+{
+    const char *v = getenv(name);
+    return v != NULL && v[0] != '\0';
+}
+
+/* Record the identity of what a (re-)read of the slot's file or directory found. */
+static void slot_record(struct slot *s, const struct stat *st)
+{
+    long long window = (st->st_mtim.tv_nsec == 0 && st->st_ctim.tv_nsec == 0)
+                           ? RACY_WINDOW_COARSE_NS
+                           : RACY_WINDOW_NS;
+    s->state = SLOT_PRESENT;
+    s->dev = st->st_dev;
+    s->ino = st->st_ino;
+    s->mode = st->st_mode;
+    s->size = st->st_size;
+    s->mtime = st->st_mtim;
+    s->ctime = st->st_ctim;
+    s->racy = ts_ns(&st->st_mtim) >= g_world.t0_ns - window
+              || ts_ns(&st->st_ctim) >= g_world.t0_ns - window;
+    s->always_check = 0;
+    s->checked = g_world.epoch;
+}
+
+static void slot_missing(struct slot *s)
+{
+    memset(s, 0, sizeof *s);
+    s->state = SLOT_MISSING;
+    s->checked = g_world.epoch;
+}
+
+static int slot_matches(const struct slot *s, const struct stat *st)
+{
+    return s->dev == st->st_dev && s->ino == st->st_ino && s->mode == st->st_mode
+           && s->size == st->st_size && s->mtime.tv_sec == st->st_mtim.tv_sec
+           && s->mtime.tv_nsec == st->st_mtim.tv_nsec && s->ctime.tv_sec == st->st_ctim.tv_sec
+           && s->ctime.tv_nsec == st->st_ctim.tv_nsec;
+}
+
+/* Whether the slot must be checked by this call. */
+static int slot_due(const struct slot *s)
+{
+    return s->state == SLOT_UNREAD || s->checked != g_world.epoch || s->always_check;
+}
+
+/* 1 when the slot's file must be read again; 0 when what the cache holds is still current. */
+static int slot_stale(struct slot *s, const char *path)
+{
+    if (!slot_due(s))
+        return 0;
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        if (s->state != SLOT_MISSING)
+            return 1;
+        s->checked = g_world.epoch;  /* still missing */
+        return 0;
+    }
+    if (s->state != SLOT_PRESENT || s->racy || !slot_matches(s, &st))
+        return 1;
+    s->checked = g_world.epoch;
+    return 0;
+}
+
+/* Open the slot's file for a re-read and record what was opened; NULL when it is missing. */
+static FILE *slot_open(struct slot *s, const char *path)
+{
+    FILE *f = fopen(path, "re");
+    if (f == NULL) {
+        slot_missing(s);
+        return NULL;
+    }
+    struct stat st, lst;
+    if (fstat(fileno(f), &st) == 0) {
+        slot_record(s, &st);
+    } else {
+        memset(&st, 0, sizeof st);
+        slot_record(s, &st);
+        s->racy = 1;
+    }
+    s->always_check = st.st_nlink != 1 || lstat(path, &lst) != 0 || S_ISLNK(lst.st_mode);
+    return f;
+}
+
+/* ----- inotify ----- */
+
+static void watch_close(void)
+{
+    if (g_world.inotify_fd >= 0)
+        close(g_world.inotify_fd);
+    g_world.inotify_fd = -1;
+    g_world.wd_root = g_world.wd_gpus = g_world.wd_procs = -1;
+}
+
+/* Watch <root>/<name> if it is a directory; 0 on an error that makes watching unreliable. */
+static int watch_subdir(int fd, const char *name, int *wd)
+{
+    char path[PATH_BUF];
+    int n = snprintf(path, sizeof path, "%s/%s", g_world.root, name);
+    if (n < 0 || (size_t)n >= sizeof path)
+        return 0;
+    *wd = inotify_add_watch(fd, path, WATCH_MASK);
+    return *wd >= 0 || errno == ENOENT || errno == ENOTDIR;
+}
+
+/* (Re)create the watches; on any failure the cache runs without them. */
+static void watch_open(void)
+{
+    watch_close();
+    if (!g_world.have_root || env_set("FAKENVML_NO_INOTIFY"))
+        return;
+    int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (fd < 0)
+        return;
+    int wd_root = inotify_add_watch(fd, g_world.root, WATCH_MASK);
+    int wd_gpus = -1, wd_procs = -1;
+    if (wd_root < 0 || !watch_subdir(fd, "gpus", &wd_gpus)
+        || !watch_subdir(fd, "procs", &wd_procs)) {
+        close(fd);
+        return;
+    }
+    g_world.inotify_fd = fd;
+    g_world.wd_root = wd_root;
+    g_world.wd_gpus = wd_gpus;
+    g_world.wd_procs = wd_procs;
+}
+
+/* Consume the queued events: any event starts a new epoch; some need new watches. */
+static void watch_drain(void)
+{
+    if (g_world.inotify_fd < 0) {
+        g_world.epoch++;
+        return;
+    }
+    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    int changed = 0, rewatch = 0;
+    for (;;) {
+        ssize_t n = read(g_world.inotify_fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        if (n <= 0) {
+            rewatch = 1;
+            break;
+        }
+        for (char *p = buf; p < buf + n;) {
+            const struct inotify_event *ev = (const struct inotify_event *)(void *)p;
+            p += sizeof *ev + ev->len;
+            if ((ev->mask & IN_Q_OVERFLOW) || ev->wd < 0) {
+                changed = 1;  /* events were lost: the new epoch re-checks everything */
+            } else if (ev->wd == g_world.wd_root) {
+                /* In the world directory itself only gpus, procs and nvml are cached */
+                if ((ev->mask & WATCH_GONE) || ev->len == 0)
+                    rewatch = 1;
+                else if (strcmp(ev->name, "gpus") == 0 || strcmp(ev->name, "procs") == 0)
+                    rewatch = 1;
+                else if (strcmp(ev->name, "nvml") == 0)
+                    changed = 1;
+            } else {
+                changed = 1;
+                if ((ev->wd == g_world.wd_gpus || ev->wd == g_world.wd_procs)
+                    && (ev->mask & WATCH_GONE))
+                    rewatch = 1;
+            }
+        }
+    }
+    if (rewatch)
+        watch_open();
+    if (changed || rewatch)
+        g_world.epoch++;
+}
+
+/* ----- reset, call bracket, fork ----- */
+
+static void proc_free_lines(struct cached_proc *p)
+{
+    for (size_t i = 0; i < p->n_lines; i++)
+        free(p->lines[i].ref);
+    free(p->lines);
+    p->lines = NULL;
+    p->n_lines = 0;
+}
+
+static void proc_free(struct cached_proc *p)
+{
+    if (p->pidfd >= 0) {
+        close(p->pidfd);
+        g_world.n_pidfds--;
+    }
+    p->pidfd = -1;
+    proc_free_lines(p);
+    free(p->name);
+    p->name = NULL;
+}
+
+static void procs_clear(void)
+{
+    for (size_t i = 0; i < g_world.n_procs; i++)
+        proc_free(&g_world.procs[i]);
+    free(g_world.procs);
+    g_world.procs = NULL;
+    g_world.n_procs = 0;
+}
+
+/* Drop everything cached and close the cache's descriptors. Call with g_world_lock held. */
+static void world_reset(void)
+{
+    watch_close();
+    procs_clear();
+    free(g_world.pollfds);
+    free(g_world.poll_index);
+    g_world.pollfds = NULL;
+    g_world.poll_index = NULL;
+    g_world.poll_cap = 0;
+    g_world.n_pidfds = 0;
+    memset(&g_world.gpus_dir, 0, sizeof g_world.gpus_dir);
+    memset(&g_world.procs_dir, 0, sizeof g_world.procs_dir);
+    memset(&g_world.system_slot, 0, sizeof g_world.system_slot);
+    for (int i = 0; i < MAX_DEVICES; i++)
+        memset(&g_world.devices[i].slot, 0, sizeof g_world.devices[i].slot);
+    g_world.gpus_count = 0;
+    g_world.have_root = 0;
+    g_world.root[0] = '\0';
+}
+
+/* Start of a call that reads the world: lock, follow the environment, drain the watches. */
+static void world_begin(void)
+{
+    pthread_mutex_lock(&g_world_lock);
+    const char *env = getenv("GPU_SUPERVISOR_SIM_DIR");
+    if (env == NULL)
+        env = "";
+    if (g_world.reset_needed || !g_world.have_root || strcmp(env, g_world.root) != 0) {
+        world_reset();
+        g_world.reset_needed = 0;
+        size_t len = strlen(env);
+        if (len > 0 && len < sizeof g_world.root) {
+            memcpy(g_world.root, env, len + 1);
+            g_world.have_root = 1;
+        }
+        g_world.pidfd_mode = env_set("FAKENVML_NO_PIDFD") ? PIDFD_OFF : PIDFD_ON;
+        g_world.pidfd_flags = PIDFD_THREAD;
+        g_world.pidfd_cap = PIDFD_MAX;
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
+            && rl.rlim_cur / 4 < (rlim_t)g_world.pidfd_cap)
+            g_world.pidfd_cap = (size_t)(rl.rlim_cur / 4);
+        watch_open();
+        g_world.epoch++;
+    } else {
+        watch_drain();
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    g_world.t0_ns = ts_ns(&ts);
+}
+
+static void world_end(void)
+{
+    pthread_mutex_unlock(&g_world_lock);
+}
+
+/*
+ * fork(): the child must not drain the parent's inotify queue (they would share it), so it
+ * starts afresh. The lock is held across fork so that the child's copy is consistent.
+ */
+static void world_atfork_prepare(void)
+{
+    pthread_mutex_lock(&g_world_lock);
+}
+
+static void world_atfork_parent(void)
+{
+    pthread_mutex_unlock(&g_world_lock);
+}
+
+static void world_atfork_child(void)
+{
+    g_world.reset_needed = 1;  /* its first call closes the inherited descriptors */
+    pthread_mutex_unlock(&g_world_lock);
+}
+
+__attribute__((constructor)) static void fakenvml_constructor(void)
+{
+    pthread_atfork(world_atfork_prepare, world_atfork_parent, world_atfork_child);
+}
+
+/* ----- devices and the nvml file ----- */
+
+/* Devices are gpus/0, gpus/1, ... up to the first missing index (each a regular file). */
+static unsigned int world_device_count(void)
+{
+    struct slot *s = &g_world.gpus_dir;
+    if (!slot_due(s))
+        return g_world.gpus_count;
+    char path[PATH_BUF];
+    struct stat st;
+    int n = snprintf(path, sizeof path, "%s/gpus", g_world.root);
+    if (!g_world.have_root || n < 0 || (size_t)n >= sizeof path || stat(path, &st) != 0) {
+        slot_missing(s);
+        g_world.gpus_count = 0;
+        return 0;
+    }
+    if (s->state == SLOT_PRESENT && !s->racy && slot_matches(s, &st)) {
+        s->checked = g_world.epoch;
+        return g_world.gpus_count;
+    }
+    slot_record(s, &st);
+    unsigned int count = 0;
+    while (count < MAX_DEVICES) {
+        char file[PATH_BUF];
+        struct stat fst;
+        n = snprintf(file, sizeof file, "%s/gpus/%u", g_world.root, count);
+        if (n < 0 || (size_t)n >= sizeof file || lstat(file, &fst) != 0)
+            break;
+        if (S_ISLNK(fst.st_mode)) {
+            s->always_check = 1;  /* its target may change with no event in gpus/ */
+            if (stat(file, &fst) != 0)
+                break;
+        }
+        if (!S_ISREG(fst.st_mode))
+            break;
+        count++;
+    }
+    g_world.gpus_count = count;
+    return count;
+}
+
+/* Device index's parsed gpus/<index>, or NULL when it is not a present device. */
+static const struct device_info *world_device(unsigned int index)
+{
+    if (index >= world_device_count())
+        return NULL;
+    struct cached_device *d = &g_world.devices[index];
+    if (slot_due(&d->slot)) {
+        char path[PATH_BUF];
+        int n = snprintf(path, sizeof path, "%s/gpus/%u", g_world.root, index);
+        if (n < 0 || (size_t)n >= sizeof path)
+            return NULL;
+        if (slot_stale(&d->slot, path)) {
+            device_defaults(&d->info, index);
+            FILE *f = slot_open(&d->slot, path);
+            if (f != NULL) {
+                parse_kv_stream(f, DEVICE_FIELDS, sizeof DEVICE_FIELDS / sizeof DEVICE_FIELDS[0],
+                                &d->info, &d->info.rc);
+                fclose(f);
+            }
+        }
+    }
+    return d->slot.state == SLOT_PRESENT ? &d->info : NULL;
+}
+
+static void system_defaults(struct system_info *out)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->driver_version, sizeof out->driver_version, "580.65.06");
+    snprintf(out->nvml_version, sizeof out->nvml_version, "13.580.65.06");
+    out->cuda_driver_version = 13000;
+}
+
+/* The optional world file "nvml" (system-level state and faults), defaults when missing. */
+static const struct system_info *world_system(void)
+{
+    struct slot *s = &g_world.system_slot;
+    char path[PATH_BUF];
+    int n = snprintf(path, sizeof path, "%s/nvml", g_world.root);
+    if (!g_world.have_root || n < 0 || (size_t)n >= sizeof path) {
+        system_defaults(&g_world.system);
+        slot_missing(s);
+    } else if (slot_stale(s, path)) {
+        system_defaults(&g_world.system);
+        FILE *f = slot_open(s, path);
+        if (f != NULL) {
+            parse_kv_stream(f, SYSTEM_FIELDS, sizeof SYSTEM_FIELDS / sizeof SYSTEM_FIELDS[0],
+                            &g_world.system, &g_world.system.rc);
+            fclose(f);
+        }
+    }
+    return &g_world.system;
+}
+
+static void read_system(struct system_info *out)
+{
+    world_begin();
+    *out = *world_system();
+    world_end();
+}
+
+static int system_rc(const char *function)
+{
+    world_begin();
+    int rc = rc_lookup(&world_system()->rc, function);
+    world_end();
+    return rc;
+}
+
+/* ----- procs/ ----- */
+
+static int compare_proc_name(const void *a, const void *b)
+{
+    return strcmp(((const struct cached_proc *)a)->name, ((const struct cached_proc *)b)->name);
+}
+
+/* The procs/ listing: re-read (keeping the entries of names still there) when it changed. */
+static void procs_check(void)
+{
+    struct slot *s = &g_world.procs_dir;
+    if (!slot_due(s))
+        return;
+    char path[PATH_BUF];
+    struct stat st;
+    int n = snprintf(path, sizeof path, "%s/procs", g_world.root);
+    if (!g_world.have_root || n < 0 || (size_t)n >= sizeof path) {
+        procs_clear();
+        slot_missing(s);
+        return;
+    }
+    if (stat(path, &st) == 0 && s->state == SLOT_PRESENT && !s->racy && slot_matches(s, &st)) {
+        s->checked = g_world.epoch;
+        return;
+    }
+    DIR *dir = opendir(path);
+    if (dir == NULL) {
+        procs_clear();
+        slot_missing(s);
+        return;
+    }
+    if (fstat(dirfd(dir), &st) == 0) {
+        slot_record(s, &st);
+    } else {
+        memset(&st, 0, sizeof st);
+        slot_record(s, &st);
+        s->racy = 1;
+    }
+    struct cached_proc *fresh = NULL;
+    size_t count = 0, cap = 0;
+    for (size_t i = 0; i < g_world.n_procs; i++)
+        g_world.procs[i].taken = 0;
+    struct dirent *ent;
+    while ((ent = readdir(dir)) != NULL) {
+        unsigned long long pid;
+        if (!all_digits(ent->d_name) || parse_u64(ent->d_name, &pid) != 0 || pid > 0xFFFFFFFFULL)
+            continue;
+        if (count == cap) {
+            size_t grown = cap == 0 ? 64 : cap * 2;
+            struct cached_proc *bigger = realloc(fresh, grown * sizeof *fresh);
+            if (bigger == NULL) {
+                s->racy = 1;  /* incomplete: list again next time */
+                break;
+            }
+            fresh = bigger;
+            cap = grown;
+        }
+        struct cached_proc key;
+        key.name = ent->d_name;
+        struct cached_proc *old =
+            g_world.n_procs == 0 ? NULL
+                                 : bsearch(&key, g_world.procs, g_world.n_procs,
+                                           sizeof *g_world.procs, compare_proc_name);
+        if (old != NULL) {
+            old->taken = 1;
+            fresh[count++] = *old;
+            continue;
+        }
+        struct cached_proc *p = &fresh[count];
+        memset(p, 0, sizeof *p);
+        p->name = strdup(ent->d_name);
+        if (p->name == NULL) {
+            s->racy = 1;
+            break;
+        }
+        p->pid = pid;
+        p->pidfd = -1;
+        count++;
+    }
+    closedir(dir);
+    for (size_t i = 0; i < g_world.n_procs; i++)
+        if (!g_world.procs[i].taken)
+            proc_free(&g_world.procs[i]);
+    free(g_world.procs);
+    g_world.procs = fresh;
+    g_world.n_procs = count;
+    if (count > 1)
+        qsort(fresh, count, sizeof *fresh, compare_proc_name);
+}
+
+static int pidfd_open_syscall(pid_t pid, unsigned int flags)
+{
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, flags);
+#else
+    (void)pid;
+    (void)flags;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+/*
+ * Liveness of an entry that holds no pidfd: 1 alive, 0 dead (gone, or a zombie). Keeps a pidfd
+ * of a live process, so that later calls test it with one poll() for all entries.
+ */
+static int proc_probe(struct cached_proc *p)
+{
+    if (p->pid == 0 || p->pid > 0x7FFFFFFFULL)
+        return 0;
+    pid_t pid = (pid_t)p->pid;
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 0;
+    if (g_world.pidfd_mode == PIDFD_ON && g_world.n_pidfds < g_world.pidfd_cap) {
+        int fd = pidfd_open_syscall(pid, g_world.pidfd_flags);
+        if (fd < 0 && errno == EINVAL && g_world.pidfd_flags != 0) {
+            g_world.pidfd_flags = 0;  /* a kernel before 6.9, without PIDFD_THREAD */
+            fd = pidfd_open_syscall(pid, 0);
+        }
+        if (fd >= 0) {
+            struct pollfd pfd = {fd, POLLIN, 0};
+            int r;
+            do
+                r = poll(&pfd, 1, 0);
+            while (r < 0 && errno == EINTR);
+            if (r == 0) {
+                p->pidfd = fd;
+                g_world.n_pidfds++;
+                return 1;
+            }
+            close(fd);
+            if (r > 0)
+                return 0;  /* it has exited: a zombie not yet reaped */
+        } else if (errno == ESRCH) {
+            return 0;
+        } else if (errno == ENOSYS || errno == EPERM || errno == EACCES) {
+            g_world.pidfd_mode = PIDFD_OFF;  /* no pidfds here (old kernel, seccomp) */
+        }
+    }
+    return pid_alive_slow(p->pid);
+}
+
+/*
+ * Decide every entry's liveness for this call. Entries holding a pidfd are tested together by
+ * one poll(): a pidfd becomes readable when its process exits, and while it has not, that
+ * process still holds the pid. A readable one is closed and the pid probed afresh (it may be a
+ * zombie, gone, or another process by now).
+ */
+static void procs_liveness(void)
+{
+    size_t n = g_world.n_procs, k = 0;
+    if (n > g_world.poll_cap) {
+        struct pollfd *fds = realloc(g_world.pollfds, n * sizeof *fds);
+        if (fds != NULL)
+            g_world.pollfds = fds;
+        size_t *index = realloc(g_world.poll_index, n * sizeof *index);
+        if (index != NULL)
+            g_world.poll_index = index;
+        if (fds != NULL && index != NULL)
+            g_world.poll_cap = n;
+    }
+    for (size_t i = 0; i < n; i++) {
+        struct cached_proc *p = &g_world.procs[i];
+        p->alive = -1;
+        if (p->pidfd < 0)
+            continue;
+        if (k < g_world.poll_cap) {
+            g_world.pollfds[k].fd = p->pidfd;
+            g_world.pollfds[k].events = POLLIN;
+            g_world.pollfds[k].revents = 0;
+            g_world.poll_index[k++] = i;
+        } else {
+            p->alive = pid_alive_slow(p->pid);
+        }
+    }
+    if (k > 0) {
+        int r;
+        do
+            r = poll(g_world.pollfds, (nfds_t)k, 0);
+        while (r < 0 && errno == EINTR);
+        for (size_t j = 0; j < k; j++) {
+            struct cached_proc *p = &g_world.procs[g_world.poll_index[j]];
+            if (r < 0) {
+                p->alive = pid_alive_slow(p->pid);
+            } else if (g_world.pollfds[j].revents == 0) {
+                p->alive = 1;
+            } else {
+                close(p->pidfd);
+                p->pidfd = -1;
+                g_world.n_pidfds--;
+            }
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (g_world.procs[i].alive < 0)
+            g_world.procs[i].alive = proc_probe(&g_world.procs[i]);
+}
+
+/* Re-read one procs/<pid> file, keeping its valid lines. */
+static void proc_reread(struct cached_proc *p, const char *path)
+{
+    proc_free_lines(p);
+    FILE *f = slot_open(&p->slot, path);
+    if (f == NULL)
+        return;
+    size_t cap = 0;
+    char *line = NULL;
+    size_t line_cap = 0;
+    while (getline(&line, &line_cap, f) >= 0) {
+        char *save = NULL;
+        char *ref = strtok_r(line, " \t\r\n", &save);
+        char *mem = strtok_r(NULL, " \t\r\n", &save);
+        char *tag = strtok_r(NULL, " \t\r\n", &save);
+        unsigned long long mib = 0;
+        int known;
+        if (ref == NULL || ref[0] == '#' || mem == NULL)
+            continue;
+        if (strcmp(mem, "na") == 0)
+            known = 0;
+        else if (parse_u64(mem, &mib) == 0)
+            known = 1;
+        else
+            continue;
+        if (p->n_lines == cap) {
+            size_t grown = cap == 0 ? 4 : cap * 2;
+            struct proc_line *bigger = realloc(p->lines, grown * sizeof *bigger);
+            if (bigger == NULL) {
+                p->slot.racy = 1;  /* incomplete: read again next time */
+                break;
+            }
+            p->lines = bigger;
+            cap = grown;
+        }
+        struct proc_line *l = &p->lines[p->n_lines];
+        l->ref = strdup(ref);
+        if (l->ref == NULL) {
+            p->slot.racy = 1;
+            break;
+        }
+        l->ref_is_index = all_digits(ref) && parse_u64(ref, &l->ref_index) == 0;
+        l->kind = (tag != NULL && strcmp(tag, "graphics") == 0) ? PROC_GRAPHICS : PROC_COMPUTE;
+        l->known = known;
+        l->mib = mib;
+        p->n_lines++;
+    }
+    free(line);
+    fclose(f);
+}
+
 /*
  * Live processes holding memory on dev, sorted by pid, at most max of them into out (which may
  * be NULL). Returns how many there are; *used_bytes (if not NULL) gets their summed memory.
+ * Call between world_begin() and world_end().
  */
 static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct proc_entry *out,
                       int max, unsigned long long *used_bytes)
 {
-    char dir_path[PATH_BUF];
     if (used_bytes != NULL)
         *used_bytes = 0;
-    if (world_path(dir_path, sizeof dir_path, "procs") != 0)
-        return 0;
-    DIR *dir = opendir(dir_path);
-    if (dir == NULL)
-        return 0;
+    procs_check();
+    procs_liveness();
     int count = 0;
-    struct dirent *ent;
-    while ((ent = readdir(dir)) != NULL) {
-        unsigned long long pid;
-        if (!all_digits(ent->d_name) || parse_u64(ent->d_name, &pid) != 0 || pid > 0xFFFFFFFFULL
-            || !pid_alive((unsigned int)pid))
+    for (size_t i = 0; i < g_world.n_procs; i++) {
+        struct cached_proc *p = &g_world.procs[i];
+        if (!p->alive)
             continue;
-        char path[PATH_BUF];
-        if (snprintf(path, sizeof path, "%s/%s", dir_path, ent->d_name) >= (int)sizeof path)
+        if (slot_due(&p->slot)) {
+            char path[PATH_BUF];
+            int n = snprintf(path, sizeof path, "%s/procs/%s", g_world.root, p->name);
+            if (n < 0 || (size_t)n >= sizeof path)
+                continue;
+            if (slot_stale(&p->slot, path))
+                proc_reread(p, path);
+        }
+        if (p->slot.state != SLOT_PRESENT)
             continue;
-        struct proc_entry entry = {(unsigned int)pid, 0, 0};
-        if (!read_proc_file(path, dev, kind, &entry))
+        struct proc_entry entry = {(unsigned int)p->pid, 0, 0};
+        int matched = 0;
+        for (size_t j = 0; j < p->n_lines; j++) {
+            const struct proc_line *l = &p->lines[j];
+            if (kind != PROC_ANY && kind != l->kind)
+                continue;
+            if (strcmp(l->ref, dev->uuid) != 0
+                && !(l->ref_is_index && l->ref_index == dev->index))
+                continue;
+            matched = 1;
+            if (l->known) {
+                entry.known = 1;
+                entry.used_bytes += l->mib * MIB;
+            }
+        }
+        if (!matched)
             continue;
         if (used_bytes != NULL)
             *used_bytes += entry.used_bytes;
@@ -693,7 +1375,6 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             out[count] = entry;
         count++;
     }
-    closedir(dir);
     if (out != NULL)
         qsort(out, (size_t)(count < max ? count : max), sizeof *out, compare_pid);
     return count;
@@ -726,27 +1407,29 @@ static nvmlReturn_t device_begin(nvmlDevice_t device, const char *function,
     int index = handle_index(device);
     if (index < 0)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if ((unsigned int)index >= device_count() || read_device((unsigned int)index, info) != 0)
-        return NVML_ERROR_GPU_IS_LOST;
-    if (info->lost)
+    world_begin();
+    const struct device_info *d = world_device((unsigned int)index);
+    int present = d != NULL;
+    if (present)
+        *info = *d;
+    world_end();
+    if (!present || info->lost)
         return NVML_ERROR_GPU_IS_LOST;
     int rc = rc_lookup(&info->rc, function);
     return rc != 0 ? (nvmlReturn_t)rc : NVML_SUCCESS;
 }
 
 /* The same checks for handle lookups (by index or UUID), which hand out &g_devices[index]. */
-static nvmlReturn_t handle_for(unsigned int index, const char *function, nvmlDevice_t *device)
+static nvmlReturn_t handle_for(const struct device_info *info, const char *function,
+                               nvmlDevice_t *device)
 {
-    struct device_info info;
-    if (read_device(index, &info) != 0)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (info.lost)
+    if (info->lost)
         return NVML_ERROR_GPU_IS_LOST;
-    int rc = rc_lookup(&info.rc, function);
+    int rc = rc_lookup(&info->rc, function);
     if (rc != 0)
         return (nvmlReturn_t)rc;
-    g_devices[index].index = index;
-    *device = &g_devices[index];
+    g_devices[info->index].index = info->index;
+    *device = &g_devices[info->index];
     return NVML_SUCCESS;
 }
 
@@ -808,7 +1491,15 @@ EXPORT nvmlReturn_t nvmlShutdown(void)
         ret = NVML_ERROR_UNINITIALIZED;
     else
         g_init_refcount--;
+    int last = ret == NVML_SUCCESS && g_init_refcount == 0;
     pthread_mutex_unlock(&g_init_lock);
+    if (last) {
+        /* release the cache's descriptors (inotify, pidfds); a later init starts afresh */
+        pthread_mutex_lock(&g_world_lock);
+        world_reset();
+        g_world.reset_needed = 1;
+        pthread_mutex_unlock(&g_world_lock);
+    }
     return ret;
 }
 
@@ -901,10 +1592,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
         return NVML_ERROR_UNINITIALIZED;
     if (deviceCount == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    int rc = system_rc(__func__);
+    world_begin();
+    int rc = rc_lookup(&world_system()->rc, __func__);
+    unsigned int count = world_device_count();
+    world_end();
     if (rc != 0)
         return (nvmlReturn_t)rc;
-    *deviceCount = device_count();
+    *deviceCount = count;
     return NVML_SUCCESS;
 }
 
@@ -912,9 +1606,16 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice
 {
     if (!is_initialized())
         return NVML_ERROR_UNINITIALIZED;
-    if (device == NULL || index >= device_count())
+    if (device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    return handle_for(index, __func__, device);
+    struct device_info info;
+    world_begin();
+    const struct device_info *d = world_device(index);
+    int found = d != NULL;
+    if (found)
+        info = *d;
+    world_end();
+    return found ? handle_for(&info, __func__, device) : NVML_ERROR_INVALID_ARGUMENT;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
@@ -923,13 +1624,19 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *de
         return NVML_ERROR_UNINITIALIZED;
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned int n = device_count();
-    for (unsigned int i = 0; i < n; i++) {
-        struct device_info info;
-        if (read_device(i, &info) == 0 && strcmp(info.uuid, uuid) == 0)
-            return handle_for(i, __func__, device);
+    struct device_info info;
+    int found = 0;
+    world_begin();
+    unsigned int n = world_device_count();
+    for (unsigned int i = 0; i < n && !found; i++) {
+        const struct device_info *d = world_device(i);
+        if (d != NULL && strcmp(d->uuid, uuid) == 0) {
+            info = *d;
+            found = 1;
+        }
     }
-    return NVML_ERROR_NOT_FOUND;
+    world_end();
+    return found ? handle_for(&info, __func__, device) : NVML_ERROR_NOT_FOUND;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
@@ -990,7 +1697,9 @@ static struct memory_numbers memory_numbers(const struct device_info *d)
 {
     struct memory_numbers m;
     unsigned long long procs_bytes = 0;
+    world_begin();
     scan_procs(d, PROC_ANY, NULL, 0, &procs_bytes);
+    world_end();
     m.total = d->memory_total_mib * MIB;
     m.reserved = d->memory_reserved_mib * MIB;
     if (m.reserved > m.total)
@@ -1280,7 +1989,9 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, const char *function,
     struct proc_entry *entries = calloc(MAX_PROCS, sizeof *entries);
     if (entries == NULL)
         return NVML_ERROR_MEMORY;
+    world_begin();
     int n = scan_procs(&d, kind, entries, MAX_PROCS, NULL);
+    world_end();
     if (n > MAX_PROCS)
         n = MAX_PROCS;
     if (infos == NULL || *infoCount < (unsigned int)n) {
@@ -1349,15 +2060,21 @@ static struct nvmlEventSet_st *event_set_locked(nvmlEventSet_t set)
 static int event_device_index(const char *ref)
 {
     unsigned long long index;
-    unsigned int n = device_count();
-    if (all_digits(ref))
-        return (parse_u64(ref, &index) == 0 && index < n) ? (int)index : -1;
-    for (unsigned int i = 0; i < n; i++) {
-        struct device_info info;
-        if (read_device(i, &info) == 0 && strcmp(info.uuid, ref) == 0)
-            return (int)i;
+    int found = -1;
+    world_begin();
+    unsigned int n = world_device_count();
+    if (all_digits(ref)) {
+        if (parse_u64(ref, &index) == 0 && index < n)
+            found = (int)index;
+    } else {
+        for (unsigned int i = 0; i < n && found < 0; i++) {
+            const struct device_info *d = world_device(i);
+            if (d != NULL && strcmp(d->uuid, ref) == 0)
+                found = (int)i;
+        }
     }
-    return -1;
+    world_end();
+    return found;
 }
 
 /*

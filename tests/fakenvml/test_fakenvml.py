@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,10 @@ def by_pid(used: dict[int, int | None]) -> list[list[int | None]]:
     return [[pid, used[pid], 0xFFFFFFFF, 0xFFFFFFFF] for pid in sorted(used)]
 
 
-def child_env(libdir: Path | None, world: World | None) -> dict[str, str]:
+def child_env(
+    libdir: Path | None, world: World | None, extra: Mapping[str, str | None] | None = None
+) -> dict[str, str]:
+    """The child's environment; ``extra`` sets variables (None: removes them)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -118,14 +121,25 @@ def child_env(libdir: Path | None, world: World | None) -> dict[str, str]:
         env["LD_LIBRARY_PATH"] = str(libdir)
     if world is not None:
         env["GPU_SUPERVISOR_SIM_DIR"] = str(world.root)
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
-def run_child(script: str, *, libdir: Path | None, world: World | None) -> Any:
+def run_child(
+    script: str,
+    *,
+    libdir: Path | None,
+    world: World | None,
+    extra_env: Mapping[str, str | None] | None = None,
+) -> Any:
     """Run PRELUDE + script in a child python; return the JSON of its last stdout line."""
     result = subprocess.run(
         [sys.executable, "-c", PRELUDE + textwrap.dedent(script)],
-        env=child_env(libdir, world),
+        env=child_env(libdir, world, extra_env),
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
@@ -347,6 +361,134 @@ def test_world_changes_are_seen_on_the_next_call(fake_nvml_libdir: Path, world: 
     )
     assert out["seen"] == [0, 100, 400, 450, 400, 0]
     assert out["listed"] == sorted([out["me"], out["gc"]])
+
+
+#: The fake's revalidation paths: inotify + pidfds (the default), and its two fallbacks.
+CACHE_MODES: dict[str, dict[str, str | None]] = {
+    "default": {"FAKENVML_NO_INOTIFY": None, "FAKENVML_NO_PIDFD": None},
+    "no_inotify": {"FAKENVML_NO_INOTIFY": "1", "FAKENVML_NO_PIDFD": None},
+    "no_pidfd": {"FAKENVML_NO_INOTIFY": None, "FAKENVML_NO_PIDFD": "1"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(CACHE_MODES))
+def test_changes_right_after_a_call_are_seen_by_the_next_call(
+    fake_nvml_libdir: Path, world: World, mode: str
+) -> None:
+    """The cache is never stale: each change made just after a call shows in the next one.
+
+    The writes come in fast succession (several within one coarse timestamp tick), replace
+    files with ones of the same size, or rewrite them in place, so that neither the directory's
+    nor the file's mtime or size need differ from the cached read's: the inotify events and the
+    "racy timestamp" rule must catch them. Then a process whose liveness the fake has cached (a
+    pidfd) is killed: it is not listed while it is a zombie, nor once reaped. Each mode runs
+    one of the fake's revalidation paths (README.md, "How the world is read").
+    """
+    world.gpu(0, memory_total_mib=100000)
+    root = str(world.root)
+    out = run_child(
+        f"""
+        import select
+        ROOT = {root!r}
+        MIB = 1024 * 1024
+
+        def put(rel, text):  # atomic: write a temp file, rename it over the old one
+            path = ROOT + "/" + rel
+            tmp = os.path.dirname(path) + "/.tmp-" + os.path.basename(path)
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+
+        def put_in_place(rel, text):  # truncate and rewrite the same inode
+            with open(ROOT + "/" + rel, "w") as f:
+                f.write(text)
+
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        listed = lambda: {{p.pid: p.usedGpuMemory // MIB
+                           for p in nv.nvmlDeviceGetComputeRunningProcesses(h)}}
+        used = lambda: nv.nvmlDeviceGetMemoryInfo(h).used // MIB
+        gc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)
+        misses = []
+        try:
+            rel = f"procs/{{gc.pid}}"
+            for i in range(150):
+                mib = 100 + 100 * (i % 2)  # same length: "0 100" / "0 200"
+                put(rel, f"0 {{mib}}\\n")
+                got = listed().get(gc.pid)
+                if got != mib:
+                    misses.append(["atomic", i, mib, got])
+                put_in_place(rel, f"0 {{mib + 500}}\\n")
+                got = used()
+                if got != mib + 500:
+                    misses.append(["in_place", i, mib + 500, got])
+                put_in_place("gpus/0", f"memory_total_mib 100000\\npower_mw {{1000 + i % 2}}\\n")
+                got = nv.nvmlDeviceGetPowerUsage(h)
+                if got != 1000 + i % 2:
+                    misses.append(["gpu_in_place", i, 1000 + i % 2, got])
+                os.remove(ROOT + "/" + rel)
+                got = listed()
+                if got:
+                    misses.append(["removed", i, {{}}, got])
+            put(rel, "0 42\\n")
+            before_kill = listed()
+            with open(f"/proc/{{gc.pid}}/stat") as f:
+                running_state = f.read().rsplit(")", 1)[1].split()[0]
+            gc.kill()
+            pidfd = os.pidfd_open(gc.pid)
+            exited = bool(select.select([pidfd], [], [], 10.0)[0])  # deadline, no sleep
+            os.close(pidfd)
+            with open(f"/proc/{{gc.pid}}/stat") as f:
+                zombie_state = f.read().rsplit(")", 1)[1].split()[0]
+            as_zombie = listed()
+            zombie_used = used()
+        finally:
+            gc.kill()
+            gc.wait(timeout=10)
+        reaped = listed()
+        emit({{"misses": misses, "before_kill": before_kill, "running": running_state,
+               "exited": exited, "zombie": zombie_state, "as_zombie": as_zombie,
+               "zombie_used": zombie_used, "reaped": reaped, "gc": gc.pid}})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+        extra_env=CACHE_MODES[mode],
+    )
+    assert out["misses"] == []
+    assert out["before_kill"] == {str(out["gc"]): 42}
+    assert out["running"] in ("R", "S")
+    assert out["exited"] is True
+    assert out["zombie"] == "Z"  # killed and not yet reaped when the next call ran
+    assert out["as_zombie"] == {}
+    assert out["zombie_used"] == 0
+    assert out["reaped"] == {}
+
+
+def test_a_forked_child_does_not_take_the_parents_changes(
+    fake_nvml_libdir: Path, world: World
+) -> None:
+    """After fork() the child gets its own watches: it must not drain the parent's events."""
+    world.gpu(0, power_mw=1000)
+    gpu0 = str(world.root / "gpus" / "0")
+    out = run_child(
+        f"""
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        first = nv.nvmlDeviceGetPowerUsage(h)
+        pid = os.fork()
+        if pid == 0:
+            with open({gpu0!r}, "w") as f:  # its event must stay in the parent's queue
+                f.write("power_mw 2000\\n")
+            os._exit(0 if nv.nvmlDeviceGetPowerUsage(h) == 2000 else 1)
+        _, status = os.waitpid(pid, 0)
+        emit({{"first": first, "child": os.waitstatus_to_exitcode(status),
+               "parent": nv.nvmlDeviceGetPowerUsage(h)}})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out == {"first": 1000, "child": 0, "parent": 2000}
 
 
 def test_process_list_two_call_protocol(
