@@ -18,16 +18,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
-import httpx
 import structlog
 
 from supervisor._version import __version__
 from supervisor.journal import rfc3339
+
+if TYPE_CHECKING:
+    import httpx
 
 ALERT_SCHEMA_VERSION = 1
 ALERT_KINDS = ("action", "fatal", "recovered", "alert")
@@ -158,6 +160,8 @@ def redact_url(url: str) -> str:
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """One verifying TLS context for every client (loading the CA bundle takes tens of ms)."""
+    import httpx  # imported when alerts are sent, not at start-up (~30 ms)
+
     return httpx.create_ssl_context()
 
 
@@ -291,6 +295,8 @@ class Alerter:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Deliver queued alerts until cancelled; on cancellation the undelivered are dropped."""
+        import httpx  # imported when a webhook is configured, not at start-up (~30 ms)
+
         try:
             tls = await self._tls()
             async with httpx.AsyncClient(
@@ -360,6 +366,8 @@ class Alerter:
 
     async def _post(self, client: httpx.AsyncClient, body: bytes) -> Attempt:
         """One POST under an overall deadline (httpx's timeouts are per phase)."""
+        import httpx
+
         try:
             with anyio.fail_after(self.timeout_s):
                 response = await client.post(self.url, content=body)

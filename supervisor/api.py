@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import hashlib
 import hmac
 import importlib.resources
 import json
 import logging
 import math
-import os
 import re
-import socket
-import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import anyio
@@ -44,9 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from supervisor._version import __version__
-from supervisor.config import ApiSection, parse_listen
-from supervisor.errors import ConfigError, ListenError
 from supervisor.journal import JOURNAL_SIZE, rfc3339
+from supervisor.listen import BoundApi, open_api
 from supervisor.metrics import Metrics, state_key
 from supervisor.model import WorkerState
 from supervisor.policy import lifecycle as lc
@@ -62,7 +56,6 @@ API_PREFIX = "/api/v1"
 CORDON_WAIT_S = 2.0
 #: Graceful shutdown of open connections when the supervisor exits.
 SHUTDOWN_GRACE_S = 2
-BACKLOG = 128
 #: A cached body is reused for at most this long (``uptime_s`` is at most this old).
 BODY_REUSE_S = 0.1
 #: At most this share of the event loop's time goes to API requests (see ``Front``).
@@ -253,36 +246,6 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 # --- auth -----------------------------------------------------------------------------------
-
-
-def load_token(api: ApiSection) -> str | None:
-    """The bearer token from ``api.token_file`` (None when unset); ``ConfigError`` if unusable.
-
-    The file must not be readable or writable by group or others.
-    """
-    path = api.token_file
-    if path is None:
-        return None
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"api.token_file {path}: not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise ConfigError(
-                f"api.token_file {path}: mode {mode:04o} lets group or others access the token "
-                f"(chmod 600 {path})"
-            )
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        raise ConfigError(f"api.token_file {path}: file not found") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"api.token_file {path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"api.token_file {path}: cannot read: {exc.strerror or exc}") from None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"api.token_file {path}: must hold one token without spaces")
-    return token
 
 
 class _BearerCheck:
@@ -998,79 +961,21 @@ def _quiet_uvicorn_logging() -> None:
     access.disabled = True
 
 
-def bind(listen: str) -> tuple[socket.socket, str]:
-    """A listening socket for ``api.listen`` and its URL; ``ListenError`` in one line."""
-    kind, host, port = parse_listen(listen)
-    if kind == "unix":
-        return _bind_unix(listen, host), f"unix:{host}"
-    if kind != "tcp":
-        raise ListenError("api.listen is off")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ListenError(f"api.listen {listen}: cannot resolve {host!r}: {exc.strerror}") from None
-    family, socktype, proto, _, address = infos[0]
-    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and without it
-    # a keep-alive client waits for a delayed ACK (40 ms) on every response.
-    sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-        sock.listen(BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise ListenError(f"api.listen {listen}: {_os_error(exc)}") from None
-    sock.setblocking(False)
-    bound_host, bound_port = sock.getsockname()[:2]
-    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
-    return sock, f"http://{shown}:{bound_port}"
-
-
-def _os_error(exc: OSError) -> str:
-    text = exc.strerror or str(exc)
-    return text[:1].lower() + text[1:]
-
-
-def _bind_unix(listen: str, path: str) -> socket.socket:
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ListenError(f"api.listen {listen}: {path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # a stale socket of a supervisor that is gone
-        else:
-            raise ListenError(
-                f"api.listen {listen}: address already in use (another supervisor answers there)"
-            )
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(path)
-        os.chmod(path, 0o660)
-        sock.listen(BACKLOG)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ListenError(f"api.listen {listen}: address already in use") from None
-        raise ListenError(f"api.listen {listen}: {_os_error(exc)}") from None
-    sock.setblocking(False)
-    return sock
-
-
 async def serve(
-    runtime: Runtime, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    runtime: Runtime,
+    *,
+    bound: BoundApi | None = None,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API for ``runtime`` until cancelled (a runtime service)."""
+    """Serve the API for ``runtime`` until cancelled (a runtime service).
+
+    ``bound``: the socket and token ``supervisor.listen.open_api`` opened before the runtime
+    started (the command line does that); without it they are opened here.
+    """
     api = runtime.settings.api
-    token = load_token(api)
-    sock, url = bind(api.listen)
-    unix_path = url[len("unix:") :] if url.startswith("unix:") else None
+    if bound is None:
+        bound = open_api(api)
+    sock, url, token = bound.sock, bound.url, bound.token
     metrics = Metrics(runtime)
     app = create_app(runtime, metrics, token)
     _quiet_uvicorn_logging()
@@ -1111,10 +1016,7 @@ async def serve(
         with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S + 1):
             if server.started:
                 await server.shutdown()
-        sock.close()
-        if unix_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(unix_path)
+        bound.close()
 
 
-__all__: Sequence[str] = ("bind", "create_app", "load_token", "serve")
+__all__: Sequence[str] = ("create_app", "serve")

@@ -6,6 +6,8 @@ Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad configuration (one line,
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import os
 import shlex
@@ -22,6 +24,7 @@ from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.config import GpuSection, Settings, load_settings
 from supervisor.errors import BackendError, ConfigError, SupervisorError, UsageError
+from supervisor.listen import open_api, serve_api
 from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
@@ -321,17 +324,17 @@ def _run(args: argparse.Namespace) -> int:
     path = Path(args.config)
     settings = load_settings(path)
     services: list[Service] = []
-    if settings.api.listen:
-        from supervisor import api  # imports FastAPI and uvicorn: only when serving
-
-        services.append(api.serve)
-    runtime = Runtime(
-        settings,
-        path,
-        trace_samples=args.log_level.lower() == "debug",
-        services=services,
-    )
+    # Bound before anything starts, so a port in use fails here; FastAPI is imported later.
+    bound = open_api(settings.api) if settings.api.listen else None
+    if bound is not None:
+        services.append(functools.partial(serve_api, bound))
     try:
+        runtime = Runtime(
+            settings,
+            path,
+            trace_samples=args.log_level.lower() == "debug",
+            services=services,
+        )
         return anyio.run(runtime.run)
     except SupervisorError:
         raise
@@ -346,6 +349,9 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as exc:
         structlog.get_logger().exception("supervisor.crashed", error=str(exc))
         return EXIT_FAILURE
+    finally:
+        if bound is not None:
+            bound.close()
 
 
 def _first_supervisor_error(group: BaseExceptionGroup[Any]) -> SupervisorError | None:
@@ -363,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
+        if args.command != "run":
+            gc.enable()  # held off by the entry point; `run` turns it on after start-up
         if args.command == "check-config":
             print(check_config(load_settings(args.config), args.json))
             return EXIT_OK

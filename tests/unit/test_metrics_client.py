@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.api import load_token
 from supervisor.client import format_status, resolve, url_for
 from supervisor.config import ApiSection
 from supervisor.errors import ConfigError, UsageError
 from supervisor.healing import HealState
 from supervisor.journal import Journal
+from supervisor.listen import load_token
 from supervisor.metrics import Metrics
 from supervisor.model import DeviceIdentity, DeviceSample, Sample
 from supervisor.records import WriteHealth
