@@ -94,6 +94,44 @@ def scan() -> dict[int, ProcStat]:
     return out
 
 
+def nspids(pid: int) -> tuple[int, ...]:
+    """``NSpid`` of ``/proc/<pid>/status``: the pid here, then in each nested PID namespace.
+
+    One entry for a process in our own namespace; empty if it is gone or the kernel (< 4.1)
+    does not say.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"NSpid:"):
+                    return tuple(int(v) for v in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def inner_pids(pids: Iterable[int]) -> dict[int, int]:
+    """Innermost-namespace pid -> pid here, for those of ``pids`` in a nested PID namespace.
+
+    A worker started in a PID namespace of its own (``unshare --pid``, a nested container) may be
+    listed by NVML under its pid there. A pid that two processes share (two namespaces each
+    have their pid 1) is left out: it cannot be told apart.
+    """
+    out: dict[int, int] = {}
+    shared: set[int] = set()
+    for pid in pids:
+        ns = nspids(pid)
+        if len(ns) < 2 or ns[0] != pid:
+            continue
+        inner = ns[-1]
+        if inner in out and out[inner] != pid:
+            shared.add(inner)
+        out[inner] = pid
+    for inner in shared:
+        del out[inner]
+    return out
+
+
 def children_map(table: Mapping[int, ProcStat]) -> dict[int, list[int]]:
     """Parent pid -> child pids."""
     out: dict[int, list[int]] = {}

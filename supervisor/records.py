@@ -277,7 +277,7 @@ class Recorder:
         self._dirty = False
         self._urgent = False
         self._last_at = -1e18
-        self._last_body: bytes | None = None
+        self._last_body: str | None = None
         self._pending: list[dict[str, Any]] = []
         self._next_check = 0.0
         self._recreated = False
@@ -358,7 +358,9 @@ class Recorder:
     async def _write_state_locked(self) -> None:
         self._dirty = self._urgent = False
         doc = self._snapshot()
-        body = dump_json({k: v for k, v in doc.items() if k != "written_at"})
+        # Compared, not written: compact JSON goes through the C encoder (indent= does not), so
+        # the check after every sample costs ~0.1 ms instead of ~1 ms for 32 workers.
+        body = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, allow_nan=False)
         if body == self._last_body and "state" not in self.health.failing:
             return
         self._last_at = self._anyio.current_time()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import anyio
@@ -30,6 +30,19 @@ REOPEN_INITIAL_S = 1.0
 REOPEN_MAX_S = 60.0
 #: Without GPU telemetry only the host is sampled, and less often (nothing urgent to catch).
 HOST_ONLY_INTERVAL_S = 2.0
+#: ``/proc`` is read at most this often for host RSS and CPU, however often the GPU is sampled
+#: (a shorter ``leak_window_s`` reads it more often: see ``host_interval``).
+HOST_EVERY_S = 2.0
+#: The whole process table is scanned (to find new descendants) at least this often.
+FULL_SCAN_EVERY_S = 5.0
+
+
+def host_interval(leak_windows_s: Iterable[float]) -> float:
+    """How often to read ``/proc``: ``HOST_EVERY_S``, or more often for short leak windows.
+
+    The host RSS leak detector wants about a hundred readings per window.
+    """
+    return min([HOST_EVERY_S, *(w / 100 for w in leak_windows_s)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +56,22 @@ class WorkerRef:
 class HostSampler:
     """Process trees, RSS and CPU of every worker from ``/proc`` (blocking).
 
-    A full scan of the process table happens every ``full_scan_every`` ticks, when a worker has a
+    A full scan of the process table happens every ``full_every_s`` seconds, when a worker has a
     new main pid, or when NVML lists a pid we do not know; in between only the ``stat`` lines of
     known tree members are read, so a tick costs one small read per worker process.
     """
 
-    def __init__(self, full_scan_every: int = 10) -> None:
-        self.full_scan_every = full_scan_every
+    def __init__(self, full_every_s: float = FULL_SCAN_EVERY_S, every_s: float = 0.0) -> None:
+        self.full_every_s = full_every_s
+        self.every_s = every_s
+        self._usage: dict[str, tuple[float | None, float | None]] = {}
+        self._result: dict[str, frozenset[int]] = {}
+        self._pids: frozenset[int] = frozenset()  # the pids the last read found alive
+        self._visible: frozenset[int] = frozenset()
+        self._aliases: dict[int, int] = {}
         self._cpu: dict[tuple[int, int], float] = {}  # (pid, start ticks) -> CPU seconds
         self._at: float | None = None
-        self._tick = 0
+        self._next_full = 0.0
         self._trees: dict[str, frozenset[int]] = {}
         self._leaders: dict[str, int | None] = {}
         self._foreign: frozenset[int] = frozenset()  # GPU pids that are not any worker's
@@ -74,21 +93,36 @@ class HostSampler:
     ) -> tuple[
         dict[str, frozenset[int]], dict[str, tuple[float | None, float | None]], frozenset[int]
     ]:
-        """Trees, (rss_mb, cpu_percent) per worker, and which of ``gpu_pids`` exist here."""
+        """Trees, (rss_mb, cpu_percent) per worker, and which of ``gpu_pids`` exist here.
+
+        ``/proc`` is read at most every ``every_s`` (the GPU may be sampled more often): in
+        between, the last reading is returned, unless a worker has a new main pid or NVML lists
+        a pid we cannot place, which are read at once.
+        """
         now = time.monotonic()
         known = frozenset().union(*self._trees.values()) if self._trees else frozenset()
-        stale = (
-            self._tick % self.full_scan_every == 0
-            or any(self._leaders.get(n) != pid for n, pid in leaders.items() if pid is not None)
-            or bool(gpu_pids - known - self._foreign)
-        )
-        self._tick += 1
+        moved = any(self._leaders.get(n) != pid for n, pid in leaders.items() if pid is not None)
+        unplaced = bool(gpu_pids - known - self._foreign - self._aliases.keys())
+        if (
+            not unplaced
+            and self._at is not None
+            and now - self._at < self.every_s
+            and dict(leaders) == self._leaders
+        ):
+            visible = gpu_pids & (self._pids | self._visible)
+            return dict(self._result), dict(self._usage), visible
+        stale = now >= self._next_full or moved or unplaced
+        if stale:
+            self._next_full = now + self.full_every_s
         self._leaders = dict(leaders)
         table: dict[int, procfs.ProcStat]
         if stale:
             table = self._full(leaders)
             ours = frozenset().union(*self._trees.values()) if self._trees else frozenset()
-            self._foreign = gpu_pids - ours
+            unexplained = gpu_pids - ours
+            # A worker in a PID namespace of its own may be listed by NVML under its pid there.
+            self._aliases = procfs.inner_pids(ours) if unexplained else {}
+            self._foreign = unexplained - self._aliases.keys()
         else:
             table = {}
             for pid in known:
@@ -124,7 +158,16 @@ class HostSampler:
             usage[name] = (rss, cpu)
         self._cpu = cpu_now
         self._at = now
+        self._usage = dict(usage)
+        self._result = dict(trees)
+        self._pids = frozenset(table)
+        self._visible = visible
         return trees, usage, visible
+
+    @property
+    def aliases(self) -> Mapping[int, int]:
+        """Pid in a worker's own PID namespace -> its pid here (from ``NSpid``, unique only)."""
+        return self._aliases
 
 
 class Sampler:
@@ -147,7 +190,7 @@ class Sampler:
         self.identities: tuple[DeviceIdentity, ...] = ()
         self.error: str | None = None
         self.available = False
-        self._host = HostSampler()
+        self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
         self._xid_limiter = anyio.CapacityLimiter(1)
         self._reopen_delay = REOPEN_INITIAL_S
@@ -155,6 +198,15 @@ class Sampler:
         self._wake = anyio.Event()
         self.last: Sample | None = None
         self._log = structlog.get_logger()
+
+    @property
+    def host_every_s(self) -> float:
+        """How often ``/proc`` is read for host RSS and CPU (see ``HostSampler``)."""
+        return self._host.every_s
+
+    @host_every_s.setter
+    def host_every_s(self, value: float) -> None:
+        self._host.every_s = value
 
     @property
     def backend_name(self) -> str:
@@ -205,7 +257,9 @@ class Sampler:
                 error = str(exc)
         gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
         trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
-        gpu = attribute(devices, trees, {n: r.gpus for n, r in refs.items()}, visible)
+        gpu = attribute(
+            devices, trees, {n: r.gpus for n, r in refs.items()}, visible, self._host.aliases
+        )
         workers = {}
         for name, tree in trees.items():
             usage = gpu.get(name)

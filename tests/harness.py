@@ -143,10 +143,11 @@ class Supervisor:
         with self._cond:
             self.stdout.append(line)
             parts = line.split()
-            # worker lines look like "[name] name pid text" (log_passthrough)
-            if len(parts) >= 3 and parts[2].isdigit():
+            # worker lines look like "[name] name pid text" (log_passthrough); a worker in a
+            # PID namespace of its own prints its pid there, which is not ours to watch or kill
+            if len(parts) >= 3 and parts[2].isdigit() and not _foreign_ns(int(parts[2])):
                 self.seen_pids.add(int(parts[2]))
-            if "forked" in parts and parts[-1].isdigit():
+            if "forked" in parts and parts[-1].isdigit() and not _foreign_ns(int(parts[-1])):
                 self.seen_pids.add(int(parts[-1]))
             self._cond.notify_all()
 
@@ -300,6 +301,12 @@ class Supervisor:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         return survivors
+
+
+def _foreign_ns(pid: int) -> bool:
+    """True for pid 1: a worker in a PID namespace of its own prints that pid (its own, there),
+    and our init is never a test's process to watch or kill."""
+    return pid <= 1
 
 
 def alive(pid: int) -> bool:

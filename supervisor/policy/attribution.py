@@ -1,8 +1,11 @@
 """Per-worker GPU memory from NVML's process lists (pure).
 
-NVML reports host pids. A worker's usage is the sum over every pid of its process tree. Where no
-pid matches (a container without the host PID namespace) usage is attributed by device when each
-of the worker's GPUs belongs to that worker alone, and is otherwise ``unavailable``, never 0.
+NVML reports host pids. A worker's usage is the sum over every pid of its process tree. Some
+drivers list a process in a PID namespace of its own under its pid there: ``aliases`` (from
+``NSpid``) maps such a pid to ours, when it is not one of ours already and the worker it names is
+placed on that GPU. Where no pid matches (a container without the host PID namespace) usage is
+attributed by device when each of the worker's GPUs belongs to that worker alone, and is
+otherwise ``unavailable``, never 0.
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ def attribute(
     trees: Mapping[str, frozenset[int]],
     assigned: Mapping[str, tuple[str, ...] | None],
     visible_pids: frozenset[int],
+    aliases: Mapping[int, int] | None = None,
 ) -> dict[str, GpuUsage]:
     """GPU memory of each worker in ``trees`` (worker -> pids of its whole process tree).
 
     ``visible_pids`` are the pids that exist in the supervisor's PID namespace: an NVML pid
     outside it belongs to a namespace we cannot see (the case for device attribution).
+    ``aliases``: pid in a worker's own PID namespace -> its pid here.
     """
     procs = {d.uuid: sane_processes(d) for d in devices if d.healthy and d.processes is not None}
     listable = {d.uuid for d in devices if d.healthy and d.processes is not None}
@@ -54,6 +59,11 @@ def attribute(
         for u in uuids or ():
             owners.setdefault(u, []).append(name)
     known_pids = frozenset().union(*trees.values()) if trees else frozenset()
+    if aliases:
+        procs = {
+            u: _resolve(plist, u, aliases, known_pids, trees, assigned)
+            for u, plist in procs.items()
+        }
     out: dict[str, GpuUsage] = {}
     for name, tree in trees.items():
         gpus = assigned.get(name) or ()
@@ -97,3 +107,23 @@ def attribute(
             continue
         out[name] = GpuUsage(None, {}, "unavailable")
     return out
+
+
+def _resolve(
+    plist: tuple[GpuProcess, ...],
+    uuid: str,
+    aliases: Mapping[int, int],
+    known: frozenset[int],
+    trees: Mapping[str, frozenset[int]],
+    assigned: Mapping[str, tuple[str, ...] | None],
+) -> tuple[GpuProcess, ...]:
+    """``plist`` with namespace-local pids replaced by ours, where that is unambiguous."""
+    out = []
+    for p in plist:
+        ours = aliases.get(p.pid)
+        if p.pid not in known and ours is not None:
+            owner = next((n for n, t in trees.items() if ours in t), None)
+            if owner is not None and uuid in (assigned.get(owner) or ()):
+                p = GpuProcess(ours, p.used_mb)
+        out.append(p)
+    return tuple(out)

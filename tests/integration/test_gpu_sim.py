@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, worker_cmd
@@ -180,3 +184,35 @@ def test_barrier_timeout_marks_suspect_and_moves(
     assert sup.stop() == 0
     # the escaped holder was adopted (subreaper) and killed at shutdown
     assert sup.find(event="supervisor.killed_leftovers")
+
+
+UNSHARE = shutil.which("unshare")
+
+
+def _pid_namespaces_work() -> bool:
+    if UNSHARE is None:
+        return False
+    probe = [UNSHARE, "--pid", "--fork", "true"]
+    return subprocess.run(probe, check=False, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _pid_namespaces_work(), reason="unshare --pid --fork not permitted here")
+def test_a_worker_in_its_own_pid_namespace_is_attributed_through_nspid(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The worker claims memory under its pid in a namespace of its own (pid 1 there), as some
+    drivers list it; the supervisor maps it to the worker through ``NSpid``."""
+    assert UNSHARE is not None
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "ns", "command": [UNSHARE, "--pid", "--fork", *worker_cmd("gpu_user", "700")]},
+        ),
+        log_level="debug",
+    )
+    sup.ready("ns-0")
+    assert (tmp_path / "sim" / "procs" / "1").exists()  # its own pid, as it sees it
+    usage = worker_mb(sup, "ns-0", 700.0)
+    assert usage["by_gpu"] == {UUID0: 700.0}
+    assert usage["attribution"] == "pid"
+    assert sup.stop() == 0

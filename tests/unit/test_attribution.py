@@ -66,3 +66,31 @@ def test_unlisted_processes_are_unavailable_and_no_gpu_is_none() -> None:
 def test_sanity_checks_drop_impossible_values() -> None:
     procs = sane_processes(dev("A", (0, 5.0), (-3, 5.0), (10, 5000.0), (11, -1.0), (12, 10.0)))
     assert procs == (GpuProcess(10, None), GpuProcess(11, None), GpuProcess(12, 10.0))
+
+
+def test_a_pid_of_a_nested_namespace_is_mapped_through_its_alias() -> None:
+    # The worker (our pid 500) runs in a PID namespace of its own, where it is pid 1, and the
+    # driver lists it under that pid; pid 1 also exists here (our init), so it is "visible".
+    devices = (dev("A", (1, 300.0)), dev("B", (1, 40.0)))
+    trees = {"w": frozenset({500}), "v": frozenset({600})}
+    assigned = {"w": ("A",), "v": ("B",)}
+    got = attribute(devices, trees, assigned, frozenset({1, 500, 600}), {1: 500})
+    assert got["w"].total_mb == 300.0
+    assert got["w"].attribution == "pid"
+    # GPU B is not w's: the alias is not applied there, and v is not credited with pid 1.
+    assert got["v"].total_mb == 0.0
+    # Without the alias, pid 1 is someone else's process.
+    plain = attribute(devices, trees, assigned, frozenset({1, 500, 600}))
+    assert plain["w"].total_mb == 0.0
+
+
+def test_a_pid_that_is_ours_is_not_replaced_by_an_alias() -> None:
+    got = attribute(
+        (dev("A", (7, 10.0)),),
+        {"w": frozenset({7}), "v": frozenset({900})},
+        {"w": ("A",), "v": ("A",)},
+        frozenset({7, 900}),
+        {7: 900},
+    )
+    assert got["w"].total_mb == 10.0
+    assert got["v"].total_mb == 0.0

@@ -75,3 +75,41 @@ def test_signal_mapping() -> None:
     assert signal_intent(signal.SIGHUP, False) == Reload()
     assert signal_intent(signal.SIGHUP, True) is None
     assert signal_intent(signal.SIGUSR1, False) is None
+
+
+def test_nspids_and_inner_pids_of_a_nested_pid_namespace() -> None:
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from supervisor import procfs
+
+    assert procfs.nspids(os.getpid()) == (os.getpid(),)
+    assert procfs.inner_pids([os.getpid()]) == {}
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare is not installed")
+    # `unshare --fork` forks the command as pid 1 of the new namespace and waits for it.
+    outer = subprocess.Popen([unshare, "--pid", "--fork", "sleep", "60"])
+    try:
+        import psutil
+
+        deadline = psutil.Process(outer.pid)
+        kids: list[psutil.Process] = []
+        for _ in range(2000):
+            kids = deadline.children()
+            if kids and procfs.nspids(kids[0].pid)[-1:] == (1,):
+                break
+            if outer.poll() is not None:
+                pytest.skip("unshare --pid --fork not permitted here")
+            psutil.wait_procs([deadline], timeout=0.005)
+        assert kids, "unshare did not start its child"
+        child = kids[0].pid
+        assert procfs.nspids(child) == (child, 1)
+        assert procfs.inner_pids([child, os.getpid()]) == {1: child}
+    finally:
+        outer.kill()
+        outer.wait(10)
+    assert procfs.nspids(outer.pid) == ()
