@@ -1,6 +1,6 @@
 """Supervisor CPU while idle with 32 workers: with no GPU telemetry, and at 2 Hz on 2 sim GPUs.
 
-    .venv/bin/python bench/idle_cpu.py [--seconds 60]
+    .venv/bin/python bench/idle_cpu.py [--seconds 60] [--python PATH]
 
 Starts ``gpu-supervisor run`` with 32 sleeping workers, lets it settle for 3 s, then reads the
 supervisor process's own user+system CPU over the window (workers excluded). Targets: backend
@@ -34,10 +34,10 @@ def config(base: Path, backend: str) -> Path:
     return path
 
 
-def measure(cfg: Path, seconds: float) -> tuple[float, float]:
+def measure(cfg: Path, seconds: float, python: str) -> tuple[float, float]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
-        cwd=ROOT,
+        [python, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
+        cwd=cfg.parent,  # not the checkout: with --python, the installed package is the one run
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -58,12 +58,18 @@ def measure(cfg: Path, seconds: float) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with gpu-supervisor installed (e.g. bench/.venvs/gpu-supervisor/bin/"
+        "python, which bench/peers.py builds: a non-editable install with runtime deps only)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gpu-idle-") as tmp:
         base = Path(tmp)
         rows = []
         for backend, target in (("none", 0.1), ("sim", 0.3)):
-            per_min, rss = measure(config(base, backend), args.seconds)
+            per_min, rss = measure(config(base, backend), args.seconds, args.python)
             rows.append((backend, per_min, rss, target))
     print(f"32 idle workers, {args.seconds:g} s window, supervisor process only:")
     print("| backend | CPU s/min | RSS MiB | target | verdict |")

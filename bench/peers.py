@@ -485,15 +485,34 @@ BENCH_RUN_ID = {self.tracker.run_id}
 
 
 class GpuSupervisor(Supervisor):
+    """gpu-supervisor as users install it: built from this checkout into its own venv (runtime
+    dependencies only, bytecode compiled by pip), like the peers, and run from outside the
+    checkout so that the installed package is the one imported."""
+
     name = OURS
+
+    def __init__(self, tracker: Tracker, log: Callable[[str], None]) -> None:
+        super().__init__(tracker)
+        self._log = log
+        self.bin = Path()
 
     def prepare(self) -> None:
         main = REPO_ROOT / "supervisor" / "__main__.py"
         if not main.exists():
             raise Unavailable(f"{main.relative_to(REPO_ROOT)} does not exist yet")
+        self.bin = ensure_venv(OURS, str(REPO_ROOT), self._log)
+        # The venv is made once; the package is reinstalled from the checkout on every run.
+        reinstall = subprocess.run(
+            [str(self.bin / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+             "--force-reinstall", "--disable-pip-version-check", str(REPO_ROOT)],
+            capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        if reinstall.returncode != 0:
+            tail = reinstall.stderr.strip().splitlines()[-1:] or [""]
+            raise Unavailable(f"installing {REPO_ROOT} failed: {tail[0][:200]}")
         probe = subprocess.run(
-            [str(PROJECT_PYTHON), "-m", "supervisor", "run", "--help"],
-            cwd=REPO_ROOT,
+            [str(self.bin / "python"), "-m", "supervisor", "run", "--help"],
+            cwd=VENVS_DIR,
             capture_output=True,
             text=True,
             timeout=60,
@@ -505,18 +524,13 @@ class GpuSupervisor(Supervisor):
             raise Unavailable(
                 f"`python -m supervisor run --help` exited {probe.returncode}: {first[:200]}"
             )
-        try:
-            from importlib.metadata import version
-
-            self.version = "gpu-supervisor " + version("gpu-supervisor")
-        except Exception:  # version is informational only
-            self.version = "gpu-supervisor ?"
+        self.version = "gpu-supervisor " + _dist_version(self.bin / "python", "gpu-supervisor")
 
     def cwd(self, workdir: Path) -> Path:
-        return REPO_ROOT
+        return workdir
 
     def launch_argv(self, config: Path) -> list[str]:
-        return [str(PROJECT_PYTHON), "-m", "supervisor", "run", "-c", str(config)]
+        return [str(self.bin / "python"), "-m", "supervisor", "run", "-c", str(config)]
 
     def write_config(self, workdir: Path, start_file: Path, n: int, ignore_term: bool) -> Path:
         command = ", ".join(_toml_str(a) for a in _worker_argv(ignore_term))
@@ -976,7 +990,7 @@ def run(args: argparse.Namespace) -> int:
     tracker = Tracker(run_id=uuid.uuid4().hex)
     rng = random.Random(args.seed)
     sups: dict[str, Supervisor] = {
-        OURS: GpuSupervisor(tracker),
+        OURS: GpuSupervisor(tracker, log),
         SUPERVISORD: Supervisord(tracker, log),
         CIRCUS: Circus(tracker, log),
     }
