@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.utils
 import hashlib
 import hmac
 import importlib.resources
@@ -886,6 +887,8 @@ class Front:
         self.waits = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            send = self._dated(send)
         if scope["type"] != "http" or scope["path"].startswith(self.exempt):
             await self.app(scope, receive, send)
             return
@@ -896,6 +899,17 @@ class Front:
                 await self.app(scope, receive, send)
             else:
                 await self._answer(route, scope, send)
+
+    def _dated(self, send: Any) -> Any:
+        """``send`` that adds the ``Date`` header (uvicorn's needs a timer every second)."""
+
+        async def send_dated(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"date", _http_date())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return send_dated
 
     async def _admit(self) -> None:
         """Wait for the next period once the loop's thread used its share of this one."""
@@ -928,6 +942,18 @@ class Front:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+_date_cache: tuple[int, bytes] = (0, b"")
+
+
+def _http_date() -> bytes:
+    """The current time as an HTTP ``Date`` value (formatted once per second)."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, email.utils.formatdate(now, usegmt=True).encode())
+    return _date_cache[1]
 
 
 class _QuietServer(uvicorn.Server):
@@ -995,6 +1021,7 @@ async def serve(
         log_level="warning",
         access_log=False,
         server_header=False,
+        date_header=False,  # Front adds it: no 1 s timer while idle
         proxy_headers=False,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
@@ -1008,9 +1035,8 @@ async def serve(
             "api.listening", url=url, auth=token is not None, auth_read=api.auth_read
         )
         task_status.started()
-        while True:  # uvicorn's own loop ticks 10 times a second; the Date header needs 1
-            await server.on_tick(0)
-            await anyio.sleep(1.0)
+        await server.on_tick(0)  # the default headers; no tick after that (Front dates answers)
+        await anyio.sleep_forever()
     finally:
         metrics.detach()
         with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S + 1):

@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 
 MIB = 1024 * 1024
 DEFAULT_WINDOW_S = 600.0
+#: Available host memory (for the time-to-exhaustion of host leaks) is re-read at most this often.
+HOST_FREE_EVERY_S = 5.0
 
 
 def floor_bucket_s(window_s: float) -> float:
@@ -130,6 +132,8 @@ class Healer:
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
         self._host_available_mb = host_available_mb or _host_available_mb
+        self._host_free_at: float | None = None
+        self._host_free_mb: float | None = None
         #: worker -> its cgroup's memory.events (its own OOM-kill count), when it has one
         self.oom_events_of: Callable[[str], Path | None] = lambda _name: None
 
@@ -225,11 +229,18 @@ class Healer:
         interval = self.host.settings.supervisor.sample_interval_s
         share = math.ceil(len(self._watch) * interval / FLOOR_BUCKET_S) if self._watch else 0
         judged = {name for _, name in due[: max(1, share)]}
-        host_free = self._host_available_mb() if judged else None
+        host_free = self._host_free(now) if judged else None
         for runner in self.host.workers():
             self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
         self._judge_devices(sample, now)
         self._run(now)
+
+    def _host_free(self, now: float) -> float | None:
+        """Available host memory, read at most every ``HOST_FREE_EVERY_S`` (/proc/meminfo)."""
+        if self._host_free_at is None or now - self._host_free_at >= HOST_FREE_EVERY_S:
+            self._host_free_mb = self._host_available_mb()
+            self._host_free_at = now
+        return self._host_free_mb
 
     # --- detectors ----------------------------------------------------------------------
 

@@ -193,6 +193,7 @@ class Runtime:
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
         self._sampled = anyio.Event()
+        self._recorded: object = None  # what the last sample showed that state.json records
         self._summary_at = 0.0
         self._trace_samples = trace_samples
         self.services = tuple(services)
@@ -418,7 +419,6 @@ class Runtime:
                 ring.append(
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
-        self.recorder.mark()
         self.healer.on_sample(sample)
         for listener in self.sample_listeners:
             listener(sample)
@@ -428,6 +428,19 @@ class Runtime:
                 if not pids & listed:
                     del self.suspect[uuid]
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
+        # state.json shows the devices (with their flags) and each worker's tree (for orphan
+        # reclaim): only a sample that changes one of them needs a new snapshot.
+        recorded = (
+            sample.devices,
+            tuple((n, u.pids) for n, u in sample.workers.items()),
+            frozenset(self.suspect),
+            frozenset(self.cordoned),
+            tuple(self.healer.state.quarantined),
+            tuple(u for u, t in self.healer.state.thermal.items() if t.hot),
+        )
+        if recorded != self._recorded:
+            self._recorded = recorded
+            self.recorder.mark()
         self._sampled.set()
         self._sampled = anyio.Event()
         if self._trace_samples:

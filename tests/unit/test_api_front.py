@@ -124,3 +124,13 @@ async def test_requests_past_the_share_wait_for_the_next_period() -> None:
     for _ in range(10):
         await call(exempt, "/x")
     assert exempt.waits == 0
+
+
+async def test_every_answer_is_dated() -> None:
+    from email.utils import parsedate_to_datetime
+
+    front = Front(slow_app, FAST, None)
+    for path in ("/open", "/anything-else"):
+        answer = await call(front, path)
+        stamp = parsedate_to_datetime(answer["headers"][b"date"].decode()).timestamp()
+        assert abs(stamp - time.time()) < 2
