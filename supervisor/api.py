@@ -944,6 +944,18 @@ class Front:
         await send({"type": "http.response.body", "body": body})
 
 
+async def _shutdown(server: uvicorn.Server) -> None:
+    """Stop serving; uvicorn's own shutdown sleeps 0.1 s even with no connection open."""
+    state = server.server_state
+    if state.connections or state.tasks:
+        await server.shutdown()
+        return
+    for listener in server.servers:
+        listener.close()
+    for listener in server.servers:
+        await listener.wait_closed()
+
+
 _date_cache: tuple[int, bytes] = (0, b"")
 
 
@@ -1041,7 +1053,7 @@ async def serve(
         metrics.detach()
         with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S + 1):
             if server.started:
-                await server.shutdown()
+                await _shutdown(server)
         bound.close()
 
 

@@ -3,8 +3,8 @@
 ``open_api`` runs in the command line before the runtime: a port in use or an unusable token file
 is a one-line error (exit 1 or 2) while nothing has been started yet. FastAPI and uvicorn take
 about a fifth of a second to import, so ``serve_api`` imports ``supervisor.api`` in a thread
-once the runtime has started its workers (the loop keeps reaping and reading meanwhile), and the
-kernel queues connections on the bound socket until the server takes them.
+once the runtime has spawned its workers, and the kernel queues connections on the bound socket
+until the server takes them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,12 @@ async def serve_api(
     *,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A runtime service: import the API off the loop, then serve ``bound`` until cancelled."""
+    """A runtime service: import the API off the loop, then serve ``bound`` until cancelled.
+
+    The runtime starts it once its workers are spawned. The import takes ~0.2 s in a thread: the
+    loop goes on reaping and reading meanwhile, if more slowly (the GIL), where an import on the
+    loop would hold everything, readiness and exits included, for that long.
+    """
     try:
         api = await anyio.to_thread.run_sync(importlib.import_module, "supervisor.api")
         await api.serve(runtime, bound=bound, task_status=task_status)

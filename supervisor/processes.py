@@ -177,9 +177,14 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def kill_tree(pgid: int, extra: Iterable[psutil.Process] = ()) -> None:
-    """SIGKILL the process group ``pgid`` and the given (previously seen) descendants."""
-    victims = list(extra) + descendants(pgid)
+def kill_tree(pgid: int, extra: Iterable[psutil.Process] = (), scan: bool = True) -> None:
+    """SIGKILL the process group ``pgid`` and the given (previously seen) descendants.
+
+    ``scan``: also walk the descendants of ``pgid`` in the process table. Pointless once that
+    leader is reaped: the kernel re-parented its children when it exited (to us, the subreaper),
+    so nothing names it as parent any more, and the walk costs a read of all of ``/proc``.
+    """
+    victims = list(extra) + (descendants(pgid) if scan else [])
     signal_group(pgid, signal.SIGKILL)
     for proc in victims:
         with contextlib.suppress(psutil.Error, OSError):

@@ -117,6 +117,10 @@ Intent = Shutdown | Reload | WorkerCommand | RollingRestart | Cordon
 Service = Callable[..., Coroutine[Any, Any, None]]
 
 
+#: Services start once every worker has been spawned, or after this long at most.
+SERVICES_WAIT_S = 2.0
+
+
 def _end_of_startup() -> None:
     """Turn on the garbage collector if the entry point held it off during start-up.
 
@@ -316,6 +320,7 @@ class Runtime:
                 _end_of_startup()
                 # Services (the API) come after the first spawns: importing FastAPI takes
                 # ~0.2 s that the workers need not wait for (its socket is bound already).
+                await self.wait_until(self._first_spawns_done, SERVICES_WAIT_S)
                 for service in self.services:
                     await tg.start(service, self)
                 if sup.systemd_ready == "start":
@@ -332,6 +337,15 @@ class Runtime:
             raise startup_error
         self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
         return self.exit_code
+
+    def _first_spawns_done(self) -> bool:
+        return (
+            all(
+                r.record.pid is not None or r.state is not WorkerState.STOPPED
+                for r in self.workers()
+            )
+            or self._shutting_down
+        )
 
     def _probe_cgroups(self) -> None:
         if not any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
@@ -888,7 +902,10 @@ class Runtime:
             },
             silent_for_s=silent,
             healing=self.healer.exit_evidence(runner.name),
-            oom_kills=self.healer.oom_kills_during(runner.name),
+            # Only a SIGKILL can be the kernel's OOM killer: /proc/vmstat is not read otherwise.
+            oom_kills=self.healer.oom_kills_during(runner.name)
+            if outcome.status is not None and outcome.status.signal == signal.SIGKILL
+            else 0,
         )
         if found is None:
             return

@@ -323,7 +323,7 @@ class WorkerRunner:
         if child is not None and outcome.status is not None:
             child.mark_reaped(outcome.status)
             # The leader is gone: whatever is left of its tree goes with it.
-            kill_tree(child.pid, self._tree)
+            kill_tree(child.pid, self._tree, scan=False)
             self._register_pid(child.pid, None)
         self._child = None
         self._tree = []
