@@ -254,7 +254,9 @@ def test_max_unavailable_holds_when_several_workers_leak(
                 "replicas": 3,
                 "gpus": [0],
                 "command": sim("500", "--leak", "4"),
-                "drain_timeout_s": 0.3,
+                # Longer than the spacing of the judgements (they are spread over the ticks),
+                # so the next worker is found leaking while the first is still down.
+                "drain_timeout_s": 1.5,
                 "health": {
                     **FAST_LEAK,
                     "gpu_memory_limit_mb": 1500,
