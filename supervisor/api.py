@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from supervisor._version import __version__
 from supervisor.journal import JOURNAL_SIZE, rfc3339
-from supervisor.listen import BoundApi, open_api
+from supervisor.listen import BoundApi
 from supervisor.metrics import Metrics, state_key
 from supervisor.model import WorkerState
 from supervisor.policy import lifecycle as lc
@@ -1002,17 +1002,15 @@ def _quiet_uvicorn_logging() -> None:
 async def serve(
     runtime: Runtime,
     *,
-    bound: BoundApi | None = None,
+    bound: BoundApi,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API for ``runtime`` until cancelled (a runtime service).
+    """Serve the API for ``runtime`` on ``bound`` until cancelled (via ``listen.serve_api``).
 
     ``bound``: the socket and token ``supervisor.listen.open_api`` opened before the runtime
-    started (the command line does that); without it they are opened here.
+    started.
     """
     api = runtime.settings.api
-    if bound is None:
-        bound = open_api(api)
     sock, url, token = bound.sock, bound.url, bound.token
     metrics = Metrics(runtime)
     app = create_app(runtime, metrics, token)

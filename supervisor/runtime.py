@@ -191,7 +191,7 @@ class Runtime:
             self._on_sample,
             self._on_xid,
         )
-        self.sampler.host_every_s = host_interval(g.health.leak_window_s for g in settings.workers)
+        self._set_host_interval()
         self.suspect: dict[str, frozenset[int]] = {}  # GPU UUID -> old pids still holding memory
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
@@ -337,6 +337,10 @@ class Runtime:
             raise startup_error
         self.log.info("supervisor.exit", code=self.exit_code, reason="shutdown")
         return self.exit_code
+
+    def _set_host_interval(self) -> None:
+        windows = (g.health.leak_window_s for g in self.settings.workers)
+        self.sampler.host_every_s = host_interval(windows)
 
     def _first_spawns_done(self) -> bool:
         return (
@@ -1143,9 +1147,7 @@ class Runtime:
             )
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return
-        self.sampler.host_every_s = host_interval(
-            g.health.leak_window_s for g in self.settings.workers
-        )
+        self._set_host_interval()
         for name in diff.removed:
             await self._stop_group(name)
         for name in diff.added:

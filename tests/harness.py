@@ -145,9 +145,9 @@ class Supervisor:
             parts = line.split()
             # worker lines look like "[name] name pid text" (log_passthrough); a worker in a
             # PID namespace of its own prints its pid there, which is not ours to watch or kill
-            if len(parts) >= 3 and parts[2].isdigit() and not _foreign_ns(int(parts[2])):
+            if len(parts) >= 3 and parts[2].isdigit() and not _not_a_test_pid(int(parts[2])):
                 self.seen_pids.add(int(parts[2]))
-            if "forked" in parts and parts[-1].isdigit() and not _foreign_ns(int(parts[-1])):
+            if "forked" in parts and parts[-1].isdigit() and not _not_a_test_pid(int(parts[-1])):
                 self.seen_pids.add(int(parts[-1]))
             self._cond.notify_all()
 
@@ -303,8 +303,8 @@ class Supervisor:
         return survivors
 
 
-def _foreign_ns(pid: int) -> bool:
-    """True for pid 1: a worker in a PID namespace of its own prints that pid (its own, there),
+def _not_a_test_pid(pid: int) -> bool:
+    """True for pid 1: a worker in a PID namespace of its own prints that pid (its own there),
     and our init is never a test's process to watch or kill."""
     return pid <= 1
 

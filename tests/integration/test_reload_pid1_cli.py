@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
+from supervisor import procfs
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, worker_cmd
 
@@ -105,12 +106,8 @@ def _pid1_works() -> bool:
 
 def _ns_pid(proc: psutil.Process) -> int | None:
     """The pid of ``proc`` in its innermost PID namespace (last ``NSpid:`` entry), or None."""
-    try:
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-    except OSError:
-        return None
-    line = next((ln for ln in status.splitlines() if ln.startswith("NSpid:")), None)
-    return int(line.split()[-1]) if line else None
+    ns = procfs.nspids(proc.pid)
+    return ns[-1] if ns else None
 
 
 def _zombies(procs: list[psutil.Process]) -> list[int]:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
+import pytest
+
+from supervisor import procfs
 from supervisor.notify import parse_datagram, socket_path_for
 from supervisor.output import TAIL_LINES, WorkerOutput
 from supervisor.runtime import Reload, Shutdown, signal_intent
@@ -78,14 +86,6 @@ def test_signal_mapping() -> None:
 
 
 def test_nspids_and_inner_pids_of_a_nested_pid_namespace() -> None:
-    import os
-    import shutil
-    import subprocess
-
-    import pytest
-
-    from supervisor import procfs
-
     assert procfs.nspids(os.getpid()) == (os.getpid(),)
     assert procfs.inner_pids([os.getpid()]) == {}
     unshare = shutil.which("unshare")
@@ -94,19 +94,18 @@ def test_nspids_and_inner_pids_of_a_nested_pid_namespace() -> None:
     # `unshare --fork` forks the command as pid 1 of the new namespace and waits for it.
     outer = subprocess.Popen([unshare, "--pid", "--fork", "sleep", "60"])
     try:
-        import psutil
-
-        deadline = psutil.Process(outer.pid)
-        kids: list[psutil.Process] = []
-        for _ in range(2000):
-            kids = deadline.children()
+        parent = psutil.Process(outer.pid)
+        deadline = time.monotonic() + 10
+        child = None
+        while child is None and time.monotonic() < deadline:
+            kids = parent.children()
             if kids and procfs.nspids(kids[0].pid)[-1:] == (1,):
-                break
-            if outer.poll() is not None:
+                child = kids[0].pid
+            elif outer.poll() is not None:
                 pytest.skip("unshare --pid --fork not permitted here")
-            psutil.wait_procs([deadline], timeout=0.005)
-        assert kids, "unshare did not start its child"
-        child = kids[0].pid
+            else:
+                psutil.wait_procs([parent], timeout=0.005)  # returns at once if it exits
+        assert child is not None, "unshare did not start its child within 10 s"
         assert procfs.nspids(child) == (child, 1)
         assert procfs.inner_pids([child, os.getpid()]) == {1: child}
     finally:
