@@ -697,8 +697,16 @@ class Runtime:
         return runner
 
     async def _start_runner(self, runner: WorkerRunner, start: bool = True) -> None:
+        """Register ``runner`` (in ``runners`` first, then in its group's list) and run it.
+
+        Whatever reads ``groups`` while this awaits (a state snapshot, the API) only ever
+        sees names that ``runners`` has.
+        """
         assert self._tg is not None
         self.runners[runner.name] = runner
+        names = self.groups.setdefault(runner.spec.group, [])
+        if runner.name not in names:
+            names.append(runner.name)
         await self._tg.start(runner.run)
         if start:
             runner.post(lc.Start())
@@ -706,17 +714,19 @@ class Runtime:
     async def _add_group(self, group: WorkerGroup, plan: Plan) -> None:
         self.groups[group.name] = []
         for i in range(group.replicas):
-            runner = self._make_runner(group, i, plan)
-            self.groups[group.name].append(runner.name)
-            await self._start_runner(runner)
+            await self._start_runner(self._make_runner(group, i, plan))
 
     async def _remove_runner(self, runner: WorkerRunner, reason: ExitReason) -> None:
+        """Stop ``runner`` and forget it: out of its group's list first, then out of ``runners``."""
         runner.post(lc.Stop(reason))
         await self.wait_until(lambda: is_idle(runner), self._stop_budget(runner))
         if not is_idle(runner):
             runner.post(lc.Kill())
             await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
         runner.cancel()
+        names = self.groups.get(runner.spec.group)
+        if names is not None and runner.name in names:
+            names.remove(runner.name)
         self.runners.pop(runner.name, None)
 
     def _stop_budget(self, runner: WorkerRunner) -> float:
@@ -1195,7 +1205,6 @@ class Runtime:
             runner = self.runners.get(spec.name)
             if runner is None:
                 runner = self._make_runner(group, index, plan)
-                self.groups[group.name] = [*self.groups.get(group.name, []), runner.name]
                 attempts = 0
                 await self._start_runner(runner)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -67,6 +68,40 @@ def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
     assert gone["reason"] == "reload"
     assert not sup.find(event="worker.state", worker="same-0", new="stopping")
     assert sup.wait_event(event="worker.spawned", worker="same-0")["pid"] == same_pid
+    assert sup.stop() == 0
+
+
+def test_removing_a_group_whose_workers_stop_at_different_times(
+    supervisor: SupervisorFactory,
+) -> None:
+    """While one removed worker is gone and its sibling still stops, records and API hold up.
+
+    Regression: the group's list still named the stopped worker after it had left
+    ``runners``, so the next state snapshot raised KeyError and the supervisor crashed.
+    """
+    # replica 0 stops on SIGTERM at once; replica 1 ignores it and is killed after 2 s
+    by_index = (
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {sys.executable} '
+        f"{ROOT / 'tests/workers/ignore_sigterm.py'}; else exec {sys.executable} "
+        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
+    )
+    gone = {"name": "gone", "command": ["sh", "-c", by_index], "replicas": 2, "stop_timeout_s": 2}
+    sup = supervisor({"workers": [g("keep"), gone]})
+    for w in ("keep-0", "gone-0", "gone-1"):
+        sup.ready(w)
+    mark = sup.mark()
+    sup.write_config({"workers": [g("keep")]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.state", worker="gone-0", new="stopped", after=mark)
+    with sup.api() as http:
+        # gone-1 ignores SIGTERM for 2 s: the window in which gone-0 has already left
+        names = [w["name"] for w in http.get("/api/v1/workers").json()]
+        assert names in (["keep-0", "gone-1"], ["keep-0"])
+        sup.wait_event(event="worker.state", worker="gone-1", new="stopped", after=mark)
+        assert not sup.find(event="supervisor.crashed")
+        assert [w["name"] for w in http.get("/api/v1/workers").json()] == ["keep-0"]
+    state = json.loads((sup.state_dir / "state.json").read_text())
+    assert state["supervisor"]["stopped"] is False
     assert sup.stop() == 0
 
 
