@@ -1027,6 +1027,7 @@ async def serve(
             urgent_share=URGENT_SHARE,
         ),
         lifespan="off",
+        ws="none",  # no WebSocket routes: wsproto/websockets are never imported
         log_config=None,
         log_level="warning",
         access_log=False,

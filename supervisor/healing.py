@@ -57,6 +57,8 @@ MIB = 1024 * 1024
 DEFAULT_WINDOW_S = 600.0
 #: Available host memory (for the time-to-exhaustion of host leaks) is re-read at most this often.
 HOST_FREE_EVERY_S = 5.0
+#: the system-wide OOM-kill count (/proc/vmstat) is re-read at most this often at spawns
+OOM_COUNT_REUSE_S = 0.25
 
 
 def floor_bucket_s(window_s: float) -> float:
@@ -136,6 +138,7 @@ class Healer:
         self._host_free_mb: float | None = None
         #: worker -> its cgroup's memory.events (its own OOM-kill count), when it has one
         self.oom_events_of: Callable[[str], Path | None] = lambda _name: None
+        self._oom_count: tuple[float, int | None] | None = None  # (read at, system-wide count)
 
     # --- read model ---------------------------------------------------------------------
 
@@ -171,9 +174,9 @@ class Healer:
 
     # --- inputs -------------------------------------------------------------------------
 
-    def on_spawned(self, runner: WorkerRunner) -> None:
-        """A new process: its detectors start over."""
-        self._reset(runner)
+    def on_spawned(self, runner: WorkerRunner, pid: int) -> None:
+        """A new process ``pid`` (not yet in ``runner.record``): its detectors start over."""
+        self._reset(runner, pid)
         self._migrating.discard(runner.name)
 
     def on_line(self, runner: WorkerRunner, line: str) -> None:
@@ -244,14 +247,28 @@ class Healer:
 
     # --- detectors ----------------------------------------------------------------------
 
-    def _reset(self, runner: WorkerRunner) -> _Watch:
+    def _oom_kills_at_start(self, name: str) -> int | None:
+        """The OOM-kill count a new process of ``name`` is compared with when it dies.
+
+        A worker's own cgroup count is read each time; the system-wide one is shared by the
+        spawns of one short burst (32 workers starting read ``/proc/vmstat`` once, not 32 times).
+        """
+        events = self.oom_events_of(name)
+        if events is not None:
+            return procfs.oom_kills(events)
+        now = self.host.clock.now()
+        if self._oom_count is None or now - self._oom_count[0] >= OOM_COUNT_REUSE_S:
+            self._oom_count = (now, procfs.oom_kills())
+        return self._oom_count[1]
+
+    def _reset(self, runner: WorkerRunner, pid: int | None) -> _Watch:
         window = self._health(runner).leak_window_s if self._group(runner) else 600.0
         bucket = floor_bucket_s(window)
         w = _Watch(
-            pid=runner.record.pid,
+            pid=pid,
             gpu_floor=FloorSeries(window, bucket),
             host_floor=FloorSeries(window, bucket),
-            oom_kills_at_start=procfs.oom_kills(self.oom_events_of(runner.name)),
+            oom_kills_at_start=self._oom_kills_at_start(runner.name) if pid else None,
         )
         self._watch[runner.name] = w
         for key in [k for k in self._pending if k[1] == runner.name]:
@@ -274,7 +291,7 @@ class Healer:
         w = self._watch.get(runner.name)
         pid = runner.record.pid
         if w is None or w.pid != pid:
-            w = self._reset(runner)
+            w = self._reset(runner, pid)
         usage = sample.workers.get(runner.name)
         if pid is None or usage is None:
             return

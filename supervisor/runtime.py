@@ -321,6 +321,7 @@ class Runtime:
                 # Services (the API) come after the first spawns: importing FastAPI takes
                 # ~0.2 s that the workers need not wait for (its socket is bound already).
                 await self.wait_until(self._first_spawns_done, SERVICES_WAIT_S)
+                self.sampler.request()  # the first full reading with every worker: now, not in 2 s
                 for service in self.services:
                     await tg.start(service, self)
                 if sup.systemd_ready == "start":
@@ -884,7 +885,7 @@ class Runtime:
             group = self.settings.group(runner.spec.group)
             if group is not None and group.health.host_memory_limit_mb > 0:
                 self.cgroups.place(runner.name, fields["pid"], group.health.host_memory_limit_mb)
-            self.healer.on_spawned(runner)
+            self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
             self.healer.on_fatal(runner, str(fields.get("reason", "")))
 
