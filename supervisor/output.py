@@ -37,8 +37,11 @@ class RotatingFile:
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open across writes
+            try:
+                self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open across writes
+            except FileNotFoundError:  # first use, or the directory was removed
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "ab")  # noqa: SIM115
             self._size = self._fh.tell()
         return self._fh
 

@@ -236,8 +236,11 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-#: ``state.json`` is rewritten at once on a transition, and at most this often otherwise.
+#: ``state.json`` is rewritten at most this often (``URGENT_MIN_INTERVAL_S`` after a transition).
 STATE_MIN_INTERVAL_S = 1.0
+#: A transition is on disk within this long: the transitions of a burst (32 workers starting,
+#: a group stopping) share one write instead of one fsynced write each.
+URGENT_MIN_INTERVAL_S = 0.1
 #: How often the recorder checks that ``state_dir`` (and the notify socket) still exist.
 CHECK_EVERY_S = 5.0
 #: Post-mortems waiting for a writable disk; beyond this the oldest are dropped (and logged).
@@ -311,8 +314,10 @@ class Recorder:
         while True:
             now = anyio.current_time()
             postmortems_due = bool(self._pending) and "postmortem" not in self.health.failing
-            if postmortems_due or (self._dirty and self._urgent):
+            if postmortems_due:
                 timeout = 0.0
+            elif self._dirty and self._urgent:
+                timeout = max(0.0, self._last_at + URGENT_MIN_INTERVAL_S - now)
             elif self._dirty:
                 timeout = max(0.0, self._last_at + STATE_MIN_INTERVAL_S - now)
             else:
@@ -333,7 +338,10 @@ class Recorder:
                 self._dirty = self._urgent = True
         if self._pending and ("postmortem" not in self.health.failing or checked):
             await self._write_postmortems()
-        if self._dirty and (self._urgent or now >= self._last_at + STATE_MIN_INTERVAL_S):
+        since = now - self._last_at
+        if self._dirty and since >= (
+            URGENT_MIN_INTERVAL_S if self._urgent else STATE_MIN_INTERVAL_S
+        ):
             await self.write_state()
         self._after_thread()
 
@@ -414,6 +422,7 @@ class Recorder:
                 "records.state_written",
                 writes=self.state_writes,
                 pids=sorted({t["pid"] for w in doc.get("workers", []) for t in w["tree"]}),
+                ready=sum(1 for w in doc.get("workers", []) if w.get("state") == "ready"),
             )
         return ok
 

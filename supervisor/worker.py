@@ -21,6 +21,7 @@ import psutil
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from supervisor import procfs
 from supervisor.clock import Clock
 from supervisor.errors import SpawnError
 from supervisor.journal import rfc3339
@@ -67,7 +68,8 @@ class WorkerRunner:
         self._on_event = on_event or (lambda _r, _t, _f: None)
         self._on_exit = on_exit
         self._before: lc.WorkerRecord = self.record
-        self.pid_create_time: float | None = None
+        self._create_time: float | None = None
+        self._reaped = False  # the current process's status was collected: its pid is not ours
         self.last_exit_wall: float | None = None
         self.last_exit_pid: int | None = None
         self._spawn_token = 0
@@ -93,6 +95,18 @@ class WorkerRunner:
     def state(self) -> WorkerState:
         """The current lifecycle state."""
         return self.record.state
+
+    @property
+    def pid_create_time(self) -> float | None:
+        """The current process's create time (as psutil reports it), None without a process.
+
+        Read on first use, not at spawn: a spawn burst need not read ``/proc`` of children that
+        are still exec'ing. It is only read while the pid is ours (spawned, not yet reaped),
+        so a reused pid is never measured.
+        """
+        if self._create_time is None and self._child is not None and not self._reaped:
+            self._create_time = procfs.create_time(self._child.pid)
+        return self._create_time
 
     @property
     def has_process(self) -> bool:
@@ -271,10 +285,8 @@ class WorkerRunner:
         self.stopping_notified = False
         self.status_text = ""
         self.started_wall = self._clock.wall()
-        try:
-            self.pid_create_time = psutil.Process(child.pid).create_time()
-        except psutil.Error:
-            self.pid_create_time = None
+        self._create_time = None
+        self._reaped = False
         self._register_pid(child.pid, self)
         self._reaper.register(child.pid, self._on_reaped)
         assert self._tg is not None
@@ -300,6 +312,8 @@ class WorkerRunner:
         self.post(self._spawn())
 
     def _on_reaped(self, reaped: Reaped) -> None:
+        if self._child is not None and reaped.pid == self._child.pid:
+            self._reaped = True
         self.post(lc.Exited(reaped.pid, reaped.status))
 
     def _signal(self, sig: int) -> None:
@@ -330,7 +344,7 @@ class WorkerRunner:
         self.last_exit_at = self._clock.now()
         self.last_exit_wall = self._clock.wall()
         self.last_exit_pid = child.pid if child else None
-        self.pid_create_time = None
+        self._create_time = None
         status = outcome.status
         detail = outcome.detail or outcome.reason.value
         self.output.mark(f"exited: {detail} (reason {outcome.reason.value})")

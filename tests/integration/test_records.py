@@ -168,7 +168,10 @@ def test_state_written_on_transitions_not_on_heartbeats(
         log_level="debug",
     )
     ready = sup.ready("hb-0")
-    written = sup.wait_event(event="records.state_written", pids=lambda p: ready["pid"] in p)
+    # The write of the ready transition (an earlier one may hold the pid while still starting).
+    written = sup.wait_event(
+        event="records.state_written", pids=lambda p: ready["pid"] in p, ready=1
+    )
     state = json.loads((sup.state_dir / "state.json").read_text())
     assert state["workers"][0]["state"] == "ready"
     mark = sup.mark()
