@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +33,10 @@ from supervisor.model import ExitStatus, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# How setpriv's help text names the option (not ``--keep-pdeathsig``), and how much of the
+# binary is searched for it (util-linux's is ~80 KiB).
+_PDEATHSIG_HELP = re.compile(rb"(?<![\w-])--pdeathsig\b")
+MAX_HELPER_BYTES = 4 << 20
 
 _libc: ctypes.CDLL | None = None
 
@@ -40,7 +44,9 @@ _libc: ctypes.CDLL | None = None
 def _prctl() -> Callable[..., int]:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The C library is loaded already: its symbols are in the global scope (dlopen(NULL)).
+        # ctypes.util.find_library("c") would run `ldconfig -p` (~3 ms at every start).
+        _libc = ctypes.CDLL(None, use_errno=True)
     fn: Callable[..., int] = _libc.prctl
     return fn
 
@@ -80,18 +86,26 @@ class Child:
 def _setpriv() -> str | None:
     """util-linux ``setpriv`` if it supports ``--pdeathsig`` (it lets Popen use vfork).
 
-    Probed once; call ``probe_spawn_helper()`` before the reaper runs (the probe is a child).
+    Probed once: the binary's own help text names the option (util-linux >= 2.33), which is
+    read without starting a process; otherwise ``setpriv --help`` is asked. Call
+    ``probe_spawn_helper()`` before the reaper runs (that probe is a child).
     """
     path = shutil.which("setpriv")
     if path is None:
         return None
+    try:
+        with open(path, "rb") as f:
+            if _PDEATHSIG_HELP.search(f.read(MAX_HELPER_BYTES)):
+                return path
+    except OSError:
+        pass
     try:
         out = subprocess.run(
             [path, "--help"], capture_output=True, text=True, timeout=5, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return path if "--pdeathsig" in out.stdout else None
+    return path if _PDEATHSIG_HELP.search(out.stdout.encode()) else None
 
 
 def probe_spawn_helper() -> str | None:

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from supervisor import procfs
+from supervisor import processes, procfs
 from supervisor.notify import parse_datagram, socket_path_for
 from supervisor.output import TAIL_LINES, WorkerOutput
 from supervisor.runtime import Reload, Shutdown, signal_intent
+
+PR_GET_PDEATHSIG = 2
 
 
 def test_output_rotates_by_size_and_keeps_backups(tmp_path: Path) -> None:
@@ -112,3 +116,54 @@ def test_nspids_and_inner_pids_of_a_nested_pid_namespace() -> None:
         outer.kill()
         outer.wait(10)
     assert procfs.nspids(outer.pid) == ()
+
+
+@pytest.fixture
+def fresh_setpriv_probe(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    processes._setpriv.cache_clear()
+    yield
+    monkeypatch.undo()
+    processes._setpriv.cache_clear()
+
+
+def _helper(directory: Path, body: str) -> Path:
+    path = directory / "setpriv"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.usefixtures("fresh_setpriv_probe")
+def test_setpriv_is_recognised_from_its_binary_without_running_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = tmp_path / "ran"
+    helper = _helper(tmp_path, f"# {' --pdeathsig keep|clear|<signame>'}\ntouch {ran}\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert processes._setpriv() == str(helper)
+    assert not ran.exists()
+
+
+@pytest.mark.usefixtures("fresh_setpriv_probe")
+def test_setpriv_falls_back_to_asking_its_help(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The option's name is not in the file, only in what it prints.
+    helper = _helper(tmp_path, 'echo " --pd""eathsig keep|clear|<signame>"\n')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert processes._setpriv() == str(helper)
+
+
+@pytest.mark.usefixtures("fresh_setpriv_probe")
+def test_setpriv_without_pdeathsig_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _helper(tmp_path, "# --keep-pdeathsig is another option\necho usage: setpriv --nnp\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert processes._setpriv() is None
+
+
+def test_prctl_is_found_in_the_loaded_c_library() -> None:
+    value = ctypes.c_int(-1)
+    assert processes._prctl()(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0) == 0
+    assert value.value == 0  # the test process has no parent-death signal
