@@ -45,7 +45,9 @@ DEFAULTS: Mapping[str, str] = {
     "lost": "0",
 }
 
-XID_POLL_S = 0.25  # how often wait_xid looks at the events file
+XID_POLL_S = 0.5  # how often wait_xid looks at the events file
+#: a device file modified less than this long ago is always read again (see ``_read_devices``)
+RACY_WRITE_NS = 20_000_000
 
 
 def default_uuid(index: int) -> str:
@@ -140,45 +142,68 @@ class SimBackend:
         self._events_offset = 0
         self._partial = b""
         self._identities: tuple[DeviceIdentity, ...] = ()
+        self._device_cache: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
 
     # --- world -----------------------------------------------------------------------------
 
-    def _device_files(self) -> list[tuple[int, Path]]:
-        gpus = self.world / "gpus"
+    def _device_files(self) -> list[tuple[int, str]]:
         found = []
-        with contextlib.suppress(FileNotFoundError):
-            for entry in gpus.iterdir():
+        with (
+            contextlib.suppress(FileNotFoundError, NotADirectoryError),
+            os.scandir(self.world / "gpus") as entries,
+        ):
+            for entry in entries:
                 if entry.name.isdigit() and entry.is_file():
-                    found.append((int(entry.name), entry))
+                    found.append((int(entry.name), entry.path))
         return sorted(found)
 
     def _read_devices(self) -> list[_Device]:
+        """Every device file, parsed; a file unchanged since the last read is not read again.
+
+        Unchanged means same inode, size and mtime, and the mtime older than
+        :data:`RACY_WRITE_NS` (a file rewritten in place twice within the clock's granularity
+        can keep its mtime; the atomic writers of the contract always make a new inode).
+        """
         devices = []
+        cache: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
+        now = time.time_ns()
         for index, path in self._device_files():
             try:
-                text = path.read_text()
-            except OSError:
+                st = os.stat(path)
+                signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+                known = self._device_cache.get(path)
+                if (
+                    known is not None
+                    and known[0] == signature
+                    and now - st.st_mtime_ns > RACY_WRITE_NS
+                ):
+                    keys = known[1]
+                else:
+                    with open(path, encoding="utf-8") as fh:
+                        keys = parse_kv(fh.read())
+            except (OSError, UnicodeDecodeError):
                 continue
-            devices.append(_Device(index, parse_kv(text)))
+            cache[path] = (signature, keys)
+            devices.append(_Device(index, keys))
+        self._device_cache = cache
         return devices
 
     def _read_procs(self) -> dict[str, list[GpuProcess]]:
         """Live processes by device key (UUID or index as written)."""
         by_key: dict[str, list[GpuProcess]] = {}
-        procs = self.world / "procs"
         try:
-            entries = list(procs.iterdir())
-        except FileNotFoundError:
+            with os.scandir(self.world / "procs") as it:
+                entries = [(e.name, e.path) for e in it if e.name.isdigit()]
+        except (FileNotFoundError, NotADirectoryError):
             return by_key
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
+        for name, path in entries:
+            pid = int(name)
             if pid <= 0 or not self._pid_alive(pid):
                 continue
             try:
-                text = entry.read_text()
-            except OSError:
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError):
                 continue
             for line in text.splitlines():
                 parts = line.split()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from supervisor.backends.sim import SimBackend, default_uuid, write_atomic
+from supervisor.backends.sim import RACY_WRITE_NS, SimBackend, default_uuid, write_atomic
 from supervisor.model import clock_event_names
 
 
@@ -36,6 +37,24 @@ def test_memory_is_base_plus_live_processes(tmp_path: Path) -> None:
     assert d1.memory_used_mb == 30.0
     (tmp_path / "procs" / "100").write_text("GPU-a 400\n")
     assert b.sample()[0].memory_used_mb == 460.0  # re-read every sample
+
+
+def test_device_changes_are_seen_by_the_next_sample(tmp_path: Path) -> None:
+    b = world(tmp_path)
+    device = tmp_path / "gpus" / "0"
+    write_atomic(device, "temperature_c 40\n")
+    assert b.sample()[0].temperature_c == 40.0
+    write_atomic(device, "temperature_c 41\n")  # same size, new inode
+    assert b.sample()[0].temperature_c == 41.0
+    device.write_text("temperature_c 42\n")  # in place, same size, within the mtime granularity
+    assert b.sample()[0].temperature_c == 42.0
+    old = time.time_ns() - 10 * RACY_WRITE_NS
+    os.utime(device, ns=(old, old))  # settled: the parsed file is reused...
+    assert b.sample()[0].temperature_c == 42.0
+    device.write_text("temperature_c 43\n")  # ...until its mtime moves
+    assert b.sample()[0].temperature_c == 43.0
+    device.unlink()
+    assert [d.index for d in b.sample()] == [1]
 
 
 def test_not_available_memory_and_faults(tmp_path: Path) -> None:
