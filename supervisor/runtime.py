@@ -709,12 +709,16 @@ class Runtime:
         if runner.name not in names:
             names.append(runner.name)
         await self._tg.start(runner.run)
-        if start:
+        # A shutdown that began while this awaited has already told the workers it knew to
+        # stop, and waits for every registered one: this one must not start.
+        if start and not self._shutting_down:
             runner.post(lc.Start())
 
     async def _add_group(self, group: WorkerGroup, plan: Plan) -> None:
         self.groups[group.name] = []
         for i in range(group.replicas):
+            if self._shutting_down:
+                break
             await self._start_runner(self._make_runner(group, i, plan))
 
     async def _remove_runner(self, runner: WorkerRunner, reason: ExitReason) -> None:

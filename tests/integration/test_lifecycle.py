@@ -244,3 +244,30 @@ def test_orphaned_grandchild_is_reaped(supervisor: SupervisorFactory) -> None:
     reaped = sup.wait_event(event="supervisor.reaped_orphan")
     assert reaped["code"] == 7
     assert sup.stop() == 0
+
+
+def test_sigterm_while_a_group_is_being_added_stops_every_worker(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A SIGTERM that lands between two replicas' starts: the later replicas never start, so
+    the stop does not wait out shutdown_timeout_s for a crash-looping worker nobody stopped."""
+    sup = supervisor(
+        {
+            "supervisor": {"shutdown_timeout_s": 20},
+            "workers": [
+                group(
+                    "many",
+                    "crash_after",
+                    "0.02",
+                    replicas=32,
+                    log_passthrough=False,
+                    restart={"stable_s": 0.01, "burst": 0, "backoff_initial_s": 0.01},
+                )
+            ],
+        }
+    )
+    sup.wait_event(event="worker.spawned", worker="many-0")
+    sup.signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert sup.wait_exit(timeout=15) == 0
+    assert time.monotonic() - t0 < 10
