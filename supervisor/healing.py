@@ -164,13 +164,17 @@ class Healer:
         """The evidence of the healing action that stopped ``name`` (once)."""
         return self._exit_evidence.pop(name, None)
 
-    def oom_kills_during(self, name: str) -> int:
-        """OOM kills the kernel counted since ``name``'s process started (0 when unknown)."""
+    def oom_baseline(self, name: str) -> int | None:
+        """The OOM-kill count when ``name``'s current process started (None when unknown)."""
         w = self._watch.get(name)
-        if w is None or w.oom_kills_at_start is None:
+        return None if w is None else w.oom_kills_at_start
+
+    def oom_kills_since(self, name: str, baseline: int | None) -> int:
+        """OOM kills the kernel counted since ``baseline`` (0 when unknown)."""
+        if baseline is None:
             return 0
         now = procfs.oom_kills(self.oom_events_of(name))
-        return 0 if now is None else max(0, now - w.oom_kills_at_start)
+        return 0 if now is None else max(0, now - baseline)
 
     # --- inputs -------------------------------------------------------------------------
 

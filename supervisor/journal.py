@@ -68,10 +68,12 @@ class Journal:
         out = [e for e in self._events if e.seq > seq] if seq > 0 else list(self._events)
         return out if limit is None else out[:limit]
 
-    def for_worker(self, worker: str, limit: int) -> list[Event]:
-        """The newest ``limit`` events of one worker, oldest first."""
+    def for_worker(self, worker: str, limit: int, until: int | None = None) -> list[Event]:
+        """The newest ``limit`` events of one worker (up to seq ``until``), oldest first."""
         out: list[Event] = []
         for event in reversed(self._events):
+            if until is not None and event.seq > until:
+                continue
             if event.worker == worker:
                 out.append(event)
                 if len(out) >= limit:

@@ -73,6 +73,7 @@ class WorkerRunner:
         self.last_exit_wall: float | None = None
         self.last_exit_pid: int | None = None
         self._spawn_token = 0
+        self._after_step: list[Callable[[], None]] = []
         self.last_exit_at: float | None = None
         self._child: Child | None = None
         self._tree: list[psutil.Process] = []
@@ -235,6 +236,13 @@ class WorkerRunner:
                     pending.append(follow_up)
         if changed:
             self._on_change(self)
+        while self._after_step:
+            self._after_step.pop(0)()
+
+    def after_step(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once the current step's actions are done (after a replacement's spawn:
+        what a death leaves to write must not delay the new process)."""
+        self._after_step.append(work)
 
     def _do(self, action: lc.Action) -> lc.Event | None:
         if isinstance(action, lc.Spawn):

@@ -288,14 +288,8 @@ def _after_failure_or_stable(
     common = {"pid": None, "last_exit": outcome, "killed": False, "after_exit": None}
     if is_stable_run(rec.ready_at, now, policy):
         history = record_stable_exit(rec.history)
-        rec, acts = _move(
-            rec,
-            S.BACKOFF,
-            outcome.reason.value,
-            history=history,
-            restarts=restarts,
-            deadline=now + policy.delay_s,
-            **common,
+        rec, acts = _backoff(
+            rec, now, policy.delay_s, outcome, history=history, restarts=restarts, **common
         )
         return rec, [*base, Exit(outcome, failure=False), *acts]
     verdict = record_failure(rec.history, now, policy)
@@ -306,16 +300,25 @@ def _after_failure_or_stable(
         )
         rec, acts = _move(rec, S.FATAL, why, history=verdict.history, deadline=None, **common)
         return rec, [*base, Exit(outcome, failure=True), *acts]
-    rec, acts = _move(
-        rec,
-        S.BACKOFF,
-        outcome.reason.value,
-        history=verdict.history,
-        restarts=restarts,
-        deadline=now + verdict.delay_s,
-        **common,
+    rec, acts = _backoff(
+        rec, now, verdict.delay_s, outcome, history=verdict.history, restarts=restarts, **common
     )
     return rec, [*base, Exit(outcome, failure=True), *acts]
+
+
+def _backoff(
+    rec: WorkerRecord, now: float, delay_s: float, outcome: Outcome, **changes: object
+) -> tuple[WorkerRecord, list[Action]]:
+    """Into BACKOFF for ``delay_s``; with no delay, out of it again at once (same step).
+
+    A zero delay does not wait for a ``Timer`` (an event-loop turn): the replacement is
+    spawned by the actions of the exit itself.
+    """
+    rec, acts = _move(rec, S.BACKOFF, outcome.reason.value, deadline=now + delay_s, **changes)
+    if delay_s > 0:
+        return rec, acts
+    rec, more = _start(rec, "backoff elapsed")
+    return rec, [*acts, *more]
 
 
 def _exit_reason(status: ExitStatus) -> ExitReason:

@@ -72,6 +72,12 @@ def test_crash_gives_exactly_one_postmortem_with_reason_and_log_tail(
     assert doc["evidence"]["exit_code"] == 3
     assert f"c-0 {first['pid']} crashing" in doc["log_tail"]
     assert any(e["type"] == "worker.spawned" and e["pid"] == first["pid"] for e in doc["events"])
+    # Written after the replacement was spawned, but of the dead process only.
+    later = {e["pid"] for e in sup.find(event="worker.spawned", worker="c-0")} - {first["pid"]}
+    assert later, "the crashed worker was replaced"
+    assert not any(e.get("pid") in later for e in doc["events"])
+    assert not any(f"started pid {pid}" in line for pid in later for line in doc["log_tail"])
+    assert 0.2 <= doc["worker"]["uptime_s"] < 5
     state = validate_file(sup.state_dir / "state.json")
     assert state["supervisor"]["stopped"] is True
     assert [w["state"] for w in state["workers"]] == ["stopped"]

@@ -256,3 +256,25 @@ def test_fatal_is_cleared_by_start() -> None:
     rec = _edges()[(S.STARTING, S.FATAL)]
     rec, _ = lc.step(rec, lc.Start(), 300, T)
     assert rec.state is S.STARTING and rec.history == FailureHistory()
+
+
+@pytest.mark.parametrize(
+    ("policy", "exit_at"),
+    [
+        (replace(T.restart, delay_s=0.0), 120.0),  # a stable run, restarted without delay
+        (replace(T.restart, backoff_initial_s=0.0, burst=0), 100.0),  # a failure, no backoff
+    ],
+)
+def test_a_zero_delay_restarts_in_the_exit_step(policy: RestartPolicy, exit_at: float) -> None:
+    t = replace(T, restart=policy)
+    rec, actions = lc.step(ready(), lc.Exited(10, CRASH), exit_at, t)
+    assert rec.state is S.STARTING and rec.pid is None and rec.restarts == 1
+    assert transitions(actions) == [(S.READY, S.BACKOFF), (S.BACKOFF, S.STARTING)]
+    assert isinstance(actions[0], lc.Exit) and isinstance(actions[-1], lc.Spawn)
+    assert rec.reason == "backoff elapsed" and rec.last_exit is not None
+
+
+def test_a_delay_waits_for_the_timer() -> None:
+    rec, actions = lc.step(ready(), lc.Exited(10, CRASH), 120.0, T)
+    assert rec.state is S.BACKOFF and rec.deadline == 120.5
+    assert not any(isinstance(a, lc.Spawn) for a in actions)
