@@ -439,10 +439,14 @@ class Recorder:
             )
         return ok
 
+    def _dir_intact(self) -> bool:
+        """``state_dir`` and its post-mortem directory both exist (both are made at start)."""
+        return self.state_dir.is_dir() and self.store.directory.is_dir()
+
     def _recreate(self) -> None:
-        existed = self.state_dir.is_dir()
+        intact = self._dir_intact()
         self.store.directory.mkdir(parents=True, exist_ok=True)
-        if not existed:
+        if not intact:
             self._log.warning(
                 "records.state_dir_recreated",
                 path=os.fspath(self.state_dir),
@@ -451,8 +455,14 @@ class Recorder:
             self._recreated = True
 
     def _check_dir(self) -> bool:
-        """Recreate a removed ``state_dir``; True if it was recreated."""
-        if self.state_dir.is_dir():
+        """Recreate a removed ``state_dir``; True if it was recreated.
+
+        A ``state_dir`` without its post-mortem directory was removed and made again (by a
+        worker's log file, which creates its directory, or by hand): it holds no notify socket
+        either, so it counts as recreated too. (Its inode cannot tell: a directory made right
+        after one was removed often gets the same inode number.)
+        """
+        if self._dir_intact():
             return False
         try:
             self._recreate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judg
 from supervisor.records import (
     TMP_PREFIX,
     PostmortemStore,
+    Recorder,
     WriteHealth,
     atomic_write,
     failure_kind,
@@ -169,6 +171,29 @@ def test_write_failures_are_logged_once_per_kind_and_recover() -> None:
     ]
     assert health.errors_total == {("state", "disk_full"): 5, ("state", "read_only"): 1}
     assert health.problems() == {}
+
+
+def test_a_state_dir_made_again_behind_the_recorders_back_counts_as_recreated(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    (state / "postmortems").mkdir(parents=True)  # as the runtime makes it at start
+    recreated: list[bool] = []
+    recorder = Recorder(
+        state, 10, WriteHealth(), snapshot=dict, on_dir_recreated=lambda: recreated.append(True)
+    )
+    assert recorder._check_dir() is False
+    shutil.rmtree(state)
+    (state / "logs").mkdir(parents=True)  # a worker's log file creates its directory first
+    with capture_logs() as logs:
+        assert recorder._check_dir() is True
+    assert [e["event"] for e in logs] == ["records.state_dir_recreated"]
+    assert (state / "postmortems").is_dir()
+    recorder._after_thread()
+    assert recreated == [True]  # the runtime binds the notify socket again
+    assert recorder._check_dir() is False
+    shutil.rmtree(state)  # plainly removed
+    assert recorder._check_dir() is True and state.is_dir()
 
 
 def test_journal_sequence_and_per_worker_view() -> None:
