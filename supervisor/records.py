@@ -163,8 +163,12 @@ class PostmortemStore:
         return self.directory / f"{id_}.json"
 
     def write(self, doc: dict[str, Any]) -> str:
-        """Write ``doc`` (its ``id`` gets a ``-2``... suffix if taken); return the id used."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write ``doc`` (its ``id`` gets a ``-2``... suffix if taken); return the id used.
+
+        The directory is not created here: a missing one means ``state_dir`` was removed, and
+        the ``FileNotFoundError`` lets the recorder recreate it and say so (the notify socket
+        must be bound again too).
+        """
         base = str(doc["id"])
         id_, n = base, 1
         while (self.directory / f"{id_}.json").exists():
@@ -284,6 +288,7 @@ class Recorder:
         self._pending: list[dict[str, Any]] = []
         self._next_check = 0.0
         self._recreated = False
+        self._intact_seen = False  # state_dir with its post-mortem directory seen once
         self.state_writes = 0
         self.postmortems_written = 0
         self._log = structlog.get_logger()
@@ -443,30 +448,35 @@ class Recorder:
         """``state_dir`` and its post-mortem directory both exist (both are made at start)."""
         return self.state_dir.is_dir() and self.store.directory.is_dir()
 
-    def _recreate(self) -> None:
-        intact = self._dir_intact()
+    def _recreate(self) -> bool:
+        """Make the directories again; True if ``state_dir`` had been removed."""
+        lost = not self.state_dir.is_dir() or (
+            self._intact_seen and not self.store.directory.is_dir()
+        )
         self.store.directory.mkdir(parents=True, exist_ok=True)
-        if not intact:
+        self._intact_seen = True
+        if lost:
             self._log.warning(
                 "records.state_dir_recreated",
                 path=os.fspath(self.state_dir),
                 reason="state_dir was removed while running",
             )
             self._recreated = True
+        return lost
 
     def _check_dir(self) -> bool:
         """Recreate a removed ``state_dir``; True if it was recreated.
 
-        A ``state_dir`` without its post-mortem directory was removed and made again (by a
-        worker's log file, which creates its directory, or by hand): it holds no notify socket
-        either, so it counts as recreated too. (Its inode cannot tell: a directory made right
-        after one was removed often gets the same inode number.)
+        A ``state_dir`` that lost its post-mortem directory after it had one was removed and
+        made again (by a worker's log file, which creates its directory, or by hand): it holds
+        no notify socket either, so it counts as recreated too. (Its inode cannot tell: a
+        directory made right after one was removed often gets the same inode number.)
         """
         if self._dir_intact():
+            self._intact_seen = True
             return False
         try:
-            self._recreate()
+            return self._recreate()
         except OSError as exc:
             self.health.failed("state", exc)
             return False
-        return True

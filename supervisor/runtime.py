@@ -49,7 +49,14 @@ from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.reload import diff_groups
 from supervisor.processes import Reaped, Reaper, probe_spawn_helper, set_child_subreaper
 from supervisor.reclaim import reclaim
-from supervisor.records import STATE_FILE, Recorder, WriteHealth, read_json, remove_temp_files
+from supervisor.records import (
+    POSTMORTEM_DIR,
+    STATE_FILE,
+    Recorder,
+    WriteHealth,
+    read_json,
+    remove_temp_files,
+)
 from supervisor.sampler import Sampler, WorkerRef, host_interval
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.views import (
@@ -748,7 +755,8 @@ class Runtime:
         """
         state_dir = self.settings.supervisor.state_dir
         try:
-            (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+            for sub in ("logs", POSTMORTEM_DIR):
+                (state_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self.write_health.failed("state", exc)
         try:

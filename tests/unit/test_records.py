@@ -116,6 +116,9 @@ def test_postmortem_id_rounds_microseconds_without_overflow() -> None:
 
 def test_store_keeps_the_newest_and_lists_newest_first(tmp_path: Path) -> None:
     store = PostmortemStore(tmp_path / "pm", keep=3)
+    with pytest.raises(FileNotFoundError):  # the recorder makes the directory, and says so
+        store.write(_pm(T0))
+    store.directory.mkdir()
     ids = [store.write(_pm(T0 + i)) for i in range(5)]
     assert store.ids() == list(reversed(ids[2:]))
     assert [s["id"] for s in store.summaries()] == list(reversed(ids[2:]))
@@ -177,11 +180,14 @@ def test_a_state_dir_made_again_behind_the_recorders_back_counts_as_recreated(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    (state / "postmortems").mkdir(parents=True)  # as the runtime makes it at start
+    (state / "logs").mkdir(parents=True)
     recreated: list[bool] = []
     recorder = Recorder(
         state, 10, WriteHealth(), snapshot=dict, on_dir_recreated=lambda: recreated.append(True)
     )
+    with capture_logs() as logs:  # never seen with its post-mortem directory: made, no alarm
+        assert recorder._check_dir() is False and (state / "postmortems").is_dir()
+    assert logs == []
     assert recorder._check_dir() is False
     shutil.rmtree(state)
     (state / "logs").mkdir(parents=True)  # a worker's log file creates its directory first
