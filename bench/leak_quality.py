@@ -416,10 +416,21 @@ def main() -> int:
                 if r["delay_s"] is not None
                 and (r["shown_after_s"] is None or r["delay_s"] < r["shown_after_s"])
             )
+            since = [
+                math.inf if r["delay_s"] is None else max(0.0, r["delay_s"] - r["shown_after_s"])
+                for r in runs
+                if r["shown_after_s"] is not None
+            ]
+            s_st = _delays(since)
+            late_s = sum(1 for x in since if x > target * 60)
+            summary[f"{rate}/from_shown"] = {**s_st, "over_target": late_s}
             bounds.append(
                 f"- {rate:g} MB/min, flagged "
                 + "; ".join(parts)
-                + f"; this detector flagged {early} before they showed"
+                + f"; this detector flagged {early} before they showed; measured from when they"
+                f" show (both pools, {len(since)} that show within"
+                f" {LEAK_FOLLOW_S / 60:.0f} min): median {_min(s_st['median_s'])} / p90"
+                f" {_min(s_st['p90_s'])} min ({late_s} later than {target:g} min)"
             )
         if rate < SETTINGS.min_mb_per_min:
             continue

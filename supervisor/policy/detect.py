@@ -44,8 +44,10 @@ MIN_GROWTH_MB = 32.0
 #: The time scales judged, as fractions of ``window_s``: the leak may have started anywhere in
 #: the window, and the shortest scale that it fills answers fastest. None is shorter than two
 #: minutes (of a 600 s window): within a minute, a burst of bigger batches adds as much as a
-#: fast leak.
-SCALES = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2)
+#: fast leak. Steps of a tenth: a staircase of 20 MiB segments every two minutes (10 MB/min in
+#: the large pool) fits a 7 or 9 minute scale sooner than an 8 or 10 minute one; steps of a
+#: twentieth let fragmentation segments through (docs/benchmarks.md).
+SCALES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 #: A scale is cut into this many segments of ``BLOCKS_PER_SEGMENT`` blocks each (blocks at least
 #: ``MIN_BLOCK_S`` long, for a 600 s window); every segment must show growth of its own.
 SEGMENTS = 4
