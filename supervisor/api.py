@@ -121,6 +121,9 @@ class Leak(_Open):
     slope_mb_per_min: float | None
     suspected: bool
     projected_oom_s: float | None
+    #: what the GPU figures were judged on: NVML's per-process memory, or the worker's own
+    #: ``X_GPU_MEMORY_IN_USE_MB`` reports
+    source: Literal["nvml", "worker"]
 
 
 class LastExit(_Open):
@@ -144,6 +147,8 @@ class Worker(_Open):
     uptime_s: float | None
     ready: bool
     gpu_memory_mb: float | None
+    #: the worker's last ``X_GPU_MEMORY_IN_USE_MB`` report (null: none lately)
+    gpu_memory_in_use_mb: float | None
     host_rss_mb: float | None
     leak: Leak
     last_exit: LastExit | None

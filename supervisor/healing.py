@@ -59,11 +59,26 @@ DEFAULT_WINDOW_S = 600.0
 HOST_FREE_EVERY_S = 5.0
 #: the system-wide OOM-kill count (/proc/vmstat) is re-read at most this often at spawns
 OOM_COUNT_REUSE_S = 0.25
+#: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
+#: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
+IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
+#: A worker's reports judge its GPU leak while the last one is at most this old (seconds, for a
+#: 600 s window; scaled with the window like the floor buckets); then NVML's figure does again.
+IN_USE_FRESH_S = 30.0
 
 
 def floor_bucket_s(window_s: float) -> float:
     """The floor bucket for a leak window: the detector's default scaled to the window."""
     return FLOOR_BUCKET_S * window_s / DEFAULT_WINDOW_S
+
+
+def parse_in_use(value: str) -> float | None:
+    """The MiB of an ``X_GPU_MEMORY_IN_USE_MB`` report (None: not a finite number >= 0)."""
+    try:
+        mb = float(value)
+    except ValueError:
+        return None
+    return mb if math.isfinite(mb) and mb >= 0 else None
 
 
 class HealHost(Protocol):
@@ -90,6 +105,12 @@ class _Watch:
     pid: int | None
     gpu_floor: FloorSeries
     host_floor: FloorSeries
+    #: the worker's own reports of the GPU memory it holds (``X_GPU_MEMORY_IN_USE_MB``)
+    in_use_floor: FloorSeries
+    in_use_mb: float | None = None
+    in_use_at: float | None = None
+    bad_report_logged: bool = False
+    gpu_leak_source: Literal["nvml", "worker"] = "nvml"
     gpu_streak: int = 0
     host_streak: int = 0
     gpu_leak: LeakVerdict = NO_VERDICT
@@ -147,10 +168,13 @@ class Healer:
         w = self._watch.get(name)
         verdict = w.gpu_leak if w is not None else NO_VERDICT
         host = w.host_leak if w is not None else NO_VERDICT
+        fresh = w is not None and self._in_use_fresh(w, self.host.clock.now())
+        obj["gpu_memory_in_use_mb"] = _round(w.in_use_mb) if w is not None and fresh else None
         obj["leak"] = {
             "slope_mb_per_min": _round(verdict.slope_mb_per_min),
             "suspected": verdict.suspected,
             "projected_oom_s": _round(verdict.projected_oom_s),
+            "source": w.gpu_leak_source if w is not None else "nvml",
             "host_slope_mb_per_min": _round(host.slope_mb_per_min),
             "host_suspected": host.suspected,
             "host_projected_oom_s": _round(host.projected_oom_s),
@@ -202,6 +226,35 @@ class Healer:
             )
         )
         self._run(self.host.clock.now())
+
+    def on_notify(self, runner: WorkerRunner, fields: Mapping[str, str]) -> None:
+        """A notify datagram of a worker: an ``X_GPU_MEMORY_IN_USE_MB`` report feeds its leak
+        detector (a bad value is ignored, and logged once per process)."""
+        raw = fields.get(IN_USE_FIELD)
+        w = self._watch.get(runner.name)
+        if raw is None or w is None or w.pid is None or w.pid != runner.record.pid:
+            return
+        mb = parse_in_use(raw)
+        if mb is None:
+            if not w.bad_report_logged:
+                w.bad_report_logged = True
+                self.log.warning(
+                    "heal.bad_report",
+                    worker=runner.name,
+                    field=IN_USE_FIELD,
+                    value=raw[:64],
+                    reason="not a number of MiB >= 0; ignored",
+                )
+            return
+        now = self.host.clock.now()
+        w.in_use_mb, w.in_use_at = mb, now
+        w.in_use_floor.add(now, mb)
+
+    def _in_use_fresh(self, w: _Watch, now: float) -> bool:
+        """True while the worker's last in-use report is recent enough to judge its leak by."""
+        return w.in_use_at is not None and now - w.in_use_at <= IN_USE_FRESH_S * (
+            w.in_use_floor.keep_s / DEFAULT_WINDOW_S
+        )
 
     def on_xid(self, event: XidEvent) -> None:
         """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
@@ -272,6 +325,7 @@ class Healer:
             pid=pid,
             gpu_floor=FloorSeries(window, bucket),
             host_floor=FloorSeries(window, bucket),
+            in_use_floor=FloorSeries(window, bucket),
             oom_kills_at_start=self._oom_kills_at_start(runner.name) if pid else None,
         )
         self._watch[runner.name] = w
@@ -304,6 +358,7 @@ class Healer:
             since = ready_at + health.leak_warmup_s
             w.gpu_floor.reset(since)
             w.host_floor.reset(since)
+            w.in_use_floor.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         w.host_floor.add(now, usage.host_rss_mb)
         w.gpu_streak = budget_streak(w.gpu_streak, usage.gpu_memory_mb, health.gpu_memory_limit_mb)
@@ -323,8 +378,12 @@ class Healer:
         gpus = runner.spec.gpus or ()
         frees = [f for u in gpus if (f := free_of.get(u)) is not None]
         device_free = min(frees) if frees else None
+        # A worker that reports what it holds is judged by that: NVML counts the allocator's
+        # cache too, which hides a leak until the cache is full and grows in steps of its own.
+        w.gpu_leak_source = "worker" if self._in_use_fresh(w, now) else "nvml"
+        gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
         w.gpu_leak = judge_leak(
-            w.gpu_floor.points(),
+            gpu_floor.points(),
             now,
             settings,
             headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb, device_free),
@@ -341,6 +400,9 @@ class Healer:
         ):
             if verdict.act:
                 what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
+                reported = memory == "gpu" and w.gpu_leak_source == "worker"
+                if reported:
+                    what = "GPU memory in use (reported by the worker)"
                 self._add(
                     Finding(
                         "leak",
@@ -349,8 +411,10 @@ class Healer:
                         worker=runner.name,
                         evidence={
                             "memory": memory,
+                            "source": w.gpu_leak_source if memory == "gpu" else "procfs",
                             **verdict.evidence(),
                             "used_mb": _round(current),
+                            "in_use_mb": _round(w.in_use_mb) if reported else None,
                             "limit_mb": limit or None,
                             "oom_horizon_s": health.oom_horizon_s,
                             "leak_min_mb_per_min": health.leak_min_mb_per_min,

@@ -129,6 +129,12 @@ class RuntimeCollector(Collector):
         rss = _gauge(
             "worker_host_rss_bytes", "Host RSS of the worker's process tree (bytes).", WORKER_LABELS
         )
+        in_use = _gauge(
+            "worker_gpu_memory_in_use_bytes",
+            "GPU memory the worker reports it holds (X_GPU_MEMORY_IN_USE_MB: allocated, without "
+            "the allocator's cache; absent when it does not report).",
+            WORKER_LABELS,
+        )
         slope = _gauge(
             "worker_leak_slope_bytes_per_second",
             "GPU memory growth rate seen by the leak detector (bytes per second).",
@@ -154,6 +160,8 @@ class RuntimeCollector(Collector):
                 gpu_mem.add_metric([*labels, index_of.get(uuid, uuid), uuid], mb * MIB)
             rss_mb = obj.get("host_rss_mb")
             _put(rss, labels, None if rss_mb is None else rss_mb * MIB)
+            in_use_mb = obj.get("gpu_memory_in_use_mb")
+            _put(in_use, labels, None if in_use_mb is None else in_use_mb * MIB)
             leak = obj.get("leak") or {}
             per_min = leak.get("slope_mb_per_min")
             _put(slope, labels, None if per_min is None else per_min * MIB / 60.0)
@@ -161,7 +169,7 @@ class RuntimeCollector(Collector):
         for (worker, why), count in sorted(rt.restarts_total.items()):
             if worker in group_of:
                 restarts.add_metric([worker, group_of[worker], why], count)
-        yield from (up, ready, state, restarts, gpu_mem, rss, slope, oom)
+        yield from (up, ready, state, restarts, gpu_mem, rss, in_use, slope, oom)
 
     def _supervisor(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime

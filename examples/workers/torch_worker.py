@@ -3,8 +3,10 @@
 Loads a small model on the GPU the supervisor gave it (``CUDA_VISIBLE_DEVICES``), honours the
 GPU memory budget ``GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB`` with
 ``torch.cuda.set_per_process_memory_fraction``, speaks sd_notify (``READY=1`` once the model
-is loaded and warmed up, ``WATCHDOG=1`` from the serving loop, ``STATUS=``), and serves on
-``PORT``:
+is loaded and warmed up, ``WATCHDOG=1`` from the serving loop, ``STATUS=``), reports the CUDA
+memory its tensors hold with every heartbeat (``X_GPU_MEMORY_IN_USE_MB``, from
+``torch.cuda.memory_allocated()``: the supervisor judges leaks on it instead of NVML's figure,
+which counts the allocator's cache too), and serves on ``PORT``:
 
 - ``POST /infer``  JSON ``{"batch": N}`` -> ``{"batch": N, "ms": ..., "device": ...}``
 - ``GET /healthz``  200 while the model answers
@@ -154,7 +156,10 @@ def main() -> None:
     while True:
         time.sleep(beat)
         model.infer(1)  # the heartbeat is honest: it proves the GPU still answers
-        notify("WATCHDOG=1")
+        beat_msg = "WATCHDOG=1"
+        if dev.type == "cuda":  # what the tensors hold, without the cache NVML also counts
+            beat_msg += f"\nX_GPU_MEMORY_IN_USE_MB={torch.cuda.memory_allocated(dev) / MIB:.1f}"
+        notify(beat_msg)
         if args.leak_mb_per_min > 0:
             now = time.monotonic()
             model.leak(args.leak_mb_per_min * (now - last_leak) / 60)

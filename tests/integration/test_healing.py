@@ -106,6 +106,67 @@ def test_leaking_worker_is_drained_and_restarted_before_its_budget(
     assert sup.stop() == 0
 
 
+def test_a_leak_hidden_in_the_cache_is_found_by_the_workers_own_reports(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """NVML sees a flat 800 MiB (the allocator's cache); the worker reports what it holds,
+    growing 240 MiB/min: it is drained for a leak judged on its reports, before its budget."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "cached",
+                "command": sim("800", "--in-use", "300", "--in-use-leak", "4"),
+                "health": {**FAST_LEAK, "gpu_memory_limit_mb": 1500},
+            },
+            {"name": "plain", "command": sim("500")},
+        )
+    )
+    sup.ready("cached-0")
+    sup.ready("plain-0")
+    action = sup.wait_event(event="heal.action", worker="cached-0", timeout=30)
+    assert (action["action"], action["reason"]) == ("drain", "leak")
+    evidence = action["evidence"]
+    assert evidence["source"] == "worker"
+    assert evidence["slope_mb_per_min"] > 100
+    assert evidence["used_mb"] == 800  # NVML's figure did not move
+    assert 300 < evidence["in_use_mb"] < 800
+    doc = postmortem(sup, "leak")
+    assert doc["evidence"]["source"] == "worker"
+    sup.wait_events(2, event="worker.spawned", worker="cached-0")
+    with sup.api() as api:
+        plain = api.get("/api/v1/workers/plain-0").json()
+    assert plain["gpu_memory_in_use_mb"] is None
+    assert plain["leak"]["source"] == "nvml"
+    assert not sup.find(event="heal.action", worker="plain-0")
+    assert sup.stop() == 0
+
+
+def test_bad_in_use_reports_are_ignored_and_logged_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "odd",
+                "command": sim("500", "--in-use", "lots"),
+                "health": FAST_LEAK,
+            },
+        )
+    )
+    sup.ready("odd-0")
+    event = sup.wait_event(event="heal.bad_report", worker="odd-0")
+    assert (event["field"], event["value"]) == ("X_GPU_MEMORY_IN_USE_MB", "lots")
+    with sup.api() as api:
+        obj = api.get("/api/v1/workers/odd-0").json()
+    assert obj["gpu_memory_in_use_mb"] is None
+    assert obj["leak"]["source"] == "nvml"
+    assert obj["state"] == "ready"
+    assert len(sup.find(event="heal.bad_report")) == 1
+    assert sup.stop() == 0
+
+
 def test_over_gpu_and_host_budget_restarts(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     sup = supervisor(
         config(

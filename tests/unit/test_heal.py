@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from supervisor.healing import parse_in_use
 from supervisor.model import ExitReason, ExitStatus, WorkerState
 from supervisor.policy.classify import classify
 from supervisor.policy.heal import (
@@ -262,3 +263,22 @@ def test_host_oom_needs_sigkill_and_an_oom_kill(
     assert got is not None and got.reason == reason
     if reason == "host_oom":
         assert got.evidence["oom_kills"] == oom_kills
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("1234.5", 1234.5),
+        ("0", 0.0),
+        (" 12 ", 12.0),
+        ("1e3", 1000.0),
+        ("-1", None),
+        ("nan", None),
+        ("inf", None),
+        ("lots", None),
+        ("", None),
+        ("12 MiB", None),
+    ],
+)
+def test_in_use_reports_are_finite_mib_or_ignored(raw: str, expected: float | None) -> None:
+    assert parse_in_use(raw) == expected

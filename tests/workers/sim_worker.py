@@ -1,9 +1,12 @@
 """A worker on simulated GPUs for the self-healing tests.
 
-``sim_worker.py MB [--leak MB_PER_S] [--host-mb N] [--say-after S TEXT]``: claims MB MiB on every
-GPU in CUDA_VISIBLE_DEVICES (the sim world's procs/<pid>), then READY=1; ``--leak`` grows the
-claim every 0.05 s; ``--host-mb`` holds that much host memory (touched, so it is resident);
-``--say-after`` prints TEXT on stdout after S seconds (a sticky-error line, say).
+``sim_worker.py MB [--leak MB_PER_S] [--in-use MB [--in-use-leak MB_PER_S]] [--host-mb N]
+[--say-after S TEXT]``: claims MB MiB on every GPU in CUDA_VISIBLE_DEVICES (the sim world's
+procs/<pid>), then READY=1; ``--leak`` grows the claim every 0.05 s; ``--in-use`` reports that
+much memory in use with every heartbeat (``X_GPU_MEMORY_IN_USE_MB``), growing by
+``--in-use-leak`` while the claim stays put (a leak hidden in the allocator's cache);
+``--host-mb`` holds that much host memory (touched, so it is resident); ``--say-after`` prints
+TEXT on stdout after S seconds (a sticky-error line, say).
 """
 
 import os
@@ -22,6 +25,8 @@ def option(name: str, default: str | None = None) -> str | None:
 
 mb = float(args[0])
 leak = float(option("--leak", "0") or 0)
+in_use = option("--in-use")
+in_use_leak = float(option("--in-use-leak", "0") or 0)
 host_mb = float(option("--host-mb", "0") or 0)
 say_after = float(option("--say-after", "-1") or -1)
 text = args[args.index("--say-after") + 2] if "--say-after" in args else ""
@@ -51,4 +56,11 @@ while True:
     if not said and 0 <= say_after <= elapsed:
         said = True
         print(text, flush=True)
-    notify("WATCHDOG=1")
+    if in_use is None:
+        notify("WATCHDOG=1")
+    else:
+        try:
+            report = f"{float(in_use) + in_use_leak * elapsed:.3f}"
+        except ValueError:
+            report = in_use  # a bad report, as given
+        notify(f"WATCHDOG=1\nX_GPU_MEMORY_IN_USE_MB={report}")
