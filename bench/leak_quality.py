@@ -1,11 +1,14 @@
 """Leak-detector quality on synthetic caching-allocator traces (bench/leak_traces.py).
 
-    .venv/bin/python bench/leak_quality.py [--quick] [--jobs 2] [--seed N]
+    .venv/bin/python bench/leak_quality.py [--quick] [--jobs 2] [--seed N] [--source worker]
 
 Runs ``supervisor.policy.detect`` exactly as the runtime does: every 0.5 s sample goes into a
 ``FloorSeries(keep_s=600)`` reset to ``since = ready_at + 60 s`` (``leak_warmup_s``), and every
 5 s (at a random phase) ``judge_leak(series.points(), now, LeakSettings(600, 10, 300),
-headroom(current, 0, device_free))`` is called. Three cases:
+headroom(current, 0, device_free))`` is called. The samples are NVML's per-process figure, or
+with ``--source worker`` the worker's own ``X_GPU_MEMORY_IN_USE_MB`` reports (one a second: what
+its tensors hold, without the allocator's cache; the headroom still comes from NVML). Three
+cases:
 
 1. stable: 300 traces of 60 minutes (``--quick``: 40 of 30 minutes) on an 80 GB device; a false
    positive is any ``suspected`` at any judgement (and separately any ``act``);
@@ -23,18 +26,19 @@ Targets: no false positives; 10 MB/min flagged within 6 minutes (p90; the max is
 A trace never flagged counts as later than any in the percentiles. Also the cost of one
 ``judge_leak`` call on a full 10-minute window.
 
-A second table splits the leaks by allocator pool and gives the delay from when the leak
-*shows*: each leak trace is rendered again without its leak (same draws), and the leak shows
-from the moment on which the reading stays above that twin by half of what has leaked (and at
-least 20 MiB); before, the cache's free space hides it (NVML cannot see it either). A last
-block of lines, for the rates with a target, gives the p90 a detector would reach if it flagged
-every leak the moment it shows, or once the leak has grown by one more 20 MiB segment (a stable
-trace's fragmentation adds segments that large, a few minutes apart now and then): what the
-readings allow, roughly. The rule is conservative (a reading can rise less than half of what has
-leaked and still rise), so it also counts the leaks this detector flagged before they "showed".
+A second table splits the leaks by allocator pool and gives the delay from when the leak is
+*visible*: each leak trace is rendered again without its leak (same draws: the leak draws
+nothing), and the leak is visible from the first sample whose reading differs from that twin's.
+Before it, the two traces are the same readings, so a detector that flagged the leak then would
+flag the stable twin as well: no detector without false positives can be earlier (the cache's
+free space hides the leak until a batch no longer fits beside it). A last block of lines, for
+the rates with a target, gives the p90 a detector would reach if it flagged every leak the
+moment it is visible (an exact bound), or once the leak has grown by one more 20 MiB segment
+after that (one segment alone is what a stable trace's fragmentation or a new high-water mark
+adds now and then, so that is about the least a detector can ask for).
 
 Prints both tables and writes everything (per-trace figures, the parameters of every miss) to
-``bench/results/leak-quality-<UTC time>.json``; ``--seed N`` draws another set of traces.
+``bench/results/leak-quality-<source>-<UTC time>.json``; ``--seed N`` draws another set of traces.
 Exit status 1 when a target is missed. Full run ~2 minutes on 2 cores, ``--quick`` ~15 s.
 """
 
@@ -79,14 +83,15 @@ LEAK_RATES = (2.0, 5.0, 10.0, 50.0, 200.0)
 LEAK_FOLLOW_S = 1800.0  # a leak is followed for this long after it starts
 DEVICE_24GB = 24576.0
 TARGETS = {10.0: 6.0, 50.0: 2.0}  # MB/min -> minutes (p90 of the delay)
-#: A leak "shows" from the moment on which the reading stays above the same trace without it by
-#: half of what has leaked (and by one large segment): before, the cache's free space hides it.
-SHOWN_FRACTION = 0.5
-SHOWN_MIN_MB = 20.0
-#: For the bound line: a detector that flags a leak the moment it shows, or once it has grown by
-#: one more large segment (20 MiB; a fragmentation segment of a stable trace is as large).
+#: For the bound line: a detector that flags a leak the moment it is visible (its reading first
+#: differs from the same trace without it), or once it has grown by one more large segment (20
+#: MiB; a fragmentation segment of a stable trace is as large).
 BOUND_EXTRA_MB = (0.0, 20.0)
 EXHAUST_TARGET = 0.99
+#: What the detector is fed: NVML's per-process figure ("nvml"), or the worker's own reports of
+#: the memory its tensors hold ("worker": ``X_GPU_MEMORY_IN_USE_MB``, one a second). Set by
+#: ``--source`` before the pool forks.
+SOURCE = "nvml"
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,19 +107,20 @@ class Run:
 
 
 def detect(trace: Trace, *, stop_when_suspected: bool = False, stop_when_act: bool = False) -> Run:
-    """Feed ``trace`` to the detector the way the runtime does."""
+    """Feed ``trace`` to the detector the way the runtime does (``SOURCE``: which figures)."""
     series = FloorSeries(keep_s=SETTINGS.window_s)
     series.reset(since=trace.ready_at_s + LEAK_WARMUP_S)
     phase = random.Random(f"judge-phase-{trace.params.seed}").uniform(0.0, JUDGE_EVERY_S)
     next_judge = phase
     run = Run()
+    judged = trace.reported if SOURCE == "worker" else trace.values
     for i, value in enumerate(trace.values):
         now = i * SAMPLE_INTERVAL_S
-        series.add(now, value)
+        series.add(now, judged[i])
         if now < next_judge:
             continue
         next_judge += JUDGE_EVERY_S
-        room = headroom(value, 0, trace.free[i])
+        room = headroom(value, 0, trace.free[i])  # the device's memory: NVML's figures
         verdict = judge_leak(series.points(), now, SETTINGS, room)
         run.judgements += 1
         if verdict.slope_mb_per_min is not None:
@@ -164,21 +170,24 @@ def leak_case(job: tuple[int, float]) -> dict[str, Any]:
     start = params.leak_start_s
     assert start is not None
     delay = None if run.first_suspected_s is None else run.first_suspected_s - start
-    # The same trace without the leak (same draws): from when on does the leak show?
+    # The same trace without the leak (same draws): until the first reading that differs, the
+    # leak cannot be told from a stable worker.
     twin = render(dataclasses.replace(params, leak_mb_per_min=0.0, leak_start_s=None))
-    shown: float | None = None
-    first = int(start / SAMPLE_INTERVAL_S) + 1
-    for i in range(min(len(trace.usage), len(twin.usage)) - 1, first - 1, -1):
-        leaked = rate * (i * SAMPLE_INTERVAL_S - start) / 60.0
-        if trace.usage[i] - twin.usage[i] < max(SHOWN_MIN_MB, SHOWN_FRACTION * leaked):
-            break
-        shown = i * SAMPLE_INTERVAL_S - start
+    seen, twin_seen = (trace.floor, twin.floor) if SOURCE == "worker" else (trace.usage, twin.usage)
+    visible = next(
+        (
+            i * SAMPLE_INTERVAL_S - start
+            for i in range(min(len(seen), len(twin_seen)))
+            if seen[i] != twin_seen[i]
+        ),
+        None,
+    )
     out: dict[str, Any] = {
         "seed": seed,
         "rate_mb_per_min": rate,
         "leak_start_after_warmup_s": start - params.warmup_end_s,
         "delay_s": delay,
-        "shown_after_s": shown,
+        "visible_after_s": visible,
         "leak_pool": params.leak_pool,
         "release": params.release,
         "cached": params.cached,
@@ -329,7 +338,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter traces (~15 s)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--seed", type=int, default=0, help="offset of every trace seed")
+    parser.add_argument(
+        "--source",
+        choices=("nvml", "worker"),
+        default="nvml",
+        help="judge NVML's per-process figure, or the worker's X_GPU_MEMORY_IN_USE_MB reports",
+    )
     args = parser.parse_args()
+    global SOURCE
+    SOURCE = args.source
     n_stable, stable_s = (40, 1800.0) if args.quick else (300, 3600.0)
     n_leak = 12 if args.quick else 60
     n_exhaust = 40 if args.quick else 200
@@ -396,41 +413,44 @@ def main() -> int:
             )
         )
         if target is not None:
-            # Roughly the best a detector on these readings can do: flagged when it shows (+ 20 MiB).
+            # The best a detector on these readings can do: flagged when visible (+ 20 MiB).
             parts = []
             for extra in BOUND_EXTRA_MB:
                 at = [
-                    None if r["shown_after_s"] is None else r["shown_after_s"] + extra / rate * 60
+                    None
+                    if r["visible_after_s"] is None
+                    else r["visible_after_s"] + extra / rate * 60
                     for r in runs
                 ]
                 b_st = _delays(at)
                 over = sum(1 for x in at if x is None or x > target * 60)
-                summary[f"{rate}/shown+{extra:g}MiB"] = {**b_st, "over_target": over}
+                summary[f"{rate}/visible+{extra:g}MiB"] = {**b_st, "over_target": over}
                 parts.append(
-                    f"{'when it shows' if not extra else f'{extra:g} MiB later'}: p90 "
+                    f"{'when visible' if not extra else f'{extra:g} MiB later'}: p90 "
                     f"{_min(b_st['p90_s'])} min ({over} of {len(at)} later than {target:g} min)"
                 )
             early = sum(
                 1
                 for r in runs
                 if r["delay_s"] is not None
-                and (r["shown_after_s"] is None or r["delay_s"] < r["shown_after_s"])
+                and (r["visible_after_s"] is None or r["delay_s"] < r["visible_after_s"])
             )
             since = [
-                math.inf if r["delay_s"] is None else max(0.0, r["delay_s"] - r["shown_after_s"])
+                math.inf if r["delay_s"] is None else max(0.0, r["delay_s"] - r["visible_after_s"])
                 for r in runs
-                if r["shown_after_s"] is not None
+                if r["visible_after_s"] is not None
             ]
             s_st = _delays(since)
             late_s = sum(1 for x in since if x > target * 60)
-            summary[f"{rate}/from_shown"] = {**s_st, "over_target": late_s}
+            summary[f"{rate}/from_visible"] = {**s_st, "over_target": late_s}
             bounds.append(
                 f"- {rate:g} MB/min, flagged "
                 + "; ".join(parts)
-                + f"; this detector flagged {early} before they showed; measured from when they"
-                f" show (both pools, {len(since)} that show within"
-                f" {LEAK_FOLLOW_S / 60:.0f} min): median {_min(s_st['median_s'])} / p90"
-                f" {_min(s_st['p90_s'])} min ({late_s} later than {target:g} min)"
+                + f"; this detector flagged {early} before they were visible (so it flags their"
+                f" stable twins too); measured from when they are visible (both pools,"
+                f" {len(since)} visible within {LEAK_FOLLOW_S / 60:.0f} min): median"
+                f" {_min(s_st['median_s'])} / p90 {_min(s_st['p90_s'])} min ({late_s} later than"
+                f" {target:g} min)"
             )
         if rate < SETTINGS.min_mb_per_min:
             continue
@@ -439,15 +459,15 @@ def main() -> int:
             if not sub:
                 continue
             a = _delays([r["delay_s"] for r in sub])
-            since_shown = [
-                None if r["delay_s"] is None else r["delay_s"] - r["shown_after_s"]
+            since_visible = [
+                None if r["delay_s"] is None else r["delay_s"] - r["visible_after_s"]
                 for r in sub
-                if r["shown_after_s"] is not None
+                if r["visible_after_s"] is not None
             ]
-            b = _delays(since_shown) if since_shown else None
-            late = [r["shown_after_s"] for r in sub]
+            b = _delays(since_visible) if since_visible else None
+            late = [r["visible_after_s"] for r in sub]
             hidden = sum(1 for x in late if x is None or x > (target or 6.0) * 60)
-            summary[f"{rate}/{kind}"] = {"from_start": a, "from_shown": b, "hidden": hidden}
+            summary[f"{rate}/{kind}"] = {"from_start": a, "from_visible": b, "hidden": hidden}
             breakdown.append(
                 (
                     f"{rate:g} MB/min",
@@ -491,7 +511,10 @@ def main() -> int:
     )
     verdicts.append(cost["judge_p99_us"] < 5000)
 
-    print(f"leak detector quality ({'quick' if args.quick else 'full'} run, {elapsed:.0f} s):")
+    print(
+        f"leak detector quality ({'quick' if args.quick else 'full'} run, {elapsed:.0f} s, "
+        f"judging {'the worker reports' if SOURCE == 'worker' else 'NVML figures'}):"
+    )
     print("| case | traces | result | target | verdict |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -499,13 +522,13 @@ def main() -> int:
     print()
     print(
         "| leak | pool | traces | delay from the start, median / p90 / max (min) | "
-        "from when it shows, median / p90 / max (min) | not shown by the target time |"
+        "from when it is visible, median / p90 / max (min) | not visible by the target time |"
     )
     print("|---|---|---|---|---|---|")
     for brow in breakdown:
         print("| " + " | ".join(brow) + " |")
     print()
-    print("If a detector flagged every leak at the moment it shows (or one segment later):")
+    print("If a detector flagged every leak the moment it is visible (or one segment later):")
     for line in bounds:
         print(line)
     result = {
@@ -513,6 +536,7 @@ def main() -> int:
         "git": _git_rev(),
         "quick": args.quick,
         "seed_offset": args.seed,
+        "source": SOURCE,
         "elapsed_s": elapsed,
         "settings": dataclasses.asdict(SETTINGS),
         "judge_every_s": JUDGE_EVERY_S,
@@ -529,7 +553,8 @@ def main() -> int:
     }
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    out = results / f"leak-quality-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = results / f"leak-quality-{SOURCE}-{stamp}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"raw results: {out.relative_to(ROOT)}")
     return 0 if all(verdicts) else 1

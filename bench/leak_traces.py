@@ -49,6 +49,12 @@ the worker really keeps:
   in the large pool it first fills the cache's free space: a leak shows once the leaked memory
   plus a peak batch no longer fit in the high-water mark.
 
+- **Worker reports.** ``reported`` is what the worker would send as ``X_GPU_MEMORY_IN_USE_MB``
+  once a second (``torch.cuda.memory_allocated()``): weights, persistent pools and leaked
+  tensors, plus 20-100 % of a batch's activations when the report lands while one runs (with
+  the trace's busy probability). They draw from a generator of their own, so the NVML readings
+  of a seed are the same as without them.
+
 The device has ``device_total_mb`` (default 81559) less a driver reserve of 250-600 MiB; the
 trace stops when the device's free memory reaches 0 (``exhausted_at_s``).
 """
@@ -65,6 +71,8 @@ LEAK_WARMUP_S = 60.0
 SMALL_SEGMENT_MB = 2.0
 LARGE_SEGMENT_MB = 20.0
 DEFAULT_DEVICE_MB = 81559.0
+#: A worker that reports its own in-use memory (``X_GPU_MEMORY_IN_USE_MB``) does so this often.
+REPORT_EVERY_S = 1.0
 #: Fragmentation creep: new segments at a rate of ``c / (time since the last release + CREEP_S)``.
 CREEP_S = 900.0
 
@@ -122,6 +130,7 @@ class Trace:
     usage: list[float]  # the same without noise or gaps
     free: list[float]  # the device's free memory (MiB)
     floor: list[float]  # what the worker really keeps in use (context, weights, pools, leak)
+    reported: list[float | None]  # what the worker reports itself (REPORT_EVERY_S; None between)
     exhausted_at_s: float | None  # the device ran out of memory here (the trace stops)
     events: list[tuple[float, str, float]]  # (t, what, MiB): cache steps, creep, releases
 
@@ -260,6 +269,11 @@ def render(p: TraceParams) -> Trace:
     usage: list[float] = []
     free: list[float] = []
     floor: list[float] = []
+    reported: list[float | None] = []
+    # The worker's own reports draw from a generator of their own: the NVML readings of a seed
+    # are the same with or without them.
+    report_rng = random.Random(f"leak-trace-reports-{p.seed}")
+    report_every = round(REPORT_EVERY_S / dt)
     exhausted: float | None = None
     events: list[tuple[float, str, float]] = []
 
@@ -285,6 +299,7 @@ def render(p: TraceParams) -> Trace:
             usage.append(0.0)
             free.append(p.device_total_mb - p.driver_mb)
             floor.append(0.0)
+            reported.append(None)
             continue
         frac = min(1.0, (t - p.context_at_s) / load_dur) ** p.load_shape
         weights = min(p.weights_mb, _floor(p.weights_mb * frac, LARGE_SEGMENT_MB))
@@ -300,7 +315,7 @@ def render(p: TraceParams) -> Trace:
         leak_small = leaked if p.leak_pool == "small" else 0.0
         leak_large = leaked - leak_small
 
-        transient = 0.0
+        transient = inflight = 0.0
         if t >= p.traffic_start_s:
             level = 1.0 - (1.0 - p.traffic_level0) * math.exp(
                 -(t - p.traffic_start_s) / p.fill_tau_s
@@ -311,6 +326,7 @@ def render(p: TraceParams) -> Trace:
                 d = rng.random() ** (1.0 / (batches * p.tail_k))
                 act = p.act_peak_mb * level * d
                 small = p.small_peak_mb * level * rng.random() ** (1.0 / (batches * p.tail_k))
+                inflight = act + small
             big = p.big_batch_every_s is not None and rng.random() < dt / p.big_batch_every_s
             if big:
                 act = p.act_peak_mb * level * rng.uniform(1.05, p.big_batch_max)
@@ -352,6 +368,12 @@ def render(p: TraceParams) -> Trace:
         usage.append(used)
         free.append(max(0.0, p.device_total_mb - p.driver_mb - used))
         floor.append(kept)
+        if i % report_every:
+            reported.append(None)
+        else:  # allocated tensors: a report can land while a batch is running
+            busy = inflight and report_rng.random() < p.busy
+            running = inflight * report_rng.uniform(0.2, 1.0) if busy else 0.0
+            reported.append(weights + pers + leaked + running)
         if rng.random() < p.dropout_p:
             values.append(None)
         else:
@@ -359,4 +381,4 @@ def render(p: TraceParams) -> Trace:
         if left <= 0:
             exhausted = t
             break
-    return Trace(p, values, usage, free, floor, exhausted, events)
+    return Trace(p, values, usage, free, floor, reported, exhausted, events)
