@@ -615,7 +615,12 @@ def test_artifacts_match_a_real_scrape(supervisor: SupervisorFactory, tmp_path: 
             "supervisor": {"sample_interval_s": 0.1},
             "gpu": {"backend": "sim", "sim_dir": str(sim_dir), "release_timeout_s": 1},
             "workers": [
-                {**common, "name": "g", "command": worker_cmd("gpu_user", "500")},
+                # reports what its tensors hold (X_GPU_MEMORY_IN_USE_MB) besides its NVML claim
+                {
+                    **common,
+                    "name": "g",
+                    "command": worker_cmd("sim_worker", "500", "--in-use", "300"),
+                },
                 {
                     **common,
                     "name": "crash",
@@ -660,6 +665,7 @@ def test_artifacts_match_a_real_scrape(supervisor: SupervisorFactory, tmp_path: 
         "gpu_supervisor_actions_total",
         "gpu_supervisor_gpu_xid_errors_total",
         "gpu_supervisor_worker_gpu_memory_bytes",
+        "gpu_supervisor_worker_gpu_memory_in_use_bytes",
     ):
         assert sample in scrape.labels, f"{sample} has no samples in this scrape"
 
