@@ -42,6 +42,7 @@ from supervisor.policy.detect import (
     headroom,
     judge_leak,
     match_pattern,
+    reports_fresh,
     thermal_step,
     xid_class,
 )
@@ -62,9 +63,6 @@ OOM_COUNT_REUSE_S = 0.25
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
-#: A worker's reports judge its GPU leak while the last one is at most this old (seconds, for a
-#: 600 s window; scaled with the window like the floor buckets); then NVML's figure does again.
-IN_USE_FRESH_S = 30.0
 
 
 def floor_bucket_s(window_s: float) -> float:
@@ -168,7 +166,9 @@ class Healer:
         w = self._watch.get(name)
         verdict = w.gpu_leak if w is not None else NO_VERDICT
         host = w.host_leak if w is not None else NO_VERDICT
-        fresh = w is not None and self._in_use_fresh(w, self.host.clock.now())
+        fresh = w is not None and reports_fresh(
+            w.in_use_at, self.host.clock.now(), w.in_use_floor.keep_s
+        )
         obj["gpu_memory_in_use_mb"] = _round(w.in_use_mb) if w is not None and fresh else None
         obj["leak"] = {
             "slope_mb_per_min": _round(verdict.slope_mb_per_min),
@@ -249,12 +249,6 @@ class Healer:
         now = self.host.clock.now()
         w.in_use_mb, w.in_use_at = mb, now
         w.in_use_floor.add(now, mb)
-
-    def _in_use_fresh(self, w: _Watch, now: float) -> bool:
-        """True while the worker's last in-use report is recent enough to judge its leak by."""
-        return w.in_use_at is not None and now - w.in_use_at <= IN_USE_FRESH_S * (
-            w.in_use_floor.keep_s / DEFAULT_WINDOW_S
-        )
 
     def on_xid(self, event: XidEvent) -> None:
         """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
@@ -380,7 +374,8 @@ class Healer:
         device_free = min(frees) if frees else None
         # A worker that reports what it holds is judged by that: NVML counts the allocator's
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
-        w.gpu_leak_source = "worker" if self._in_use_fresh(w, now) else "nvml"
+        fresh = reports_fresh(w.in_use_at, now, health.leak_window_s)
+        w.gpu_leak_source = "worker" if fresh else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
         w.gpu_leak = judge_leak(
             gpu_floor.points(),

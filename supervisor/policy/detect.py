@@ -425,6 +425,16 @@ def _staircase(
     return _Scale(suspected, slope, shape.scale, growth, count, seg_slope[-1])
 
 
+#: A worker's own in-use reports stand for its GPU memory while the last one is at most this old
+#: (seconds, for a 600 s window; scaled with it like the floor buckets).
+REPORT_FRESH_S = 30.0
+
+
+def reports_fresh(last_at: float | None, now: float, window_s: float) -> bool:
+    """True while a worker's last in-use report (at ``last_at``) is recent enough to judge by."""
+    return last_at is not None and now - last_at <= REPORT_FRESH_S * window_s / 600.0
+
+
 def headroom(
     current_mb: float | None, limit_mb: float | None, free_mb: float | None
 ) -> float | None:

@@ -32,6 +32,7 @@ from supervisor.policy.detect import (
     hot_reason,
     judge_leak,
     match_pattern,
+    reports_fresh,
     theil_sen,
     thermal_step,
     xid_class,
@@ -644,3 +645,20 @@ def test_xid_class(xid: int, worker: object, device: object, expected: str) -> N
 )
 def test_match_pattern(line: str, patterns: list[str], expected: str | None) -> None:
     assert match_pattern(line, patterns) == expected
+
+
+@pytest.mark.parametrize(
+    ("last_at", "now", "window_s", "fresh"),
+    [
+        (None, 100.0, 600.0, False),  # never reported
+        (100.0, 100.0, 600.0, True),
+        (100.0, 130.0, 600.0, True),  # 30 s for a 600 s window
+        (100.0, 130.5, 600.0, False),
+        (10.0, 10.6, 12.0, True),  # scaled with a 12 s window: 0.6 s
+        (10.0, 10.7, 12.0, False),
+    ],
+)
+def test_reports_stand_for_the_memory_while_fresh(
+    last_at: float | None, now: float, window_s: float, fresh: bool
+) -> None:
+    assert reports_fresh(last_at, now, window_s) is fresh
