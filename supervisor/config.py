@@ -259,6 +259,8 @@ class HealthSection(_Strict):
         "device-side assert triggered",
     )
     max_unavailable: int = Field(default=1, ge=1)
+    #: "torch": Python workers report what PyTorch's allocator holds (worker_site/sitecustomize.py)
+    in_use_reporter: Literal["none", "torch"] = "none"
 
     @field_validator("log_restart_patterns")
     @classmethod

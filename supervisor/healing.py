@@ -40,6 +40,7 @@ from supervisor.policy.detect import (
     ThermalTrack,
     budget_streak,
     headroom,
+    in_use_total,
     judge_leak,
     match_pattern,
     reports_fresh,
@@ -105,8 +106,8 @@ class _Watch:
     host_floor: FloorSeries
     #: the worker's own reports of the GPU memory it holds (``X_GPU_MEMORY_IN_USE_MB``)
     in_use_floor: FloorSeries
-    in_use_mb: float | None = None
-    in_use_at: float | None = None
+    #: pid -> (MiB, reported at): the latest report of each process of the worker's tree
+    in_use_by_pid: dict[int, tuple[float, float]] = field(default_factory=dict)
     bad_report_logged: bool = False
     gpu_leak_source: Literal["nvml", "worker"] = "nvml"
     gpu_streak: int = 0
@@ -166,10 +167,12 @@ class Healer:
         w = self._watch.get(name)
         verdict = w.gpu_leak if w is not None else NO_VERDICT
         host = w.host_leak if w is not None else NO_VERDICT
-        fresh = w is not None and reports_fresh(
-            w.in_use_at, self.host.clock.now(), w.in_use_floor.keep_s
+        in_use = (
+            None
+            if w is None
+            else in_use_total(w.in_use_by_pid, self.host.clock.now(), w.in_use_floor.keep_s)
         )
-        obj["gpu_memory_in_use_mb"] = _round(w.in_use_mb) if w is not None and fresh else None
+        obj["gpu_memory_in_use_mb"] = _round(in_use)
         obj["leak"] = {
             "slope_mb_per_min": _round(verdict.slope_mb_per_min),
             "suspected": verdict.suspected,
@@ -227,9 +230,10 @@ class Healer:
         )
         self._run(self.host.clock.now())
 
-    def on_notify(self, runner: WorkerRunner, fields: Mapping[str, str]) -> None:
-        """A notify datagram of a worker: an ``X_GPU_MEMORY_IN_USE_MB`` report feeds its leak
-        detector (a bad value is ignored, and logged once per process)."""
+    def on_notify(self, runner: WorkerRunner, pid: int, fields: Mapping[str, str]) -> None:
+        """A notify datagram from process ``pid`` of a worker's tree: an
+        ``X_GPU_MEMORY_IN_USE_MB`` report feeds its leak detector (the worker holds what its
+        processes last reported, summed); a bad value is ignored, and logged once per process."""
         raw = fields.get(IN_USE_FIELD)
         w = self._watch.get(runner.name)
         if raw is None or w is None or w.pid is None or w.pid != runner.record.pid:
@@ -247,8 +251,13 @@ class Healer:
                 )
             return
         now = self.host.clock.now()
-        w.in_use_mb, w.in_use_at = mb, now
-        w.in_use_floor.add(now, mb)
+        window = w.in_use_floor.keep_s
+        w.in_use_by_pid[pid] = (mb, now)
+        for gone in [
+            p for p, (_, at) in w.in_use_by_pid.items() if not reports_fresh(at, now, window)
+        ]:
+            del w.in_use_by_pid[gone]
+        w.in_use_floor.add(now, in_use_total(w.in_use_by_pid, now, window))
 
     def on_xid(self, event: XidEvent) -> None:
         """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
@@ -374,8 +383,8 @@ class Healer:
         device_free = min(frees) if frees else None
         # A worker that reports what it holds is judged by that: NVML counts the allocator's
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
-        fresh = reports_fresh(w.in_use_at, now, health.leak_window_s)
-        w.gpu_leak_source = "worker" if fresh else "nvml"
+        in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
+        w.gpu_leak_source = "worker" if in_use is not None else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
         w.gpu_leak = judge_leak(
             gpu_floor.points(),
@@ -409,7 +418,7 @@ class Healer:
                             "source": w.gpu_leak_source if memory == "gpu" else "procfs",
                             **verdict.evidence(),
                             "used_mb": _round(current),
-                            "in_use_mb": _round(w.in_use_mb) if reported else None,
+                            "in_use_mb": _round(in_use) if reported else None,
                             "limit_mb": limit or None,
                             "oom_horizon_s": health.oom_horizon_s,
                             "leak_min_mb_per_min": health.leak_min_mb_per_min,

@@ -5,8 +5,10 @@ No I/O: the inherited environment and the notify socket path are arguments.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from supervisor.config import Settings, WorkerGroup
 from supervisor.errors import PlacementError
@@ -17,8 +19,20 @@ Assignment = Mapping[str, tuple[str, ...] | None]
 
 #: Variables of the supervisor's own service manager that must not leak into workers.
 SCRUBBED_ENV = frozenset(
-    {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"}
+    {
+        "NOTIFY_SOCKET",
+        "WATCHDOG_USEC",
+        "WATCHDOG_PID",
+        "LISTEN_FDS",
+        "LISTEN_PID",
+        "LISTEN_FDNAMES",
+        "GPU_SUPERVISOR_IN_USE_SOCKET",
+        "GPU_SUPERVISOR_IN_USE_EVERY_S",
+    }
 )
+#: The directory whose ``sitecustomize.py`` reports a Python worker's in-use GPU memory
+#: (``[workers.health] in_use_reporter``): put first on the worker's ``PYTHONPATH``.
+WORKER_SITE_DIR = str(Path(__file__).with_name("worker_site"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,22 @@ def gpu_assignment(group: WorkerGroup) -> tuple[str, ...] | None:
 
 def _expand(text: str, values: Mapping[str, str]) -> str:
     return text.format_map(values)
+
+
+def in_use_reporter_env(pythonpath: str, notify_socket: str, group: WorkerGroup) -> dict[str, str]:
+    """The variables that make a Python worker report its in-use GPU memory (torch's).
+
+    ``worker_site/sitecustomize.py`` goes first on ``PYTHONPATH`` (once) and reports to the
+    notify socket as often as the leak window's floor buckets need (once a second for the
+    default 600 s window; a short window reports more often, at most every 0.05 s).
+    """
+    parts = [p for p in pythonpath.split(os.pathsep) if p and p != WORKER_SITE_DIR]
+    every = min(1.0, max(0.05, group.health.leak_window_s / 600.0))
+    return {
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, *parts]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": notify_socket,
+        "GPU_SUPERVISOR_IN_USE_EVERY_S": f"{every:g}",
+    }
 
 
 def launch_spec(
@@ -104,6 +134,8 @@ def launch_spec(
         env["NOTIFY_SOCKET"] = notify_socket
     if watchdog_s > 0:
         env["WATCHDOG_USEC"] = str(int(watchdog_s * 1_000_000))
+    if group.health.in_use_reporter == "torch" and notify_socket is not None:
+        env.update(in_use_reporter_env(env.get("PYTHONPATH", ""), notify_socket, group))
     ready_url = _expand(group.ready, values) if group.ready_mode == "http" else None
     return LaunchSpec(
         name=name,

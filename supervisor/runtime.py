@@ -666,7 +666,7 @@ class Runtime:
             runner = self._pids.get(pid)
             if runner is not None:
                 runner.on_notify(msg)
-                self.healer.on_notify(runner, msg.fields)
+                self.healer.on_notify(runner, msg.pid, msg.fields)
                 return
         self.log.debug("notify.unknown_sender", pid=msg.pid)
 

@@ -257,6 +257,24 @@ class Supervisor:
             )
         return httpx.Client(base_url=url, headers=headers, timeout=10)
 
+    def wait_api(
+        self, path: str, check: Callable[[Any], bool], timeout: float = 10.0, every: float = 0.05
+    ) -> Any:
+        """GET ``path`` until ``check(json)`` holds (asking again every ``every`` s, or at once
+        when the supervisor prints something); return that JSON."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        with self.api() as api:
+            while True:
+                last = api.get(path).json()
+                if check(last):
+                    return last
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out after {timeout}s: GET {path} -> {last}")
+                with self._cond:
+                    self._cond.wait(min(every, remaining))
+
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the supervisor."""
         self.proc.send_signal(sig)

@@ -20,7 +20,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -433,6 +433,15 @@ REPORT_FRESH_S = 30.0
 def reports_fresh(last_at: float | None, now: float, window_s: float) -> bool:
     """True while a worker's last in-use report (at ``last_at``) is recent enough to judge by."""
     return last_at is not None and now - last_at <= REPORT_FRESH_S * window_s / 600.0
+
+
+def in_use_total(
+    reports: Mapping[int, tuple[float, float]], now: float, window_s: float
+) -> float | None:
+    """What a worker's processes report in use: the sum of each one's latest report that is
+    still fresh (``reports``: pid -> ``(MiB, reported at)``); None when none is."""
+    fresh = [mb for mb, at in reports.values() if reports_fresh(at, now, window_s)]
+    return sum(fresh) if fresh else None
 
 
 def headroom(

@@ -167,6 +167,64 @@ def test_bad_in_use_reports_are_ignored_and_logged_once(
     assert sup.stop() == 0
 
 
+FAKE_TORCH = str(Path(__file__).resolve().parents[1] / "fake_torch")
+
+
+def test_unmodified_torch_workers_report_through_the_injected_reporter(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """``in_use_reporter = "torch"``: workers that send no reports themselves (they only hold
+    tensors, in tests/fake_torch) are judged on what torch holds, summed over their processes;
+    the user's own sitecustomize still runs; without the key nothing is reported."""
+    usersite = tmp_path / "usersite"
+    usersite.mkdir()
+    (usersite / "sitecustomize.py").write_text("print('user sitecustomize ran', flush=True)\n")
+    torch_env = {"PYTHONPATH": f"{usersite}:{FAKE_TORCH}"}
+    reporter = {"in_use_reporter": "torch"}
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "cached",
+                "command": sim("800", "--torch", "--in-use", "300", "--in-use-leak", "4"),
+                "env": torch_env,
+                "health": {**FAST_LEAK, **reporter, "gpu_memory_limit_mb": 1500},
+            },
+            {
+                "name": "ranks",
+                "command": sim("500", "--torch", "--in-use", "200", "--children", "2"),
+                "env": torch_env,
+                "health": reporter,
+            },
+            {
+                "name": "off",
+                "command": sim("500", "--torch", "--in-use", "200"),
+                "env": torch_env,
+            },
+        )
+    )
+    assert sup.wait_line("[cached-0] ", contains="user sitecustomize ran")
+    action = sup.wait_event(event="heal.action", worker="cached-0", timeout=30)
+    assert (action["action"], action["reason"]) == ("drain", "leak")
+    evidence = action["evidence"]
+    assert evidence["source"] == "worker"
+    assert evidence["used_mb"] == 800  # NVML's figure did not move
+    assert 300 < evidence["in_use_mb"] < 800
+    # three processes hold 200 MiB each: the worker holds their sum
+    ranks = sup.wait_api(
+        "/api/v1/workers/ranks-0",
+        lambda w: w["gpu_memory_in_use_mb"] == 600 and w["leak"]["source"] == "worker",
+    )
+    assert ranks["state"] == "ready" and ranks["gpu_memory_mb"] == 500
+    with sup.api() as api:
+        off = api.get("/api/v1/workers/off-0").json()
+    assert off["state"] == "ready"
+    assert off["gpu_memory_in_use_mb"] is None
+    assert off["leak"]["source"] == "nvml"
+    assert not sup.find(event="heal.action", worker="ranks-0")
+    assert sup.stop() == 0
+
+
 def test_over_gpu_and_host_budget_restarts(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     sup = supervisor(
         config(

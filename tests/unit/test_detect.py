@@ -30,6 +30,7 @@ from supervisor.policy.detect import (
     coarse_floors,
     headroom,
     hot_reason,
+    in_use_total,
     judge_leak,
     match_pattern,
     reports_fresh,
@@ -662,3 +663,20 @@ def test_reports_stand_for_the_memory_while_fresh(
     last_at: float | None, now: float, window_s: float, fresh: bool
 ) -> None:
     assert reports_fresh(last_at, now, window_s) is fresh
+
+
+@pytest.mark.parametrize(
+    ("reports", "now", "total"),
+    [
+        ({}, 100.0, None),  # no process reported
+        ({7: (300.0, 99.0)}, 100.0, 300.0),
+        ({7: (300.0, 99.0), 8: (200.0, 95.0)}, 100.0, 500.0),  # ranks of one worker add up
+        ({7: (300.0, 99.0), 8: (200.0, 69.0)}, 100.0, 300.0),  # 8 went quiet 31 s ago
+        ({7: (300.0, 60.0)}, 100.0, None),  # nothing fresh: judged on NVML again
+        ({7: (0.0, 100.0)}, 100.0, 0.0),  # holding nothing is a report
+    ],
+)
+def test_in_use_is_the_sum_of_fresh_reports_per_process(
+    reports: dict[int, tuple[float, float]], now: float, total: float | None
+) -> None:
+    assert in_use_total(reports, now, 600.0) == total

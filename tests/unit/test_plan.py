@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from supervisor.config import parse_settings
-from supervisor.plan import Plan, build_plan
+from supervisor.plan import WORKER_SITE_DIR, Plan, build_plan
 
 
 def plan(**group: object) -> Plan:
@@ -49,3 +51,34 @@ def test_watchdog_and_ready_modes() -> None:
     assert "NOTIFY_SOCKET" not in w.env
     w = plan(ready="http://127.0.0.1:{port}/health", port_base=7000).groups[0].workers[0]
     assert w.ready_url == "http://127.0.0.1:7000/health"
+
+
+def test_in_use_reporter_goes_first_on_the_pythonpath_once() -> None:
+    w = plan(ready="none").groups[0].workers[0]
+    assert not {"GPU_SUPERVISOR_IN_USE_SOCKET", "PYTHONPATH"} & set(w.env)  # off by default
+    w = (
+        plan(
+            ready="none",
+            env={"PYTHONPATH": f"/app:{WORKER_SITE_DIR}::/lib"},
+            health={"in_use_reporter": "torch"},
+        )
+        .groups[0]
+        .workers[0]
+    )
+    assert w.env["PYTHONPATH"] == f"{WORKER_SITE_DIR}:/app:/lib"
+    assert w.env["GPU_SUPERVISOR_IN_USE_SOCKET"] == "/n.sock"
+    assert w.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "1"
+    assert "NOTIFY_SOCKET" not in w.env  # readiness stays as configured
+    assert (Path(WORKER_SITE_DIR) / "sitecustomize.py").is_file()
+    short = plan(health={"in_use_reporter": "torch", "leak_window_s": 12}).groups[0].workers[0]
+    assert short.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "0.05"
+    assert short.env["PYTHONPATH"] == WORKER_SITE_DIR
+
+
+def test_inherited_reporter_variables_do_not_leak_into_workers() -> None:
+    p = build_plan(
+        parse_settings({"workers": [{"name": "g", "command": ["app"]}]}),
+        {"GPU_SUPERVISOR_IN_USE_SOCKET": "/outer.sock", "GPU_SUPERVISOR_IN_USE_EVERY_S": "1"},
+        "/n.sock",
+    )
+    assert "GPU_SUPERVISOR_IN_USE_SOCKET" not in p.groups[0].workers[0].env

@@ -1,0 +1,129 @@
+"""The in-use memory reporter gpu-supervisor puts in front of a Python worker's ``sitecustomize``.
+
+With ``[workers.health] in_use_reporter = "torch"`` the supervisor starts a group's workers with
+this directory first on ``PYTHONPATH``, so every Python process of the worker's tree runs this
+file at start-up (as OpenTelemetry's auto-instrumentation does). It starts one daemon thread
+that, once a second, looks whether PyTorch is imported *and has initialised CUDA itself*, and if
+so sends ``X_GPU_MEMORY_IN_USE_MB=<MiB>`` (``torch.cuda.memory_allocated()`` summed over the
+process's devices: what its tensors hold, without the allocator's cache that NVML counts) to
+the supervisor's notify socket. The supervisor sums the reports of a worker's processes and
+judges its GPU leak by them (docs/healing.md).
+
+It never imports torch, never initialises CUDA and never sends ``READY`` or ``WATCHDOG``: a hung
+worker still misses its heartbeats. It then runs the ``sitecustomize`` it shadows (the next one
+on ``sys.path``), so a distribution's or the user's own still runs.
+
+Standard library only, and Python 3.8 syntax: it runs in the worker's interpreter, not ours.
+Settings (from the supervisor): ``GPU_SUPERVISOR_IN_USE_SOCKET`` (where to send; nothing is sent
+without it) and ``GPU_SUPERVISOR_IN_USE_EVERY_S`` (seconds between reports, default 1).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.machinery
+import importlib.util
+import os
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+
+SOCKET_ENV = "GPU_SUPERVISOR_IN_USE_SOCKET"
+EVERY_ENV = "GPU_SUPERVISOR_IN_USE_EVERY_S"
+FIELD = "X_GPU_MEMORY_IN_USE_MB"
+MIB = 1024 * 1024
+
+
+def in_use_mb(modules: Mapping[str, object]) -> float | None:
+    """MiB that PyTorch's allocator has handed out in this process (None: nothing to report).
+
+    None until ``torch`` is fully imported and CUDA initialised by the program itself; never
+    raises (a torch without these calls, or one failing, reports nothing).
+    """
+    torch = modules.get("torch")
+    if torch is None:
+        return None
+    spec = getattr(torch, "__spec__", None)
+    if getattr(spec, "_initializing", False):  # still being imported (by another thread)
+        return None
+    try:
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_initialized():
+            return None
+        count = int(cuda.device_count())
+        total = sum(int(cuda.memory_allocated(i)) for i in range(count))
+    except Exception:
+        return None
+    return total / MIB
+
+
+def _address(value: str) -> str:
+    return "\0" + value[1:] if value.startswith("@") else value
+
+
+class Reporter:
+    """Sends the in-use reports of this process from a daemon thread."""
+
+    def __init__(self, address: str, every_s: float) -> None:
+        self.address = _address(address)
+        self.every_s = every_s
+        self.stopped = threading.Event()
+
+    def report_once(self) -> bool:
+        """Send one report if there is something to report (True when sent)."""
+        mb = in_use_mb(sys.modules)
+        if mb is None:
+            return False
+        message = f"{FIELD}={mb:.3f}"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.sendto(message.encode(), self.address)
+        except OSError:
+            return False  # the supervisor is restarting or gone: try again next time
+        return True
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.report_once()
+
+    def start(self) -> None:
+        self.stopped = threading.Event()
+        thread = threading.Thread(target=self.run, name="gpu-supervisor-in-use", daemon=True)
+        thread.start()
+
+
+def _every(value: str | None) -> float:
+    try:
+        every = float(value or 1.0)
+    except ValueError:
+        return 1.0
+    return every if 0.01 <= every <= 3600 else 1.0
+
+
+def _start() -> None:
+    address = os.environ.get(SOCKET_ENV)
+    if not address:
+        return
+    reporter = Reporter(address, _every(os.environ.get(EVERY_ENV)))
+    reporter.start()
+    atexit.register(lambda: reporter.stopped.set())
+    if hasattr(os, "register_at_fork"):  # a forked child has no thread: give it its own
+        os.register_at_fork(after_in_child=reporter.start)
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` this one shadows, as Python would have without us."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "sitecustomize":  # run by ``site`` at start-up (not imported by a test)
+    _start()
+    _chain()

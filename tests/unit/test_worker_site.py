@@ -1,0 +1,176 @@
+"""The in-use reporter that ``in_use_reporter = "torch"`` puts in front of a Python worker's
+``sitecustomize`` (``supervisor/worker_site/sitecustomize.py``): what it reads, and, in real
+interpreters started the way the supervisor starts workers, what it sends, from forked children
+too, and that the ``sitecustomize`` it shadows still runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from supervisor.plan import WORKER_SITE_DIR
+
+FAKE_TORCH = str(Path(__file__).resolve().parents[1] / "fake_torch")
+MIB = 1024 * 1024
+
+
+def load() -> ModuleType:
+    """The reporter module under another name (as ``sitecustomize`` it would start at once)."""
+    spec = importlib.util.spec_from_file_location(
+        "worker_site_under_test", Path(WORKER_SITE_DIR) / "sitecustomize.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+site = load()
+
+
+def fake_torch(
+    initialized: bool = True, allocated: tuple[int, ...] = (0,), importing: bool = False
+) -> SimpleNamespace:
+    def memory_allocated(device: int) -> int:
+        return allocated[device]
+
+    cuda = SimpleNamespace(
+        is_initialized=lambda: initialized,
+        device_count=lambda: len(allocated),
+        memory_allocated=memory_allocated,
+    )
+    return SimpleNamespace(cuda=cuda, __spec__=SimpleNamespace(_initializing=importing))
+
+
+def broken_torch() -> SimpleNamespace:
+    def fail() -> bool:
+        raise RuntimeError("CUDA driver gone")
+
+    return SimpleNamespace(cuda=SimpleNamespace(is_initialized=fail))
+
+
+@pytest.mark.parametrize(
+    ("modules", "mb"),
+    [
+        ({}, None),  # torch not imported: nothing to say
+        ({"torch": fake_torch(initialized=False)}, None),  # CUDA not initialised by the program
+        ({"torch": fake_torch(importing=True)}, None),  # still being imported
+        ({"torch": SimpleNamespace()}, None),  # a torch without torch.cuda
+        ({"torch": broken_torch()}, None),
+        ({"torch": fake_torch(allocated=(300 * MIB,))}, 300.0),
+        ({"torch": fake_torch(allocated=(100 * MIB, 50 * MIB))}, 150.0),  # every device
+        ({"torch": fake_torch(allocated=(0,))}, 0.0),
+    ],
+)
+def test_what_torch_holds(modules: dict[str, Any], mb: float | None) -> None:
+    assert site.in_use_mb(modules) == mb
+
+
+@pytest.fixture
+def listener(tmp_path: Path) -> Iterator[socket.socket]:
+    """A datagram socket standing in for the supervisor's notify socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(tmp_path / "notify.sock"))
+        sock.settimeout(10)
+        yield sock
+
+
+def test_a_report_is_one_datagram_and_a_missing_socket_is_no_error(
+    listener: socket.socket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(allocated=(1536 * MIB,)))
+    assert site.Reporter(str(tmp_path / "notify.sock"), 1.0).report_once()
+    assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=1536.000"
+    assert not site.Reporter(str(tmp_path / "gone.sock"), 1.0).report_once()
+    monkeypatch.delitem(sys.modules, "torch")
+    assert not site.Reporter(str(tmp_path / "notify.sock"), 1.0).report_once()
+
+
+@pytest.mark.parametrize(
+    ("value", "every"), [(None, 1.0), ("0.25", 0.25), ("0", 1.0), ("soon", 1.0), ("1e9", 1.0)]
+)
+def test_report_interval(value: str | None, every: float) -> None:
+    assert site._every(value) == every
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch  # tests/fake_torch
+
+    torch.cuda.init()
+    torch.cuda.set_allocated(0, 5 * 2**20)
+    child = os.fork()
+    if child == 0:
+        torch.cuda.set_allocated(0, 7 * 2**20)
+    print("started", flush=True)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomize_runs(
+    listener: socket.socket, tmp_path: Path
+) -> None:
+    usersite = tmp_path / "usersite"
+    usersite.mkdir()
+    (usersite / "sitecustomize.py").write_text("print('user sitecustomize ran', flush=True)\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, str(usersite), FAKE_TORCH]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "notify.sock"),
+        "GPU_SUPERVISOR_IN_USE_EVERY_S": "0.05",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROGRAM],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "user sitecustomize ran\n"
+        seen: set[bytes] = set()
+        deadline = time.monotonic() + 10
+        while seen != {b"X_GPU_MEMORY_IN_USE_MB=5.000", b"X_GPU_MEMORY_IN_USE_MB=7.000"}:
+            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            seen.add(listener.recv(4096))  # socket.timeout past the deadline fails the test
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_nothing_is_sent_without_the_supervisors_socket(tmp_path: Path) -> None:
+    """Started without ``GPU_SUPERVISOR_IN_USE_SOCKET`` the reporter starts no thread."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH])}
+    env.pop("GPU_SUPERVISOR_IN_USE_SOCKET", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import threading, sitecustomize; "
+            "print(sitecustomize.__file__, [t.name for t in threading.enumerate()])",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert "gpu-supervisor-in-use" not in out
