@@ -370,6 +370,10 @@ class Healer:
             self._add(_budget("gpu_memory_limit", runner.name, usage.gpu_memory_mb, health))
         if w.host_streak >= BUDGET_SAMPLES:
             self._add(_budget("host_memory_limit", runner.name, usage.host_rss_mb, health))
+        # Reporters send only changes (and a reminder now and then): hold the last figure.
+        in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
+        if in_use is not None:
+            w.in_use_floor.add(now, in_use)
         if not judge:
             return
         w.judged_at = now
@@ -383,7 +387,6 @@ class Healer:
         device_free = min(frees) if frees else None
         # A worker that reports what it holds is judged by that: NVML counts the allocator's
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
-        in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
         w.gpu_leak_source = "worker" if in_use is not None else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
         w.gpu_leak = judge_leak(

@@ -7,12 +7,13 @@ or ``STOPPING=1`` datagrams, exactly as to systemd. The sender is identified by 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,20 +53,24 @@ def socket_path_for(state_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
 
 
-def ancestors_of(pid: int, limit: int = 64) -> list[int]:
-    """``pid`` and its ancestors, nearest first (stops at pid 1 or an unreadable process)."""
-    chain = [pid]
+def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
+    """``pid`` and then its ancestors, nearest first (stops at pid 1 or an unreadable process).
+
+    Lazy: a caller that finds its answer in ``pid`` itself reads nothing from ``/proc``.
+    """
+    seen = [pid]
+    yield pid
     current = pid
     for _ in range(limit):
         try:
             parent = psutil.Process(current).ppid()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            break
-        if parent <= 1 or parent in chain:
-            break
-        chain.append(parent)
+            return
+        if parent <= 1 or parent in seen:
+            return
+        seen.append(parent)
+        yield parent
         current = parent
-    return chain
 
 
 class NotifyListener:
@@ -75,6 +80,10 @@ class NotifyListener:
         self.path = path
         self._on_message = on_message
         self._sock: socket.socket | None = None
+        #: serving on asyncio: its loop, the fd its reader watches, and where errors go
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watched: int | None = None
+        self._failed: asyncio.Future[None] | None = None
 
     def open(self) -> None:
         """Bind the socket (removing a stale one) with SO_PASSCRED on."""
@@ -95,7 +104,10 @@ class NotifyListener:
         """
         old = self._sock
         self._sock = None
+        self._unwatch()
         self.open()
+        if self._loop is not None and self._sock is not None:
+            self._watch(self._sock)
         if old is not None:
             anyio.notify_closing(old)
             old.close()
@@ -106,6 +118,7 @@ class NotifyListener:
 
     def close(self) -> None:
         """Close and remove the socket."""
+        self._unwatch()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -134,20 +147,65 @@ class NotifyListener:
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Deliver messages as they arrive."""
+        """Deliver messages as they arrive (an error in ``on_message`` ends this task)."""
         if self._sock is None:
             self.open()
         assert self._sock is not None
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # another anyio backend
+            loop = None
         task_status.started()
         try:
-            while True:
-                sock = self._sock
-                if sock is None:
-                    return
-                try:
-                    await anyio.wait_readable(sock)
-                except anyio.ClosedResourceError:
-                    continue  # rebound: wait on the new socket
-                self.drain()
+            if loop is not None:
+                await self._serve_with_reader(loop)
+            else:
+                await self._serve_waiting()
         finally:
             self.close()
+
+    async def _serve_with_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On asyncio: one reader callback for as long as the socket lives.
+
+        ``anyio.wait_readable`` adds the socket to the event loop's epoll set and removes it
+        again for every wake-up: each datagram (a heartbeat, an in-use report) then costs about
+        twice the CPU (``docs/benchmarks.md``).
+        """
+        self._loop = loop
+        self._failed = loop.create_future()
+        assert self._sock is not None
+        self._watch(self._sock)
+        try:
+            await self._failed  # only an error in on_message ends it (or cancellation)
+        finally:
+            self._unwatch()
+            self._loop = self._failed = None
+
+    async def _serve_waiting(self) -> None:
+        while True:
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                await anyio.wait_readable(sock)
+            except anyio.ClosedResourceError:
+                continue  # rebound: wait on the new socket
+            self.drain()
+
+    def _on_readable(self) -> None:
+        try:
+            self.drain()
+        except BaseException as exc:  # hand it to serve(), as the waiting loop would raise it
+            self._unwatch()
+            if self._failed is not None and not self._failed.done():
+                self._failed.set_exception(exc)
+
+    def _watch(self, sock: socket.socket) -> None:
+        assert self._loop is not None
+        self._watched = sock.fileno()
+        self._loop.add_reader(self._watched, self._on_readable)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and self._watched is not None:
+            self._loop.remove_reader(self._watched)
+        self._watched = None

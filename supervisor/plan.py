@@ -33,6 +33,9 @@ SCRUBBED_ENV = frozenset(
 #: The directory whose ``sitecustomize.py`` reports a Python worker's in-use GPU memory
 #: (``[workers.health] in_use_reporter``): put first on the worker's ``PYTHONPATH``.
 WORKER_SITE_DIR = str(Path(__file__).with_name("worker_site"))
+#: How often those reporters report for a 600 s leak window (scaled with it): the leak
+#: detector's floor interval (``policy.detect.FLOOR_BUCKET_S``; a test keeps them equal).
+IN_USE_EVERY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +83,11 @@ def in_use_reporter_env(pythonpath: str, notify_socket: str, group: WorkerGroup)
     """The variables that make a Python worker report its in-use GPU memory (torch's).
 
     ``worker_site/sitecustomize.py`` goes first on ``PYTHONPATH`` (once) and reports to the
-    notify socket as often as the leak window's floor buckets need (once a second for the
-    default 600 s window; a short window reports more often, at most every 0.05 s).
+    notify socket once per floor interval of the leak window (5 s for the default 600 s window;
+    a short window's reporters report more often, at most every 0.05 s).
     """
     parts = [p for p in pythonpath.split(os.pathsep) if p and p != WORKER_SITE_DIR]
-    every = min(1.0, max(0.05, group.health.leak_window_s / 600.0))
+    every = max(0.05, IN_USE_EVERY_S * group.health.leak_window_s / 600.0)
     return {
         "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, *parts]),
         "GPU_SUPERVISOR_IN_USE_SOCKET": notify_socket,

@@ -4,18 +4,20 @@ With ``[workers.health] in_use_reporter = "torch"`` the supervisor starts a grou
 this directory first on ``PYTHONPATH``, so every Python process of the worker's tree runs this
 file at start-up (as OpenTelemetry's auto-instrumentation does). It starts one daemon thread
 that, once a second, looks whether PyTorch is imported *and has initialised CUDA itself*, and if
-so sends ``X_GPU_MEMORY_IN_USE_MB=<MiB>`` (``torch.cuda.memory_allocated()`` summed over the
-process's devices: what its tensors hold, without the allocator's cache that NVML counts) to
-the supervisor's notify socket. The supervisor sums the reports of a worker's processes and
-judges its GPU leak by them (docs/healing.md).
+so reads ``torch.cuda.memory_allocated()`` summed over the process's devices (what its tensors
+hold, without the allocator's cache that NVML counts); every 5 s it sends the lowest reading as
+``X_GPU_MEMORY_IN_USE_MB=<MiB>`` to the supervisor's notify socket, when it changed or 15 s
+after the last one (a steady worker costs the supervisor one datagram per 15 s). The supervisor
+sums the reports of a worker's processes and judges its GPU leak by them (docs/healing.md).
 
 It never imports torch, never initialises CUDA and never sends ``READY`` or ``WATCHDOG``: a hung
 worker still misses its heartbeats. It then runs the ``sitecustomize`` it shadows (the next one
 on ``sys.path``), so a distribution's or the user's own still runs.
 
 Standard library only, and Python 3.8 syntax: it runs in the worker's interpreter, not ours.
-Settings (from the supervisor): ``GPU_SUPERVISOR_IN_USE_SOCKET`` (where to send; nothing is sent
-without it) and ``GPU_SUPERVISOR_IN_USE_EVERY_S`` (seconds between reports, default 1).
+Settings (from the supervisor): ``GPU_SUPERVISOR_IN_USE_SOCKET`` (where to send; nothing is
+sent without it) and ``GPU_SUPERVISOR_IN_USE_EVERY_S`` (seconds between reports, default 5: the
+floor interval of the supervisor's leak window).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 SOCKET_ENV = "GPU_SUPERVISOR_IN_USE_SOCKET"
 EVERY_ENV = "GPU_SUPERVISOR_IN_USE_EVERY_S"
 FIELD = "X_GPU_MEMORY_IN_USE_MB"
 MIB = 1024 * 1024
+DEFAULT_EVERY_S = 5.0
 
 
 def in_use_mb(modules: Mapping[str, object]) -> float | None:
@@ -62,43 +66,80 @@ def _address(value: str) -> str:
     return "\0" + value[1:] if value.startswith("@") else value
 
 
+#: Polls of torch per report interval: a report carries the lowest of them (the floor the
+#: supervisor's leak detector wants; a poll can land mid-batch).
+POLLS = 5
+#: An unchanged figure is sent again after this many report intervals (so it stays fresh: the
+#: supervisor holds a report for 6 of its floor intervals, which are one report interval).
+RESEND_EVERY = 3
+
+
+def should_send(
+    text: str, last_text: str | None, last_at: float, now: float, every_s: float
+) -> bool:
+    """Whether a report ``text`` is sent now: when it differs from the last one sent, or the
+    last one is ``RESEND_EVERY`` intervals old (a steady worker sends a third as often)."""
+    return text != last_text or now - last_at >= RESEND_EVERY * every_s - 1e-9
+
+
 class Reporter:
-    """Sends the in-use reports of this process from a daemon thread."""
+    """Sends the in-use reports of this process from a daemon thread.
+
+    Every ``every_s / POLLS`` it reads what torch holds; every ``every_s`` it sends the lowest
+    reading of the interval, if it changed or is due again (:func:`should_send`).
+    """
 
     def __init__(self, address: str, every_s: float) -> None:
         self.address = _address(address)
         self.every_s = every_s
         self.stopped = threading.Event()
+        self.low: float | None = None
+        self.last_text: str | None = None
+        self.last_at = float("-inf")
 
-    def report_once(self) -> bool:
-        """Send one report if there is something to report (True when sent)."""
+    def poll(self) -> None:
+        """Read what torch holds now into the interval's lowest reading."""
         mb = in_use_mb(sys.modules)
-        if mb is None:
+        if mb is not None and (self.low is None or mb < self.low):
+            self.low = mb
+
+    def flush(self, now: float) -> bool:
+        """End the interval: send its lowest reading if due (True when sent)."""
+        low, self.low = self.low, None
+        if low is None:
             return False
-        message = f"{FIELD}={mb:.3f}"
+        text = f"{FIELD}={low:.1f}"
+        if not should_send(text, self.last_text, self.last_at, now, self.every_s):
+            return False
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.sendto(message.encode(), self.address)
+                sock.sendto(text.encode(), self.address)
         except OSError:
             return False  # the supervisor is restarting or gone: try again next time
+        self.last_text, self.last_at = text, now
         return True
 
     def run(self) -> None:
-        while not self.stopped.wait(self.every_s):
-            self.report_once()
+        polls = 0
+        while not self.stopped.wait(self.every_s / POLLS):
+            self.poll()
+            polls += 1
+            if polls % POLLS == 0:
+                self.flush(time.monotonic())
 
     def start(self) -> None:
         self.stopped = threading.Event()
+        self.low, self.last_text, self.last_at = None, None, float("-inf")
         thread = threading.Thread(target=self.run, name="gpu-supervisor-in-use", daemon=True)
         thread.start()
 
 
 def _every(value: str | None) -> float:
     try:
-        every = float(value or 1.0)
+        every = float(value or DEFAULT_EVERY_S)
     except ValueError:
-        return 1.0
-    return every if 0.01 <= every <= 3600 else 1.0
+        return DEFAULT_EVERY_S
+    return every if 0.01 <= every <= 3600 else DEFAULT_EVERY_S
 
 
 def _start() -> None:

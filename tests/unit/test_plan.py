@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from supervisor.config import parse_settings
-from supervisor.plan import WORKER_SITE_DIR, Plan, build_plan
+from supervisor.plan import IN_USE_EVERY_S, WORKER_SITE_DIR, Plan, build_plan
+from supervisor.policy.detect import FLOOR_BUCKET_S
 
 
 def plan(**group: object) -> Plan:
@@ -67,11 +68,14 @@ def test_in_use_reporter_goes_first_on_the_pythonpath_once() -> None:
     )
     assert w.env["PYTHONPATH"] == f"{WORKER_SITE_DIR}:/app:/lib"
     assert w.env["GPU_SUPERVISOR_IN_USE_SOCKET"] == "/n.sock"
-    assert w.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "1"
+    assert w.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "5"  # the floor interval of the window
+    assert IN_USE_EVERY_S == FLOOR_BUCKET_S
     assert "NOTIFY_SOCKET" not in w.env  # readiness stays as configured
     assert (Path(WORKER_SITE_DIR) / "sitecustomize.py").is_file()
     short = plan(health={"in_use_reporter": "torch", "leak_window_s": 12}).groups[0].workers[0]
-    assert short.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "0.05"
+    assert short.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "0.1"
+    tiny = plan(health={"in_use_reporter": "torch", "leak_window_s": 5}).groups[0].workers[0]
+    assert tiny.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "0.05"
     assert short.env["PYTHONPATH"] == WORKER_SITE_DIR
 
 

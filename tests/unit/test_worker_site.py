@@ -87,19 +87,50 @@ def listener(tmp_path: Path) -> Iterator[socket.socket]:
         yield sock
 
 
-def test_a_report_is_one_datagram_and_a_missing_socket_is_no_error(
+def test_a_report_is_the_lowest_reading_of_its_interval_sent_when_changed_or_due(
     listener: socket.socket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torch", fake_torch(allocated=(1536 * MIB,)))
-    assert site.Reporter(str(tmp_path / "notify.sock"), 1.0).report_once()
-    assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=1536.000"
-    assert not site.Reporter(str(tmp_path / "gone.sock"), 1.0).report_once()
+    reporter = site.Reporter(str(tmp_path / "notify.sock"), 5.0)
+    for mb in (1600, 1536, 1700):  # polls, one of them between batches
+        monkeypatch.setitem(sys.modules, "torch", fake_torch(allocated=(mb * MIB,)))
+        reporter.poll()
+    assert reporter.flush(100.0)
+    assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=1536.0"
+    reporter.poll()  # 1700 again: changed, sent
+    assert reporter.flush(105.0)
+    assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=1700.0"
+    reporter.poll()
+    assert not reporter.flush(110.0)  # unchanged, 5 s after the last: not yet
+    reporter.poll()
+    assert reporter.flush(120.0)  # unchanged, 15 s: sent again (keeps it fresh)
+    assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=1700.0"
     monkeypatch.delitem(sys.modules, "torch")
-    assert not site.Reporter(str(tmp_path / "notify.sock"), 1.0).report_once()
+    reporter.poll()
+    assert not reporter.flush(200.0)  # nothing read: nothing to say
+    gone = site.Reporter(str(tmp_path / "gone.sock"), 5.0)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(allocated=(MIB,)))
+    gone.poll()
+    assert not gone.flush(0.0)  # no supervisor listening: no error, tried again next time
+    gone.poll()
+    assert gone.last_text is None
 
 
 @pytest.mark.parametrize(
-    ("value", "every"), [(None, 1.0), ("0.25", 0.25), ("0", 1.0), ("soon", 1.0), ("1e9", 1.0)]
+    ("text", "last", "last_at", "now", "send"),
+    [
+        ("X=1.0", None, float("-inf"), 0.0, True),  # the first
+        ("X=1.1", "X=1.0", 100.0, 105.0, True),  # changed
+        ("X=1.0", "X=1.0", 100.0, 105.0, False),
+        ("X=1.0", "X=1.0", 100.0, 114.9, False),
+        ("X=1.0", "X=1.0", 100.0, 115.0, True),  # three intervals: again
+    ],
+)
+def test_should_send(text: str, last: str | None, last_at: float, now: float, send: bool) -> None:
+    assert site.should_send(text, last, last_at, now, 5.0) is send
+
+
+@pytest.mark.parametrize(
+    ("value", "every"), [(None, 5.0), ("0.25", 0.25), ("0", 5.0), ("soon", 5.0), ("1e9", 5.0)]
 )
 def test_report_interval(value: str | None, every: float) -> None:
     assert site._every(value) == every
@@ -146,7 +177,7 @@ def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomi
         assert proc.stdout.readline() == "user sitecustomize ran\n"
         seen: set[bytes] = set()
         deadline = time.monotonic() + 10
-        while seen != {b"X_GPU_MEMORY_IN_USE_MB=5.000", b"X_GPU_MEMORY_IN_USE_MB=7.000"}:
+        while seen != {b"X_GPU_MEMORY_IN_USE_MB=5.0", b"X_GPU_MEMORY_IN_USE_MB=7.0"}:
             listener.settimeout(max(0.01, deadline - time.monotonic()))
             seen.add(listener.recv(4096))  # socket.timeout past the deadline fails the test
     finally:

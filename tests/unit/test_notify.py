@@ -1,0 +1,62 @@
+"""The notify socket on real unix datagram sockets: delivery with the sender's pid, serving on
+after the socket is bound again, and an error in the handler ending the serving task."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import anyio
+import pytest
+
+from supervisor.notify import NotifyListener, NotifyMessage, parse_datagram
+
+
+def send(path: Path, data: bytes) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(data, os.fspath(path))
+
+
+def test_parse_datagram() -> None:
+    got = parse_datagram(b"READY=1\nSTATUS=a=b\nnoise\n=x\nX_GPU_MEMORY_IN_USE_MB=12.5")
+    assert got == {"READY": "1", "STATUS": "a=b", "X_GPU_MEMORY_IN_USE_MB": "12.5"}
+
+
+async def test_messages_arrive_with_the_senders_pid_also_after_a_rebind(tmp_path: Path) -> None:
+    send_got, receive_got = anyio.create_memory_object_stream[NotifyMessage](10)
+    path = tmp_path / "notify.sock"
+    listener = NotifyListener(path, send_got.send_nowait)
+    async with send_got, receive_got, anyio.create_task_group() as tg:
+        await tg.start(listener.serve)
+        with anyio.fail_after(5):
+            send(path, b"READY=1\nSTATUS=up")
+            assert await receive_got.receive() == NotifyMessage(
+                os.getpid(), {"READY": "1", "STATUS": "up"}
+            )
+            path.unlink()  # the state_dir went away
+            assert not listener.bound()
+            listener.rebind()
+            assert listener.bound()
+            send(path, b"WATCHDOG=1")
+            assert (await receive_got.receive()).fields == {"WATCHDOG": "1"}
+        tg.cancel_scope.cancel()
+    assert not path.exists()  # closed and removed when serving ends
+
+
+async def test_an_error_in_the_handler_ends_serving_with_it(tmp_path: Path) -> None:
+    def handler(msg: NotifyMessage) -> None:
+        raise ValueError(f"bad {msg.fields}")
+
+    path = tmp_path / "notify.sock"
+    listener = NotifyListener(path, handler)
+
+    async def serve_one() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(listener.serve)
+            send(path, b"READY=1")
+
+    with pytest.raises(ExceptionGroup) as caught, anyio.fail_after(5):
+        await serve_one()
+    assert caught.group_contains(ValueError, match="bad")
+    assert not path.exists()
