@@ -1,14 +1,18 @@
 """Leak-detector quality on synthetic caching-allocator traces (bench/leak_traces.py).
 
-    .venv/bin/python bench/leak_quality.py [--quick] [--jobs 2] [--seed N] [--source worker]
+    .venv/bin/python bench/leak_quality.py [--quick] [--jobs 2] [--seed N]
+        [--source nvml|worker|reporter]
 
 Runs ``supervisor.policy.detect`` exactly as the runtime does: every 0.5 s sample goes into a
 ``FloorSeries(keep_s=600)`` reset to ``since = ready_at + 60 s`` (``leak_warmup_s``), and every
 5 s (at a random phase) ``judge_leak(series.points(), now, LeakSettings(600, 10, 300),
 headroom(current, 0, device_free))`` is called. The samples are NVML's per-process figure, or
 with ``--source worker`` the worker's own ``X_GPU_MEMORY_IN_USE_MB`` reports (one a second: what
-its tensors hold, without the allocator's cache; the headroom still comes from NVML). Three
-cases:
+its tensors hold, without the allocator's cache; the headroom still comes from NVML), or with
+``--source reporter`` what ``in_use_reporter = "torch"`` makes of those readings (the lowest of
+five one-second polls, sent every 5 s when it changed or 15 s after the last one, held by the
+supervisor at every sample).
+Three cases:
 
 1. stable: 300 traces of 60 minutes (``--quick``: 40 of 30 minutes) on an 80 GB device; a false
    positive is any ``suspected`` at any judgement (and separately any ``act``);
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -70,12 +75,29 @@ from bench.leak_traces import (  # noqa: E402
     generate,
     render,
 )
+from supervisor.plan import WORKER_SITE_DIR  # noqa: E402
 from supervisor.policy.detect import (  # noqa: E402
     FloorSeries,
     LeakSettings,
     headroom,
     judge_leak,
+    reports_fresh,
 )
+
+
+def _worker_site() -> Any:
+    """The in-use reporter's own module (its send rule), loaded without starting it."""
+    spec = importlib.util.spec_from_file_location(
+        "worker_site_for_bench", Path(WORKER_SITE_DIR) / "sitecustomize.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SITE = _worker_site()
 
 SETTINGS = LeakSettings(window_s=600.0, min_mb_per_min=10.0, horizon_s=300.0)
 JUDGE_EVERY_S = 5.0
@@ -88,10 +110,48 @@ TARGETS = {10.0: 6.0, 50.0: 2.0}  # MB/min -> minutes (p90 of the delay)
 #: MiB; a fragmentation segment of a stable trace is as large).
 BOUND_EXTRA_MB = (0.0, 20.0)
 EXHAUST_TARGET = 0.99
-#: What the detector is fed: NVML's per-process figure ("nvml"), or the worker's own reports of
-#: the memory its tensors hold ("worker": ``X_GPU_MEMORY_IN_USE_MB``, one a second). Set by
-#: ``--source`` before the pool forks.
+#: What the detector is fed: NVML's per-process figure ("nvml"), the worker's own reports of
+#: the memory its tensors hold ("worker": ``X_GPU_MEMORY_IN_USE_MB``, one a second), or what
+#: the injected reporter of ``in_use_reporter = "torch"`` sends from the same readings
+#: ("reporter": :func:`reporter_view`). Set by ``--source`` before the pool forks.
 SOURCE = "nvml"
+JUDGED = {
+    "nvml": "NVML figures",
+    "worker": "the worker reports",
+    "reporter": "what in_use_reporter sends",
+}
+
+
+def reporter_view(trace: Trace) -> list[float | None]:
+    """What the runtime's floor gets from ``in_use_reporter = "torch"``, per sample.
+
+    The worker's readings (``trace.reported``, one a second) are the reporter's polls; every
+    ``POLLS`` polls it sends the lowest, rounded to 0.1 MiB, when it changed or is due again
+    (the reporter's own ``should_send``); the supervisor holds the last report and adds it at
+    every sample while it is fresh (``reports_fresh``), as ``Healer`` does.
+    """
+    every = SITE.DEFAULT_EVERY_S
+    low: float | None = None
+    polls = 0
+    last_text: str | None = None
+    last_at = -math.inf
+    held: float | None = None
+    held_at: float | None = None
+    out: list[float | None] = []
+    for i, reading in enumerate(trace.reported):
+        now = i * SAMPLE_INTERVAL_S
+        if reading is not None:
+            low = reading if low is None else min(low, reading)
+            polls += 1
+            if polls % SITE.POLLS == 0 and low is not None:
+                text = f"{SITE.FIELD}={low:.1f}"
+                if SITE.should_send(text, last_text, last_at, now, every):
+                    last_text, last_at = text, now
+                    held, held_at = float(text.partition("=")[2]), now
+                low = None
+        fresh = held is not None and reports_fresh(held_at, now, SETTINGS.window_s)
+        out.append(held if fresh else None)
+    return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,7 +173,11 @@ def detect(trace: Trace, *, stop_when_suspected: bool = False, stop_when_act: bo
     phase = random.Random(f"judge-phase-{trace.params.seed}").uniform(0.0, JUDGE_EVERY_S)
     next_judge = phase
     run = Run()
-    judged = trace.reported if SOURCE == "worker" else trace.values
+    judged = trace.values
+    if SOURCE == "worker":
+        judged = trace.reported
+    elif SOURCE == "reporter":
+        judged = reporter_view(trace)
     for i, value in enumerate(trace.values):
         now = i * SAMPLE_INTERVAL_S
         series.add(now, judged[i])
@@ -173,7 +237,8 @@ def leak_case(job: tuple[int, float]) -> dict[str, Any]:
     # The same trace without the leak (same draws): until the first reading that differs, the
     # leak cannot be told from a stable worker.
     twin = render(dataclasses.replace(params, leak_mb_per_min=0.0, leak_start_s=None))
-    seen, twin_seen = (trace.floor, twin.floor) if SOURCE == "worker" else (trace.usage, twin.usage)
+    reports = SOURCE in ("worker", "reporter")
+    seen, twin_seen = (trace.floor, twin.floor) if reports else (trace.usage, twin.usage)
     visible = next(
         (
             i * SAMPLE_INTERVAL_S - start
@@ -340,9 +405,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="offset of every trace seed")
     parser.add_argument(
         "--source",
-        choices=("nvml", "worker"),
+        choices=("nvml", "worker", "reporter"),
         default="nvml",
-        help="judge NVML's per-process figure, or the worker's X_GPU_MEMORY_IN_USE_MB reports",
+        help="judge NVML's per-process figure, the worker's X_GPU_MEMORY_IN_USE_MB reports (one "
+        "a second), or what in_use_reporter = 'torch' sends from the same readings",
     )
     args = parser.parse_args()
     global SOURCE
@@ -513,7 +579,7 @@ def main() -> int:
 
     print(
         f"leak detector quality ({'quick' if args.quick else 'full'} run, {elapsed:.0f} s, "
-        f"judging {'the worker reports' if SOURCE == 'worker' else 'NVML figures'}):"
+        f"judging {JUDGED[SOURCE]}):"
     )
     print("| case | traces | result | target | verdict |")
     print("|---|---|---|---|---|")

@@ -4,12 +4,16 @@ without it; on a machine without a GPU the worker runs on the CPU)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from supervisor.plan import WORKER_SITE_DIR
 from tests.conftest import SupervisorFactory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +56,38 @@ def test_torch_worker_serves_and_reports_ready(supervisor: SupervisorFactory) ->
         {"targets": ["127.0.0.1:18601"], "labels": {"worker": "mlp-0", "group": "mlp"}}
     ]
     assert sup.stop() == 0
+
+
+PROBE = """
+import json, sys
+import torch
+site = sys.modules["sitecustomize"]
+before = site.in_use_mb(sys.modules)  # torch imported, CUDA untouched by the program
+after = None
+if torch.cuda.is_available():
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    after = site.in_use_mb(sys.modules)
+print(json.dumps({"before": before, "after": after, "init": torch.cuda.is_initialized(),
+                  "threads": [t.name for t in __import__("threading").enumerate()]}))
+"""
+
+
+def test_the_in_use_reporter_with_real_torch(tmp_path: Path) -> None:
+    """The reporter's reading with the real PyTorch: nothing while the program has not
+    initialised CUDA (and it does not initialise it); on a GPU, what a tensor holds."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": WORKER_SITE_DIR,
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "nobody.sock"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["before"] is None
+    assert "gpu-supervisor-in-use" in got["threads"]
+    if got["after"] is None:  # no GPU here: CUDA must still be untouched
+        assert got["init"] is False
+    else:
+        assert got["after"] >= 256
