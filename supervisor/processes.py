@@ -258,16 +258,3 @@ class Reaper:
             self.reap_now()  # children that exited before the handler was installed
             async for _ in signals:
                 self.reap_now()
-
-
-def env_summary(env: Mapping[str, str]) -> dict[str, str]:
-    """The supervisor-set variables of a worker environment (for logs and check-config)."""
-    keys = (
-        "CUDA_VISIBLE_DEVICES",
-        "CUDA_DEVICE_ORDER",
-        "PORT",
-        "GPU_SUPERVISOR_WORKER",
-        "NOTIFY_SOCKET",
-        "WATCHDOG_USEC",
-    )
-    return {k: env[k] for k in keys if k in env}

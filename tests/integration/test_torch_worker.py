@@ -59,9 +59,13 @@ def test_torch_worker_serves_and_reports_ready(supervisor: SupervisorFactory) ->
 
 
 PROBE = """
-import json, sys
+import importlib.util, json, os, sys
 import torch
-site = sys.modules["sitecustomize"]
+spec = importlib.util.spec_from_file_location(
+    "reporter", os.path.join(os.environ["PYTHONPATH"], "sitecustomize.py")
+)
+site = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(site)  # the reporter's own functions (started by site already)
 before = site.in_use_mb(sys.modules)  # torch imported, CUDA untouched by the program
 after = None
 if torch.cuda.is_available():

@@ -5,6 +5,7 @@ too, and that the ``sitecustomize`` it shadows still runs."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import signal
@@ -205,3 +206,22 @@ def test_nothing_is_sent_without_the_supervisors_socket(tmp_path: Path) -> None:
         timeout=30,
     ).stdout
     assert "gpu-supervisor-in-use" not in out
+
+
+def test_it_runs_in_older_worker_interpreters_with_the_standard_library_only() -> None:
+    """The reporter runs in the worker's Python (3.8 or later), not ours: its grammar and its
+    imports must be those of a bare 3.8."""
+    source = (Path(WORKER_SITE_DIR) / "sitecustomize.py").read_text()
+    tree = ast.parse(source, feature_version=(3, 8))
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 0
+    }
+    assert imported - {"__future__"} <= sys.stdlib_module_names
+    assert "from __future__ import annotations" in source  # X | None annotations stay strings
