@@ -84,6 +84,7 @@ class NotifyListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watched: int | None = None
         self._failed: asyncio.Future[None] | None = None
+        self._serving = False
 
     def open(self) -> None:
         """Bind the socket (removing a stale one) with SO_PASSCRED on."""
@@ -104,8 +105,12 @@ class NotifyListener:
         """
         old = self._sock
         self._sock = None
+        try:
+            self.open()
+        except BaseException:
+            self._sock = old  # nothing changed (its file is gone: the caller says why)
+            raise
         self._unwatch()
-        self.open()
         if self._loop is not None and self._sock is not None:
             self._watch(self._sock)
         if old is not None:
@@ -117,8 +122,12 @@ class NotifyListener:
         return self._sock is not None and self.path.is_socket()
 
     def close(self) -> None:
-        """Close and remove the socket."""
+        """Close and remove the socket (a ``serve()`` in progress returns)."""
         self._unwatch()
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_result(None)
+        if self._serving and self._loop is None and self._sock is not None:
+            anyio.notify_closing(self._sock)  # wake the waiting loop (it then returns)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -147,7 +156,12 @@ class NotifyListener:
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Deliver messages as they arrive (an error in ``on_message`` ends this task)."""
+        """Deliver messages as they arrive (an error in ``on_message`` ends this task).
+
+        Runs until cancelled or :meth:`close`; one at a time.
+        """
+        if self._serving:
+            raise RuntimeError("this notify socket is already being served")
         if self._sock is None:
             self.open()
         assert self._sock is not None
@@ -155,6 +169,7 @@ class NotifyListener:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # another anyio backend
             loop = None
+        self._serving = True
         task_status.started()
         try:
             if loop is not None:
@@ -162,6 +177,7 @@ class NotifyListener:
             else:
                 await self._serve_waiting()
         finally:
+            self._serving = False
             self.close()
 
     async def _serve_with_reader(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -86,7 +86,8 @@ def in_use_reporter_env(pythonpath: str, notify_socket: str, group: WorkerGroup)
     notify socket once per floor interval of the leak window (5 s for the default 600 s window;
     a short window's reporters report more often, at most every 0.05 s).
     """
-    parts = [p for p in pythonpath.split(os.pathsep) if p and p != WORKER_SITE_DIR]
+    # Empty entries stay: Python reads them as the current directory.
+    parts = [p for p in pythonpath.split(os.pathsep) if p != WORKER_SITE_DIR] if pythonpath else []
     every = max(0.05, IN_USE_EVERY_S * group.health.leak_window_s / 600.0)
     return {
         "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, *parts]),

@@ -2,19 +2,23 @@
 
 With ``[workers.health] in_use_reporter = "torch"`` the supervisor starts a group's workers with
 this directory first on ``PYTHONPATH``, so every Python process of the worker's tree runs this
-file at start-up (as OpenTelemetry's auto-instrumentation does). It starts one daemon thread
-that, once a second, looks whether PyTorch is imported *and has initialised CUDA itself*, and if
-so reads ``torch.cuda.memory_allocated()`` summed over the process's devices (what its tensors
-hold, without the allocator's cache that NVML counts); every 5 s it sends the lowest reading as
+file at start-up (as OpenTelemetry's auto-instrumentation does). When the program imports
+``torch`` (never before: other processes get no thread) it starts one daemon thread that, once a
+second, looks whether PyTorch has initialised CUDA *itself*, and if so reads
+``torch.cuda.memory_allocated()`` summed over the process's devices (what its tensors hold,
+without the allocator's cache that NVML counts); every 5 s it sends the lowest reading as
 ``X_GPU_MEMORY_IN_USE_MB=<MiB>`` to the supervisor's notify socket, when it changed or 15 s
 after the last one (a steady worker costs the supervisor one datagram per 15 s). The supervisor
 sums the reports of a worker's processes and judges its GPU leak by them (docs/healing.md).
+Forked children report nothing (PyTorch cannot use CUDA in a child forked after it was
+initialised); spawned ones run this file again.
 
 It never imports torch, never initialises CUDA and never sends ``READY`` or ``WATCHDOG``: a hung
 worker still misses its heartbeats. It then runs the ``sitecustomize`` it shadows (the next one
 on ``sys.path``), so a distribution's or the user's own still runs.
 
-Standard library only, and Python 3.8 syntax: it runs in the worker's interpreter, not ours.
+Standard library only, and Python 3.8 syntax (3.8 or later): it runs in the worker's
+interpreter, not ours.
 Settings (from the supervisor): ``GPU_SUPERVISOR_IN_USE_SOCKET`` (where to send; nothing is
 sent without it) and ``GPU_SUPERVISOR_IN_USE_EVERY_S`` (seconds between reports, default 5: the
 floor interval of the supervisor's leak window).
@@ -23,6 +27,7 @@ floor interval of the supervisor's leak window).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -30,7 +35,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 
 SOCKET_ENV = "GPU_SUPERVISOR_IN_USE_SOCKET"
 EVERY_ENV = "GPU_SUPERVISOR_IN_USE_EVERY_S"
@@ -142,21 +148,58 @@ def _every(value: str | None) -> float:
     return every if 0.01 <= every <= 3600 else DEFAULT_EVERY_S
 
 
-def _start() -> None:
+#: A module put in ``sys.modules`` by the first copy of this file a process runs, shared by
+#: every copy (plain attributes: each copy has classes of its own): ``dirs``, the real
+#: directories of the copies that have run (a second spelling or copy on the path must not
+#: chain back to the first), and ``armed``, whether a reporter is armed.
+MARK = "_gpu_supervisor_worker_site"
+
+
+class TorchWatch:
+    """A ``sys.meta_path`` entry that starts the reporter when the program imports ``torch``.
+
+    It finds nothing itself (the import goes on as before, to the same loader): it only notes
+    the moment. A process that never imports torch never gets a thread (Python 3.12 warns about
+    ``fork()`` in a multi-threaded process, and a reporter would have nothing to say there).
+    """
+
+    def __init__(self, start: Callable[[], None]) -> None:
+        self._start = start
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "torch":
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            self._start()
+
+
+def _arm(mark: types.ModuleType) -> None:
+    """Start the reporter once torch is imported (at once if it already is)."""
     address = os.environ.get(SOCKET_ENV)
-    if not address:
+    if not address or mark.armed:
         return
+    setattr(mark, "armed", True)  # noqa: B010 - a bare module's attribute
     reporter = Reporter(address, _every(os.environ.get(EVERY_ENV)))
-    reporter.start()
-    atexit.register(lambda: reporter.stopped.set())
-    if hasattr(os, "register_at_fork"):  # a forked child has no thread: give it its own
-        os.register_at_fork(after_in_child=reporter.start)
+
+    def start() -> None:
+        reporter.start()
+        # Stop before the program's own exit handlers tear torch down (threading's hook runs
+        # before atexit's); Python 3.8 has only atexit.
+        register = getattr(threading, "_register_atexit", None)
+        with contextlib.suppress(RuntimeError):  # torch imported during shutdown
+            (register or atexit.register)(reporter.stopped.set)
+
+    if "torch" in sys.modules:
+        start()
+    else:
+        sys.meta_path.insert(0, TorchWatch(start))
 
 
-def _chain() -> None:
+def _chain(mark: types.ModuleType) -> None:
     """Run the ``sitecustomize`` this one shadows, as Python would have without us."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    mark.dirs.append(here)
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) not in mark.dirs]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
@@ -165,6 +208,17 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
+def main() -> None:
+    """What ``site`` runs: arm the reporter (once per process), then chain."""
+    mark = sys.modules.get(MARK)
+    if mark is None:
+        mark = types.ModuleType(MARK)
+        setattr(mark, "dirs", [])  # noqa: B010 - a bare module's attributes
+        setattr(mark, "armed", False)  # noqa: B010
+        sys.modules[MARK] = mark
+    _arm(mark)
+    _chain(mark)
+
+
 if __name__ == "sitecustomize":  # run by ``site`` at start-up (not imported by a test)
-    _start()
-    _chain()
+    main()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
@@ -216,6 +217,10 @@ def test_unmodified_torch_workers_report_through_the_injected_reporter(
         lambda w: w["gpu_memory_in_use_mb"] == 600 and w["leak"]["source"] == "worker",
     )
     assert ranks["state"] == "ready" and ranks["gpu_memory_mb"] == 500
+    # a rank that exits takes its memory with it (not held until its report goes stale)
+    rank = psutil.Process(ranks["pid"]).children()[0]
+    rank.kill()
+    sup.wait_api("/api/v1/workers/ranks-0", lambda w: w["gpu_memory_in_use_mb"] == 400)
     with sup.api() as api:
         off = api.get("/api/v1/workers/off-0").json()
     assert off["state"] == "ready"

@@ -60,3 +60,35 @@ async def test_an_error_in_the_handler_ends_serving_with_it(tmp_path: Path) -> N
         await serve_one()
     assert caught.group_contains(ValueError, match="bad")
     assert not path.exists()
+
+
+async def test_close_ends_serving_and_a_second_serve_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    listener = NotifyListener(path, lambda _msg: None)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            await tg.start(listener.serve)
+            with pytest.raises(RuntimeError, match="already being served"):
+                await listener.serve()
+            listener.close()  # the serving task returns on its own: the group exits
+    assert not path.exists()
+
+
+async def test_a_failed_rebind_keeps_the_socket_it_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "notify.sock"
+    listener = NotifyListener(path, lambda _msg: None)
+    listener.open()
+    old = listener._sock
+    assert old is not None
+
+    def fail() -> None:
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(listener, "open", fail)
+    with pytest.raises(OSError, match="read-only"):
+        listener.rebind()
+    assert listener._sock is old and old.fileno() >= 0  # not leaked, not closed
+    listener.close()
+    assert old.fileno() == -1

@@ -66,7 +66,7 @@ def test_in_use_reporter_goes_first_on_the_pythonpath_once() -> None:
         .groups[0]
         .workers[0]
     )
-    assert w.env["PYTHONPATH"] == f"{WORKER_SITE_DIR}:/app:/lib"
+    assert w.env["PYTHONPATH"] == f"{WORKER_SITE_DIR}:/app::/lib"  # "" is the cwd: kept
     assert w.env["GPU_SUPERVISOR_IN_USE_SOCKET"] == "/n.sock"
     assert w.env["GPU_SUPERVISOR_IN_USE_EVERY_S"] == "5"  # the floor interval of the window
     assert IN_USE_EVERY_S == FLOOR_BUCKET_S

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,15 +140,21 @@ def test_report_interval(value: str | None, every: float) -> None:
 
 PROGRAM = textwrap.dedent(
     """
-    import os, sys, time
+    import os, subprocess, sys, threading, time
+
+    before = [t.name for t in threading.enumerate()]
     import torch  # tests/fake_torch
 
+    after = [t.name for t in threading.enumerate()]
     torch.cuda.init()
-    torch.cuda.set_allocated(0, 5 * 2**20)
-    child = os.fork()
-    if child == 0:
-        torch.cuda.set_allocated(0, 7 * 2**20)
-    print("started", flush=True)
+    mb = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    torch.cuda.set_allocated(0, mb * 2**20)
+    if mb == 5:
+        print("threads before torch", before, "after", after, flush=True)
+        # a rank holding 7 MiB, spawned (a forked one could not use CUDA, as in PyTorch)
+        subprocess.Popen([sys.executable, __file__, "7"])
+        if os.fork() == 0:  # a forked child: holds 9 MiB in vain
+            torch.cuda.set_allocated(0, 9 * 2**20)
     while True:
         time.sleep(0.05)
     """
@@ -157,9 +164,13 @@ PROGRAM = textwrap.dedent(
 def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomize_runs(
     listener: socket.socket, tmp_path: Path
 ) -> None:
+    """The reporter starts with the program's ``import torch`` (no thread before), reports from
+    a spawned rank too, not from a forked child, and the user's own sitecustomize still runs."""
     usersite = tmp_path / "usersite"
     usersite.mkdir()
     (usersite / "sitecustomize.py").write_text("print('user sitecustomize ran', flush=True)\n")
+    program = tmp_path / "worker.py"
+    program.write_text(PROGRAM)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, str(usersite), FAKE_TORCH]),
@@ -167,7 +178,7 @@ def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomi
         "GPU_SUPERVISOR_IN_USE_EVERY_S": "0.05",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", PROGRAM],
+        [sys.executable, str(program)],
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -176,11 +187,16 @@ def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomi
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == "user sitecustomize ran\n"
+        threads = proc.stdout.readline()
+        assert threads.startswith("threads before torch ['MainThread'] after [")
+        assert "gpu-supervisor-in-use" in threads
+        wanted = {b"X_GPU_MEMORY_IN_USE_MB=5.0", b"X_GPU_MEMORY_IN_USE_MB=7.0"}
         seen: set[bytes] = set()
         deadline = time.monotonic() + 10
-        while seen != {b"X_GPU_MEMORY_IN_USE_MB=5.0", b"X_GPU_MEMORY_IN_USE_MB=7.0"}:
+        while not wanted <= seen:
             listener.settimeout(max(0.01, deadline - time.monotonic()))
             seen.add(listener.recv(4096))  # socket.timeout past the deadline fails the test
+        assert b"X_GPU_MEMORY_IN_USE_MB=9.0" not in seen  # the forked child
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -188,15 +204,52 @@ def test_a_python_worker_reports_from_every_process_and_the_shadowed_sitecustomi
             proc.stdout.close()
 
 
+def test_a_second_copy_on_the_path_neither_loops_nor_reports_twice(
+    listener: socket.socket, tmp_path: Path
+) -> None:
+    """The reporter's directory twice on the path (another spelling, as nested supervisors
+    give; and a copy): one reporter, and the chain still reaches the user's sitecustomize."""
+    usersite = tmp_path / "usersite"
+    usersite.mkdir()
+    (usersite / "sitecustomize.py").write_text("print('user sitecustomize ran', flush=True)\n")
+    alias = tmp_path / "alias"
+    alias.symlink_to(WORKER_SITE_DIR)
+    copy = tmp_path / "copy"
+    shutil.copytree(WORKER_SITE_DIR, copy)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [WORKER_SITE_DIR, str(alias), str(copy), str(usersite), FAKE_TORCH]
+        ),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "notify.sock"),
+    }
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import threading, torch\n"
+            "print(sum(t.name == 'gpu-supervisor-in-use' for t in threading.enumerate()))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["user sitecustomize ran", "1"], out.stderr
+    assert "Error in sitecustomize" not in out.stderr
+
+
 def test_nothing_is_sent_without_the_supervisors_socket(tmp_path: Path) -> None:
-    """Started without ``GPU_SUPERVISOR_IN_USE_SOCKET`` the reporter starts no thread."""
+    """Started without ``GPU_SUPERVISOR_IN_USE_SOCKET`` the reporter starts no thread, even
+    once torch is imported."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH])}
     env.pop("GPU_SUPERVISOR_IN_USE_SOCKET", None)
     out = subprocess.run(
         [
             sys.executable,
             "-c",
-            "import threading, sitecustomize; "
+            "import threading, sitecustomize, torch; "
             "print(sitecustomize.__file__, [t.name for t in threading.enumerate()])",
         ],
         env=env,
@@ -205,6 +258,7 @@ def test_nothing_is_sent_without_the_supervisors_socket(tmp_path: Path) -> None:
         check=True,
         timeout=30,
     ).stdout
+    assert out.startswith(os.path.join(WORKER_SITE_DIR, "sitecustomize.py"))  # it did run
     assert "gpu-supervisor-in-use" not in out
 
 
@@ -225,3 +279,40 @@ def test_it_runs_in_older_worker_interpreters_with_the_standard_library_only() -
     }
     assert imported - {"__future__"} <= sys.stdlib_module_names
     assert "from __future__ import annotations" in source  # X | None annotations stay strings
+
+
+def _interpreter(version: str) -> str | None:
+    """A Python ``version`` on this machine (pyenv's versions, or PATH), if there is one."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = sorted(root.glob(f"{version}.*/bin/python")) if root.is_dir() else []
+    if candidates:
+        return str(candidates[-1])
+    found = shutil.which(f"python{version}")
+    return found if found and "/shims/" not in found else None  # a shim may not run it
+
+
+@pytest.mark.parametrize("version", ["3.8", "3.12", "3.13"])
+def test_it_reports_from_other_worker_interpreters(
+    version: str, listener: socket.socket, tmp_path: Path
+) -> None:
+    interpreter = _interpreter(version)
+    if interpreter is None:
+        pytest.skip(f"no Python {version} on this machine (python{version} or pyenv)")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "notify.sock"),
+        "GPU_SUPERVISOR_IN_USE_EVERY_S": "0.05",
+    }
+    program = "import time, torch; torch.cuda.init(); torch.cuda.set_allocated(0, 3 * 2**20)\n"
+    program += "while True: time.sleep(0.05)"
+    proc = subprocess.Popen([interpreter, "-c", program], env=env, stderr=subprocess.PIPE)
+    try:
+        assert listener.recv(4096) == b"X_GPU_MEMORY_IN_USE_MB=3.0"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stderr is not None
+        errors = proc.stderr.read()
+        proc.stderr.close()
+    assert b"Error" not in errors, errors

@@ -8,6 +8,15 @@ _initialized = False
 _allocated: dict[int, int] = {}
 
 
+def _after_fork() -> None:
+    """As PyTorch: CUDA cannot be used in a child forked after it was initialised."""
+    global _initialized
+    _initialized = False
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def init() -> None:
     """What the program's first CUDA call does in PyTorch (the reporter waits for it)."""
     global _initialized
