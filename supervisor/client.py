@@ -295,7 +295,9 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
     if not workers:
         lines.append("no workers")
         return "\n".join(lines)
-    rows = [("WORKER", "STATE", "PID", "GPU", "GPU MEM", "RSS", "RESTARTS", "LEAK (MiB/min)")]
+    rows = [
+        ("WORKER", "STATE", "PID", "GPU", "GPU MEM", "IN USE", "RSS", "RESTARTS", "LEAK (MiB/min)")
+    ]
     for w in workers:
         gpus = w.get("gpus")
         gpu_text = "-" if not gpus else ",".join(index_of.get(u, u) for u in gpus)
@@ -311,6 +313,10 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
                 "-" if w.get("pid") is None else str(w["pid"]),
                 gpu_text,
                 "-" if w.get("gpu_memory_mb") is None else _num(w["gpu_memory_mb"], " MiB"),
+                # what the worker reports its tensors hold (its leak is judged on that)
+                "-"
+                if w.get("gpu_memory_in_use_mb") is None
+                else _num(w["gpu_memory_in_use_mb"], " MiB"),
                 "-" if w.get("host_rss_mb") is None else _num(w["host_rss_mb"], " MiB"),
                 str(w.get("restarts", 0)),
                 leak_text,

@@ -89,6 +89,8 @@ def test_client_commands(
         "GPU",
         "GPU",
         "MEM",
+        "IN",
+        "USE",
         "RSS",
         "RESTARTS",
         "LEAK",

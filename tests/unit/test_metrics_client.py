@@ -228,6 +228,7 @@ def test_status_table() -> None:
             "pid": 12,
             "gpus": [UUID0],
             "gpu_memory_mb": 10.0,
+            "gpu_memory_in_use_mb": 7.25,
             "host_rss_mb": 5.5,
             "restarts": 2,
             "leak": {"slope_mb_per_min": 12.5, "suspected": True},
@@ -256,13 +257,15 @@ def test_status_table() -> None:
         "0",
         "10",
         "MiB",
+        "7",
+        "MiB",
         "6",
         "MiB",
         "2",
         "+12.5",
         "!",
     ]
-    assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "0", "-"]
+    assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "-", "0", "-"]
     assert lines[7] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
