@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -75,7 +74,6 @@ from bench.leak_traces import (  # noqa: E402
     generate,
     render,
 )
-from supervisor.plan import WORKER_SITE_DIR  # noqa: E402
 from supervisor.policy.detect import (  # noqa: E402
     FloorSeries,
     LeakSettings,
@@ -83,21 +81,7 @@ from supervisor.policy.detect import (  # noqa: E402
     judge_leak,
     reports_fresh,
 )
-
-
-def _worker_site() -> Any:
-    """The in-use reporter's own module (its send rule), loaded without starting it."""
-    spec = importlib.util.spec_from_file_location(
-        "worker_site_for_bench", Path(WORKER_SITE_DIR) / "sitecustomize.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SITE = _worker_site()
+from supervisor.worker_site import sitecustomize as SITE  # noqa: E402
 
 SETTINGS = LeakSettings(window_s=600.0, min_mb_per_min=10.0, horizon_s=300.0)
 JUDGE_EVERY_S = 5.0

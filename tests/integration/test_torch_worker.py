@@ -59,13 +59,9 @@ def test_torch_worker_serves_and_reports_ready(supervisor: SupervisorFactory) ->
 
 
 PROBE = """
-import importlib.util, json, os, sys
+import json, sys
 import torch
-spec = importlib.util.spec_from_file_location(
-    "reporter", os.path.join(os.environ["PYTHONPATH"], "sitecustomize.py")
-)
-site = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(site)  # the reporter's own functions (started by site already)
+from supervisor.worker_site import sitecustomize as site  # its functions (started by site)
 before = site.in_use_mb(sys.modules)  # torch imported, CUDA untouched by the program
 after = None
 if torch.cuda.is_available():

@@ -6,7 +6,6 @@ too, and that the ``sitecustomize`` it shadows still runs."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import shutil
 import signal
@@ -17,29 +16,16 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from supervisor.plan import WORKER_SITE_DIR
+from supervisor.worker_site import sitecustomize as site
 
 FAKE_TORCH = str(Path(__file__).resolve().parents[1] / "fake_torch")
 MIB = 1024 * 1024
-
-
-def load() -> ModuleType:
-    """The reporter module under another name (as ``sitecustomize`` it would start at once)."""
-    spec = importlib.util.spec_from_file_location(
-        "worker_site_under_test", Path(WORKER_SITE_DIR) / "sitecustomize.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-site = load()
 
 
 def fake_torch(
