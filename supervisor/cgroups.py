@@ -1,11 +1,21 @@
-"""Per-worker cgroup v2 ``memory.max``, where the supervisor owns a delegated cgroup v2 subtree.
+"""Per-worker cgroup v2 cgroups, where the supervisor owns a delegated cgroup v2 subtree.
 
 Under systemd with ``Delegate=yes`` (or in a container with a private, writable cgroup
-namespace) the supervisor's cgroup is its own to manage. Then each worker with
-``host_memory_limit_mb`` gets a child cgroup ``gpu-supervisor-<worker>`` with ``memory.max`` set,
-and the kernel enforces the budget (an OOM kill inside that cgroup, counted in its
-``memory.events``). Elsewhere (no cgroup v2, not writable, no memory controller) the budget is
-enforced by the RSS watch of the self-healing code alone; :func:`probe` says why.
+namespace) the supervisor's cgroup is its own to manage. Two things use that (DESIGN.md
+section 2):
+
+- *Containment*: each worker runs in a child cgroup ``gpu-supervisor-<worker>``; when its main
+  process exits, ``cgroup.kill`` ends whatever is left of its tree, including descendants that
+  left the process group (``setsid``) and were re-parented. It needs ``cgroup.kill`` (Linux >=
+  5.14) and a cgroup with no other processes in it (the supervisor's alone: a shared cgroup, such
+  as the hierarchy's root, is not ours to divide). Elsewhere the process group and the last seen
+  process tree are killed instead (``runtime``).
+- *Host memory budgets*: a worker with ``host_memory_limit_mb`` gets ``memory.max`` on that
+  cgroup, and the kernel enforces the budget (an OOM kill inside that cgroup, counted in its
+  ``memory.events``). Elsewhere (no cgroup v2, not writable, no memory controller) the budget is
+  enforced by the RSS watch of the self-healing code alone.
+
+:func:`probe` says which of the two work, and why not.
 
 cgroup v2's "no internal processes" rule: controllers can only be enabled for the children of a
 cgroup that has no processes of its own (the root excepted), so the supervisor first moves itself
@@ -37,11 +47,18 @@ class CgroupSupport:
     root: Path | None  # the supervisor's own cgroup v2 directory (delegated to it)
     memory: bool  # per-worker memory.max works
     why: str  # why not (empty when it does)
+    contain: bool = False  # every worker gets a cgroup of its own, ended with cgroup.kill
+    contain_why: str = ""  # why not (empty when it does)
 
     @property
     def mode(self) -> str:
         """``memory.max`` or ``rss_watch``: how host memory budgets are enforced."""
         return "memory.max" if self.memory else "rss_watch"
+
+    @property
+    def containment(self) -> str:
+        """``cgroup`` or ``process_tree``: how what is left of a worker's tree is ended."""
+        return "cgroup" if self.contain else "process_tree"
 
 
 def own_cgroup(proc_self: Path = Path("/proc/self")) -> Path | None:
@@ -64,33 +81,65 @@ def own_cgroup(proc_self: Path = Path("/proc/self")) -> Path | None:
     return None
 
 
-def probe(directory: Path | None = None, *, move_self: bool = True) -> CgroupSupport:
-    """Find out whether per-worker ``memory.max`` can be used, preparing the subtree if so."""
+def probe(
+    directory: Path | None = None, *, move_self: bool = True, memory: bool = True
+) -> CgroupSupport:
+    """Find out whether per-worker cgroups can be used, preparing the subtree if so.
+
+    ``memory``: whether any worker has a host memory budget (else the memory controller is
+    left alone). Containment is judged first, while the supervisor is still in ``directory``.
+    """
     root = own_cgroup() if directory is None else directory
     if root is None:
-        return CgroupSupport(None, False, "no cgroup v2 hierarchy is mounted")
+        why = "no cgroup v2 hierarchy is mounted"
+        return CgroupSupport(None, False, why, False, why)
+    contain_why = _contain_why(root)
+    contain = not contain_why
+    if not memory:
+        why = "no worker has host_memory_limit_mb"
+        return CgroupSupport(root, False, why, contain, contain_why)
+    why = _memory_why(root, move_self=move_self)
+    return CgroupSupport(root, not why, why, contain, contain_why)
+
+
+def _contain_why(root: Path) -> str:
+    """Why workers cannot get cgroups of their own below ``root`` (empty: they can)."""
+    if not (root / "cgroup.kill").exists():
+        return f"{root} has no cgroup.kill (Linux >= 5.14, and not the hierarchy's root cgroup)"
+    if not os.access(root, os.W_OK) or not os.access(root / "cgroup.procs", os.W_OK):
+        return f"{root} is not delegated to the supervisor (not writable)"
+    try:
+        pids = {int(p) for p in (root / "cgroup.procs").read_text().split()}
+    except (OSError, ValueError) as exc:
+        return f"cannot read {root}/cgroup.procs: {exc}"
+    others = sorted(pids - {os.getpid()})
+    if others:
+        shown = " ".join(map(str, others[:5])) + (" ..." if len(others) > 5 else "")
+        return (
+            f"{root} holds other processes too (pids {shown}): not a cgroup of the "
+            "supervisor's own (systemd Delegate=yes, or a container's cgroup namespace)"
+        )
+    return ""
+
+
+def _memory_why(root: Path, *, move_self: bool) -> str:
+    """Why per-worker ``memory.max`` cannot be used below ``root`` (empty: it can, now)."""
     try:
         controllers = (root / "cgroup.controllers").read_text().split()
     except OSError as exc:
-        return CgroupSupport(root, False, f"cannot read {root}/cgroup.controllers: {exc.strerror}")
+        return f"cannot read {root}/cgroup.controllers: {exc.strerror}"
     if "memory" not in controllers:
-        return CgroupSupport(
-            root,
-            False,
+        return (
             f"the memory controller is not available in {root} "
-            f"(controllers: {' '.join(controllers) or 'none'})",
+            f"(controllers: {' '.join(controllers) or 'none'})"
         )
     if not os.access(root, os.W_OK) or not os.access(root / "cgroup.subtree_control", os.W_OK):
-        return CgroupSupport(
-            root, False, f"{root} is not delegated to the supervisor (not writable)"
-        )
+        return f"{root} is not delegated to the supervisor (not writable)"
     try:
         _enable_memory(root, move_self=move_self)
     except OSError as exc:
-        return CgroupSupport(
-            root, False, f"cannot enable the memory controller below {root}: {exc.strerror}"
-        )
-    return CgroupSupport(root, True, "")
+        return f"cannot enable the memory controller below {root}: {exc.strerror}"
+    return ""
 
 
 def _enable_memory(root: Path, *, move_self: bool) -> None:
@@ -119,25 +168,32 @@ class WorkerCgroups:
 
     def path(self, worker: str) -> Path | None:
         """The worker's cgroup directory (None when not used)."""
-        if not self.support.memory or self.support.root is None:
+        s = self.support
+        if not (s.memory or s.contain) or s.root is None:
             return None
-        return self.support.root / f"{PREFIX}{worker}"
+        return s.root / f"{PREFIX}{worker}"
 
     def events_file(self, worker: str) -> Path | None:
-        """The worker's ``memory.events`` (its ``oom_kill`` count), when it has a cgroup."""
+        """The worker's ``memory.events`` (its ``oom_kill`` count), when it has a budget there."""
         path = self.path(worker)
-        return None if path is None else path / "memory.events"
+        return None if path is None or not self.support.memory else path / "memory.events"
 
     def place(self, worker: str, pid: int, memory_max_mb: float) -> bool:
-        """Move ``pid`` into the worker's cgroup with ``memory.max``; False when not used."""
+        """Move ``pid`` into the worker's cgroup (with ``memory.max`` when it has a budget).
+
+        False when it has none: no containment here, and no budget or no memory controller.
+        """
         path = self.path(worker)
-        if path is None or memory_max_mb <= 0:
+        limited = self.support.memory and memory_max_mb > 0
+        if path is None or not (limited or self.support.contain):
             return False
         try:
             path.mkdir(exist_ok=True)
-            (path / "memory.max").write_text(str(int(memory_max_mb * MIB)))
-            with contextlib.suppress(OSError):
-                (path / "memory.swap.max").write_text("0")
+            if self.support.memory:  # "max" too: a reload may have lifted an earlier budget
+                limit = str(int(memory_max_mb * MIB)) if memory_max_mb > 0 else "max"
+                (path / "memory.max").write_text(limit)
+                with contextlib.suppress(OSError):
+                    (path / "memory.swap.max").write_text("0" if memory_max_mb > 0 else "max")
             (path / "cgroup.procs").write_text(str(pid))
         except OSError as exc:
             if not self._failed_once:
@@ -147,13 +203,34 @@ class WorkerCgroups:
                     worker=worker,
                     path=os.fspath(path),
                     error=exc.strerror or str(exc),
-                    reason="memory.max not applied; the RSS watch still enforces the budget",
+                    reason="no cgroup for this worker: the RSS watch enforces its budget, and "
+                    "its process group and tree are ended without cgroup.kill",
                 )
             return False
         return True
 
+    def kill(self, worker: str) -> bool:
+        """SIGKILL every process left in the worker's cgroup (``cgroup.kill``); False if unused.
+
+        The kernel signals them all at once, forks included, so nothing escapes; a process the
+        supervisor moves in afterwards (the replacement) is not affected.
+        """
+        path = self.path(worker)
+        if path is None or not self.support.contain:
+            return False
+        try:
+            (path / "cgroup.kill").write_text("1")
+        except FileNotFoundError:
+            return True  # never placed (spawn failed): nothing of it is there
+        except OSError as exc:
+            self.log.warning(
+                "cgroup.kill_failed", worker=worker, path=os.fspath(path), error=exc.strerror
+            )
+            return False
+        return True
+
     def remove(self, worker: str) -> None:
-        """Remove the worker's (empty) cgroup."""
+        """Remove the worker's cgroup (once its processes are gone; else it stays)."""
         path = self.path(worker)
         if path is not None:
             with contextlib.suppress(OSError):

@@ -234,9 +234,7 @@ class Runtime:
         url = settings.alerts.webhook_url
         self.alerter = Alerter(url) if url else None
         self.healer = Healer(self, self.alerter)
-        self.cgroups = WorkerCgroups(
-            CgroupSupport(None, False, "no worker has host_memory_limit_mb")
-        )
+        self.cgroups = WorkerCgroups(CgroupSupport(None, False, "not probed yet"))
         self.healer.oom_events_of = self.cgroups.events_file
 
     # --- public -------------------------------------------------------------------------
@@ -360,15 +358,18 @@ class Runtime:
         )
 
     def _probe_cgroups(self) -> None:
-        if not any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
-            return
-        support = probe_cgroups()
+        budgets = any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers)
+        support = probe_cgroups(memory=budgets)
         self.cgroups.support = support
         self.log.info(
             "cgroup.mode",
-            mode=support.mode,
+            containment=support.containment,
+            mode=support.mode if budgets else None,
             cgroup=None if support.root is None else os.fspath(support.root),
-            reason=support.why or "delegated cgroup v2 subtree with the memory controller",
+            reason="; ".join(
+                [support.contain_why or "a cgroup of its own per worker, ended with cgroup.kill"]
+                + ([support.why or "memory.max per worker with a budget"] if budgets else [])
+            ),
         )
 
     # --- GPUs ---------------------------------------------------------------------------
@@ -737,6 +738,7 @@ class Runtime:
             runner.post(lc.Kill())
             await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
         runner.cancel()
+        self.cgroups.remove(runner.name)
         names = self.groups.get(runner.spec.group)
         if names is not None and runner.name in names:
             names.remove(runner.name)
@@ -896,11 +898,42 @@ class Runtime:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)
         if kind == "worker.spawned":
             group = self.settings.group(runner.spec.group)
-            if group is not None and group.health.host_memory_limit_mb > 0:
-                self.cgroups.place(runner.name, fields["pid"], group.health.host_memory_limit_mb)
+            limit = group.health.host_memory_limit_mb if group is not None else 0.0
+            self.cgroups.place(runner.name, fields["pid"], limit)
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
             self.healer.on_fatal(runner, str(fields.get("reason", "")))
+
+    def _end_leftovers(self, runner: WorkerRunner, pid: int) -> None:
+        """What is left of an exited worker's tree goes with it (DESIGN.md section 2).
+
+        The worker already killed its process group and the tree it saw when it signalled it;
+        descendants that left the group (``setsid``, daemons) were re-parented when the main
+        process exited, so nothing names it as parent any more. ``cgroup.kill`` ends them where
+        the worker has a cgroup; elsewhere the tree the sampler last read (at most a full-scan
+        interval old) is killed, each process only while it is the one seen (its start time).
+        """
+        if self.cgroups.kill(runner.name):
+            return
+        killed = []
+        for member in sorted(self._trees.get(runner.name, frozenset())):
+            if member == pid or member in self._pids:
+                continue
+            seen = self.sampler.started_ticks(member)
+            st = procfs.read_stat(member)
+            if seen is None or st is None or st.zombie or st.start_ticks != seen:
+                continue
+            with contextlib.suppress(OSError):
+                os.kill(member, signal.SIGKILL)
+                killed.append(member)
+        if killed:
+            self.log.warning(
+                "worker.killed_leftovers",
+                worker=runner.name,
+                pid=pid,
+                pids=killed,
+                reason="outside the process group after the main process exited",
+            )
 
     def _on_worker_exit(
         self, runner: WorkerRunner, action: lc.Exit, before: lc.WorkerRecord
@@ -912,6 +945,8 @@ class Runtime:
         journal on); the rest (~0.3 ms: /proc/vmstat, the document) waits until the
         replacement has been spawned.
         """
+        if runner.last_exit_pid is not None:
+            self._end_leftovers(runner, runner.last_exit_pid)
         outcome = action.outcome
         rec = runner.record
         if rec.restarts > before.restarts or rec.state in (WorkerState.BACKOFF,):
@@ -1114,6 +1149,8 @@ class Runtime:
                 runner.post(lc.Kill())
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
+        for runner in self.workers():
+            self.cgroups.remove(runner.name)
         self.stopped = True
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()

@@ -75,17 +75,28 @@ class HostSampler:
         self._trees: dict[str, frozenset[int]] = {}
         self._leaders: dict[str, int | None] = {}
         self._foreign: frozenset[int] = frozenset()  # GPU pids that are not any worker's
+        #: Start time (clock ticks) of every live tree member at the last read: what is left of
+        #: a tree after its leader exits is killed only if it is still the same process.
+        self.starts: dict[int, int] = {}
         self.full_scans = 0
 
     def _full(self, leaders: Mapping[str, int | None]) -> dict[int, procfs.ProcStat]:
         self.full_scans += 1
         table = procfs.scan()
         children = procfs.children_map(table)
-        self._trees = {
-            name: frozenset(procfs.tree(leader, children)) if leader in table else frozenset()
-            for name, leader in leaders.items()
-            if leader is not None
-        }
+        trees: dict[str, frozenset[int]] = {}
+        for name, leader in leaders.items():
+            st = None if leader is None else table.get(leader)
+            if leader is None or st is None:
+                continue
+            before = self._trees.get(name, frozenset())
+            if st.zombie and leader in before:
+                # The leader exited and is not reaped yet: its children were re-parented, so
+                # the walk would lose them; the tree seen before still names them.
+                trees[name] = frozenset(p for p in before if p in table)
+            else:
+                trees[name] = frozenset(procfs.tree(leader, children))
+        self._trees = trees
         return table
 
     def sample(
@@ -133,6 +144,7 @@ class HostSampler:
         visible = frozenset(p for p in gpu_pids if p in table or procfs.read_stat(p) is not None)
         elapsed = None if self._at is None else now - self._at
         cpu_now: dict[tuple[int, int], float] = {}
+        starts: dict[int, int] = {}
         trees: dict[str, frozenset[int]] = {}
         usage: dict[str, tuple[float | None, float | None]] = {}
         for name, leader in leaders.items():
@@ -148,6 +160,7 @@ class HostSampler:
                 if st is None or st.zombie:
                     continue
                 rss += st.rss_mb
+                starts[pid] = st.start_ticks
                 key = (pid, st.start_ticks)
                 cpu_now[key] = st.cpu_s
                 before = self._cpu.get(key)
@@ -157,6 +170,7 @@ class HostSampler:
                     cpu = None  # first tick: no interval to measure over
             usage[name] = (rss, cpu)
         self._cpu = cpu_now
+        self.starts = starts
         self._at = now
         self._usage = dict(usage)
         self._result = dict(trees)
@@ -207,6 +221,10 @@ class Sampler:
     @host_every_s.setter
     def host_every_s(self, value: float) -> None:
         self._host.every_s = value
+
+    def started_ticks(self, pid: int) -> int | None:
+        """When tree member ``pid`` started (clock ticks), as the last read of ``/proc`` saw it."""
+        return self._host.starts.get(pid)
 
     @property
     def backend_name(self) -> str:

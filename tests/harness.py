@@ -166,7 +166,16 @@ class Supervisor:
                     self.raw_stderr.append(line)
             self._cond.notify_all()
 
-    def _wait(self, check: Callable[[], Any], timeout: float, what: str) -> Any:
+    def wait_until(
+        self, check: Callable[[], Any], what: str, timeout: float = 10.0, every: float = 0.05
+    ) -> Any:
+        """Wait until ``check()`` holds for something outside the log (a file, a process):
+        asked again every ``every`` s, or at once when the supervisor prints something."""
+        return self._wait(check, timeout, what, every)
+
+    def _wait(
+        self, check: Callable[[], Any], timeout: float, what: str, every: float | None = None
+    ) -> Any:
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -180,7 +189,7 @@ class Supervisor:
                         f"timed out after {timeout}s waiting for {what}\nlast events:\n{tail}\n"
                         f"stdout tail: {self.stdout[-10:]}\nstderr: {self.raw_stderr[-10:]}"
                     )
-                self._cond.wait(remaining)
+                self._cond.wait(remaining if every is None else min(every, remaining))
 
     def wait_event(self, timeout: float = 10.0, after: int = 0, **match: Any) -> dict[str, Any]:
         """The first log event at position >= ``after`` whose fields match."""

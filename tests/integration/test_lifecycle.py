@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import SupervisorFactory
-from tests.harness import alive, wait_dead, worker_cmd
+from tests.harness import Supervisor, alive, wait_dead, worker_cmd
 
 
 def ts(event: dict[str, Any]) -> float:
@@ -271,3 +276,89 @@ def test_sigterm_while_a_group_is_being_added_stops_every_worker(
     t0 = time.monotonic()
     assert sup.wait_exit(timeout=15) == 0
     assert time.monotonic() - t0 < 10
+
+
+def _tree_seen(sup: Supervisor, worker: str, pid: int) -> bool:
+    """state.json lists ``pid`` in ``worker``'s tree: the sampler has read it."""
+    try:
+        state = json.loads((sup.state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return any(
+        w["name"] == worker and pid in {m["pid"] for m in w["tree"]} for w in state["workers"]
+    )
+
+
+def _crash_leaves_no_escapee(sup: Supervisor, worker: str) -> dict[str, Any]:
+    leader = sup.wait_event(event="worker.spawned", worker=worker)["pid"]
+    sup.ready(worker)
+    escapee = int(sup.wait_line(f"[{worker}] ", endswith=" grandchild").split()[2])
+    # The sampler's full scans come at most 5 s apart: wait until it has read the grandchild.
+    sup.wait_until(lambda: _tree_seen(sup, worker, escapee), "the grandchild in state.json")
+    mark = sup.mark()
+    os.kill(leader, signal.SIGKILL)  # a crash: nobody signalled the tree before
+    exited = sup.wait_event(event="worker.exited", worker=worker, after=mark)
+    assert exited["signal"] == "SIGKILL"
+    assert wait_dead([escapee]) == [], "the grandchild that left the group outlived the crash"
+    sup.wait_event(event="worker.spawned", worker=worker, after=mark)
+    return exited
+
+
+def test_a_crash_takes_the_grandchild_that_left_the_group(supervisor: SupervisorFactory) -> None:
+    """A grandchild that called setsid() is not in the worker's process group: when the worker
+    crashes, the supervisor still kills it (the tree it last read; no cgroup of its own here),
+    so it cannot keep GPU memory or a port while the replacement starts."""
+    sup = supervisor({"workers": [group("esc", "fork_grandchild", "--setsid")]})
+    mode = sup.wait_event(event="cgroup.mode")
+    if mode["containment"] == "cgroup":  # pragma: no cover - the next test covers this mode
+        pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
+    _crash_leaves_no_escapee(sup, "esc-0")
+    killed = sup.wait_event(event="worker.killed_leftovers", worker="esc-0")
+    assert killed["reason"].startswith("outside the process group")
+    assert sup.stop() == 0
+
+
+def _unified_root() -> Path | None:
+    from supervisor.cgroups import own_cgroup
+
+    root = own_cgroup()
+    # Where this process sits: a child cgroup made there has cgroup.kill if the kernel has it.
+    return root if root is not None and os.access(root, os.W_OK) else None
+
+
+def test_a_crash_takes_the_grandchild_with_cgroup_kill(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The supervisor alone in a writable cgroup v2 (as under systemd's Delegate=yes): every
+    worker gets a cgroup of its own, and cgroup.kill ends what is left of it after a crash."""
+    root = _unified_root()
+    if root is None:
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    home = root / f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"
+    home.mkdir()
+    try:
+        if not (home / "cgroup.kill").exists():
+            pytest.skip("this kernel has no cgroup.kill (Linux < 5.14)")
+        sup = supervisor(
+            {"workers": [group("esc", "fork_grandchild", "--setsid")]},
+            prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
+        )
+        mode = sup.wait_event(event="cgroup.mode")
+        assert mode["containment"] == "cgroup", mode
+        cg = home / "gpu-supervisor-esc-0"
+        sup.wait_event(event="worker.spawned", worker="esc-0")
+        sup.ready("esc-0")
+        assert str(sup.wait_event(event="worker.spawned", worker="esc-0")["pid"]) in (
+            (cg / "cgroup.procs").read_text().split()
+        )
+        _crash_leaves_no_escapee(sup, "esc-0")
+        assert not sup.find(event="worker.killed_leftovers")  # cgroup.kill did it
+        assert sup.stop() == 0
+        assert not cg.exists(), "the worker's cgroup is removed at shutdown"
+    finally:
+        for leftover in sorted(home.glob("*/"), reverse=True):
+            with contextlib.suppress(OSError):
+                (leftover / "cgroup.kill").write_text("1")
+                leftover.rmdir()
+        with contextlib.suppress(OSError):
+            home.rmdir()

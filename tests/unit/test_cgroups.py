@@ -7,6 +7,7 @@ where the memory controller is not delegated to us.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,67 @@ def test_real_memory_max_is_enforced_where_delegated(tmp_path: Path) -> None:
         child.kill()
         child.wait()
         cgroups.remove("memtest")
+
+
+def contained_root(tmp_path: Path, procs: str) -> Path:
+    root = fake_cgroup(tmp_path, "cpu pids")
+    (root / "cgroup.kill").write_text("")
+    (root / "cgroup.procs").write_text(procs)
+    return root
+
+
+def test_a_cgroup_of_its_own_contains_every_worker(tmp_path: Path) -> None:
+    """Alone in a writable cgroup with cgroup.kill: every worker gets a cgroup (a budget or
+    not), and killing it writes cgroup.kill; no memory controller, so no memory.max."""
+    root = contained_root(tmp_path, f"{os.getpid()}\n")
+    support = probe(root, move_self=False, memory=False)
+    assert (support.contain, support.contain_why, support.containment) == (True, "", "cgroup")
+    assert (support.memory, support.why) == (False, "no worker has host_memory_limit_mb")
+    cgroups = WorkerCgroups(support)
+    leaf = root / f"{PREFIX}gpen-0"
+    assert cgroups.place("gpen-0", 4242, 0)
+    assert (leaf / "cgroup.procs").read_text() == "4242"
+    assert not (leaf / "memory.max").exists() and cgroups.events_file("gpen-0") is None
+    assert cgroups.kill("gpen-0")
+    assert (leaf / "cgroup.kill").read_text() == "1"
+    assert cgroups.kill("gpen-9")  # never placed (its spawn failed): nothing to kill
+    (leaf / "cgroup.procs").unlink()
+    (leaf / "cgroup.kill").unlink()
+    cgroups.remove("gpen-0")
+    assert not leaf.exists()
+
+
+def test_a_budget_and_containment_together(tmp_path: Path) -> None:
+    root = contained_root(tmp_path, "")
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    support = probe(root, move_self=False)
+    assert support.contain and support.memory
+    cgroups = WorkerCgroups(support)
+    assert cgroups.place("a-0", 11, 256) and cgroups.place("b-0", 12, 0)
+    assert (root / f"{PREFIX}a-0" / "memory.max").read_text() == str(256 * 1024 * 1024)
+    # no budget: "max" (a reload may have lifted one), but still its own cgroup
+    assert (root / f"{PREFIX}b-0" / "memory.max").read_text() == "max"
+    assert (root / f"{PREFIX}b-0" / "cgroup.procs").read_text() == "12"
+
+
+@pytest.mark.parametrize(
+    ("procs", "kill_file", "why"),
+    [
+        ("1\n2\n", True, "holds other processes too (pids 1 2)"),
+        ("", False, "has no cgroup.kill"),
+    ],
+)
+def test_no_containment_in_a_shared_cgroup_or_without_cgroup_kill(
+    tmp_path: Path, procs: str, kill_file: bool, why: str
+) -> None:
+    """A cgroup shared with other processes (the hierarchy's root here, a login session) is
+    not the supervisor's to divide; without cgroup.kill nothing can end a cgroup at once."""
+    root = contained_root(tmp_path, procs)
+    if not kill_file:
+        (root / "cgroup.kill").unlink()
+    support = probe(root, move_self=False, memory=False)
+    assert not support.contain and why in support.contain_why
+    assert support.containment == "process_tree"
+    cgroups = WorkerCgroups(support)
+    assert not cgroups.place("gpen-0", 4242, 0) and not cgroups.kill("gpen-0")
+    assert not (root / f"{PREFIX}gpen-0").exists()
