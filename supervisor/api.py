@@ -788,7 +788,6 @@ def _gpu_loads(rt: Runtime) -> dict[str, GpuLoad]:
             free_mb=d.memory_free_mb,
             utilization_percent=d.utilization_percent,
             healthy=d.healthy,
-            cordoned=d.uuid in rt.cordoned or d.uuid in rt.suspect,
         )
         for d in sample.devices
     }

@@ -6,11 +6,13 @@ Exit codes: 0 ok, 1 runtime failure, 2 bad usage or bad configuration (one line,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,11 +26,11 @@ from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.config import GpuSection, Settings, load_settings
 from supervisor.errors import BackendError, ConfigError, SupervisorError, UsageError
-from supervisor.listen import open_api, serve_api
+from supervisor.listen import load_token, open_api, serve_api
 from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
-from supervisor.plan import Plan, build_plan
+from supervisor.plan import GpuSlot, Plan, build_plan
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -103,14 +105,53 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
     return rows
 
 
+def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None]:
+    """One reading of the configured GPU backend (opened and closed again): devices, error."""
+    backend = make_backend(gpu)
+    try:
+        backend.open()
+        return backend.sample(), None
+    except BackendError as exc:
+        return (), f"gpu backend {gpu.backend}: {exc}"
+    finally:
+        with contextlib.suppress(BackendError):
+            backend.close()
+
+
 def check_config(settings: Settings, as_json: bool) -> str:
-    """The resolved plan as text or JSON."""
+    """The resolved plan as text or JSON, placed on the GPUs the configured backend sees now.
+
+    What ``run`` would refuse is refused here too (``ConfigError``: exit 2): an explicit GPU
+    index the backend does not have, an unusable ``api.token_file``. A backend that cannot be
+    opened is a warning, as at ``run`` (which starts without GPU telemetry and retries).
+    """
     sup = settings.supervisor
-    plan = build_plan(settings, {}, os.fspath(socket_path_for(sup.state_dir)))
+    if settings.api.listen:
+        load_token(settings.api)
+    devices, error = _read_devices(settings.gpu)
+    slots = [
+        GpuSlot(
+            d.index,
+            d.uuid,
+            d.memory_total_mb,
+            d.memory_free_mb,
+            d.temperature_c,
+            usable=d.healthy,
+            why_not="" if d.healthy else f"is unhealthy ({d.error})",
+        )
+        for d in devices
+    ]
+    plan = build_plan(settings, {}, os.fspath(socket_path_for(sup.state_dir)), slots or None)
+    warnings = ([error] if error else []) + list(plan.warnings)
     rows = _plan_rows(plan)
     if as_json:
         return json.dumps(
-            {"state_dir": str(sup.state_dir), "workers": rows, "warnings": list(plan.warnings)},
+            {
+                "state_dir": str(sup.state_dir),
+                "gpus": [{"index": d.index, "uuid": d.uuid} for d in devices],
+                "workers": rows,
+                "warnings": warnings,
+            },
             indent=2,
         )
     lines = [
@@ -130,7 +171,7 @@ def check_config(settings: Settings, as_json: bool) -> str:
     for row in table:
         cells = [row[i].ljust(widths[i]) for i in range(len(header) - 1)]
         lines.append("  ".join([*cells, row[-1]]))
-    lines.extend(f"warning: {w}" for w in plan.warnings)
+    lines.extend(f"warning: {w}" for w in warnings)
     return "\n".join(lines)
 
 
@@ -204,7 +245,7 @@ def _gpus(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "backend": backend.name,
-                    "nvml_available": error is None,
+                    "nvml_available": error is None and backend.name != "none",
                     "error": error,
                     "devices": [device_json(d) for d in devices],
                 },
@@ -391,3 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SupervisorError as exc:
         print(f"gpu-supervisor: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except BrokenPipeError:
+        # The reader went away (`gpu-supervisor status | head -3`): no traceback, and none from
+        # the interpreter's final flush either (stdout points at /dev/null from here on).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE

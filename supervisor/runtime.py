@@ -258,11 +258,13 @@ class Runtime:
         return all(self.group_ready(g) for g in self.groups)
 
     def status_line(self) -> str:
-        """``6/6 ready, 0 fatal, 2 groups``."""
+        """``6/6 ready, 0 fatal, 2 GPUs`` (DESIGN.md section 5; ``no GPU telemetry`` without)."""
         runners = self.workers()
         ready = sum(r.state is WorkerState.READY for r in runners)
         fatal = sum(r.state is WorkerState.FATAL for r in runners)
-        return f"{ready}/{len(runners)} ready, {fatal} fatal, {len(self.groups)} groups"
+        gpus = len(self.sampler.identities)
+        tail = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU telemetry"
+        return f"{ready}/{len(runners)} ready, {fatal} fatal, {tail}"
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``predicate()`` holds (re-checked on every worker change) or time runs out."""
@@ -1109,6 +1111,8 @@ class Runtime:
         try:
             self.log.info("supervisor.rolling_restart", group=group, reason="operator")
             self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
+            key = ("rolling_restart", "operator")
+            self.actions_total[key] = self.actions_total.get(key, 0) + 1
             for name in list(self.groups.get(group, [])):
                 runner = self.runners.get(name)
                 if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):

@@ -1,11 +1,13 @@
 """Routing: which ready worker of a group should take the next request (pure).
 
 ``GET /api/v1/route?group=G[&need_mb=N]`` asks this. A worker is a candidate when it is ready, not
-derated, and none of its GPUs is cordoned or unhealthy. Candidates are ranked by the free memory
-of their GPUs (most first; for a multi-GPU worker the GPU with the least free memory counts), then
-by utilization (lowest first; the busiest of its GPUs counts), then by config order. A GPU the
-supervisor has no reading for (no telemetry) is not held against a worker: its free memory is
-unknown, it ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it.
+derated, and none of its GPUs is unhealthy. A cordon only stops placing workers on a GPU (DESIGN.md
+sections 3 and 6, as ``kubectl cordon``): the ones already there keep serving. Candidates are
+ranked by the free memory of their GPUs (most first; for a multi-GPU worker the GPU with the least
+free memory counts), then by utilization (lowest first; the busiest of its GPUs counts), then by
+config order. A GPU the supervisor has no reading for (no telemetry) is not held against a worker:
+its free memory is unknown, it ranks after every worker whose free memory is known, and
+``need_mb`` cannot refuse it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ class GpuLoad:
     free_mb: float | None
     utilization_percent: float | None
     healthy: bool = True
-    cordoned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +99,6 @@ def _rank(order: int, w: Candidate, gpus: Mapping[str, GpuLoad]) -> _Ranked | st
         if load is None:
             unknown_free = True
             continue
-        if load.cordoned:
-            return f"{w.name} is on cordoned GPU {uuid}"
         if not load.healthy:
             return f"{w.name} is on unhealthy GPU {uuid}"
         if load.free_mb is None:

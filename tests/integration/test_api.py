@@ -296,6 +296,11 @@ def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: 
         assert value_of(samples, "gpu_supervisor_gpu_cordoned", gpu="0") == 1
         assert value_of(samples, "gpu_supervisor_actions", action="cordon") == 1
         assert value_of(samples, "gpu_supervisor_actions", action="drain") == 1
+        assert value_of(samples, "gpu_supervisor_actions", action="rolling_restart") == 1
+        # a cordon stops placement only: the workers already on the GPUs keep serving
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+        assert http.get("/api/v1/route", params={"group": "g"}).status_code == 200
+        assert http.post("/api/v1/gpus/1/uncordon").status_code == 200
         assert http.post(f"/api/v1/gpus/{UUID0}/uncordon").json()["cordoned"] is False
         assert_error(http.post("/api/v1/gpus/7/cordon"), 404, "unknown GPU '7'")
 

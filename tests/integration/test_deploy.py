@@ -232,7 +232,9 @@ def _same(current: Any, raw: str) -> bool:
     return str(current) == raw
 
 
-def test_env_file_overrides_are_real_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_file_overrides_are_real_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Each ``GPU_SUPERVISOR_<SECTION>__<KEY>`` example in the env file names a real key and a
     valid value, and wins over the config file."""
     assigned = env_file_assignments(ENV_FILE.read_text())
@@ -245,7 +247,13 @@ def test_env_file_overrides_are_real_settings(monkeypatch: pytest.MonkeyPatch) -
     settings = load_settings(DOCKER_CONFIG)
     for key, value in overrides.items():
         assert _same(_field(settings, key), value), (key, value, _field(settings, key))
-    # and through the real CLI, as systemd would pass them
+    # and through the real CLI, as systemd would pass them (check-config reads the token file,
+    # as run does: the one the env file names is the deployed host's, so a stand-in here)
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    token.chmod(0o600)
+    if "GPU_SUPERVISOR_API__TOKEN_FILE" in overrides:
+        overrides["GPU_SUPERVISOR_API__TOKEN_FILE"] = str(token)
     result = subprocess.run(
         [sys.executable, "-m", "supervisor", "check-config", "-c", str(DOCKER_CONFIG), "--json"],
         capture_output=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -275,3 +276,73 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
 
     plan = json.loads(result.stdout)
     assert [w["port"] for w in plan["workers"]] == [8001, 8002]
+
+
+def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
+    tmp_path: Path,
+) -> None:
+    """check-config reads the configured backend (here two simulated GPUs) as run does: auto
+    placement gets real UUIDs, and a GPU index or token file that run would refuse is refused."""
+    import json
+
+    base = (
+        f"[supervisor]\nstate_dir='{tmp_path}/state'\n"
+        f"[gpu]\nbackend='sim'\nsim_dir='{tmp_path}/sim'\n"
+    )
+    ok = tmp_path / "ok.toml"
+    ok.write_text(base + "[[workers]]\nname='g'\ncommand=['app']\ngpus='auto'\nreplicas=2\n")
+    result = cli("check-config", "-c", str(ok), "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    uuids = [g["uuid"] for g in plan["gpus"]]
+    assert len(uuids) == 2 and plan["warnings"] == []
+    assert all(w["gpus"] and set(w["gpus"]) <= set(uuids) for w in plan["workers"])
+
+    for extra, message in [
+        ("[[workers]]\nname='g'\ncommand=['app']\ngpus=[5]\n", "no GPU with index 5"),
+        ("[api]\ntoken_file='nope'\n[[workers]]\nname='g'\ncommand=['app']\n", "api.token_file"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(base + extra)
+        for verb in ("check-config", "run"):
+            result = cli(verb, "-c", str(bad))
+            assert result.returncode == 2, (verb, result)
+            lines = result.stderr.strip().splitlines()  # run logs its start before this
+            assert lines[-1].startswith("gpu-supervisor: ") and message in lines[-1], lines
+            assert verb == "run" or len(lines) == 1, lines
+
+
+def test_check_config_says_when_the_backend_cannot_be_opened(tmp_path: Path) -> None:
+    """An explicit backend that does not open is a warning (run starts without telemetry and
+    retries), not an error; explicit GPU indexes cannot be checked then."""
+    path = tmp_path / "nvml.toml"
+    path.write_text(
+        f"[supervisor]\nstate_dir='{tmp_path}/state'\n[gpu]\nbackend='nvml'\n"
+        "[[workers]]\nname='g'\ncommand=['app']\ngpus=[0]\n"
+    )
+    result = cli("check-config", "-c", str(path))
+    if "warning: gpu backend nvml" not in result.stdout:
+        pytest.skip("NVML opens on this machine")
+    assert result.returncode == 0, result.stderr
+
+
+CLI = (sys.executable, "-m", "supervisor")
+
+
+def test_a_closed_pipe_is_no_traceback(tmp_path: Path) -> None:
+    """`gpu-supervisor gpus | head -1`: the reader went away; exit 141 (SIGPIPE), no traceback."""
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the reader is gone before anything is written
+    try:
+        result = subprocess.run(
+            [*CLI, "gpus", "--backend", "sim", "--sim-dir", str(tmp_path / "sim")],
+            stdout=write_fd,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+            check=False,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write_fd)
+    assert result.returncode == 141 and result.stderr == "", result

@@ -42,10 +42,11 @@ def test_ready_watchdog_and_status_reach_the_manager(
         sock.bind(str(path))
         sup = supervisor(
             {
+                "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},  # two GPUs
                 "workers": [
                     {"name": "a", "command": worker_cmd("notify_ready_late", "0.3"), "replicas": 2},
-                    {"name": "b", "command": worker_cmd("ready_then_sleep")},
-                ]
+                    {"name": "b", "command": worker_cmd("ready_then_sleep"), "gpus": "none"},
+                ],
             },
             env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"},
         )
@@ -62,7 +63,7 @@ def test_ready_watchdog_and_status_reach_the_manager(
         assert all("READY=1" not in m for m in manager.got[:ready_at])
         # WATCHDOG=1 keeps coming, every WATCHDOG_USEC/2 (0.2 s), not just once
         assert manager.wait_for("WATCHDOG=1", count=3)
-        assert manager.wait_for("STATUS=3/3 ready, 0 fatal, 2 groups")
+        assert manager.wait_for("STATUS=3/3 ready, 0 fatal, 2 GPUs")
         assert sup.stop() == 0
         assert manager.wait_for("STOPPING=1")
 
