@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
 
 PREFIX = "gpu-supervisor-"
+NO_BUDGET = "no worker has host_memory_limit_mb"
 SELF_LEAF = "gpu-supervisor"
 MIB = 1024 * 1024
 
@@ -96,10 +98,17 @@ def probe(
     contain_why = _contain_why(root)
     contain = not contain_why
     if not memory:
-        why = "no worker has host_memory_limit_mb"
-        return CgroupSupport(root, False, why, contain, contain_why)
+        return CgroupSupport(root, False, NO_BUDGET, contain, contain_why)
     why = _memory_why(root, move_self=move_self)
     return CgroupSupport(root, not why, why, contain, contain_why)
+
+
+def with_memory(support: CgroupSupport, *, move_self: bool = True) -> CgroupSupport:
+    """``support`` with per-worker ``memory.max`` probed now (a reload added the first budget)."""
+    if support.memory or support.root is None or support.why != NO_BUDGET:
+        return support
+    why = _memory_why(support.root, move_self=move_self)
+    return replace(support, memory=not why, why=why)
 
 
 def _contain_why(root: Path) -> str:
@@ -159,12 +168,19 @@ def _enable_memory(root: Path, *, move_self: bool) -> None:
 
 
 class WorkerCgroups:
-    """Creates, fills and removes the workers' cgroups."""
+    """Creates, fills, kills and removes the workers' cgroups.
+
+    Per spawn: :meth:`prepare` (before: the cgroup and its ``memory.max``; the child joins it
+    before exec), :meth:`place` (after: makes sure the pid is in it), :meth:`kill` when the main
+    process has exited, :meth:`remove` when the worker is gone for good.
+    """
 
     def __init__(self, support: CgroupSupport) -> None:
         self.support = support
         self.log = structlog.get_logger()
         self._failed_once = False
+        self._placed: set[str] = set()  # workers whose current process is in their cgroup
+        self._leftover: set[str] = set()  # removed workers whose directory is still there
 
     def path(self, worker: str) -> Path | None:
         """The worker's cgroup directory (None when not used)."""
@@ -178,15 +194,16 @@ class WorkerCgroups:
         path = self.path(worker)
         return None if path is None or not self.support.memory else path / "memory.events"
 
-    def place(self, worker: str, pid: int, memory_max_mb: float) -> bool:
-        """Move ``pid`` into the worker's cgroup (with ``memory.max`` when it has a budget).
+    def prepare(self, worker: str, memory_max_mb: float) -> Path | None:
+        """Create the worker's cgroup (with ``memory.max`` when it has a budget) for a spawn.
 
-        False when it has none: no containment here, and no budget or no memory controller.
+        None when it gets none: no containment here, and no budget or no memory controller.
         """
+        self._placed.discard(worker)
         path = self.path(worker)
         limited = self.support.memory and memory_max_mb > 0
         if path is None or not (limited or self.support.contain):
-            return False
+            return None
         try:
             path.mkdir(exist_ok=True)
             if self.support.memory:  # "max" too: a reload may have lifted an earlier budget
@@ -194,34 +211,52 @@ class WorkerCgroups:
                 (path / "memory.max").write_text(limit)
                 with contextlib.suppress(OSError):
                     (path / "memory.swap.max").write_text("0" if memory_max_mb > 0 else "max")
-            (path / "cgroup.procs").write_text(str(pid))
         except OSError as exc:
-            if not self._failed_once:
-                self._failed_once = True
-                self.log.warning(
-                    "cgroup.place_failed",
-                    worker=worker,
-                    path=os.fspath(path),
-                    error=exc.strerror or str(exc),
-                    reason="no cgroup for this worker: the RSS watch enforces its budget, and "
-                    "its process group and tree are ended without cgroup.kill",
-                )
-            return False
-        return True
+            self._failed(worker, path, exc)
+            return None
+        self._leftover.discard(worker)
+        return path
 
-    def kill(self, worker: str) -> bool:
-        """SIGKILL every process left in the worker's cgroup (``cgroup.kill``); False if unused.
-
-        The kernel signals them all at once, forks included, so nothing escapes; a process the
-        supervisor moves in afterwards (the replacement) is not affected.
-        """
-        path = self.path(worker)
-        if path is None or not self.support.contain:
+    def place(self, worker: str, pid: int, memory_max_mb: float | None = None) -> bool:
+        """Make sure ``pid`` is in the worker's cgroup (it joins before exec; a failure there
+        is mended here); False when it has none. ``memory_max_mb``: :meth:`prepare` first."""
+        path = self.prepare(worker, memory_max_mb) if memory_max_mb is not None else None
+        path = path or self.path(worker)
+        if path is None or not path.is_dir():
             return False
         try:
+            (path / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            self._failed(worker, path, exc)
+            return False
+        self._placed.add(worker)
+        return True
+
+    def _failed(self, worker: str, path: Path, exc: OSError) -> None:
+        if not self._failed_once:
+            self._failed_once = True
+            self.log.warning(
+                "cgroup.place_failed",
+                worker=worker,
+                path=os.fspath(path),
+                error=exc.strerror or str(exc),
+                reason="no cgroup for this worker: the RSS watch enforces its budget, and "
+                "what is left of its tree is ended without cgroup.kill",
+            )
+
+    def kill(self, worker: str) -> bool:
+        """SIGKILL every process left in the worker's cgroup (``cgroup.kill``).
+
+        False when its current process was not placed there (no containment, or placing it
+        failed): then the caller ends the tree another way. The kernel signals them all at once,
+        forks included, so nothing escapes; the replacement, placed afterwards, is not affected.
+        """
+        path = self.path(worker)
+        if path is None or not self.support.contain or worker not in self._placed:
+            return False
+        self._placed.discard(worker)
+        try:
             (path / "cgroup.kill").write_text("1")
-        except FileNotFoundError:
-            return True  # never placed (spawn failed): nothing of it is there
         except OSError as exc:
             self.log.warning(
                 "cgroup.kill_failed", worker=worker, path=os.fspath(path), error=exc.strerror
@@ -229,9 +264,64 @@ class WorkerCgroups:
             return False
         return True
 
-    def remove(self, worker: str) -> None:
-        """Remove the worker's cgroup (once its processes are gone; else it stays)."""
+    def populated(self, worker: str) -> bool:
+        """Whether any process is still in the worker's cgroup (False when it has none)."""
         path = self.path(worker)
-        if path is not None:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        if path is None:
+            return False
+        try:
+            return "populated 1" in (path / "cgroup.events").read_text()
+        except OSError:
+            return False
+
+    def remove(self, worker: str) -> bool:
+        """Remove the worker's cgroup; False when it is still there (killed processes still
+        exiting: :meth:`sweep` tries again)."""
+        self._placed.discard(worker)
+        path = self.path(worker)
+        if path is None:
+            return True
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            self._leftover.add(worker)
+            return False
+        self._leftover.discard(worker)
+        return True
+
+    def sweep(self, keep: Iterable[str] = ()) -> list[str]:
+        """Remove the directories :meth:`remove` could not; the names still there."""
+        kept = set(keep)
+        for worker in sorted(self._leftover - kept):
+            self.remove(worker)
+        return sorted(self._leftover - kept)
+
+    def stale(self, known: Iterable[str] = ()) -> dict[str, list[int]]:
+        """Kill (and mark for removal) worker cgroups of an earlier run: name -> pids killed.
+
+        Where the supervisor's cgroup is its own, a ``gpu-supervisor-*`` directory it has not
+        made (not in ``known``) was left by an earlier instance that died without cleaning up;
+        whatever runs in it is a leftover of that instance's workers.
+        """
+        root = self.support.root
+        if root is None or not self.support.contain:  # alone in it: nobody else's directories
+            return {}
+        names = set(known)
+        found: dict[str, list[int]] = {}
+        with contextlib.suppress(OSError):
+            for entry in sorted(root.glob(f"{PREFIX}*")):
+                worker = entry.name[len(PREFIX) :]
+                if not entry.is_dir() or worker in names:
+                    continue
+                try:
+                    pids = [int(p) for p in (entry / "cgroup.procs").read_text().split()]
+                except (OSError, ValueError):
+                    pids = []
+                if pids:
+                    with contextlib.suppress(OSError):
+                        (entry / "cgroup.kill").write_text("1")
+                found[worker] = pids
+                self._leftover.add(worker)
+        return found

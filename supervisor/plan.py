@@ -37,6 +37,10 @@ WORKER_SITE_DIR = str(Path(__file__).with_name("worker_site"))
 #: detector's floor interval (``policy.detect.FLOOR_BUCKET_S``; a test keeps them equal).
 IN_USE_EVERY_S = 5.0
 
+#: The worker's name in its environment (DESIGN.md section 4); processes that carry it and are
+#: re-parented to the supervisor are that worker's leftovers.
+WORKER_VAR = "GPU_SUPERVISOR_WORKER"
+
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
@@ -120,7 +124,7 @@ def launch_spec(
     env.update(
         {
             "PORT": str(port),
-            "GPU_SUPERVISOR_WORKER": name,
+            WORKER_VAR: name,
             "GPU_SUPERVISOR_GROUP": group.name,
             "GPU_SUPERVISOR_INDEX": str(index),
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",

@@ -22,6 +22,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -59,12 +60,25 @@ def set_child_subreaper() -> bool:
         return False
 
 
-def _child_setup(parent_pid: int, prctl: Callable[..., int]) -> Callable[[], None]:
+def _child_setup(
+    parent_pid: int, prctl: Callable[..., int], cgroup_procs: str | None = None
+) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died between fork and prctl
             os._exit(1)
+        if cgroup_procs is not None:
+            # Join the worker's cgroup before exec, so nothing it forks can start outside it.
+            # A failure leaves it where it is; the supervisor moves it after the spawn.
+            try:
+                fd = os.open(cgroup_procs, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
 
     return setup
 
@@ -128,22 +142,24 @@ def _resolve(program: str, env: Mapping[str, str], cwd: str | None) -> str:
     return found
 
 
-def spawn(spec: LaunchSpec) -> Child:
+def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     """Start the worker described by ``spec``; raise ``SpawnError`` if it cannot be executed.
 
     PR_SET_PDEATHSIG is set through ``setpriv --pdeathsig KILL`` where util-linux has it (Popen
     can then vfork: ~0.2 ms instead of ~3 ms for a full fork of the supervisor), else in a
-    ``preexec_fn``.
+    ``preexec_fn``. ``cgroup``: the worker's cgroup directory, joined in the ``preexec_fn``
+    before exec (so a full fork then: the child must run code of ours before exec).
     """
     env = dict(spec.env)
     program = _resolve(spec.argv[0], env, spec.cwd)
-    setpriv = _setpriv()
+    setpriv = _setpriv() if cgroup is None else None
     if setpriv is not None:
         argv = [setpriv, "--pdeathsig", "KILL", "--", program, *spec.argv[1:]]
         preexec = None
     else:
         argv = [program, *spec.argv[1:]]
-        preexec = _child_setup(os.getpid(), _prctl())
+        procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
+        preexec = _child_setup(os.getpid(), _prctl(), procs)
     read_fd, write_fd = os.pipe()
     try:
         popen = subprocess.Popen(

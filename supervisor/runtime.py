@@ -32,7 +32,7 @@ from supervisor._version import __version__
 from supervisor.alerts import Alerter
 from supervisor.backends.base import NoBackend
 from supervisor.backends.factory import make_backend
-from supervisor.cgroups import CgroupSupport, WorkerCgroups
+from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
 from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
@@ -42,7 +42,7 @@ from supervisor.journal import Journal
 from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
-from supervisor.plan import GpuSlot, Plan, build_plan, launch_spec, place
+from supervisor.plan import WORKER_VAR, GpuSlot, Plan, build_plan, launch_spec, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
@@ -295,6 +295,7 @@ class Runtime:
                 await tg.start(self.reaper.serve)
                 tg.start_soon(self._serve_intents)
                 await self._reclaim_orphans()
+                self._kill_stale_cgroups()
                 await tg.start(self.recorder.serve)
                 if self.alerter is not None:
                     await tg.start(self.alerter.serve)
@@ -358,6 +359,15 @@ class Runtime:
             )
             or self._shutting_down
         )
+
+    def _kill_stale_cgroups(self) -> None:
+        for worker, pids in self.cgroups.stale().items():
+            self.log.warning(
+                "cgroup.stale",
+                worker=worker,
+                pids=pids,
+                reason="left by an earlier run: its processes killed, the cgroup removed",
+            )
 
     def _probe_cgroups(self) -> None:
         budgets = any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers)
@@ -704,6 +714,7 @@ class Runtime:
             prepare=self._prepare if self.sampler.identities else None,
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
+            cgroup_for=self._cgroup_for,
         )
         output.on_line = functools.partial(self.healer.on_line, runner)
         return runner
@@ -899,35 +910,49 @@ class Runtime:
     def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)
         if kind == "worker.spawned":
-            group = self.settings.group(runner.spec.group)
-            limit = group.health.host_memory_limit_mb if group is not None else 0.0
-            self.cgroups.place(runner.name, fields["pid"], limit)
+            self.cgroups.place(runner.name, fields["pid"])
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
             self.healer.on_fatal(runner, str(fields.get("reason", "")))
+
+    def _cgroup_for(self, runner: WorkerRunner) -> Path | None:
+        """The cgroup ``runner``'s next process joins before exec (None: none)."""
+        group = self.settings.group(runner.spec.group)
+        limit = group.health.host_memory_limit_mb if group is not None else 0.0
+        return self.cgroups.prepare(runner.name, limit)
 
     def _end_leftovers(self, runner: WorkerRunner, pid: int) -> None:
         """What is left of an exited worker's tree goes with it (DESIGN.md section 2).
 
         The worker already killed its process group and the tree it saw when it signalled it;
-        descendants that left the group (``setsid``, daemons) were re-parented when the main
-        process exited, so nothing names it as parent any more. ``cgroup.kill`` ends them where
-        the worker has a cgroup; elsewhere the tree the sampler last read (at most a full-scan
-        interval old) is killed, each process only while it is the one seen (its start time).
+        descendants that left the group (``setsid``) were re-parented when the main process
+        exited, so nothing names it as parent any more. ``cgroup.kill`` ends them where the
+        worker has a cgroup. Elsewhere: the tree the sampler last read (a full scan at most 5 s
+        old), each process only while it is the one seen (its start time), and the processes
+        re-parented to the supervisor (daemons that double-forked) that carry this worker's
+        ``GPU_SUPERVISOR_WORKER`` in their environment.
         """
         if self.cgroups.kill(runner.name):
             return
-        killed = []
+        victims: list[int] = []
         for member in sorted(self._trees.get(runner.name, frozenset())):
             if member == pid or member in self._pids:
                 continue
             seen = self.sampler.started_ticks(member)
             st = procfs.read_stat(member)
-            if seen is None or st is None or st.zombie or st.start_ticks != seen:
-                continue
+            if seen is not None and st is not None and not st.zombie and st.start_ticks == seen:
+                victims.append(member)
+        killed = []
+        for member in victims:
             with contextlib.suppress(OSError):
                 os.kill(member, signal.SIGKILL)
                 killed.append(member)
+        for child in sorted(procfs.own_children() - self._pids.keys() - {pid, *killed}):
+            with contextlib.suppress(psutil.Error, OSError):
+                proc = psutil.Process(child)
+                if proc.environ().get(WORKER_VAR) == runner.name and proc.status() != "zombie":
+                    proc.kill()  # psutil checks the create time: never a reused pid
+                    killed.append(child)
         if killed:
             self.log.warning(
                 "worker.killed_leftovers",
@@ -1153,12 +1178,25 @@ class Runtime:
                 runner.post(lc.Kill())
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
-        for runner in self.workers():
-            self.cgroups.remove(runner.name)
+        await self._remove_cgroups()
         self.stopped = True
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()
         self._done.set()
+
+    async def _remove_cgroups(self) -> None:
+        """Remove the workers' cgroups once their killed processes are gone (bounded wait)."""
+        names = [r.name for r in self.workers()]
+        deadline = anyio.current_time() + KILL_WAIT_S
+        while any(self.cgroups.populated(n) for n in names):
+            if anyio.current_time() >= deadline:
+                break
+            await anyio.sleep(0.01)  # processes killed a moment ago are still exiting
+        for name in names:
+            self.cgroups.remove(name)
+        left = self.cgroups.sweep()
+        if left:
+            self.log.warning("cgroup.not_removed", workers=left, reason="still populated")
 
     async def _kill_leftover_children(self) -> None:
         """Adopted orphans (as PID 1 or child subreaper) must not outlive the supervisor."""
@@ -1236,6 +1274,11 @@ class Runtime:
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return
         self._set_host_interval()
+        if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
+            support = with_memory(self.cgroups.support)
+            if support is not self.cgroups.support:  # the first budget: probed now
+                self.cgroups.support = support
+                self.log.info("cgroup.mode", mode=support.mode, reason=support.why or "reload")
         for name in diff.removed:
             await self._stop_group(name)
         for name in diff.added:

@@ -75,8 +75,9 @@ class HostSampler:
         self._trees: dict[str, frozenset[int]] = {}
         self._leaders: dict[str, int | None] = {}
         self._foreign: frozenset[int] = frozenset()  # GPU pids that are not any worker's
-        #: Start time (clock ticks) of every live tree member at the last read: what is left of
-        #: a tree after its leader exits is killed only if it is still the same process.
+        #: Start time (clock ticks) of every tree member when a full scan found it, kept while
+        #: it lives: a pid read again between scans counts only while it is that process, and
+        #: what is left of a tree after its leader exits is killed only if it still is.
         self.starts: dict[int, int] = {}
         self.full_scans = 0
 
@@ -97,6 +98,13 @@ class HostSampler:
             else:
                 trees[name] = frozenset(procfs.tree(leader, children))
         self._trees = trees
+        # Start times: kept for pids that live on (a leftover outside every tree included),
+        # refreshed for members the walk found, dropped for pids that are gone.
+        starts = {pid: t for pid, t in self.starts.items() if pid in table}
+        for members in trees.values():
+            for pid in members:
+                starts[pid] = table[pid].start_ticks
+        self.starts = starts
         return table
 
     def sample(
@@ -138,13 +146,13 @@ class HostSampler:
             table = {}
             for pid in known:
                 st = procfs.read_stat(pid)
-                if st is not None:
+                # a pid that now names another process (reused) is no member any more
+                if st is not None and self.starts.get(pid, st.start_ticks) == st.start_ticks:
                     table[pid] = st
             self._trees = {n: frozenset(t & table.keys()) for n, t in self._trees.items()}
         visible = frozenset(p for p in gpu_pids if p in table or procfs.read_stat(p) is not None)
         elapsed = None if self._at is None else now - self._at
         cpu_now: dict[tuple[int, int], float] = {}
-        starts: dict[int, int] = {}
         trees: dict[str, frozenset[int]] = {}
         usage: dict[str, tuple[float | None, float | None]] = {}
         for name, leader in leaders.items():
@@ -160,7 +168,6 @@ class HostSampler:
                 if st is None or st.zombie:
                     continue
                 rss += st.rss_mb
-                starts[pid] = st.start_ticks
                 key = (pid, st.start_ticks)
                 cpu_now[key] = st.cpu_s
                 before = self._cpu.get(key)
@@ -170,7 +177,6 @@ class HostSampler:
                     cpu = None  # first tick: no interval to measure over
             usage[name] = (rss, cpu)
         self._cpu = cpu_now
-        self.starts = starts
         self._at = now
         self._usage = dict(usage)
         self._result = dict(trees)

@@ -13,6 +13,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -51,6 +52,7 @@ class WorkerRunner:
         prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
         on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
+        cgroup_for: Callable[[WorkerRunner], Path | None] | None = None,
     ) -> None:
         self.spec = spec
         self.timing = timing
@@ -67,6 +69,7 @@ class WorkerRunner:
         self._prepare = prepare
         self._on_event = on_event or (lambda _r, _t, _f: None)
         self._on_exit = on_exit
+        self._cgroup_for = cgroup_for
         self._before: lc.WorkerRecord = self.record
         self._create_time: float | None = None
         self._reaped = False  # the current process's status was collected: its pid is not ours
@@ -282,7 +285,8 @@ class WorkerRunner:
     def _spawn(self) -> lc.Event:
         self.spawn_attempts += 1
         try:
-            child = spawn(self.spec)
+            cgroup = self._cgroup_for(self) if self._cgroup_for is not None else None
+            child = spawn(self.spec, cgroup)
         except SpawnError as exc:
             self._log.error("worker.spawn_failed", reason="spawn_failed", error=str(exc))
             self.output.mark(f"spawn failed: {exc}")

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from tests import tomlw
 
@@ -352,3 +353,41 @@ def wait_dead(pids: Sequence[int], timeout: float = 5.0) -> list[int]:
             procs.append(psutil.Process(pid))
     _, still = psutil.wait_procs(procs, timeout=timeout)
     return [p.pid for p in still if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+FREEZER_V1 = Path("/sys/fs/cgroup/freezer")
+
+
+@contextlib.contextmanager
+def stuck(pid: int, name: str) -> Iterator[None]:
+    """Hold ``pid`` in a frozen cgroup v1 freezer cgroup: a SIGKILL stays pending (the process
+    stays alive, holding its GPU memory) until it is thawed, as for a GPU process stuck in the
+    kernel (D state) after an XID. Thawed (and its cgroup removed) on the way out."""
+    if not (FREEZER_V1 / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 freezer here to make a process that SIGKILL cannot end")
+    frozen = FREEZER_V1 / name
+    frozen.mkdir()
+    try:
+        (frozen / "cgroup.procs").write_text(str(pid))
+        (frozen / "freezer.state").write_text("FROZEN")
+        yield
+    finally:
+        (frozen / "freezer.state").write_text("THAWED")
+        deadline = time.monotonic() + 10
+        while left := (frozen / "cgroup.procs").read_text().split():
+            # a thawed process with a pending SIGKILL is on its way out: until it is gone,
+            # it is still listed here (and cannot be moved)
+            for member in left:
+                with contextlib.suppress(OSError):
+                    (FREEZER_V1 / "cgroup.procs").write_text(member)
+            assert time.monotonic() < deadline, f"{frozen} still holds {left}"
+            os.sched_yield()
+        frozen.rmdir()
+
+
+def sampled_in_tree(sup: Supervisor, worker: str, pid: int) -> dict[str, Any]:
+    """Wait for a ``gpu.sample`` (log level debug) that has ``pid`` in ``worker``'s tree."""
+    return sup.wait_event(
+        event="gpu.sample",
+        workers=lambda w: isinstance(w, dict) and pid in w.get(worker, {}).get("pids", []),
+    )

@@ -3,7 +3,9 @@ reads it through the real pynvml and the fake libnvidia-ml.so.1 built by the tes
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 
 from supervisor.backends.sim import SimBackend
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, worker_cmd
+from tests.harness import Supervisor, sampled_in_tree, stuck, wait_dead, worker_cmd
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
@@ -120,6 +122,9 @@ def test_xid_events_are_read(
 def test_barrier_marks_suspect_and_moves(
     supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
 ) -> None:
+    """A process of the crashed worker's tree that cannot be killed (stuck in the kernel) still
+    holds memory on its GPU after release_timeout_s: the GPU is marked suspect and the
+    replacement is placed on the other one."""
     sup = start(
         supervisor,
         tmp_path,
@@ -127,11 +132,18 @@ def test_barrier_marks_suspect_and_moves(
         {
             "name": "b",
             "restart": {"stable_s": 0.1},
-            "command": worker_cmd("gpu_user", "500", "--crash-after", "0.5", "--holder", "30"),
+            "command": worker_cmd("gpu_user", "500", "--holder", "30"),
         },
     )
-    assert sup.wait_event(event="gpu.suspect", worker="b-0")["gpu"] == UUID0
-    assert sup.wait_event(event="worker.moved", worker="b-0")["new_gpus"] == [UUID1]
+    leader = sup.ready("b-0")["pid"]
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        os.kill(leader, signal.SIGKILL)  # a crash: the supervisor kills the holder, in vain
+        assert sup.wait_event(event="gpu.suspect", worker="b-0")["gpu"] == UUID0
+        assert sup.wait_event(event="worker.moved", worker="b-0")["new_gpus"] == [UUID1]
+        assert sup.wait_event(event="worker.killed_leftovers", worker="b-0")["pids"] == [holder]
+    assert wait_dead([holder]) == []  # the pending SIGKILL, once thawed
     assert sup.stop() == 0
 
 

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
@@ -289,19 +290,20 @@ def _tree_seen(sup: Supervisor, worker: str, pid: int) -> bool:
     )
 
 
-def _crash_leaves_no_escapee(sup: Supervisor, worker: str) -> dict[str, Any]:
-    leader = sup.wait_event(event="worker.spawned", worker=worker)["pid"]
-    sup.ready(worker)
-    escapee = int(sup.wait_line(f"[{worker}] ", endswith=" grandchild").split()[2])
-    # The sampler's full scans come at most 5 s apart: wait until it has read the grandchild.
-    sup.wait_until(lambda: _tree_seen(sup, worker, escapee), "the grandchild in state.json")
+def _crash(sup: Supervisor, worker: str, leader: int, escapee: int) -> None:
+    """SIGKILL ``leader`` (a crash: nobody signalled its tree before) and check that
+    ``escapee`` dies with it and a replacement starts."""
     mark = sup.mark()
-    os.kill(leader, signal.SIGKILL)  # a crash: nobody signalled the tree before
+    os.kill(leader, signal.SIGKILL)
     exited = sup.wait_event(event="worker.exited", worker=worker, after=mark)
     assert exited["signal"] == "SIGKILL"
-    assert wait_dead([escapee]) == [], "the grandchild that left the group outlived the crash"
+    assert wait_dead([escapee]) == [], "a process of the crashed worker outlived it"
     sup.wait_event(event="worker.spawned", worker=worker, after=mark)
-    return exited
+
+
+def _grandchild(sup: Supervisor, worker: str) -> tuple[int, int]:
+    leader = sup.ready(worker)["pid"]
+    return leader, int(sup.wait_line(f"[{worker}] ", endswith=" grandchild").split()[2])
 
 
 def test_a_crash_takes_the_grandchild_that_left_the_group(supervisor: SupervisorFactory) -> None:
@@ -310,55 +312,84 @@ def test_a_crash_takes_the_grandchild_that_left_the_group(supervisor: Supervisor
     so it cannot keep GPU memory or a port while the replacement starts."""
     sup = supervisor({"workers": [group("esc", "fork_grandchild", "--setsid")]})
     mode = sup.wait_event(event="cgroup.mode")
-    if mode["containment"] == "cgroup":  # pragma: no cover - the next test covers this mode
+    if mode["containment"] == "cgroup":  # pragma: no cover - the cgroup test covers this mode
         pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
-    _crash_leaves_no_escapee(sup, "esc-0")
+    leader, escapee = _grandchild(sup, "esc-0")
+    # The sampler's full scans come at most 5 s apart: wait until it has read the grandchild.
+    sup.wait_until(lambda: _tree_seen(sup, "esc-0", escapee), "the grandchild in state.json")
+    _crash(sup, "esc-0", leader, escapee)
     killed = sup.wait_event(event="worker.killed_leftovers", worker="esc-0")
-    assert killed["reason"].startswith("outside the process group")
+    assert killed["pids"] == [escapee]
     assert sup.stop() == 0
 
 
-def _unified_root() -> Path | None:
+def test_a_crash_takes_the_daemon_it_left(supervisor: SupervisorFactory) -> None:
+    """A daemon (double fork) is re-parented to the supervisor at once and is in no tree: it
+    is found by the worker's name in its environment, and killed with the crash."""
+    sup = supervisor({"workers": [group("dmn", "fork_grandchild", "--daemon")]})
+    if sup.wait_event(event="cgroup.mode")["containment"] == "cgroup":  # pragma: no cover
+        pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
+    leader, daemon = _grandchild(sup, "dmn-0")
+    assert psutil.Process(daemon).ppid() == sup.pid
+    _crash(sup, "dmn-0", leader, daemon)
+    assert sup.wait_event(event="worker.killed_leftovers", worker="dmn-0")["pids"] == [daemon]
+    assert sup.stop() == 0
+
+
+def _cgroup_home(tmp_path: Path) -> Path:
     from supervisor.cgroups import own_cgroup
 
     root = own_cgroup()
-    # Where this process sits: a child cgroup made there has cgroup.kill if the kernel has it.
-    return root if root is not None and os.access(root, os.W_OK) else None
+    if root is None or not os.access(root, os.W_OK):
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    home = root / f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"
+    home.mkdir()
+    if not (home / "cgroup.kill").exists():
+        home.rmdir()
+        pytest.skip("this kernel has no cgroup.kill (Linux < 5.14)")
+    return home
+
+
+def _remove_cgroup_tree(home: Path) -> None:
+    for leftover in [*sorted(home.glob("*/"), reverse=True), home]:
+        with contextlib.suppress(OSError):
+            (leftover / "cgroup.kill").write_text("1")
+        deadline = time.monotonic() + 5
+        while "populated 1" in (leftover / "cgroup.events").read_text():
+            assert time.monotonic() < deadline, f"{leftover} still populated"
+            os.sched_yield()
+        leftover.rmdir()
 
 
 def test_a_crash_takes_the_grandchild_with_cgroup_kill(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     """The supervisor alone in a writable cgroup v2 (as under systemd's Delegate=yes): every
-    worker gets a cgroup of its own, and cgroup.kill ends what is left of it after a crash."""
-    root = _unified_root()
-    if root is None:
-        pytest.skip("no writable cgroup v2 hierarchy here")
-    home = root / f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"
-    home.mkdir()
+    worker gets a cgroup of its own, joined before exec, so even a child forked at once by a
+    shell is inside; cgroup.kill ends what is left of it after a crash, and the cgroups are
+    removed at shutdown."""
+    home = _cgroup_home(tmp_path)
     try:
-        if not (home / "cgroup.kill").exists():
-            pytest.skip("this kernel has no cgroup.kill (Linux < 5.14)")
+        # the shell forks the escapee before anything of ours could move it afterwards
+        script = 'setsid sleep 7771 & echo "escapee $!"; exec "$@"'
+        cmd = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
         sup = supervisor(
-            {"workers": [group("esc", "fork_grandchild", "--setsid")]},
+            {"workers": [{"name": "esc", "command": cmd, "log_passthrough": True}]},
             prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
         )
-        mode = sup.wait_event(event="cgroup.mode")
-        assert mode["containment"] == "cgroup", mode
-        cg = home / "gpu-supervisor-esc-0"
-        sup.wait_event(event="worker.spawned", worker="esc-0")
-        sup.ready("esc-0")
-        assert str(sup.wait_event(event="worker.spawned", worker="esc-0")["pid"]) in (
-            (cg / "cgroup.procs").read_text().split()
-        )
-        _crash_leaves_no_escapee(sup, "esc-0")
-        assert not sup.find(event="worker.killed_leftovers")  # cgroup.kill did it
-        assert sup.stop() == 0
-        assert not cg.exists(), "the worker's cgroup is removed at shutdown"
+        try:
+            mode = sup.wait_event(event="cgroup.mode")
+            assert mode["containment"] == "cgroup", mode
+            cg = home / "gpu-supervisor-esc-0"
+            leader = sup.ready("esc-0")["pid"]
+            escapee = int(sup.wait_line("[esc-0] escapee ").split()[-1])
+            inside = {int(p) for p in (cg / "cgroup.procs").read_text().split()}
+            assert {leader, escapee} <= inside, (leader, escapee, inside)
+            _crash(sup, "esc-0", leader, escapee)
+            assert not sup.find(event="worker.killed_leftovers")  # cgroup.kill did it
+            assert sup.stop() == 0
+            assert not cg.exists(), "the worker's cgroup is removed at shutdown"
+        finally:
+            sup.close()
     finally:
-        for leftover in sorted(home.glob("*/"), reverse=True):
-            with contextlib.suppress(OSError):
-                (leftover / "cgroup.kill").write_text("1")
-                leftover.rmdir()
-        with contextlib.suppress(OSError):
-            home.rmdir()
+        _remove_cgroup_tree(home)

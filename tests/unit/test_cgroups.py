@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cgroups import PREFIX, WorkerCgroups, own_cgroup, probe
+from supervisor.cgroups import PREFIX, WorkerCgroups, own_cgroup, probe, with_memory
 
 MOUNTINFO_HYBRID = (
     "35 24 0:30 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro\n"
@@ -129,16 +129,47 @@ def test_a_cgroup_of_its_own_contains_every_worker(tmp_path: Path) -> None:
     assert (support.memory, support.why) == (False, "no worker has host_memory_limit_mb")
     cgroups = WorkerCgroups(support)
     leaf = root / f"{PREFIX}gpen-0"
-    assert cgroups.place("gpen-0", 4242, 0)
+    assert cgroups.prepare("gpen-0", 0) == leaf  # before the spawn: the child joins it
+    assert cgroups.place("gpen-0", 4242)  # after: made sure of
     assert (leaf / "cgroup.procs").read_text() == "4242"
     assert not (leaf / "memory.max").exists() and cgroups.events_file("gpen-0") is None
     assert cgroups.kill("gpen-0")
     assert (leaf / "cgroup.kill").read_text() == "1"
-    assert cgroups.kill("gpen-9")  # never placed (its spawn failed): nothing to kill
+    # once killed, the next kill waits for the next placement
+    assert not cgroups.kill("gpen-0")
+    # never placed (a spawn that failed, a placement that failed): the caller ends the tree
+    assert not cgroups.kill("gpen-9")
+    (leaf / "cgroup.kill").write_text("")  # a fake directory: rmdir needs it empty
+    assert not cgroups.remove("gpen-0") and cgroups.sweep() == ["gpen-0"]
     (leaf / "cgroup.procs").unlink()
     (leaf / "cgroup.kill").unlink()
-    cgroups.remove("gpen-0")
-    assert not leaf.exists()
+    assert cgroups.sweep() == [] and not leaf.exists()
+
+
+def test_a_failed_placement_leaves_the_tree_to_the_fallback(tmp_path: Path) -> None:
+    root = contained_root(tmp_path, "")
+    cgroups = WorkerCgroups(probe(root, move_self=False, memory=False))
+    assert cgroups.prepare("gpen-0", 0) is not None
+    (root / f"{PREFIX}gpen-0" / "cgroup.procs").mkdir()  # writing the pid fails
+    assert not cgroups.place("gpen-0", 4242)
+    assert not cgroups.kill("gpen-0")
+
+
+def test_worker_cgroups_of_an_earlier_run_are_killed(tmp_path: Path) -> None:
+    root = contained_root(tmp_path, "")
+    for name, procs in (("old-0", "77\n78\n"), ("old-1", ""), ("keep-0", "79\n")):
+        (root / f"{PREFIX}{name}").mkdir()
+        (root / f"{PREFIX}{name}" / "cgroup.procs").write_text(procs)
+    (root / "gpu-supervisor").mkdir()  # the supervisor's own leaf (memory mode) is not one
+    cgroups = WorkerCgroups(probe(root, move_self=False, memory=False))
+    assert cgroups.stale(known=["keep-0"]) == {"old-0": [77, 78], "old-1": []}
+    assert (root / f"{PREFIX}old-0" / "cgroup.kill").read_text() == "1"
+    assert not (root / f"{PREFIX}keep-0" / "cgroup.kill").exists()
+    assert set(cgroups.sweep()) == {"old-0", "old-1"}  # fake directories are not empty
+    # not alone in its cgroup: another supervisor's directories are not ours to kill
+    (tmp_path / "x").mkdir()
+    shared = WorkerCgroups(probe(contained_root(tmp_path / "x", "1\n"), memory=False))
+    assert shared.stale() == {}
 
 
 def test_a_budget_and_containment_together(tmp_path: Path) -> None:
@@ -175,3 +206,13 @@ def test_no_containment_in_a_shared_cgroup_or_without_cgroup_kill(
     cgroups = WorkerCgroups(support)
     assert not cgroups.place("gpen-0", 4242, 0) and not cgroups.kill("gpen-0")
     assert not (root / f"{PREFIX}gpen-0").exists()
+
+
+def test_the_first_budget_added_by_a_reload_enables_memory_max(tmp_path: Path) -> None:
+    root = contained_root(tmp_path, "")
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    support = probe(root, move_self=False, memory=False)
+    assert not support.memory and support.contain
+    now = with_memory(support, move_self=False)
+    assert now.memory and now.contain and (root / "cgroup.subtree_control").read_text() == "+memory"
+    assert with_memory(now) is now  # probed once

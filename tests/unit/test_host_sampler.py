@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from dataclasses import replace
+
+import pytest
 
 from supervisor import procfs
 from supervisor.sampler import HostSampler
@@ -39,6 +42,39 @@ def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
         # a new leader under the same name starts a new tree
         trees, _, _ = host.sample({"w-0": os.getpid()})
         assert child not in trees["w-0"]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        leader.stdin.close()
+        leader.stdout.close()
+        leader.wait()
+
+
+def test_a_reused_pid_is_no_member(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between full scans known members are read one by one: a pid that now names another
+    process (its start time changed: the member died and the pid was reused) leaves the tree,
+    so it is neither measured nor killed as the worker's."""
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!; read x"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert leader.stdout is not None and leader.stdin is not None
+    child = int(leader.stdout.readline())
+    try:
+        host = HostSampler(full_every_s=3600.0)
+        trees, _, _ = host.sample({"w-0": leader.pid})  # the first read is a full scan
+        assert trees["w-0"] == {leader.pid, child}
+        real = procfs.read_stat
+
+        def reused(pid: int) -> procfs.ProcStat | None:
+            st = real(pid)
+            return replace(st, start_ticks=st.start_ticks + 1) if st and pid == child else st
+
+        monkeypatch.setattr(procfs, "read_stat", reused)
+        trees, _, _ = host.sample({"w-0": leader.pid})
+        assert trees["w-0"] == {leader.pid}
+        assert host.full_scans == 1  # it was the one-by-one read
     finally:
         os.kill(child, signal.SIGKILL)
         leader.stdin.close()

@@ -1,4 +1,5 @@
-"""Fork a grandchild that ignores SIGTERM and sleeps (``--setsid``: it leaves the group too)."""
+"""Fork a grandchild that ignores SIGTERM and sleeps (``--setsid``: it leaves the group too;
+``--daemon``: it double-forks, so it is re-parented to the supervisor and in no tree)."""
 
 import os
 import signal
@@ -9,10 +10,14 @@ from common import forever, notify, say
 pid = os.fork()
 if pid == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if "--setsid" in sys.argv:
+    if "--setsid" in sys.argv or "--daemon" in sys.argv:
         os.setsid()
+    if "--daemon" in sys.argv and os.fork() != 0:
+        os._exit(0)  # the middle process: its child is adopted by the supervisor
     say("grandchild")
     forever()
+if "--daemon" in sys.argv:
+    os.waitpid(pid, 0)
 say(f"forked {pid}")
 notify("READY=1")
 say("ready")
