@@ -30,7 +30,7 @@ from supervisor.listen import load_token, open_api, serve_api
 from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
-from supervisor.plan import GpuSlot, Plan, build_plan
+from supervisor.plan import Plan, build_plan, slot_for
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -129,18 +129,7 @@ def check_config(settings: Settings, as_json: bool) -> str:
     if settings.api.listen:
         load_token(settings.api)
     devices, error = _read_devices(settings.gpu)
-    slots = [
-        GpuSlot(
-            d.index,
-            d.uuid,
-            d.memory_total_mb,
-            d.memory_free_mb,
-            d.temperature_c,
-            usable=d.healthy,
-            why_not="" if d.healthy else f"is unhealthy ({d.error})",
-        )
-        for d in devices
-    ]
+    slots = [slot_for(d) for d in devices]
     plan = build_plan(settings, {}, os.fspath(socket_path_for(sup.state_dir)), slots or None)
     warnings = ([error] if error else []) + list(plan.warnings)
     rows = _plan_rows(plan)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from supervisor.config import Settings, WorkerGroup
 from supervisor.errors import PlacementError
-from supervisor.model import LaunchSpec
+from supervisor.model import DeviceSample, LaunchSpec
 
 #: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
 Assignment = Mapping[str, tuple[str, ...] | None]
@@ -170,6 +170,22 @@ class GpuSlot:
     temperature_c: float | None = None
     usable: bool = True  # False when cordoned, unhealthy or suspect
     why_not: str = ""
+
+
+def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
+    """Device ``d`` as placement sees it; ``why_not``: why nothing may be placed on it now
+    (None: only its health counts)."""
+    if why_not is None:
+        why_not = "" if d.healthy else f"is unhealthy ({d.error})"
+    return GpuSlot(
+        d.index,
+        d.uuid,
+        d.memory_total_mb,
+        d.memory_free_mb,
+        d.temperature_c,
+        usable=not why_not,
+        why_not=why_not,
+    )
 
 
 def _resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) -> tuple[str, ...]:

@@ -42,7 +42,15 @@ from supervisor.journal import Journal
 from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
-from supervisor.plan import WORKER_VAR, GpuSlot, Plan, build_plan, launch_spec, place
+from supervisor.plan import (
+    WORKER_VAR,
+    GpuSlot,
+    Plan,
+    build_plan,
+    launch_spec,
+    place,
+    slot_for,
+)
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
@@ -418,17 +426,7 @@ class Runtime:
                 why = "is cordoned"
             elif d.uuid in self.suspect:
                 why = "is suspect (memory of a dead worker still held)"
-            out.append(
-                GpuSlot(
-                    d.index,
-                    d.uuid,
-                    d.memory_total_mb,
-                    d.memory_free_mb,
-                    d.temperature_c,
-                    usable=not why,
-                    why_not=why,
-                )
-            )
+            out.append(slot_for(d, why))
         return out
 
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:

@@ -298,9 +298,10 @@ def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
     assert len(uuids) == 2 and plan["warnings"] == []
     assert all(w["gpus"] and set(w["gpus"]) <= set(uuids) for w in plan["workers"])
 
+    api = "[api]\nlisten='127.0.0.1:0'\n"  # run binds it before it plans
     for extra, message in [
-        ("[[workers]]\nname='g'\ncommand=['app']\ngpus=[5]\n", "no GPU with index 5"),
-        ("[api]\ntoken_file='nope'\n[[workers]]\nname='g'\ncommand=['app']\n", "api.token_file"),
+        (api + "[[workers]]\nname='g'\ncommand=['app']\ngpus=[5]\n", "no GPU with index 5"),
+        (api + "token_file='nope'\n[[workers]]\nname='g'\ncommand=['app']\n", "api.token_file"),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(base + extra)

@@ -1,10 +1,12 @@
-"""HostSampler on real processes: a tree outlives its leader's exit until the leader is reaped."""
+"""HostSampler on real processes: trees, start times, an exited leader, a reused pid."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -13,10 +15,9 @@ from supervisor import procfs
 from supervisor.sampler import HostSampler
 
 
-def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
-    """When the main process exits, its children are re-parented at once, so a walk from the
-    (zombie) leader finds nothing below it: the sampler keeps the tree it saw, which is what the
-    supervisor kills after the exit (processes that left the process group included)."""
+@contextlib.contextmanager
+def leader_with_child() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A shell (the leader) with a ``sleep`` child; the leader exits when its stdin closes."""
     leader = subprocess.Popen(
         ["sh", "-c", "sleep 300 & echo $!; read x"],
         stdin=subprocess.PIPE,
@@ -26,6 +27,20 @@ def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
     assert leader.stdout is not None and leader.stdin is not None
     child = int(leader.stdout.readline())
     try:
+        yield leader, child
+    finally:
+        os.kill(child, signal.SIGKILL)
+        leader.stdin.close()
+        leader.stdout.close()
+        leader.wait()
+
+
+def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
+    """When the main process exits, its children are re-parented at once, so a walk from the
+    (zombie) leader finds nothing below it: the sampler keeps the tree it saw, which is what the
+    supervisor kills after the exit (processes that left the process group included)."""
+    with leader_with_child() as (leader, child):
+        assert leader.stdin is not None
         host = HostSampler(full_every_s=0.0)
         trees, _, _ = host.sample({"w-0": leader.pid})
         assert trees["w-0"] == {leader.pid, child}
@@ -39,29 +54,16 @@ def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
         trees, _, _ = host.sample({"w-0": leader.pid})
         assert trees["w-0"] == {leader.pid, child}
         assert host.starts[child] == started
-        # a new leader under the same name starts a new tree
+        # a new leader under the same name starts a new tree; the leftover's start time stays
         trees, _, _ = host.sample({"w-0": os.getpid()})
-        assert child not in trees["w-0"]
-    finally:
-        os.kill(child, signal.SIGKILL)
-        leader.stdin.close()
-        leader.stdout.close()
-        leader.wait()
+        assert child not in trees["w-0"] and host.starts[child] == started
 
 
 def test_a_reused_pid_is_no_member(monkeypatch: pytest.MonkeyPatch) -> None:
     """Between full scans known members are read one by one: a pid that now names another
     process (its start time changed: the member died and the pid was reused) leaves the tree,
     so it is neither measured nor killed as the worker's."""
-    leader = subprocess.Popen(
-        ["sh", "-c", "sleep 300 & echo $!; read x"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
-    assert leader.stdout is not None and leader.stdin is not None
-    child = int(leader.stdout.readline())
-    try:
+    with leader_with_child() as (leader, child):
         host = HostSampler(full_every_s=3600.0)
         trees, _, _ = host.sample({"w-0": leader.pid})  # the first read is a full scan
         assert trees["w-0"] == {leader.pid, child}
@@ -75,8 +77,3 @@ def test_a_reused_pid_is_no_member(monkeypatch: pytest.MonkeyPatch) -> None:
         trees, _, _ = host.sample({"w-0": leader.pid})
         assert trees["w-0"] == {leader.pid}
         assert host.full_scans == 1  # it was the one-by-one read
-    finally:
-        os.kill(child, signal.SIGKILL)
-        leader.stdin.close()
-        leader.stdout.close()
-        leader.wait()
