@@ -113,8 +113,10 @@ def with_memory(support: CgroupSupport, *, move_self: bool = True) -> CgroupSupp
 
 def _contain_why(root: Path) -> str:
     """Why workers cannot get cgroups of their own below ``root`` (empty: they can)."""
+    if not (root / "cgroup.type").exists():  # only the root cgroup lacks it
+        return f"{root} is the hierarchy's root cgroup: shared by the whole machine"
     if not (root / "cgroup.kill").exists():
-        return f"{root} has no cgroup.kill (Linux >= 5.14, and not the hierarchy's root cgroup)"
+        return f"{root} has no cgroup.kill (Linux < 5.14)"
     if not os.access(root, os.W_OK) or not os.access(root / "cgroup.procs", os.W_OK):
         return f"{root} is not delegated to the supervisor (not writable)"
     try:

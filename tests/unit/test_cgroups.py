@@ -116,6 +116,7 @@ def test_real_memory_max_is_enforced_where_delegated(tmp_path: Path) -> None:
 def contained_root(tmp_path: Path, procs: str) -> Path:
     root = fake_cgroup(tmp_path, "cpu pids")
     (root / "cgroup.kill").write_text("")
+    (root / "cgroup.type").write_text("domain\n")
     (root / "cgroup.procs").write_text(procs)
     return root
 
@@ -189,15 +190,18 @@ def test_a_budget_and_containment_together(tmp_path: Path) -> None:
     ("procs", "kill_file", "why"),
     [
         ("1\n2\n", True, "holds other processes too (pids 1 2)"),
-        ("", False, "has no cgroup.kill"),
+        ("", False, "has no cgroup.kill (Linux < 5.14)"),
+        ("", None, "is the hierarchy's root cgroup"),
     ],
 )
 def test_no_containment_in_a_shared_cgroup_or_without_cgroup_kill(
-    tmp_path: Path, procs: str, kill_file: bool, why: str
+    tmp_path: Path, procs: str, kill_file: bool | None, why: str
 ) -> None:
     """A cgroup shared with other processes (the hierarchy's root here, a login session) is
     not the supervisor's to divide; without cgroup.kill nothing can end a cgroup at once."""
     root = contained_root(tmp_path, procs)
+    if kill_file is None:  # the root cgroup: neither cgroup.type nor cgroup.kill
+        (root / "cgroup.type").unlink()
     if not kill_file:
         (root / "cgroup.kill").unlink()
     support = probe(root, move_self=False, memory=False)
