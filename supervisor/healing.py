@@ -26,7 +26,7 @@ import structlog
 from supervisor import procfs
 from supervisor.alerts import Alerter, alert_doc
 from supervisor.errors import PlacementError
-from supervisor.model import ExitReason, Sample, XidEvent
+from supervisor.model import ExitReason, Sample, WorkerState, XidEvent
 from supervisor.plan import GpuSlot, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.detect import (
@@ -61,6 +61,8 @@ DEFAULT_WINDOW_S = 600.0
 HOST_FREE_EVERY_S = 5.0
 #: the system-wide OOM-kill count (/proc/vmstat) is re-read at most this often at spawns
 OOM_COUNT_REUSE_S = 0.25
+#: Reasons of findings about one process: a new process of the worker is judged afresh.
+PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
@@ -123,6 +125,7 @@ class _Watch:
     judged_at: float = float("-inf")
     pattern_hit: bool = False
     oom_kills_at_start: int | None = None
+    gpu_mb: float | None = None  # at the last sample (what a migration target must have free)
 
 
 @dataclass
@@ -157,6 +160,8 @@ class Healer:
         self._exit_evidence: dict[str, dict[str, Any]] = {}
         #: worker -> GPUs its next placement must avoid (migrate)
         self.avoid: dict[str, set[str]] = {}
+        #: worker -> GPU memory it used when its migration was decided (the target must fit it)
+        self.need_mb: dict[str, float] = {}
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
         self._host_available_mb = host_available_mb or _host_available_mb
@@ -212,9 +217,23 @@ class Healer:
     # --- inputs -------------------------------------------------------------------------
 
     def on_spawned(self, runner: WorkerRunner, pid: int) -> None:
-        """A new process ``pid`` (not yet in ``runner.record``): its detectors start over."""
+        """A new process ``pid`` (not yet in ``runner.record``): its detectors start over.
+
+        Findings about the old process no longer hold back actions on the new one (a leak or a
+        sticky error of the new process is news); a derated worker that now runs on GPUs that
+        are not hot is back in routing.
+        """
         self._reset(runner, pid)
         self._migrating.discard(runner.name)
+        self.need_mb.pop(runner.name, None)
+        for key in [k for k in self._recent if k[1] == runner.name and k[2] in PER_PROCESS]:
+            del self._recent[key]
+        gpus = set(runner.spec.gpus or ())
+        if runner.name in self.state.derated and not gpus & self._hot():
+            self._execute(
+                Act("restore", "thermal", "placed on GPUs that are not hot", worker=runner.name),
+                self.host.clock.now(),
+            )
 
     def on_line(self, runner: WorkerRunner, line: str) -> None:
         """A line of a worker's output: a sticky-error pattern restarts it."""
@@ -370,6 +389,7 @@ class Healer:
             w.in_use_floor.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         w.host_floor.add(now, usage.host_rss_mb)
+        w.gpu_mb = usage.gpu_memory_mb
         w.gpu_streak = budget_streak(w.gpu_streak, usage.gpu_memory_mb, health.gpu_memory_limit_mb)
         w.host_streak = budget_streak(w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb)
         if w.gpu_streak >= BUDGET_SAMPLES:
@@ -496,9 +516,45 @@ class Healer:
     # --- policy and actions -------------------------------------------------------------
 
     def _add(self, finding: Finding) -> None:
+        if finding.at is None:
+            finding = replace(finding, at=self.host.clock.now())
         self._pending.setdefault(finding.key, finding)
 
+    def _hot(self) -> set[str]:
+        return {u for u, t in self.state.thermal.items() if t.hot}
+
+    def migration_slots(self, name: str, slots: list[GpuSlot]) -> list[GpuSlot]:
+        """``slots`` as a migration of ``name`` may use them: not the GPU it leaves, no hot
+        GPU, none with less free memory than the worker used (when both are known)."""
+        avoid = self.avoid.get(name, set())
+        hot = self._hot()
+        need = self.need_mb.get(name)
+        if need is None and (w := self._watch.get(name)) is not None:
+            need = w.gpu_mb
+        out = []
+        for s in slots:
+            if s.uuid in avoid:
+                s = replace(s, usable=False, why_not="is hot (migrating off it)")
+            elif s.uuid in hot:
+                s = replace(s, usable=False, why_not="is hot")
+            elif need and s.free_mb is not None and s.free_mb < need:
+                why = f"has {s.free_mb:.0f} MiB free, the worker used {need:.0f}"
+                s = replace(s, usable=False, why_not=why)
+            out.append(s)
+        return out
+
+    def _settle_migrations(self) -> None:
+        """Migrations end when the worker starts again, and also when it will not (stopped,
+        fatal, removed): then the next one may go."""
+        for name in list(self._migrating):
+            runner = self.host.runners.get(name)
+            if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
+                self._migrating.discard(name)
+                self.avoid.pop(name, None)
+                self.need_mb.pop(name, None)
+
     def _run(self, now: float) -> None:
+        self._settle_migrations()
         if not self._pending:
             return
         findings = list(self._pending.values())
@@ -559,7 +615,7 @@ class Healer:
             try:
                 place(
                     self.host.settings.workers,
-                    slots,
+                    self.migration_slots(r.name, slots),
                     self.host.settings.gpu.reserve_mb,
                     fixed=fixed,
                     only={r.name},
@@ -587,6 +643,9 @@ class Healer:
                 if act.action == "migrate" and act.gpu is not None:
                     self.avoid.setdefault(runner.name, set()).add(act.gpu)
                     self._migrating.add(runner.name)
+                    w = self._watch.get(runner.name)
+                    if w is not None and w.gpu_mb is not None:
+                        self.need_mb[runner.name] = w.gpu_mb
                 runner.post(lc.Drain(restart=True, reason=reason))
         elif act.action == "derate":
             if act.worker is None or act.worker in self.state.derated:
@@ -654,6 +713,20 @@ class Healer:
                 )
             )
         self.host.changed()
+
+    def on_restarted(self, runner: WorkerRunner, reason: str, message: str) -> None:
+        """The lifecycle restarted a worker by itself (``hang``: no heartbeat within
+        ``watchdog_s``; ``start_timeout``): logged, counted and sent like a healing action."""
+        self._record(
+            Act(
+                "restart",
+                reason,
+                message,
+                worker=runner.name,
+                evidence={"pid": runner.last_exit_pid},
+            ),
+            self.host.clock.now(),
+        )
 
     def on_fatal(self, runner: WorkerRunner, why: str) -> None:
         """A worker gave up (fatal): alert."""

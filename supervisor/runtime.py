@@ -8,7 +8,6 @@ consumer, the systemd notifier and one runner per worker. Signals (and, later, t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import math
@@ -368,6 +367,17 @@ class Runtime:
             or self._shutting_down
         )
 
+    async def _reload_alerts(self) -> None:
+        """``[alerts] webhook_url`` as reloaded: the next alert goes to the new URL; set for
+        the first time, the sender starts now; removed, nothing more is sent."""
+        url = self.settings.alerts.webhook_url
+        if self.alerter is not None and url:
+            self.alerter.url = url
+        elif url and self._tg is not None:
+            self.alerter = Alerter(url)
+            await self._tg.start(self.alerter.serve)
+        self.healer.alerter = self.alerter if url else None
+
     def _kill_stale_cgroups(self) -> None:
         for worker, pids in self.cgroups.stale().items():
             self.log.warning(
@@ -592,13 +602,10 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
-        avoid = self.healer.avoid.pop(runner.name, set())
-        slots = [
-            dataclasses.replace(s, usable=False, why_not="is hot (migrating off it)")
-            if s.uuid in avoid
-            else s
-            for s in self.slots()
-        ]
+        avoid = self.healer.avoid.get(runner.name, set())
+        # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full
+        slots = self.healer.migration_slots(runner.name, self.slots()) if avoid else self.slots()
+        self.healer.avoid.pop(runner.name, None)
         usable = {s.uuid for s in slots if s.usable}
         if all(u in usable for u in gpus):
             return spec
@@ -978,8 +985,14 @@ class Runtime:
             key = (runner.name, outcome.reason.value)
             self.restarts_total[key] = self.restarts_total.get(key, 0) + 1
         if outcome.reason.value in ("hang", "start_timeout"):
-            key = ("restart", outcome.reason.value)
-            self.actions_total[key] = self.actions_total.get(key, 0) + 1
+            # the lifecycle's own restarts go the healing actions' way: log, count, webhook
+            why = (
+                "no WATCHDOG=1 within watchdog_s"
+                if outcome.reason.value == "hang"
+                else "not ready within start_timeout_s"
+            )
+            detail = f"{why}; {outcome.detail}" if outcome.detail else why
+            self.healer.on_restarted(runner, outcome.reason.value, detail)
         sigkill = outcome.status is not None and outcome.status.signal == signal.SIGKILL
         dead = _Death(
             runner=runner,
@@ -1110,6 +1123,8 @@ class Runtime:
 
     def _cordon(self, cmd: Cordon) -> None:
         was = cmd.uuid in self.cordoned
+        # the operator's word wins over a cordon for heat: cooling no longer lifts it
+        self.healer.state.thermal_cordoned.discard(cmd.uuid)
         if cmd.cordon:
             self.cordoned.add(cmd.uuid)
         else:
@@ -1272,6 +1287,7 @@ class Runtime:
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return
         self._set_host_interval()
+        await self._reload_alerts()
         if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
             support = with_memory(self.cgroups.support)
             if support is not self.cgroups.support:  # the first budget: probed now

@@ -8,9 +8,17 @@ evidence, under three rules:
 - actions that take a ready worker down (drain, restart, migrate) never leave more than
   ``max_unavailable`` workers of its group not ready; those that would are *deferred* (the
   caller keeps them and asks again later). Acting on a worker that is not ready anyway costs
-  nothing and is allowed. Crashes are not delayed by any of this: they are not findings;
-- the same action for the same worker and reason is not repeated within ``cooldown_s``
-  (alert-only policies would otherwise alert on every judgement).
+  nothing and is allowed, and so is acting on one that serves nothing useful any more (on a
+  GPU that had a fatal XID or is lost, or printing a sticky CUDA error). Crashes are not
+  delayed by any of this: they are not findings;
+- each action of a finding is taken once, and alerts and restarts (drain, restart, migrate)
+  for the same worker and reason are not repeated within ``cooldown_s`` across findings
+  (alert-only policies would otherwise alert on every judgement; an XID burst would restart
+  the replacement). State changes (derate, restore, cordon, uncordon, quarantine) are never
+  held back by it: they are idempotent, and the one-shot findings that ask for them (a GPU
+  turning hot or cool) do not come again;
+- a migrate goes one at a time; for a worker already on its way down or starting it only
+  decides where the next process goes (no availability cost); one that is deferred waits.
 """
 
 from __future__ import annotations
@@ -68,6 +76,11 @@ REASON: Mapping[str, str] = {
 
 #: Default time before the same action for the same worker and reason is taken again.
 COOLDOWN_S = 60.0
+#: The actions the cooldown holds back (state changes are idempotent and never are).
+COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
+#: Reasons of findings about a worker that serves nothing useful any more: acting on it does
+#: not count against ``max_unavailable``.
+BROKEN: frozenset[str] = frozenset({"xid", "gpu_lost", "log_pattern"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,7 @@ class Finding:
     worker: str | None = None
     gpu: str | None = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    at: float | None = None  # when it was raised (None: unknown): its acts are taken once
 
     @property
     def key(self) -> tuple[str, str]:
@@ -243,21 +257,28 @@ def decide(
         for act in candidate_acts(f, workers, policies, can_migrate=can_migrate):
             target = act.worker or act.gpu or ""
             last = recent.get((act.action, target, act.reason))
-            if last is not None and now - last < cooldown_s:
+            if last is not None and (
+                (f.at is not None and last >= f.at)  # taken for this finding already
+                or (act.action in COOLED and now - last < cooldown_s)
+            ):
                 continue
             if not act.disruptive:
                 acts.append(act)
                 continue
             view = workers[act.worker or ""]
-            if view.state in _LEAVING or view.state in _DOWN or act.worker in taken:
-                continue  # already going down (or down): its restart will come from that
+            if view.state in (WorkerState.STOPPED, WorkerState.FATAL):
+                continue  # nothing runs: its next start is placed afresh
             if act.action == "migrate" and migrating:
                 held_back = True
                 why[f.key] = "another migration is in flight"
                 continue
+            if act.action != "migrate" and (
+                view.state in _LEAVING or view.state in _DOWN or act.worker in taken
+            ):
+                continue  # already going down (or down): its restart will come from that
             policy = policies.get(view.group, GroupPolicy())
-            if view.state is WorkerState.READY:
-                if down.get(view.group, 0) >= policy.max_unavailable:
+            if view.state is WorkerState.READY and act.worker not in taken:
+                if act.reason not in BROKEN and down.get(view.group, 0) >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (
                         f"group {view.group} has {down.get(view.group, 0)} of its workers not "

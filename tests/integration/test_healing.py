@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -453,4 +454,46 @@ def test_webhook_receives_the_action(
     assert (doc["worker"], doc["group"], doc["gpu"]) == ("big-0", "big", None)
     assert doc["evidence"]["limit_mb"] == 2000
     assert doc["at"].endswith("Z")
+    assert sup.stop() == 0
+
+
+def test_a_webhook_url_set_by_a_reload_is_used(
+    supervisor: SupervisorFactory, tmp_path: Path, webhook: type[_Hook]
+) -> None:
+    """No webhook at start; a reload sets one (and a budget the worker is over): the action
+    the budget causes reaches it."""
+    cfg = config(tmp_path, {"name": "big", "command": sim("3000")})
+    sup = supervisor(cfg)
+    sup.ready("big-0")
+    cfg = config(
+        tmp_path,
+        {"name": "big", "command": sim("3000"), "health": {"gpu_memory_limit_mb": 2000}},
+    )
+    cfg["alerts"] = {"webhook_url": webhook.url}  # type: ignore[attr-defined]
+    sup.write_config(cfg)
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="heal.action", worker="big-0", reason="gpu_memory_limit", timeout=20)
+    assert webhook.got.wait(10)
+    assert webhook.received[0]["reason"] == "gpu_memory_limit"
+    assert sup.stop() == 0
+
+
+def test_an_operator_cordon_outlives_the_heat_cordon(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """on_thermal = cordon: a hot GPU is cordoned and uncordoned when it cools, unless the
+    operator cordoned it too meanwhile: then it stays cordoned."""
+    sup = supervisor(
+        config(tmp_path, {"name": "c", "command": sim("100"), "health": {"on_thermal": "cordon"}})
+    )
+    sup.ready("c-0")
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x20)
+    sup.wait_event(event="heal.action", action="cordon", gpu=UUID0, timeout=20)
+    with sup.api() as api:
+        assert api.post("/api/v1/gpus/0/cordon").status_code == 200
+        set_gpu(tmp_path, 0, clocks_event_reasons=0)
+        # the sample that finds it cool also takes (or not) the uncordon: no later look needed
+        cool = sup.wait_api("/api/v1/gpu/status", lambda s: not s["devices"][0]["hot"])
+        assert cool["devices"][0]["cordoned"] is True
+    assert not sup.find(event="heal.action", action="uncordon")
     assert sup.stop() == 0

@@ -175,19 +175,81 @@ def test_non_disruptive_actions_are_never_deferred() -> None:
     assert [a.action for a in d.acts] == ["derate", "derate", "alert"]
 
 
-def test_device_fatal_quarantines_at_once_and_drains_within_max_unavailable() -> None:
-    workers = views(w_0=R, w_2=R)
+def test_device_fatal_quarantines_and_drains_every_worker_on_the_gpu_at_once() -> None:
+    """Workers on a GPU that had a device-fatal XID serve nothing useful: draining them does
+    not wait for max_unavailable (they would otherwise sit on a dead GPU one after another)."""
+    workers = views(w_0=R, w_2=R, w_1=R)
     d = decide([Finding("xid_device", "XID 79", gpu=G0)], workers, {"w": GroupPolicy()}, 0.0, {})
-    assert acts_of(d) == [("quarantine", None, G0, "xid"), ("drain", "w-0", G0, "xid")]
-    assert len(d.deferred) == 1
-    # next round: w-0 is draining; quarantine is in its cooldown; w-2 waits for w-0
-    workers["w-0"] = WorkerView("w", WorkerState.DRAINING, (G0,))
-    recent = {("quarantine", G0, "xid"): 0.0, ("drain", "w-0", "xid"): 0.0}
-    d2 = decide(d.deferred, workers, {"w": GroupPolicy()}, 1.0, recent)
-    assert d2.acts == () and len(d2.deferred) == 1
-    workers["w-0"] = WorkerView("w", R, (G1,))  # moved and ready again
-    d3 = decide(d2.deferred, workers, {"w": GroupPolicy()}, 2.0, recent)
-    assert acts_of(d3) == [("drain", "w-2", G0, "xid")]
+    assert acts_of(d) == [
+        ("quarantine", None, G0, "xid"),
+        ("drain", "w-0", G0, "xid"),
+        ("drain", "w-2", G0, "xid"),
+    ]
+    assert d.deferred == ()
+
+
+def test_a_sticky_error_restarts_even_with_the_group_at_max_unavailable() -> None:
+    workers = views(w_0=R, w_1=WorkerState.STOPPED)
+    pattern = Finding("log_pattern", "CUDA error", worker="w-0")
+    assert acts_of(decide([pattern], workers, {"w": GroupPolicy()}, 0.0, {})) == [
+        ("restart", "w-0", None, "log_pattern")
+    ]
+    # a leak of the same worker waits: the one stopped sibling is all the group may miss
+    d = decide([leak("w-0")], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert d.acts == () and len(d.deferred) == 1
+
+
+def test_state_changes_are_not_held_back_by_the_cooldown() -> None:
+    """A GPU hot again 40 s after it cooled: its workers are derated again (the alert, though,
+    is rate-limited); a restore due within the cooldown of the last one is not lost."""
+    workers = views(w_0=R)
+    recent = {("derate", "w-0", "thermal"): 100.0, ("alert", G0, "thermal"): 100.0}
+    hot = Finding("thermal", "hot", gpu=G0, at=140.0)
+    assert acts_of(decide([hot], workers, {"w": GroupPolicy()}, 140.0, recent)) == [
+        ("derate", "w-0", G0, "thermal")
+    ]
+    workers = {"w-0": WorkerView("w", R, (G0,), derated=True)}
+    recent = {("restore", "w-0", "thermal"): 120.0, ("uncordon", G0, "thermal"): 120.0}
+    cool = Finding("thermal_cleared", "cool", gpu=G0, at=150.0)
+    assert [a.action for a in decide([cool], workers, {}, 150.0, recent).acts] == [
+        "restore",
+        "uncordon",
+    ]
+
+
+def test_each_act_of_a_finding_is_taken_once() -> None:
+    """A deferred finding is asked about again: what it already did is not done twice."""
+    workers = views(w_0=R, w_2=WorkerState.STARTING)
+    hot = Finding("thermal", "hot", gpu=G0, at=10.0)
+    recent = {("derate", "w-0", "thermal"): 10.0, ("alert", G0, "thermal"): 10.0}
+    d = decide([hot], workers, {"w": GroupPolicy()}, 500.0, recent)
+    assert acts_of(d) == [("derate", "w-2", G0, "thermal")]
+
+
+def test_a_migrate_for_a_worker_on_its_way_down_only_says_where_it_goes_next() -> None:
+    """A worker draining for a leak, starting or in backoff when its GPU turns hot: the
+    migrate is taken at once (its next process avoids the GPU) without availability cost;
+    a stopped or fatal one has nothing to move."""
+    workers = views(
+        w_0=WorkerState.DRAINING,
+        w_2=WorkerState.BACKOFF,
+        w_4=WorkerState.STOPPED,
+        w_6=WorkerState.FATAL,
+    )
+    policy = {"w": GroupPolicy(on_thermal="migrate", max_unavailable=1)}
+    d = decide([Finding("thermal", "hot", gpu=G0)], workers, policy, 0.0, {})
+    assert [(a.action, a.worker) for a in d.acts] == [("migrate", "w-0")]
+    assert len(d.deferred) == 1  # one at a time: w-2 next
+    recent = {("migrate", "w-0", "thermal"): 0.0}
+    d = decide(d.deferred, workers, policy, 1.0, recent, migrating=1)  # w-0's still going
+    assert d.acts == () and len(d.deferred) == 1
+    d = decide(d.deferred, workers, policy, 2.0, recent)  # w-0 started again elsewhere
+    assert [(a.action, a.worker) for a in d.acts] == [("migrate", "w-2")]
+    # the same round as a leak drain: both, the drain first
+    workers = views(w_0=R, w_1=R)
+    both = [leak("w-0"), Finding("thermal", "hot", gpu=G0)]
+    d = decide(both, workers, policy, 0.0, {})
+    assert [(a.action, a.worker) for a in d.acts] == [("drain", "w-0"), ("migrate", "w-0")]
 
 
 def test_cooldown_suppresses_the_same_action() -> None:

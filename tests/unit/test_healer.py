@@ -1,0 +1,204 @@
+"""The Healer's bookkeeping across samples, with a fake runtime (no processes, a fake clock):
+one-shot findings, migrations, derating across re-placements, per-process cooldowns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+from supervisor.clock import FakeClock
+from supervisor.config import Settings, parse_settings
+from supervisor.healing import Healer
+from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState
+from supervisor.plan import GpuSlot, slot_for
+from supervisor.policy import lifecycle as lc
+
+GPUS = [f"GPU-{i}" for i in range(3)]
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str | None, dict[str, Any]]] = []
+
+    def append(self, wall: float, kind: str, worker: str | None, **fields: Any) -> None:
+        self.items.append((kind, worker, fields))
+
+
+class Runner:
+    """What the healer reads of a worker, and what it posts to it."""
+
+    def __init__(self, name: str, gpu: str, state: WorkerState = WorkerState.READY) -> None:
+        self.name = name
+        self.spec = SimpleNamespace(group=name.rsplit("-", 1)[0], gpus=(gpu,))
+        self.record = SimpleNamespace(pid=100, ready_at=0.0, state=state, restarts=0)
+        self.last_exit_pid: int | None = None
+        self.posted: list[Any] = []
+
+    @property
+    def state(self) -> WorkerState:
+        state: WorkerState = self.record.state
+        return state
+
+    def post(self, event: Any) -> None:
+        self.posted.append(event)
+
+
+@dataclass
+class Host:
+    settings: Settings
+    runners: dict[str, Any]
+    clock: FakeClock = field(default_factory=lambda: FakeClock(start=0.0))
+    cordoned: set[str] = field(default_factory=set)
+    journal: Journal = field(default_factory=Journal)
+    actions_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    devices: dict[str, DeviceSample] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.devices = {
+            u: DeviceSample(
+                i,
+                u,
+                "sim",
+                memory_total_mb=80000,
+                memory_free_mb=70000,
+                temperature_c=50,
+                temperature_slowdown_c=90,
+                clocks_event_reasons=0,
+            )
+            for i, u in enumerate(GPUS)
+        }
+
+    def workers(self) -> list[Any]:
+        return list(self.runners.values())
+
+    def slots(self) -> list[GpuSlot]:
+        return [slot_for(d) for d in self.devices.values()]
+
+    def changed(self) -> None:
+        pass
+
+    def temperature(self, gpu: str, celsius: float) -> None:
+        self.devices[gpu] = replace(self.devices[gpu], temperature_c=celsius)
+
+    def tick(self, healer: Healer, seconds: float = 1.0) -> None:
+        self.clock.advance(seconds)
+        healer.on_sample(Sample(self.clock.now(), tuple(self.devices.values()), {}, True))
+
+    def acts(self) -> list[tuple[str, str | None]]:
+        return [(kind.removeprefix("heal."), worker) for kind, worker, _ in self.journal.items]
+
+
+def setup(on_thermal: str, *runners: Runner) -> tuple[Host, Healer]:
+    groups = sorted({r.spec.group for r in runners})
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": g,
+                "command": ["x"],
+                "replicas": sum(r.spec.group == g for r in runners),
+                "health": {
+                    "on_thermal": on_thermal,
+                    "max_unavailable": 5,
+                    "log_restart_patterns": ["CUDA error"],
+                },
+            }
+            for g in groups
+        ],
+    }
+    host = Host(parse_settings(cfg), {r.name: r for r in runners})
+    return host, Healer(host)  # type: ignore[arg-type]
+
+
+def test_a_restore_due_within_the_cooldown_of_the_last_one_is_not_lost() -> None:
+    """Hot 0-25 s and 60-71 s (sustain 10 s, clear 30 s): derate, restore, derate, restore;
+    the second restore came 46 s after the first and was dropped by the 60 s cooldown."""
+    g0 = Runner("g-0", GPUS[0])
+    host, healer = setup("derate", g0)
+    for t in range(200):
+        host.temperature(GPUS[0], 88 if t < 25 or 60 <= t < 71 else 50)
+        host.tick(healer)
+    assert [a for a in host.acts() if a[0] in ("derate", "restore")] == [
+        ("derate", "g-0"),
+        ("restore", "g-0"),
+        ("derate", "g-0"),
+        ("restore", "g-0"),
+    ]
+    assert healer.state.derated == {}
+
+
+def test_a_migration_never_lands_on_a_hot_gpu_or_one_too_full() -> None:
+    m0 = Runner("m-0", GPUS[0])
+    host, healer = setup("migrate", m0)
+    host.temperature(GPUS[2], 89)  # hot (and empty) before GPU-0 is
+    host.devices[GPUS[1]] = replace(host.devices[GPUS[1]], memory_free_mb=500)
+    for _ in range(12):
+        host.tick(healer)
+    healer.avoid["m-0"] = {GPUS[0]}
+    healer.need_mb["m-0"] = 2000.0
+    usable = {s.uuid: s.why_not for s in healer.migration_slots("m-0", host.slots())}
+    assert usable == {
+        GPUS[0]: "is hot (migrating off it)",
+        GPUS[1]: "has 500 MiB free, the worker used 2000",
+        GPUS[2]: "is hot",
+    }
+
+
+def test_a_stopped_migration_lets_the_next_one_go() -> None:
+    m0, m1 = Runner("m-0", GPUS[0]), Runner("m-1", GPUS[1])
+    host, healer = setup("migrate", m0, m1)
+    host.temperature(GPUS[0], 89)
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert [a for a in host.acts() if a[0] == "migrate"] == [("migrate", "m-0")]
+    m0.record.state = WorkerState.STOPPED  # the operator stopped it mid-way
+    host.tick(healer)
+    assert [a for a in host.acts() if a[0] == "migrate"] == [("migrate", "m-0"), ("migrate", "m-1")]
+    assert any(isinstance(e, lc.Drain) for e in m1.posted)
+
+
+def test_a_derated_worker_placed_on_a_cool_gpu_is_restored() -> None:
+    """Derated on hot GPU-0, then moved off it (an XID quarantined it, say): its new process
+    runs on a cool GPU, so it is routed again, though GPU-0 itself never cooled."""
+    g0 = Runner("g-0", GPUS[0])
+    host, healer = setup("derate", g0)
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert "g-0" in healer.state.derated
+    g0.spec.gpus = (GPUS[1],)
+    healer.on_spawned(g0, 200)  # type: ignore[arg-type]
+    assert healer.state.derated == {} and host.acts()[-1] == ("restore", "g-0")
+    # and one that starts again on the hot GPU stays derated
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        host.tick(healer)
+    healer.on_spawned(g0, 300)  # type: ignore[arg-type]
+    assert "g-0" in healer.state.derated
+
+
+def test_the_replacement_of_a_restarted_worker_is_judged_afresh() -> None:
+    """A sticky CUDA error from the replacement, 5 s after the last restart for one, restarts
+    it too: the cooldown is about one process, not the worker's name."""
+    s0 = Runner("s-0", GPUS[0])
+    host, healer = setup("derate", s0)
+    host.tick(healer)
+    healer.on_line(s0, "RuntimeError: CUDA error: an illegal memory access")  # type: ignore[arg-type]
+    s0.record.pid = 200
+    healer.on_spawned(s0, 200)  # type: ignore[arg-type]
+    host.tick(healer, 5.0)
+    healer.on_line(s0, "RuntimeError: CUDA error: an illegal memory access")  # type: ignore[arg-type]
+    assert [e for e in s0.posted if isinstance(e, lc.Restart)] == [
+        lc.Restart(reason=ExitReason.LOG_PATTERN)
+    ] * 2
+
+
+def test_a_hang_restart_is_logged_and_counted_like_a_healing_action() -> None:
+    w0 = Runner("w-0", GPUS[0])
+    host, healer = setup("derate", w0)
+    w0.last_exit_pid = 100
+    healer.on_restarted(w0, "hang", "no WATCHDOG=1 within watchdog_s")  # type: ignore[arg-type]
+    assert host.journal.items[-1][:2] == ("heal.restart", "w-0")
+    assert host.actions_total == {("restart", "hang"): 1}
