@@ -15,7 +15,7 @@ import signal
 from dataclasses import dataclass, field, replace
 
 from supervisor.config import WorkerGroup
-from supervisor.model import ExitReason, ExitStatus, WorkerState, transition
+from supervisor.model import HEALING_REASONS, ExitReason, ExitStatus, WorkerState, transition
 from supervisor.policy.backoff import (
     FailureHistory,
     RestartPolicy,
@@ -468,6 +468,8 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 after_exit=after,
             )
             return rec, [*acts, SendSignal(t.stop_signal)]
+        if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
+            return rec, []
         if isinstance(ev, Stop | Restart):
             after = AfterExit.STOP if isinstance(ev, Stop) else AfterExit.RESTART
             return _begin_stop(rec, now, t, after, ev.reason)
@@ -482,8 +484,16 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return replace(rec, deadline=None), []
         if isinstance(ev, Stop):
             return replace(rec, after_exit=AfterExit.STOP, stop_reason=ev.reason), []
+        if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
+            return rec, []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
             return replace(rec, after_exit=AfterExit.RESTART), []
         return rec, []
 
     return rec, []
+
+
+def _healing_over_stop(rec: WorkerRecord, ev: Restart) -> bool:
+    """A healing restart of a worker that is being stopped for good: the stop wins (a healing
+    action must not start what an operator, a reload or the shutdown is stopping)."""
+    return rec.after_exit is AfterExit.STOP and ev.reason in HEALING_REASONS

@@ -245,6 +245,19 @@ def test_stop_wins_over_pending_restart() -> None:
     assert rec.state is S.STOPPED
 
 
+def test_a_healing_restart_does_not_undo_a_stop() -> None:
+    """A stop (operator, reload, shutdown) in progress, then a healing restart (a sticky error
+    in the last lines, an XID): the worker stays stopped. An operator's restart still wins."""
+    for stopping in (lc.Stop(), lc.Drain(restart=False)):
+        rec = at(ready(), stopping, 101)
+        rec = at(rec, lc.Restart(ExitReason.LOG_PATTERN), 101.1)
+        rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
+        assert rec.state is S.STOPPED, stopping
+    rec = at(at(ready(), lc.Stop(), 101), lc.Restart(), 101.1)
+    rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
+    assert rec.state is S.STARTING
+
+
 def test_kill_event_kills_at_once_and_stays_stopped() -> None:
     rec, acts = lc.step(ready(), lc.Kill(), 101, T)
     assert lc.KillTree() in acts and rec.after_exit is lc.AfterExit.STOP
