@@ -258,6 +258,12 @@ class Alerter:
         """Alerts queued or being delivered."""
         return len(self._queue) + (self._current is not None)
 
+    def forget(self) -> int:
+        """Drop what is queued (its URL was removed by a reload); how many were dropped."""
+        count = len(self._queue)
+        self._queue.clear()
+        return count
+
     def send(self, doc: dict[str, Any], key: tuple[str, ...] | None = None) -> bool:
         """Queue ``doc``; never blocks, never raises.
 

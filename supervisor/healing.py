@@ -516,8 +516,6 @@ class Healer:
     # --- policy and actions -------------------------------------------------------------
 
     def _add(self, finding: Finding) -> None:
-        if finding.at is None:
-            finding = replace(finding, at=self.host.clock.now())
         self._pending.setdefault(finding.key, finding)
 
     def _hot(self) -> set[str]:
@@ -557,7 +555,8 @@ class Healer:
         self._settle_migrations()
         if not self._pending:
             return
-        findings = list(self._pending.values())
+        # stamped with the time its acts are recorded with (a sample's time, not the clock's)
+        findings = [f if f.at is not None else replace(f, at=now) for f in self._pending.values()]
         views = {
             r.name: WorkerView(
                 group=r.spec.group,
@@ -632,21 +631,29 @@ class Healer:
             if runner is None:
                 return
             reason = ExitReason(act.reason)
-            self._exit_evidence[runner.name] = {
-                **act.evidence,
-                "action": act.action,
-                "message": act.message,
-            }
-            if act.action == "restart":
-                runner.post(lc.Restart(reason=reason))
-            else:
-                if act.action == "migrate" and act.gpu is not None:
-                    self.avoid.setdefault(runner.name, set()).add(act.gpu)
-                    self._migrating.add(runner.name)
-                    w = self._watch.get(runner.name)
-                    if w is not None and w.gpu_mb is not None:
-                        self.need_mb[runner.name] = w.gpu_mb
-                runner.post(lc.Drain(restart=True, reason=reason))
+            if act.action == "migrate" and act.gpu is not None:
+                self.avoid.setdefault(runner.name, set()).add(act.gpu)
+                self._migrating.add(runner.name)
+                w = self._watch.get(runner.name)
+                if w is not None and w.gpu_mb is not None:
+                    self.need_mb[runner.name] = w.gpu_mb
+            # A migrate for a worker already on its way down (or in backoff, or not yet
+            # spawned) only says where its next process goes: its exit is not this action's.
+            stops_it = (
+                act.action != "migrate"
+                or runner.state is WorkerState.READY
+                or (runner.state is WorkerState.STARTING and runner.record.pid is not None)
+            )
+            if stops_it:
+                self._exit_evidence[runner.name] = {
+                    **act.evidence,
+                    "action": act.action,
+                    "message": act.message,
+                }
+                if act.action == "restart":
+                    runner.post(lc.Restart(reason=reason))
+                else:
+                    runner.post(lc.Drain(restart=True, reason=reason))
         elif act.action == "derate":
             if act.worker is None or act.worker in self.state.derated:
                 return

@@ -373,6 +373,8 @@ class Runtime:
         url = self.settings.alerts.webhook_url
         if self.alerter is not None and url:
             self.alerter.url = url
+        elif self.alerter is not None:
+            self.alerter.forget()  # what is queued was for the URL that is gone
         elif url and self._tg is not None:
             self.alerter = Alerter(url)
             await self._tg.start(self.alerter.serve)
@@ -984,7 +986,8 @@ class Runtime:
         if rec.restarts > before.restarts or rec.state in (WorkerState.BACKOFF,):
             key = (runner.name, outcome.reason.value)
             self.restarts_total[key] = self.restarts_total.get(key, 0) + 1
-        if outcome.reason.value in ("hang", "start_timeout"):
+        restarting = rec.state in (WorkerState.BACKOFF, WorkerState.STARTING)
+        if outcome.reason.value in ("hang", "start_timeout") and restarting:
             # the lifecycle's own restarts go the healing actions' way: log, count, webhook
             why = (
                 "no WATCHDOG=1 within watchdog_s"

@@ -78,9 +78,10 @@ REASON: Mapping[str, str] = {
 COOLDOWN_S = 60.0
 #: The actions the cooldown holds back (state changes are idempotent and never are).
 COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
-#: Reasons of findings about a worker that serves nothing useful any more: acting on it does
-#: not count against ``max_unavailable``.
-BROKEN: frozenset[str] = frozenset({"xid", "gpu_lost", "log_pattern"})
+#: Findings about workers that serve nothing useful any more (on a GPU with a device-fatal XID
+#: or lost; printing a sticky CUDA error): acting on them does not wait for ``max_unavailable``.
+#: A worker-fatal XID is not one: it is one process's fault, and its siblings on the GPU wait.
+BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "log_pattern"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,7 @@ def decide(
                 continue  # already going down (or down): its restart will come from that
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
-                if act.reason not in BROKEN and down.get(view.group, 0) >= policy.max_unavailable:
+                if f.kind not in BROKEN and down.get(view.group, 0) >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (
                         f"group {view.group} has {down.get(view.group, 0)} of its workers not "

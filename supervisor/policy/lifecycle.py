@@ -364,6 +364,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None)
         return rec, []
 
+    if isinstance(ev, Restart) and ev.reason in HEALING_REASONS and state in _AT_REST:
+        return rec, []  # a healing restart queued behind a stop (or a crash): nothing to heal
+
     if state in (S.STOPPED, S.FATAL):
         if isinstance(ev, Start | Restart):
             if state is S.FATAL:
@@ -491,6 +494,11 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         return rec, []
 
     return rec, []
+
+
+#: States without a process: a healing restart finds nothing to restart there (no start in
+#: STOPPED or FATAL, no cut to BACKOFF's delay).
+_AT_REST = frozenset({S.STOPPED, S.FATAL, S.BACKOFF})
 
 
 def _healing_over_stop(rec: WorkerRecord, ev: Restart) -> bool:

@@ -396,6 +396,13 @@ def test_send_refuses_without_url_and_rate_limits_per_key() -> None:
     assert (alerter.rate_limited, alerter.pending()) == (1, 4)
 
 
+def test_forget_drops_what_is_queued() -> None:
+    """A reload removed the URL: what was queued for it is not delivered."""
+    alerter = Alerter("http://x.invalid/")
+    assert alerter.send(doc(1)) and alerter.send(doc(2))
+    assert alerter.forget() == 2 and alerter.pending() == 0
+
+
 def test_send_never_raises() -> None:
     alerter = Alerter("http://x.invalid/")
     with capture_logs() as logs:

@@ -188,6 +188,13 @@ def test_device_fatal_quarantines_and_drains_every_worker_on_the_gpu_at_once() -
     assert d.deferred == ()
 
 
+def test_a_worker_fatal_xid_restarts_within_max_unavailable() -> None:
+    """One process's fault (XID 13): its siblings on the GPU are restarted one at a time."""
+    workers = views(w_0=R, w_2=R, w_4=R)
+    d = decide([Finding("xid_worker", "XID 13", gpu=G0)], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")] and len(d.deferred) == 1
+
+
 def test_a_sticky_error_restarts_even_with_the_group_at_max_unavailable() -> None:
     workers = views(w_0=R, w_1=WorkerState.STOPPED)
     pattern = Finding("log_pattern", "CUDA error", worker="w-0")

@@ -83,7 +83,9 @@ class Host:
 
     def tick(self, healer: Healer, seconds: float = 1.0) -> None:
         self.clock.advance(seconds)
-        healer.on_sample(Sample(self.clock.now(), tuple(self.devices.values()), {}, True))
+        # a sample's time is when the sampler took it: a little before the loop handles it
+        taken = self.clock.now() - 0.005
+        healer.on_sample(Sample(taken, tuple(self.devices.values()), {}, True))
 
     def acts(self) -> list[tuple[str, str | None]]:
         return [(kind.removeprefix("heal."), worker) for kind, worker, _ in self.journal.items]
@@ -202,3 +204,42 @@ def test_a_hang_restart_is_logged_and_counted_like_a_healing_action() -> None:
     healer.on_restarted(w0, "hang", "no WATCHDOG=1 within watchdog_s")  # type: ignore[arg-type]
     assert host.journal.items[-1][:2] == ("heal.restart", "w-0")
     assert host.actions_total == {("restart", "hang"): 1}
+
+
+def test_a_deferred_finding_alerts_once() -> None:
+    """GPU-0 turns hot while a migration off GPU-1 is in flight: its migrate waits, and the
+    finding is asked about at every sample; its alert (for the derated worker) goes once."""
+    m0, m1, g0 = Runner("m-0", GPUS[1]), Runner("m-1", GPUS[0]), Runner("g-0", GPUS[0])
+    host, healer = setup("migrate", m0, m1)
+    host.settings = parse_settings(
+        {
+            "gpu": {"backend": "sim"},
+            "workers": [
+                {"name": "m", "command": ["x"], "replicas": 2, "health": {"on_thermal": "migrate"}},
+                {"name": "g", "command": ["x"], "health": {"on_thermal": "derate"}},
+            ],
+        }
+    )
+    host.runners["g-0"] = g0
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert host.acts() == [("migrate", "m-0")]  # in flight from now on (it never respawns)
+    host.temperature(GPUS[0], 89)
+    for _ in range(200):
+        host.tick(healer)
+    assert host.acts()[1:] == [("derate", "g-0"), ("alert", None)]
+
+
+def test_a_migrate_for_a_draining_worker_leaves_its_exit_to_the_drain() -> None:
+    """Draining for a leak when its GPU turns hot: the move is noted for the next process,
+    but the post-mortem evidence stays the leak's, and no second Drain is posted."""
+    m0 = Runner("m-0", GPUS[0], state=WorkerState.DRAINING)
+    host, healer = setup("migrate", m0)
+    healer._exit_evidence["m-0"] = {"action": "drain", "slope_mb_per_min": 50.0}
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert host.acts() == [("migrate", "m-0")] and healer.avoid["m-0"] == {GPUS[0]}
+    assert healer.exit_evidence("m-0") == {"action": "drain", "slope_mb_per_min": 50.0}
+    assert m0.posted == []

@@ -256,6 +256,13 @@ def test_a_healing_restart_does_not_undo_a_stop() -> None:
     rec = at(at(ready(), lc.Stop(), 101), lc.Restart(), 101.1)
     rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
     assert rec.state is S.STARTING
+    # stopped before it was spawned, or waiting out a backoff: nothing to restart
+    rec = at(at(lc.WorkerRecord(), lc.Start(), 100), lc.Stop(), 100.1)
+    assert rec.state is S.STOPPED
+    assert lc.step(rec, lc.Restart(ExitReason.XID), 100.2, T) == (rec, [])
+    rec = at(started(), lc.Exited(10, ExitStatus(1, None)), 100.5)
+    assert rec.state is S.BACKOFF
+    assert lc.step(rec, lc.Restart(ExitReason.LOG_PATTERN), 100.6, T) == (rec, [])
 
 
 def test_kill_event_kills_at_once_and_stays_stopped() -> None:
