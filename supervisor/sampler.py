@@ -35,6 +35,8 @@ HOST_ONLY_INTERVAL_S = 2.0
 HOST_EVERY_S = 2.0
 #: The whole process table is scanned (to find new descendants) at least this often.
 FULL_SCAN_EVERY_S = 5.0
+#: The next full scan after one that found a new main process comes this soon (seconds).
+YOUNG_RESCAN_S = 1.0
 
 
 def host_interval(leak_windows_s: Iterable[float]) -> float:
@@ -132,7 +134,10 @@ class HostSampler:
             return dict(self._result), dict(self._usage), visible
         stale = now >= self._next_full or moved or unplaced
         if stale:
-            self._next_full = now + self.full_every_s
+            # A new main process forks its helpers (ranks, loaders, daemons) in its first
+            # moments, after the scan that found it: look again soon, then at the usual pace.
+            every = min(YOUNG_RESCAN_S, self.full_every_s) if moved else self.full_every_s
+            self._next_full = now + every
         self._leaders = dict(leaders)
         table: dict[int, procfs.ProcStat]
         if stale:

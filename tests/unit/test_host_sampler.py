@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -77,3 +78,25 @@ def test_a_reused_pid_is_no_member(monkeypatch: pytest.MonkeyPatch) -> None:
         trees, _, _ = host.sample({"w-0": leader.pid})
         assert trees["w-0"] == {leader.pid}
         assert host.full_scans == 1  # it was the one-by-one read
+
+
+def test_a_new_leaders_tree_is_read_again_a_second_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new main process forks right after the scan that found it is in its tree after
+    about a second, not only at the next 5 s full scan."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])  # the sampler's clock
+    with leader_with_child() as (leader, child):
+        host = HostSampler()
+        host.sample({"w-0": os.getpid()})  # a first worker, then a new main process
+        scans = host.full_scans
+        trees, _, _ = host.sample({"w-0": leader.pid})
+        assert host.full_scans == scans + 1 and child in trees["w-0"]
+        now[0] += 0.5
+        host.sample({"w-0": leader.pid})
+        assert host.full_scans == scans + 1  # not yet
+        now[0] += 0.6
+        host.sample({"w-0": leader.pid})
+        assert host.full_scans == scans + 2  # a second after the new leader
+        now[0] += 1.1
+        host.sample({"w-0": leader.pid})
+        assert host.full_scans == scans + 2  # then every 5 s again
