@@ -174,24 +174,19 @@ TABLE = CachedTable()
 
 
 def own_children() -> set[int]:
-    """This process's children, from ``/proc/self/task/*/children`` (every thread's: an orphan
-    re-parented to a subreaper goes to any of its threads); a table scan where the kernel lacks
-    those files (``CONFIG_PROC_CHILDREN``). Far cheaper than a scan of all of ``/proc``."""
-    out: set[int] = set()
+    """This process's children that orphans become: ``/proc/self/task/<pid>/children``.
+
+    The kernel hands an orphan to a subreaper's first live thread (the main one), and workers
+    are spawned from the main thread too; children a helper thread started are not listed.
+    One small read, where a scan of all of ``/proc`` would cost milliseconds; the scan where
+    the kernel lacks the file (``CONFIG_PROC_CHILDREN``).
+    """
+    pid = os.getpid()
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        tids = []
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/children", "rb") as fh:
-                out.update(int(p) for p in fh.read().split())
-        except FileNotFoundError:
-            if tid == str(os.getpid()):
-                return set(TABLE.children().get(os.getpid(), ()))
-        except (OSError, ValueError):
-            continue
-    return out
+        with open(f"/proc/self/task/{pid}/children", "rb") as fh:
+            return {int(p) for p in fh.read().split()}
+    except (OSError, ValueError):
+        return set(TABLE.children().get(pid, ()))
 
 
 def oom_kills(cgroup_events: Path | None = None) -> int | None:
