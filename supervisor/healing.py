@@ -638,11 +638,14 @@ class Healer:
                 if w is not None and w.gpu_mb is not None:
                     self.need_mb[runner.name] = w.gpu_mb
             # A migrate for a worker already on its way down (or in backoff, or not yet
-            # spawned) only says where its next process goes: its exit is not this action's.
-            stops_it = (
-                act.action != "migrate"
-                or runner.state is WorkerState.READY
-                or (runner.state is WorkerState.STARTING and runner.record.pid is not None)
+            # spawned, or stopped by another action of this round, whose events it has not
+            # handled yet) only says where its next process goes: its exit is not this action's.
+            stops_it = act.action != "migrate" or (
+                runner.name not in self._exit_evidence
+                and (
+                    runner.state is WorkerState.READY
+                    or (runner.state is WorkerState.STARTING and runner.record.pid is not None)
+                )
             )
             if stops_it:
                 self._exit_evidence[runner.name] = {

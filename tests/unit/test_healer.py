@@ -13,6 +13,7 @@ from supervisor.healing import Healer
 from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState
 from supervisor.plan import GpuSlot, slot_for
 from supervisor.policy import lifecycle as lc
+from supervisor.policy.heal import Finding
 
 GPUS = [f"GPU-{i}" for i in range(3)]
 
@@ -243,3 +244,18 @@ def test_a_migrate_for_a_draining_worker_leaves_its_exit_to_the_drain() -> None:
     assert host.acts() == [("migrate", "m-0")] and healer.avoid["m-0"] == {GPUS[0]}
     assert healer.exit_evidence("m-0") == {"action": "drain", "slope_mb_per_min": 50.0}
     assert m0.posted == []
+
+
+def test_a_migrate_in_the_round_of_a_leak_drain_leaves_the_exit_to_the_drain() -> None:
+    """The drain and the migrate of one worker decided together (its events not handled yet:
+    still READY): one Drain, the leak's evidence, and the next process goes elsewhere."""
+    m0 = Runner("m-0", GPUS[0])
+    host, healer = setup("migrate", m0)
+    host.tick(healer)
+    healer._add(Finding("leak", "grows", worker="m-0", evidence={"slope_mb_per_min": 50.0}))
+    healer._add(Finding("thermal", "GPU 0 is hot", gpu=GPUS[0]))
+    healer._run(host.clock.now())
+    assert host.acts() == [("drain", "m-0"), ("migrate", "m-0")]
+    assert [type(e) for e in m0.posted] == [lc.Drain]
+    assert healer.exit_evidence("m-0")["slope_mb_per_min"] == 50.0  # type: ignore[index]
+    assert healer.avoid["m-0"] == {GPUS[0]}
