@@ -79,6 +79,8 @@ from supervisor.worker import WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
+#: How long a restart waits for the previous process's cgroup to empty (seconds).
+CGROUP_EMPTY_WAIT_S = 2.0
 #: How often the GPU/worker summary is logged.
 SUMMARY_EVERY_S = 15.0
 #: Samples kept per worker for its post-mortem (60 s at the default 0.5 s interval).
@@ -586,8 +588,29 @@ class Runtime:
                 return held
             after = sample.t
 
+    async def _await_cgroup_empty(self, runner: WorkerRunner) -> None:
+        """What ``cgroup.kill`` ended is gone before the replacement joins the cgroup (its
+        memory no longer charged to ``memory.max`` there); bounded: a process stuck in the
+        kernel does not hold the restart up for more than ``CGROUP_EMPTY_WAIT_S``."""
+        if not self.cgroups.populated(runner.name):
+            return
+        waited = anyio.current_time()
+        deadline = waited + CGROUP_EMPTY_WAIT_S
+        while self.cgroups.populated(runner.name):
+            if anyio.current_time() >= deadline:
+                self.log.warning(
+                    "cgroup.still_populated",
+                    worker=runner.name,
+                    waited_s=CGROUP_EMPTY_WAIT_S,
+                    reason="processes killed with the last one are not gone: starting anyway",
+                )
+                return
+            await anyio.sleep(0.005)  # a killed process is usually gone within milliseconds
+
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
-        """Before a (re)start: the GPU-release barrier, then re-place off unusable GPUs."""
+        """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
+        then re-place off unusable GPUs."""
+        await self._await_cgroup_empty(runner)
         spec = runner.spec
         gpus = spec.gpus or ()
         if not gpus or not self.sampler.identities:
@@ -718,7 +741,9 @@ class Runtime:
             output=output,
             on_change=self._changed_now,
             register_pid=self._register_pid,
-            prepare=self._prepare if self.sampler.identities else None,
+            prepare=self._prepare
+            if self.sampler.identities or self.cgroups.support.contain
+            else None,
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
             cgroup_for=self._cgroup_for,

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, alive, wait_dead, worker_cmd
+from tests.harness import Supervisor, alive, stuck, wait_dead, worker_cmd
 
 
 def ts(event: dict[str, Any]) -> float:
@@ -391,6 +391,39 @@ def test_a_crash_takes_the_grandchild_with_cgroup_kill(
             assert not sup.find(event="worker.killed_leftovers")  # cgroup.kill did it
             assert sup.stop() == 0
             assert not cg.exists(), "the worker's cgroup is removed at shutdown"
+        finally:
+            sup.close()
+    finally:
+        _remove_cgroup_tree(home)
+
+
+def test_the_replacement_waits_for_the_cgroup_to_empty(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A process of the crashed worker that cannot die at once (stuck in the kernel: here a
+    frozen cgroup v1 freezer cgroup) keeps the worker's cgroup populated: the replacement waits
+    for it, up to 2 s, then starts anyway and says so."""
+    home = _cgroup_home(tmp_path)
+    try:
+        script = 'setsid sleep 7772 & echo "escapee $!"; exec "$@"'
+        cmd = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
+        sup = supervisor(
+            {"workers": [{"name": "esc", "command": cmd, "log_passthrough": True}]},
+            prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
+        )
+        try:
+            assert sup.wait_event(event="cgroup.mode")["containment"] == "cgroup"
+            leader = sup.ready("esc-0")["pid"]
+            escapee = int(sup.wait_line("[esc-0] escapee ").split()[-1])
+            with stuck(escapee, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+                mark = sup.mark()
+                os.kill(leader, signal.SIGKILL)
+                waited = sup.wait_event(event="cgroup.still_populated", worker="esc-0", after=mark)
+                spawned = sup.wait_event(event="worker.spawned", worker="esc-0", after=mark)
+                assert ts(spawned) >= ts(waited)
+                assert ts(waited) - ts(sup.find(event="worker.exited")[-1]) >= 1.9
+            assert wait_dead([escapee]) == []
+            assert sup.stop() == 0
         finally:
             sup.close()
     finally:
