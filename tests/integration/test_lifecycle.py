@@ -363,6 +363,17 @@ def _remove_cgroup_tree(home: Path) -> None:
         leftover.rmdir()
 
 
+def _contained(supervisor: SupervisorFactory, home: Path) -> Supervisor:
+    """A supervisor alone in cgroup ``home``, with a worker ``esc-0`` whose shell forks an
+    escapee (``setsid sleep``) at once, before anything of ours could move it afterwards."""
+    script = 'setsid sleep 7771 & echo "escapee $!"; exec "$@"'
+    cmd = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
+    return supervisor(
+        {"workers": [{"name": "esc", "command": cmd, "log_passthrough": True}]},
+        prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
+    )
+
+
 def test_a_crash_takes_the_grandchild_with_cgroup_kill(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -372,13 +383,7 @@ def test_a_crash_takes_the_grandchild_with_cgroup_kill(
     removed at shutdown."""
     home = _cgroup_home(tmp_path)
     try:
-        # the shell forks the escapee before anything of ours could move it afterwards
-        script = 'setsid sleep 7771 & echo "escapee $!"; exec "$@"'
-        cmd = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
-        sup = supervisor(
-            {"workers": [{"name": "esc", "command": cmd, "log_passthrough": True}]},
-            prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
-        )
+        sup = _contained(supervisor, home)
         try:
             mode = sup.wait_event(event="cgroup.mode")
             assert mode["containment"] == "cgroup", mode
@@ -405,12 +410,7 @@ def test_the_replacement_waits_for_the_cgroup_to_empty(
     for it, up to 2 s, then starts anyway and says so."""
     home = _cgroup_home(tmp_path)
     try:
-        script = 'setsid sleep 7772 & echo "escapee $!"; exec "$@"'
-        cmd = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
-        sup = supervisor(
-            {"workers": [{"name": "esc", "command": cmd, "log_passthrough": True}]},
-            prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)],
-        )
+        sup = _contained(supervisor, home)
         try:
             assert sup.wait_event(event="cgroup.mode")["containment"] == "cgroup"
             leader = sup.ready("esc-0")["pid"]
