@@ -472,7 +472,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             )
             return rec, [*acts, SendSignal(t.stop_signal)]
         if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
-            return rec, []
+            # draining toward a stop, and now broken (an XID, a sticky error): stop it now,
+            # and keep it stopped
+            return _begin_stop(rec, now, t, AfterExit.STOP, rec.stop_reason or ExitReason.STOP)
         if isinstance(ev, Stop | Restart):
             after = AfterExit.STOP if isinstance(ev, Stop) else AfterExit.RESTART
             return _begin_stop(rec, now, t, after, ev.reason)

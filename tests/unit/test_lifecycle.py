@@ -251,6 +251,8 @@ def test_a_healing_restart_does_not_undo_a_stop() -> None:
     for stopping in (lc.Stop(), lc.Drain(restart=False)):
         rec = at(ready(), stopping, 101)
         rec = at(rec, lc.Restart(ExitReason.LOG_PATTERN), 101.1)
+        # a draining one is not left to finish its drain on a broken GPU: stopped now
+        assert rec.state is S.STOPPING and rec.after_exit is lc.AfterExit.STOP
         rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
         assert rec.state is S.STOPPED, stopping
     rec = at(at(ready(), lc.Stop(), 101), lc.Restart(), 101.1)
