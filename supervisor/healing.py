@@ -563,6 +563,7 @@ class Healer:
                 state=r.state,
                 gpus=tuple(r.spec.gpus or ()),
                 derated=r.name in self.state.derated,
+                has_process=r.record.pid is not None,
             )
             for r in self.host.workers()
         }
@@ -637,17 +638,11 @@ class Healer:
                 w = self._watch.get(runner.name)
                 if w is not None and w.gpu_mb is not None:
                     self.need_mb[runner.name] = w.gpu_mb
-            # A migrate for a worker already on its way down (or in backoff, or not yet
-            # spawned, or stopped by another action of this round, whose events it has not
-            # handled yet) only says where its next process goes: its exit is not this action's.
-            stops_it = act.action != "migrate" or (
-                runner.name not in self._exit_evidence
-                and (
-                    runner.state is WorkerState.READY
-                    or (runner.state is WorkerState.STARTING and runner.record.pid is not None)
-                )
-            )
-            if stops_it:
+            # A redirect-only migrate leaves the exit to what is already stopping the worker
+            # (an exit with evidence pending: an action whose events it has not handled yet).
+            if not act.redirect_only and not (
+                act.action == "migrate" and runner.name in self._exit_evidence
+            ):
                 self._exit_evidence[runner.name] = {
                     **act.evidence,
                     "action": act.action,

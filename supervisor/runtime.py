@@ -388,7 +388,8 @@ class Runtime:
                 "cgroup.stale",
                 worker=worker,
                 pids=pids,
-                reason="left by an earlier run: its processes killed, the cgroup removed",
+                reason="left by an earlier run: its processes killed; the directory is "
+                "reused or removed at shutdown",
             )
 
     def _probe_cgroups(self) -> None:
@@ -592,20 +593,22 @@ class Runtime:
         """What ``cgroup.kill`` ended is gone before the replacement joins the cgroup (its
         memory no longer charged to ``memory.max`` there); bounded: a process stuck in the
         kernel does not hold the restart up for more than ``CGROUP_EMPTY_WAIT_S``."""
-        if not self.cgroups.populated(runner.name):
-            return
-        waited = anyio.current_time()
-        deadline = waited + CGROUP_EMPTY_WAIT_S
-        while self.cgroups.populated(runner.name):
+        if not await self._cgroups_empty([runner.name], CGROUP_EMPTY_WAIT_S):
+            self.log.warning(
+                "cgroup.still_populated",
+                worker=runner.name,
+                waited_s=CGROUP_EMPTY_WAIT_S,
+                reason="processes killed with the last one are not gone: starting anyway",
+            )
+
+    async def _cgroups_empty(self, names: Sequence[str], timeout: float) -> bool:
+        """Wait until the cgroups of ``names`` hold no process; False when ``timeout`` ran out."""
+        deadline = anyio.current_time() + timeout
+        while any(self.cgroups.populated(n) for n in names):
             if anyio.current_time() >= deadline:
-                self.log.warning(
-                    "cgroup.still_populated",
-                    worker=runner.name,
-                    waited_s=CGROUP_EMPTY_WAIT_S,
-                    reason="processes killed with the last one are not gone: starting anyway",
-                )
-                return
+                return False
             await anyio.sleep(0.005)  # a killed process is usually gone within milliseconds
+        return True
 
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
@@ -1228,11 +1231,7 @@ class Runtime:
     async def _remove_cgroups(self) -> None:
         """Remove the workers' cgroups once their killed processes are gone (bounded wait)."""
         names = [r.name for r in self.workers()]
-        deadline = anyio.current_time() + KILL_WAIT_S
-        while any(self.cgroups.populated(n) for n in names):
-            if anyio.current_time() >= deadline:
-                break
-            await anyio.sleep(0.01)  # processes killed a moment ago are still exiting
+        await self._cgroups_empty(names, KILL_WAIT_S)  # processes killed a moment ago
         for name in names:
             self.cgroups.remove(name)
         left = self.cgroups.sweep()

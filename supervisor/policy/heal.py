@@ -24,7 +24,7 @@ evidence, under three rules:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from supervisor.model import WorkerState
@@ -116,6 +116,9 @@ class Act:
     worker: str | None = None
     gpu: str | None = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
+    #: a migrate for a worker that is going down anyway (or has no process): it only says
+    #: where the next process goes, and stops nothing itself
+    redirect_only: bool = False
 
     @property
     def disruptive(self) -> bool:
@@ -131,6 +134,7 @@ class WorkerView:
     state: WorkerState
     gpus: tuple[str, ...] = ()
     derated: bool = False
+    has_process: bool = True  # False while starting before the spawn (or in backoff)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,10 +277,11 @@ def decide(
                 held_back = True
                 why[f.key] = "another migration is in flight"
                 continue
-            if act.action != "migrate" and (
-                view.state in _LEAVING or view.state in _DOWN or act.worker in taken
-            ):
+            going = view.state in _LEAVING or view.state in _DOWN or act.worker in taken
+            if act.action != "migrate" and going:
                 continue  # already going down (or down): its restart will come from that
+            if act.action == "migrate" and (going or not view.has_process):
+                act = replace(act, redirect_only=True)
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
                 if f.kind not in BROKEN and down.get(view.group, 0) >= policy.max_unavailable:

@@ -246,6 +246,7 @@ def test_a_migrate_for_a_worker_on_its_way_down_only_says_where_it_goes_next() -
     policy = {"w": GroupPolicy(on_thermal="migrate", max_unavailable=1)}
     d = decide([Finding("thermal", "hot", gpu=G0)], workers, policy, 0.0, {})
     assert [(a.action, a.worker) for a in d.acts] == [("migrate", "w-0")]
+    assert d.acts[0].redirect_only  # the drain already stops it
     assert len(d.deferred) == 1  # one at a time: w-2 next
     recent = {("migrate", "w-0", "thermal"): 0.0}
     d = decide(d.deferred, workers, policy, 1.0, recent, migrating=1)  # w-0's still going
@@ -257,6 +258,7 @@ def test_a_migrate_for_a_worker_on_its_way_down_only_says_where_it_goes_next() -
     both = [leak("w-0"), Finding("thermal", "hot", gpu=G0)]
     d = decide(both, workers, policy, 0.0, {})
     assert [(a.action, a.worker) for a in d.acts] == [("drain", "w-0"), ("migrate", "w-0")]
+    assert [a.redirect_only for a in d.acts] == [False, True]
 
 
 def test_cooldown_suppresses_the_same_action() -> None:
