@@ -852,13 +852,14 @@ class Front:
     would otherwise keep the loop, and with it the GIL, busy all the time: the sampler and NVML
     threads then get the GIL only at switch intervals, a sampling tick takes hundreds of
     milliseconds instead of ten, and crash recovery (which waits for a fresh sample: the
-    GPU-release barrier) slows down by the same. So requests are admitted one at a time, and
-    once the loop's thread has used ``share`` of the current ``period_s`` in CPU time (requests,
-    HTTP parsing, everything), the next request waits for the next period: the loop sleeps in
-    epoll and the threads run. While ``urgent()`` holds (a worker is being replaced: its
-    GPU-release barrier waits for a sample), the share drops to ``urgent_share``. Requests that
-    wait on something else (a post-mortem read in a thread, a cordon being applied) skip the
-    queue and the count.
+    GPU-release barrier) slows down by the same. So requests are admitted one at a time (each
+    until it first reads from or writes to its client, so a client that stops reading cannot
+    hold the others back), and once the loop's thread has used ``share`` of the current
+    ``period_s`` in CPU time (requests, HTTP parsing, everything), the next request waits for
+    the next period: the loop sleeps in epoll and the threads run. While ``urgent()`` holds (a
+    worker is being replaced: its GPU-release barrier waits for a sample), the share drops to
+    ``urgent_share``. Requests that wait on something else (a post-mortem read in a thread, a
+    cordon being applied) skip the queue and the count.
     """
 
     def __init__(
@@ -885,7 +886,7 @@ class Front:
         self.share = share
         self.period_s = period_s
         self.exempt = tuple(exempt)
-        self._lock = anyio.Lock()
+        self._turn = anyio.Semaphore(1)  # one request computes at a time
         self._window_at = 0.0
         self._window_cpu = 0.0
         self.waits = 0
@@ -896,13 +897,35 @@ class Front:
         if scope["type"] != "http" or scope["path"].startswith(self.exempt):
             await self.app(scope, receive, send)
             return
-        async with self._lock:
+        # The turn is held while the request computes, not while it waits on its client: it is
+        # given up at the first receive or send (either may wait as long as the client likes: a
+        # client that stops reading its answers must not stall /healthz for everyone else).
+        await self._turn.acquire()
+        held = True
+
+        def give_up() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._turn.release()
+
+        async def receive_freely() -> Any:
+            give_up()
+            return await receive()
+
+        async def send_freely(message: Any) -> None:
+            give_up()
+            await send(message)
+
+        try:
             await self._admit()
             route = self.fast.get(scope["path"]) if scope["method"] == "GET" else None
             if route is None:
-                await self.app(scope, receive, send)
+                await self.app(scope, receive_freely, send_freely)
             else:
-                await self._answer(route, scope, send)
+                await self._answer(route, scope, send_freely)
+        finally:
+            give_up()
 
     def _dated(self, send: Any) -> Any:
         """``send`` that adds the ``Date`` header (uvicorn's needs a timer every second)."""

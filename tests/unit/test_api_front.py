@@ -134,3 +134,46 @@ async def test_every_answer_is_dated() -> None:
         answer = await call(front, path)
         stamp = parsedate_to_datetime(answer["headers"][b"date"].decode()).timestamp()
         assert abs(stamp - time.time()) < 2
+
+
+async def test_a_client_that_stops_reading_holds_no_one_back() -> None:
+    """A request whose answer the client does not read (uvicorn's ``send`` waits while the
+    socket's buffer is full) or whose body it does not send gives up its turn."""
+    import anyio
+
+    front = Front(slow_app, FAST, None)
+    never, all_stuck = anyio.Event(), anyio.Event()
+    stuck_at: list[str] = []
+
+    def note(where: str) -> None:
+        stuck_at.append(where)
+        if len(stuck_at) == 3:
+            all_stuck.set()
+
+    async def stuck_send(message: dict[str, Any]) -> None:
+        note(message["type"])
+        await never.wait()
+
+    async def stuck_receive() -> dict[str, Any]:
+        note("receive")
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    async def reading_app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+
+    async def nothing() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    stuck = {"type": "http", "method": "GET", "headers": []}
+    reader = Front(reading_app, {}, None)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(front, {**stuck, "path": "/open"}, nothing, stuck_send)
+            tg.start_soon(front, {**stuck, "path": "/other"}, nothing, stuck_send)
+            tg.start_soon(reader, {**stuck, "path": "/post"}, stuck_receive, stuck_send)
+            await all_stuck.wait()
+            assert (await call(front, "/open"))["status"] == 200
+            assert (await call(front, "/other"))["body"] == b"slow"
+            tg.cancel_scope.cancel()
+    assert sorted(stuck_at) == ["http.response.start", "http.response.start", "receive"]
