@@ -180,6 +180,7 @@ class Runtime:
         self.log = structlog.get_logger()
         self.runners: dict[str, WorkerRunner] = {}
         self.groups: dict[str, list[str]] = {}
+        self._halted: set[str] = set()  # groups whose last rollout halted part-way
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
         self._subreaper = subreaper
@@ -1284,7 +1285,7 @@ class Runtime:
             return
         self.systemd.send("RELOADING=1")
         old = self.settings
-        diff = diff_groups(old.workers, new.workers)
+        diff = diff_groups(old.workers, new.workers, dirty=self._halted)
         self.log.info(
             "supervisor.reload",
             unchanged=list(diff.unchanged),
@@ -1327,17 +1328,23 @@ class Runtime:
             assert group is not None
             await self._add_group(group, plan)
         halted: list[WorkerGroup] = []
+        resumed = self._halted.intersection(diff.changed)
+        self._halted.difference_update(diff.removed)
         for name in diff.changed:
             if self._shutting_down:
                 return
             group = self.settings.group(name)
             assert group is not None
-            if not await self._roll_group(group, plan):
+            if await self._roll_group(group, plan, resume=name in resumed):
+                self._halted.discard(name)
+            else:
                 before = old.group(name)
                 assert before is not None
                 halted.append(before)
+                self._halted.add(name)
         if halted:
-            # Keep the old definition of a halted group, so the next reload tries it again.
+            # Keep the old definition of a halted group, so the next reload tries it again
+            # (with either file: the group stays dirty until a rollout of it completes).
             by_name = {g.name: g for g in halted}
             self.settings = self.settings.model_copy(
                 update={"workers": tuple(by_name.get(g.name, g) for g in self.settings.workers)}
@@ -1357,8 +1364,12 @@ class Runtime:
                 tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
         self.groups.pop(name, None)
 
-    async def _roll_group(self, group: WorkerGroup, plan: Plan) -> bool:
-        """Restart a changed group one worker at a time, each waiting for readiness."""
+    async def _roll_group(self, group: WorkerGroup, plan: Plan, *, resume: bool = False) -> bool:
+        """Restart a changed group one worker at a time, each waiting for readiness.
+
+        ``resume``: the group's last rollout halted part-way; a worker that already runs, ready,
+        exactly what this one rolls out is left alone (rolling back restarts only those the
+        halted rollout reached)."""
         old_names = list(self.groups.get(group.name, []))
         timing = lc.timing_for(group)
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
@@ -1370,6 +1381,8 @@ class Runtime:
                 attempts = 0
                 await self._start_runner(runner)
             else:
+                if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
+                    continue
                 runner.reconfigure(spec, timing, group.log_passthrough)
                 if runner.state is WorkerState.STOPPED:
                     continue  # an operator stop stays in force

@@ -56,6 +56,8 @@ class WorkerRunner:
     ) -> None:
         self.spec = spec
         self.timing = timing
+        self._configured = (spec, timing)  # as planned (``spec`` may be re-placed at a start)
+        self._started_as: tuple[LaunchSpec, lc.Timing] | None = None
         self.record = lc.WorkerRecord()
         self.output = output
         self.status_text = ""
@@ -126,8 +128,13 @@ class WorkerRunner:
         """Use a new spec from the next start on (reload)."""
         self.spec = spec
         self.timing = timing
+        self._configured = (spec, timing)
         self.output.passthrough = passthrough
         self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
+
+    def runs(self, spec: LaunchSpec, timing: lc.Timing) -> bool:
+        """True when the current process was started from exactly this plan (reload)."""
+        return self.record.pid is not None and self._started_as == (spec, timing)
 
     def on_notify(self, msg: NotifyMessage) -> None:
         """A datagram from this worker or one of its descendants."""
@@ -292,6 +299,7 @@ class WorkerRunner:
             self.output.mark(f"spawn failed: {exc}")
             return lc.SpawnFailed(str(exc))
         self._child = child
+        self._started_as = self._configured
         self._last_pid = child.pid
         self._tree = []
         self.stopping_notified = False

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from supervisor.config import WorkerGroup
@@ -23,8 +23,14 @@ class ReloadDiff:
         return not (self.changed or self.removed or self.added)
 
 
-def diff_groups(old: Sequence[WorkerGroup], new: Sequence[WorkerGroup]) -> ReloadDiff:
-    """Compare two group lists by name; a group is changed when any of its settings differ."""
+def diff_groups(
+    old: Sequence[WorkerGroup], new: Sequence[WorkerGroup], dirty: Collection[str] = ()
+) -> ReloadDiff:
+    """Compare two group lists by name; a group is changed when any of its settings differ.
+
+    ``dirty``: groups whose workers may not match ``old`` (a rollout that halted part-way:
+    some run the definition it rolled out, some the one before), changed whatever the files
+    say, so that reloading either definition brings every worker to it."""
     old_by_name = {g.name: g for g in old}
     new_names = {g.name for g in new}
     unchanged: list[str] = []
@@ -34,7 +40,7 @@ def diff_groups(old: Sequence[WorkerGroup], new: Sequence[WorkerGroup]) -> Reloa
         before = old_by_name.get(g.name)
         if before is None:
             added.append(g.name)
-        elif before == g:
+        elif before == g and g.name not in dirty:
             unchanged.append(g.name)
         else:
             changed.append(g.name)

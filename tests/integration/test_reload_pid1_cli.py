@@ -118,6 +118,71 @@ def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactor
     assert sup.stop() == 0
 
 
+def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A rollout that halts leaves its group dirty: reloading the previous file removes the
+    replica a halted scale-up added and rolls back the workers a halted change reached (and
+    only those). Regression: the old file compared "unchanged" with the definition kept for the
+    halted group, so the extra replica stayed and the broken worker kept its new command."""
+    # replica 2 never becomes ready: a scale-up to 3 halts there
+    by_index = (
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 2 ]; then exec {sys.executable} '
+        f"{ROOT / 'tests/workers/never_ready.py'}; else exec {sys.executable} "
+        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
+    )
+    good = {
+        "name": "roll",
+        "command": ["sh", "-c", by_index],
+        "replicas": 2,
+        "port_base": 9450,
+        "stop_timeout_s": 2,
+        "start_timeout_s": 1,
+    }
+    sup = supervisor({"workers": [good]})
+
+    def since(mark: int, **match: Any) -> list[dict[str, Any]]:
+        return [e for e in sup.events[mark:] if all(e.get(k) == v for k, v in match.items())]
+
+    def reload(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        mark = sup.mark()
+        sup.write_config({"workers": [config]})
+        sup.signal(signal.SIGHUP)
+        return mark, sup.wait_event(event="supervisor.reload", after=mark)
+
+    def names() -> list[str]:
+        with sup.api() as http:
+            return [w["name"] for w in http.get("/api/v1/workers").json()]
+
+    sup.ready("roll-0")
+    sup.ready("roll-1")
+    mark, _ = reload({**good, "replicas": 3})
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-2"
+    for w in ("roll-0", "roll-1"):  # restarted by the rollout before it reached roll-2
+        sup.ready(w, after=mark)
+    pids = {
+        w: since(mark, event="worker.spawned", worker=w)[-1]["pid"] for w in ("roll-0", "roll-1")
+    }
+    mark, diff = reload(good)  # back to 2 replicas
+    assert diff["changed"] == ["roll"], diff
+    sup.wait_until(lambda: names() == ["roll-0", "roll-1"], what="roll-2 removed")
+    assert not since(mark, event="worker.spawned")  # the two replicas run this plan already
+    assert pids == {w: sup.find(event="worker.spawned", worker=w)[-1]["pid"] for w in pids}
+
+    mark, _ = reload({**good, "command": worker_cmd("never_ready")})
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
+    assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
+    mark, diff = reload(good)
+    assert diff["changed"] == ["roll"], diff
+    sup.ready("roll-0", after=mark)
+    (spawned,) = since(mark, event="worker.spawned")
+    assert spawned["worker"] == "roll-0" and "sh" in spawned["argv"][0]
+    assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
+    _, diff = reload(good)  # that rollout completed: the group is clean again
+    assert diff["unchanged"] == ["roll"], diff
+    assert sup.stop() == 0
+
+
 def test_reload_clears_fatal(supervisor: SupervisorFactory) -> None:
     restart = {"backoff_initial_s": 0.01, "burst": 1}
     sup = supervisor({"workers": [g("dead", "exit_with_code", "4", restart=restart)]})

@@ -30,3 +30,12 @@ def test_diff_by_name_and_content() -> None:
 def test_same_config_is_noop() -> None:
     g = groups({"name": "a", "command": ["x"]})
     assert diff_groups(g, g).is_noop
+
+
+def test_a_dirty_group_is_changed_whatever_the_files_say() -> None:
+    """A group whose rollout halted part-way (its workers run two definitions) is rolled
+    again by the next reload, even of the very file it was halted on."""
+    g = groups({"name": "a", "command": ["x"]}, {"name": "b", "command": ["y"], "port_base": 9100})
+    d = diff_groups(g, g, dirty={"a", "gone"})
+    assert d.changed == ("a",) and d.unchanged == ("b",) and not d.is_noop
+    assert diff_groups(g, g[1:], dirty={"a"}).removed == ("a",)
