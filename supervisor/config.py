@@ -26,7 +26,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from supervisor.errors import ConfigError
 from supervisor.model import DEVICE_FATAL_XIDS, WORKER_FATAL_XIDS
@@ -44,7 +49,10 @@ _GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(-[A-Za-z_][A-Za-z0-9_.]*)*$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # inf and nan are valid TOML floats, but no setting means anything with them
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 NonNegativeSeconds = Annotated[float, Field(ge=0)]
@@ -276,7 +284,7 @@ class WorkerGroup(_Strict):
 
     name: str
     command: tuple[str, ...] = Field(min_length=1)
-    replicas: int = Field(default=1, ge=0, le=4096)
+    replicas: int = Field(default=1, ge=0, le=4096, strict=True)  # not "3", 2.0 or true
     env: dict[str, str] = Field(default_factory=dict)
     gpus: GpuSelection = "auto"
     gpus_per_worker: int = Field(default=1, ge=1)
@@ -308,6 +316,9 @@ class WorkerGroup(_Strict):
     def _command_not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value[0].strip():
             raise ValueError("the program (first element) is empty")
+        for arg in value:
+            if "\0" in arg:  # exec cannot pass it
+                raise ValueError(f"an argument contains a NUL character: {arg!r}")
         return value
 
     @field_validator("stop_signal")
@@ -337,6 +348,9 @@ class WorkerGroup(_Strict):
         for key in value:
             if not key or "=" in key or "\0" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
+        for key, val in value.items():
+            if "\0" in val:  # exec cannot pass it
+                raise ValueError(f"the value of {key} contains a NUL character: {val!r}")
         return value
 
     @property
@@ -550,6 +564,16 @@ def parse_settings(data: Mapping[str, Any], source: str = "<config>") -> Setting
         return Settings(**dict(data))
     except ValidationError as exc:
         raise ConfigError(format_validation_error(source, exc)) from None
+    except SettingsError as exc:  # an environment override that is not JSON where JSON is due
+        raise ConfigError(_env_parse_error(source, exc)) from None
+
+
+def _env_parse_error(source: str, exc: SettingsError) -> str:
+    field = re.search(r'field "([^"]+)"', str(exc))
+    name = ENV_PREFIX + (field.group(1) if field else "").upper()
+    value = next((v for k, v in os.environ.items() if k.upper() == name), None)
+    why = f"not valid JSON ({exc.__cause__})" if exc.__cause__ else str(exc)
+    return f"{source}: environment variable {name}: {why} (got {_short(value)})"
 
 
 def load_settings(path: str | os.PathLike[str]) -> Settings:

@@ -178,7 +178,7 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         os.close(write_fd)
         what = exc.strerror or str(exc)
         raise SpawnError(f"cannot execute {spec.argv[0]!r}: {what}") from exc
-    except subprocess.SubprocessError as exc:
+    except (subprocess.SubprocessError, ValueError) as exc:  # ValueError: a NUL in argv/env
         os.close(read_fd)
         os.close(write_fd)
         raise SpawnError(f"cannot start {spec.argv[0]!r}: {exc}") from exc

@@ -1314,6 +1314,11 @@ class Runtime:
             )
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return
+        except Exception:  # a bug must not take the running workers down with the supervisor
+            self.settings = old
+            self.log.exception("supervisor.reload_rejected", reason="internal error")
+            self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")
+            return
         self._set_host_interval()
         await self._reload_alerts()
         if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):

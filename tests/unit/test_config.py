@@ -29,6 +29,25 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "replicas": "three"}]},
             "workers[0].replicas: Input should be a valid integer",
         ),
+        ({"workers": [{**W, "replicas": "3"}]}, "workers[0].replicas: Input should be a valid"),
+        ({"workers": [{**W, "replicas": 2.0}]}, "workers[0].replicas: Input should be a valid"),
+        ({"workers": [{**W, "replicas": True}]}, "workers[0].replicas: Input should be a valid"),
+        (
+            {"workers": [{**W, "health": {"watchdog_s": float("inf")}}]},
+            "workers[0].health.watchdog_s: Input should be a finite number (got inf)",
+        ),
+        (
+            {"supervisor": {"shutdown_timeout_s": float("nan")}},
+            "supervisor.shutdown_timeout_s: Input should be a finite number (got nan)",
+        ),
+        (
+            {"workers": [{**W, "command": ["x", "a\0b"]}]},
+            "workers[0].command: an argument contains a NUL character",
+        ),
+        (
+            {"workers": [{**W, "env": {"A": "a\0b"}}]},
+            "workers[0].env: the value of A contains a NUL character",
+        ),
         (
             {"workers": [{**W, "stop_timeout_s": -1}]},
             "workers[0].stop_timeout_s: Input should be greater than or equal to 0 (got -1)",
@@ -231,3 +250,13 @@ def test_bad_alerts_and_metrics_path() -> None:
         {"workers": [{**W, "metrics_path": "metrics"}]}
     )
     assert "supervisor.postmortem_keep" in bad({"supervisor": {"postmortem_keep": 0}})
+
+
+@pytest.mark.parametrize(("name", "value"), [("WORKERS", "not json"), ("GPU", "{bad")])
+def test_an_environment_override_that_is_not_json(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(f"GPU_SUPERVISOR_{name}", value)
+    msg = bad({"workers": [W]})
+    assert msg.startswith(f"c.toml: environment variable GPU_SUPERVISOR_{name}: not valid JSON")
+    assert msg.endswith(f"(got {value!r})")
