@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from supervisor._version import __version__
-from supervisor.config import Settings
+
+if TYPE_CHECKING:
+    from supervisor.config import Settings
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the entry point (supervisor.__main__) must run before pydantic is
+    # imported, to hold back signals that would otherwise be lost (see there).
+    if name == "Settings":
+        from supervisor.config import Settings
+
+        return Settings
+    raise AttributeError(f"module 'supervisor' has no attribute {name!r}")
 
 
 def run(config_path: str) -> int:

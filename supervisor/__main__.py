@@ -5,7 +5,14 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
+
+# Held back until `run` has installed its handlers (supervisor.processes.HELD_SIGNALS; every
+# other command releases them at once): as a container's PID 1 the kernel drops a signal that
+# has no handler, so a `docker stop` in the first half second would otherwise be lost and
+# end, after the grace period, in a SIGKILL. Blocked, it waits and is handled.
+signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
 
 # Start-up allocates many objects and no garbage worth collecting: the collector is turned on
 # again (after a gc.freeze) once the runtime has spawned its workers, or at once by any other

@@ -31,6 +31,7 @@ from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
+from supervisor.processes import release_held_signals
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -401,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command != "run":
             gc.enable()  # held off by the entry point; `run` turns it on after start-up
+            release_held_signals()  # likewise: `run` releases them once it handles them
         if args.command == "check-config":
             print(check_config(load_settings(args.config), args.json))
             return EXIT_OK

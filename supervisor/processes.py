@@ -32,6 +32,18 @@ from supervisor import procfs
 from supervisor.errors import SpawnError
 from supervisor.model import ExitStatus, LaunchSpec
 
+#: Blocked by the entry point (``supervisor.__main__``) until ``run`` handles them.
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def release_held_signals() -> None:
+    """Unblock ``HELD_SIGNALS`` in this thread: one that arrived meanwhile is delivered now.
+
+    Called once their handlers are in place (``run``) or at once (every other command); before
+    any worker is spawned, as a child inherits the signal mask of the thread that forks it."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # How setpriv's help text names the option (not ``--keep-pdeathsig``), and how much of the

@@ -54,7 +54,14 @@ from supervisor.policy import lifecycle as lc
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.reload import diff_groups
-from supervisor.processes import Reaped, Reaper, probe_spawn_helper, set_child_subreaper
+from supervisor.processes import (
+    HELD_SIGNALS,
+    Reaped,
+    Reaper,
+    probe_spawn_helper,
+    release_held_signals,
+    set_child_subreaper,
+)
 from supervisor.reclaim import reclaim
 from supervisor.records import (
     POSTMORTEM_DIR,
@@ -1103,7 +1110,8 @@ class Runtime:
     async def _serve_signals(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
+            release_held_signals()  # one that came while we started is delivered now
             task_status.started()
             async for signum in signals:
                 intent = signal_intent(signum, self._shutting_down)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -259,6 +261,8 @@ def test_as_pid1_reaps_orphans_and_stops_on_sigterm(supervisor: SupervisorFactor
     in_namespace = inner.children(recursive=True)
     assert len(in_namespace) >= 4  # the four workers
     assert _zombies(in_namespace) == []
+    # the signals held back during start-up are released, and no worker inherits them blocked
+    assert not any(_blocked_signals(p.pid) for p in [inner, *in_namespace])
     assert orphan not in {_ns_pid(p) for p in in_namespace}
     t0 = time.monotonic()
     inner.send_signal(signal.SIGTERM)
@@ -276,6 +280,40 @@ def test_as_pid1_reaps_orphans_and_stops_on_sigterm(supervisor: SupervisorFactor
     assert stubborn_stop_s <= elapsed < shutdown_timeout_s, elapsed
     assert sup.wait_event(event="supervisor.exit")["code"] == 0
     assert not sup.find(event="supervisor.shutdown_timeout")
+
+
+@pytest.mark.skipif(
+    not _pid1_works(), reason="unshare --pid --fork --mount-proc not permitted here"
+)
+def test_as_pid1_a_sigterm_right_at_start_is_not_lost(supervisor: SupervisorFactory) -> None:
+    """The kernel drops a signal sent to a namespace's PID 1 that has no handler for it; the
+    entry point holds SIGTERM back until `run` handles it, so a `docker stop` in the first half
+    second stops the supervisor gracefully. Regression: it was dropped and the supervisor went
+    on to start its workers."""
+    assert unshare is not None
+    sup = supervisor({"workers": [g("plain")]}, prefix=[unshare, "--pid", "--fork", "--mount-proc"])
+    term_bit = 1 << (signal.SIGTERM - 1)
+
+    def holding_sigterm() -> psutil.Process | None:
+        with contextlib.suppress(psutil.Error, OSError, IndexError):
+            inner = psutil.Process(sup.pid).children()[0]
+            if _blocked_signals(inner.pid) & term_bit:
+                return inner
+        return None
+
+    inner = sup.wait_until(holding_sigterm, what="PID 1 holding SIGTERM back", every=0.001)
+    inner.send_signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    assert sup.wait_event(event="supervisor.signal")["signal"] == "SIGTERM"
+    assert sup.wait_event(event="supervisor.exit")["code"] == 0
+
+
+def _blocked_signals(pid: int) -> int:
+    """The signal mask of ``pid``'s main thread (``SigBlk:`` of /proc/<pid>/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    blocked = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
+    assert blocked is not None
+    return int(blocked.group(1), 16)
 
 
 def _ts(event: dict[str, Any]) -> float:
