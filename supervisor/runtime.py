@@ -53,7 +53,7 @@ from supervisor.plan import (
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
-from supervisor.policy.reload import diff_groups
+from supervisor.policy.reload import applied_by_reload, diff_groups, start_only_changes
 from supervisor.processes import (
     HELD_SIGNALS,
     Reaped,
@@ -1301,18 +1301,14 @@ class Runtime:
             removed=list(diff.removed),
             added=list(diff.added),
         )
-        if new.supervisor != old.supervisor:
+        kept = start_only_changes(old, new)
+        if kept:
             self.log.warning(
                 "supervisor.reload_partial",
-                reason="[supervisor] changes other than shutdown_timeout_s need a restart",
+                reason="these keys are read at start only: restart to apply them",
+                keys=list(kept),
             )
-        self.settings = new.model_copy(
-            update={
-                "supervisor": old.supervisor.model_copy(
-                    update={"shutdown_timeout_s": new.supervisor.shutdown_timeout_s}
-                )
-            }
-        )
+        self.settings = applied_by_reload(old, new)
         try:
             plan = self._build_plan(self.settings, keep=diff.unchanged)
         except PlacementError as exc:

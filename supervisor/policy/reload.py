@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from supervisor.config import WorkerGroup
+from supervisor.config import Settings, WorkerGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,3 +46,34 @@ def diff_groups(
             changed.append(g.name)
     removed = [g.name for g in old if g.name not in new_names]
     return ReloadDiff(tuple(unchanged), tuple(changed), tuple(removed), tuple(added))
+
+
+#: ``[gpu]`` keys read once, when the GPU backend is opened; the others apply at a reload.
+GPU_AT_START = ("backend", "sim_dir", "sim_devices")
+#: ``[supervisor]`` keys a reload applies; the others are read once, at start.
+SUPERVISOR_LIVE = ("shutdown_timeout_s",)
+
+
+def start_only_changes(old: Settings, new: Settings) -> tuple[str, ...]:
+    """The keys ``new`` changes that only a restart applies (``[supervisor]`` but
+    ``shutdown_timeout_s``, the whole ``[api]``: its listener and token are set up once, and
+    ``[gpu]``'s backend), as dotted paths in declaration order."""
+    out: list[str] = []
+    for section, keys in (
+        ("supervisor", [k for k in type(old.supervisor).model_fields if k not in SUPERVISOR_LIVE]),
+        ("api", list(type(old.api).model_fields)),
+        ("gpu", list(GPU_AT_START)),
+    ):
+        before, after = getattr(old, section), getattr(new, section)
+        out += [f"{section}.{k}" for k in keys if getattr(before, k) != getattr(after, k)]
+    return tuple(out)
+
+
+def applied_by_reload(old: Settings, new: Settings) -> Settings:
+    """``new`` with the start-only keys (``start_only_changes``) kept at ``old``'s values: the
+    settings a reload puts in force, so that everything reporting them tells what runs."""
+    supervisor = old.supervisor.model_copy(
+        update={k: getattr(new.supervisor, k) for k in SUPERVISOR_LIVE}
+    )
+    gpu = new.gpu.model_copy(update={k: getattr(old.gpu, k) for k in GPU_AT_START})
+    return new.model_copy(update={"supervisor": supervisor, "api": old.api, "gpu": gpu})

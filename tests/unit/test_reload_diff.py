@@ -39,3 +39,31 @@ def test_a_dirty_group_is_changed_whatever_the_files_say() -> None:
     d = diff_groups(g, g, dirty={"a", "gone"})
     assert d.changed == ("a",) and d.unchanged == ("b",) and not d.is_noop
     assert diff_groups(g, g[1:], dirty={"a"}).removed == ("a",)
+
+
+def test_keys_read_at_start_only_are_named_and_kept() -> None:
+    from supervisor.policy.reload import applied_by_reload, start_only_changes
+
+    w = [{"name": "a", "command": ["x"]}]
+    old = parse_settings({"workers": w, "gpu": {"backend": "none"}})
+    new = parse_settings(
+        {
+            "workers": w,
+            "supervisor": {"shutdown_timeout_s": 5, "state_dir": "/elsewhere"},
+            "api": {"listen": "127.0.0.1:9999", "token_file": "/etc/token"},
+            "gpu": {"backend": "sim", "reserve_mb": 1024, "thermal_margin_c": 2},
+        }
+    )
+    assert start_only_changes(old, new) == (
+        "supervisor.state_dir",
+        "api.listen",
+        "api.token_file",
+        "gpu.backend",
+    )
+    applied = applied_by_reload(old, new)
+    assert applied.supervisor.shutdown_timeout_s == 5  # applied
+    assert applied.supervisor.state_dir == old.supervisor.state_dir  # kept
+    assert applied.api == old.api and applied.gpu.backend == "none"
+    assert (applied.gpu.reserve_mb, applied.gpu.thermal_margin_c) == (1024, 2)
+    assert applied.workers == new.workers
+    assert start_only_changes(old, applied) == ()
