@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 TOKEN_ENV = "GPU_SUPERVISOR_API_TOKEN"  # noqa: S105 - a variable name, not a secret
 DEFAULT_TIMEOUT_S = 10.0
+MAX_TIMEOUT_S = 86400.0  # a day: past it the socket layer overflows
 API = "/api/v1"
 
 #: The client subcommands and their help lines.
@@ -49,7 +51,7 @@ def add_commands(sub: Any) -> None:
     common.add_argument("-c", "--config", help="the supervisor's TOML config (for [api])")
     common.add_argument("--url", help="API URL: http://HOST:PORT or unix:/path (overrides -c)")
     common.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request"
+        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, help="seconds per request"
     )
     for name, text in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text, parents=[common])
@@ -65,6 +67,26 @@ def add_commands(sub: Any) -> None:
                     action="store_true",
                     help="NAME is a group: restart one worker at a time, waiting for readiness",
                 )
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds > 0 and <= {MAX_TIMEOUT_S:g} (got {text!r})"
+        )
+    return value
+
+
+def _check_name(what: str, name: str) -> None:
+    """A worker, group or GPU name fits one URL path segment: not empty, ``.``, ``..`` or with a
+    ``/`` (they would name another path, or none, and the answer would not say which)."""
+    if name in ("", ".", "..") or "/" in name:
+        raise UsageError(f"gpu-supervisor: {what} {name!r}: no such name can exist")
 
 
 # --- connection -------------------------------------------------------------------------------
@@ -113,6 +135,13 @@ def resolve(
             )
     elif not url.startswith(("http://", "https://", "unix:/")):
         raise UsageError(f"gpu-supervisor: --url {url!r}: expected http://HOST:PORT or unix:/path")
+    elif not url.startswith("unix:"):
+        import httpx
+
+        try:
+            httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise UsageError(f"gpu-supervisor: --url {url!r}: {exc}") from None
     token = environ.get(TOKEN_ENV) or None
     if token is None and api.token_file is not None:
         token = read_token_file(api.token_file)
@@ -202,6 +231,10 @@ def _error_text(response: httpx.Response) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run one client command; return the exit code (errors are raised)."""
+    if args.command in ("cordon", "uncordon"):
+        _check_name("GPU", args.gpu)
+    elif args.command != "status":
+        _check_name("worker or group", args.name)
     url, token = resolve(args.url, args.config)
     with Client(url, token, args.timeout) as client:
         if args.command == "status":

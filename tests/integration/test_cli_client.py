@@ -178,3 +178,30 @@ def test_client_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert run(capsys, "drain")[0] == 2
     code, _, err = run(capsys, "status", "--url", "http://127.0.0.1:1", "--timeout", "2")
     assert code == 1 and "is it running? (connection refused)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("status", "--timeout", "-1"), "argument --timeout: expected seconds > 0"),
+        (("status", "--timeout", "nan"), "(got 'nan')"),
+        (("status", "--timeout", "inf"), "(got 'inf')"),
+        (("status", "--url", "http://x:abc"), "--url 'http://x:abc': Invalid port"),
+        (("restart", "a-0", "--url", "http://[::1"), "--url 'http://[::1'"),
+        (("stop", "."), "worker or group '.': no such name can exist"),
+        (("restart", ""), "worker or group '': no such name"),
+        (("drain", "a/b"), "worker or group 'a/b': no such name"),
+        (("cordon", ".."), "GPU '..': no such name"),
+    ],
+)
+def test_bad_client_arguments_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], said: str
+) -> None:
+    """Regression: a bad --timeout or --url was a traceback (exit 1); '.', '' or 'a/b' asked
+    the server and got back a 404 or 405 that named no value."""
+    code, _, err = (
+        run(capsys, *args, "--url", "http://127.0.0.1:1")
+        if "--url" not in args
+        else (run(capsys, *args))
+    )
+    assert code == 2 and said in err and err.count("\n") <= 1, err
