@@ -199,9 +199,6 @@ def test_bad_client_arguments_are_one_line_and_exit_2(
 ) -> None:
     """Regression: a bad --timeout or --url was a traceback (exit 1); '.', '' or 'a/b' asked
     the server and got back a 404 or 405 that named no value."""
-    code, _, err = (
-        run(capsys, *args, "--url", "http://127.0.0.1:1")
-        if "--url" not in args
-        else (run(capsys, *args))
-    )
+    url = () if "--url" in args else ("--url", "http://127.0.0.1:1")  # never asked
+    code, _, err = run(capsys, *args, *url)
     assert code == 2 and said in err and err.count("\n") <= 1, err
