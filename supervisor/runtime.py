@@ -799,6 +799,10 @@ class Runtime:
         if names is not None and runner.name in names:
             names.remove(runner.name)
         self.runners.pop(runner.name, None)
+        # its series leave /metrics; one of the same name added later starts from 0, as the
+        # worker object's `restarts` does
+        for key in [k for k in self.restarts_total if k[0] == runner.name]:
+            del self.restarts_total[key]
 
     def _stop_budget(self, runner: WorkerRunner) -> float:
         t = runner.timing

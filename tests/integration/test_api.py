@@ -477,3 +477,34 @@ def test_start_refused_with_a_readable_token_file(tmp_path: Path) -> None:
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"gpu-supervisor: api.token_file {token}: mode 0644")
     assert "Traceback" not in out.stderr
+
+
+def test_a_worker_added_again_by_a_reload_counts_restarts_from_zero(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: the restart counter of a worker removed by a reload came back, at its old
+    value, when a later reload added a worker of the same name (its `restarts` said 0)."""
+    group = {"name": "c", "command": worker_cmd("ready_then_sleep"), "replicas": 2}
+    sup = supervisor({"workers": [group]})
+    sup.ready("c-1")
+    with sup.api() as http:
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/c-1/restart").status_code == 202
+        sup.ready("c-1", after=mark)
+
+        def restarts() -> list[tuple[dict[str, str], float]]:
+            samples = metric_samples(http.get("/metrics").text)
+            series = samples.get("gpu_supervisor_worker_restarts", [])  # family: no _total
+            return [(labels, v) for labels, v in series if labels["worker"] == "c-1"]
+
+        assert [v for _, v in restarts()] == [1]
+        for replicas in (1, 2):
+            mark = sup.mark()
+            sup.write_config({"workers": [{**group, "replicas": replicas}]})
+            sup.signal(signal.SIGHUP)
+            sup.wait_event(event="supervisor.reload", after=mark)
+            sup.ready("c-0", after=mark)
+        sup.ready("c-1", after=mark)
+        assert http.get("/api/v1/workers/c-1").json()["restarts"] == 0
+        assert restarts() == []
+    assert sup.stop() == 0
