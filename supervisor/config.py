@@ -7,6 +7,7 @@ must be >= 0 (got -1)``). Unknown keys are rejected so that typos are caught.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -425,6 +426,12 @@ class Settings(BaseSettings):
         if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) for g in groups):
             return data
         taken: list[range] = []
+        api = data.get("api")
+        listen = api.get("listen") if isinstance(api, dict) else None
+        with contextlib.suppress(ValueError):  # a bad listen value is reported by its own check
+            kind, _, api_port = parse_listen(listen if isinstance(listen, str) else "")
+            if kind == "tcp" and api_port:
+                taken.append(range(api_port, api_port + 1))  # the API's own port
         for g in groups:
             base, replicas = g.get("port_base"), g.get("replicas", 1)
             if isinstance(base, int) and isinstance(replicas, int) and replicas >= 0:
@@ -470,6 +477,12 @@ class Settings(BaseSettings):
             if ports and ports[-1] > 65535:
                 raise ValueError(
                     f"workers[{i}].port_base: ports {ports[0]}-{ports[-1]} go past 65535"
+                )
+            kind, _, api_port = parse_listen(self.api.listen)
+            if kind == "tcp" and api_port in ports:
+                raise ValueError(
+                    f"workers[{i}].port_base: ports {ports[0]}-{ports[-1]} of group "
+                    f"{group.name!r} include the API's port {api_port} (api.listen)"
                 )
         for i, a in enumerate(self.workers):
             for j in range(i + 1, len(self.workers)):

@@ -260,3 +260,16 @@ def test_an_environment_override_that_is_not_json(
     msg = bad({"workers": [W]})
     assert msg.startswith(f"c.toml: environment variable GPU_SUPERVISOR_{name}: not valid JSON")
     assert msg.endswith(f"(got {value!r})")
+
+
+def test_worker_ports_and_the_api_port() -> None:
+    """Regression: a group could be given the API's own port; its worker could never bind it."""
+    api = {"listen": "127.0.0.1:8001"}
+    msg = bad({"api": api, "workers": [{**W, "port_base": 8000, "replicas": 2}]})
+    assert msg == (
+        "c.toml: workers[0].port_base: ports 8000-8001 of group 'gpen' include the API's "
+        "port 8001 (api.listen)"
+    )
+    auto = parse_settings({"api": api, "workers": [{**W, "replicas": 2}]})
+    assert auto.workers[0].port_base == 8002  # handed-out ports go around it
+    assert parse_settings({"api": {"listen": "127.0.0.1:0"}, "workers": [W]}).workers[0].port_base
