@@ -355,6 +355,9 @@ class Runtime:
                 tg.cancel_scope.cancel()
         finally:
             self.listener.close()
+            if self.notify_path.parent != self.settings.supervisor.state_dir.absolute():
+                with contextlib.suppress(OSError):  # the private temp dir the socket went to
+                    self.notify_path.parent.rmdir()
             self.systemd.close()
             if startup_error is not None:
                 with anyio.CancelScope(shield=True):

@@ -461,6 +461,7 @@ def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: P
     sup.wait_events(3, event="worker.state", worker="c-0", new="ready")
     assert sup.stop() == 0
     assert not (small_fs / "state.json").exists()
+    assert not Path(moved["path"]).parent.exists()  # the temporary directory is removed
 
 
 def test_postmortem_cli_lists_newest_first_and_shows_one(
