@@ -324,6 +324,14 @@ def build_plan(
             'gpus = "auto" without GPU telemetry places nothing: CUDA_VISIBLE_DEVICES is left '
             f"unset for group(s) {', '.join(auto)}"
         )
+    for group in settings.workers:
+        ignored = sorted({"gpus_per_worker", "max_workers_per_gpu"} & group.model_fields_set)
+        if group.gpus not in ("auto", "none") and ignored:
+            warnings.append(
+                f"group {group.name}: {' and '.join(ignored)} "
+                f'{"apply" if len(ignored) > 1 else "applies"} to gpus = "auto" only; '
+                f"with a list every worker gets all of {list(group.gpus)}"
+            )
     groups: list[GroupPlan] = []
     for group in settings.workers:
         specs = tuple(

@@ -40,6 +40,19 @@ def test_auto_without_telemetry_leaves_cuda_unset_and_warns() -> None:
     assert len(p.warnings) == 1
 
 
+def test_auto_only_keys_with_a_list_are_a_warning() -> None:
+    """Every worker gets the whole list: a per-GPU cap or a GPU count set with it does nothing."""
+    p = plan(replicas=3, gpus=[0], max_workers_per_gpu=1)
+    assert {w.env["CUDA_VISIBLE_DEVICES"] for w in p.groups[0].workers} == {"0"}
+    assert p.warnings == (
+        'group gpen: max_workers_per_gpu applies to gpus = "auto" only; '
+        "with a list every worker gets all of [0]",
+    )
+    both = plan(gpus=[0, 1], max_workers_per_gpu=4, gpus_per_worker=2).warnings
+    assert both[0].startswith("group gpen: gpus_per_worker and max_workers_per_gpu apply to")
+    assert plan(gpus=[0, 1]).warnings == ()  # the defaults say nothing
+
+
 def test_none_hides_all_gpus() -> None:
     assert plan(gpus="none").groups[0].workers[0].env["CUDA_VISIBLE_DEVICES"] == ""
 
