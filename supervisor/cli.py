@@ -25,7 +25,12 @@ from supervisor import client
 from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.config import GpuSection, Settings, load_settings
-from supervisor.errors import BackendError, ConfigError, SupervisorError, UsageError
+from supervisor.errors import (
+    BackendError,
+    ConfigError,
+    SupervisorError,
+    UsageError,
+)
 from supervisor.listen import load_token, open_api, serve_api
 from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
@@ -398,8 +403,10 @@ def _first_supervisor_error(group: BaseExceptionGroup[Any]) -> SupervisorError |
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
+    config: str | None = None
     try:
         args = build_parser().parse_args(argv)
+        config = getattr(args, "config", None)
         if args.command != "run":
             gc.enable()  # held off by the entry point; `run` turns it on after start-up
             release_held_signals()  # likewise: `run` releases them once it handles them
@@ -416,9 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return client.main(args)
         raise UsageError(f"unknown command {args.command!r}")
     except (ConfigError, UsageError) as exc:
-        print(
-            f"gpu-supervisor: {exc}" if isinstance(exc, ConfigError) else str(exc), file=sys.stderr
-        )
+        line = str(exc)
+        if isinstance(exc, ConfigError) and config and not line.startswith(f"{config}: "):
+            line = f"{config}: {line}"  # found on the GPUs or in the token file, not the text
+        print(f"gpu-supervisor: {line}" if isinstance(exc, ConfigError) else line, file=sys.stderr)
         return EXIT_USAGE
     except SupervisorError as exc:
         print(f"gpu-supervisor: {exc}", file=sys.stderr)

@@ -57,6 +57,7 @@ class _Strict(BaseModel):
 
 
 NonNegativeSeconds = Annotated[float, Field(ge=0)]
+Xid = Annotated[int, Field(ge=1, strict=True)]  # NVML's XID numbers start at 1
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
 
@@ -114,6 +115,14 @@ class SupervisorSection(_Strict):
     """``[supervisor]``."""
 
     state_dir: Path = Path("/var/lib/gpu-supervisor")
+
+    @field_validator("state_dir", mode="before")
+    @classmethod
+    def _state_dir_named(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError('an empty path (write "." for the current directory)')
+        return value
+
     shutdown_timeout_s: PositiveSeconds = 30.0
     sample_interval_s: float = Field(default=0.5, ge=0.05, le=60)
     log_max_bytes: int = Field(default=52_428_800, ge=0)
@@ -136,8 +145,8 @@ class GpuSection(_Strict):
     thermal_sustain_s: NonNegativeSeconds = 10.0
     thermal_clear_s: NonNegativeSeconds = 30.0
     # XID classes (NVML.md section 2); an XID in neither list is counted only.
-    xid_worker_fatal: tuple[int, ...] = WORKER_FATAL_XIDS
-    xid_device_fatal: tuple[int, ...] = DEVICE_FATAL_XIDS
+    xid_worker_fatal: tuple[Xid, ...] = WORKER_FATAL_XIDS
+    xid_device_fatal: tuple[Xid, ...] = DEVICE_FATAL_XIDS
 
     @model_validator(mode="after")
     def _xid_lists_disjoint(self) -> GpuSection:
@@ -561,7 +570,8 @@ def format_validation_error(
     elif kind == "missing":
         msg = "required key is missing"
     line = f"{source}: {path}: {msg}" if path else f"{source}: {msg}"
-    if kind not in ("missing",) and "(got " not in msg and path:
+    whole_section = isinstance(first.get("input"), dict)  # a check of several keys at once
+    if kind not in ("missing",) and "(got " not in msg and path and not whole_section:
         line += f" (got {_short(first.get('input'))})"
     env_name = _env_name_for(loc, environ) if loc else None
     if env_name:

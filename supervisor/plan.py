@@ -300,7 +300,7 @@ def _pick(
 
     candidates.sort(key=rank)
     if len(candidates) < group.gpus_per_worker:
-        why = "; ".join(reasons) or "no GPUs"
+        why = "; ".join(reasons) or (f"{len(devices)} GPU(s) in all" if devices else "no GPUs")
         raise PlacementError(
             f"cannot place {name}: needs {group.gpus_per_worker} GPU(s), "
             f"{len(candidates)} available ({why})"

@@ -412,7 +412,8 @@ def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
             result = cli(verb, "-c", str(bad))
             assert result.returncode == 2, (verb, result)
             lines = result.stderr.strip().splitlines()  # run logs its start before this
-            assert lines[-1].startswith("gpu-supervisor: ") and message in lines[-1], lines
+            assert lines[-1].startswith(f"gpu-supervisor: {bad}: "), lines
+            assert message in lines[-1], lines
             assert verb == "run" or len(lines) == 1, lines
 
 

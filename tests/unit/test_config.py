@@ -29,6 +29,12 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "replicas": "three"}]},
             "workers[0].replicas: Input should be a valid integer",
         ),
+        (
+            {"gpu": {"xid_worker_fatal": [13], "xid_device_fatal": [13]}},
+            "c.toml: gpu: xid_worker_fatal and xid_device_fatal both list 13",  # no (got {...})
+        ),
+        ({"gpu": {"xid_worker_fatal": [-5]}}, "gpu.xid_worker_fatal[0]: Input should be greater"),
+        ({"supervisor": {"state_dir": ""}}, "supervisor.state_dir: an empty path"),
         ({"workers": [{**W, "replicas": "3"}]}, "workers[0].replicas: Input should be a valid"),
         ({"workers": [{**W, "replicas": 2.0}]}, "workers[0].replicas: Input should be a valid"),
         ({"workers": [{**W, "replicas": True}]}, "workers[0].replicas: Input should be a valid"),
@@ -273,3 +279,8 @@ def test_worker_ports_and_the_api_port() -> None:
     auto = parse_settings({"api": api, "workers": [{**W, "replicas": 2}]})
     assert auto.workers[0].port_base == 8002  # handed-out ports go around it
     assert parse_settings({"api": {"listen": "127.0.0.1:0"}, "workers": [W]}).workers[0].port_base
+
+
+def test_a_check_of_several_keys_does_not_print_the_whole_section() -> None:
+    gpu = {"xid_worker_fatal": [13], "xid_device_fatal": [13]}
+    assert bad({"gpu": gpu}) == "c.toml: gpu: xid_worker_fatal and xid_device_fatal both list 13"
