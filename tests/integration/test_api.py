@@ -475,7 +475,8 @@ def test_start_refused_with_a_readable_token_file(tmp_path: Path) -> None:
     )
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"gpu-supervisor: api.token_file {token}: mode 0644")
+    config = tmp_path / "fail.toml"
+    assert last.startswith(f"gpu-supervisor: {config}: api.token_file {token}: mode 0644")
     assert "Traceback" not in out.stderr
 
 
