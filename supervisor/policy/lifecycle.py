@@ -294,9 +294,12 @@ def _after_failure_or_stable(
         return rec, [*base, Exit(outcome, failure=False), *acts]
     verdict = record_failure(rec.history, now, policy)
     if verdict.fatal:
+        last = outcome.detail or outcome.reason.value
+        if outcome.reason not in (ExitReason.EXIT, ExitReason.SIGNAL) and outcome.detail:
+            last = f"{outcome.reason.value} ({outcome.detail})"  # a healing or timeout stop
         why = (
             f"{len(verdict.history.times)} failed starts within {policy.interval_s:g}s "
-            f"(burst {policy.burst}); last: {outcome.detail or outcome.reason.value}"
+            f"(burst {policy.burst}); last: {last}"
         )
         rec, acts = _move(rec, S.FATAL, why, history=verdict.history, deadline=None, **common)
         return rec, [*base, Exit(outcome, failure=True), *acts]
@@ -428,10 +431,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Stop):
             return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
         if isinstance(ev, Restart):
-            return _begin_stop(rec, now, t, AfterExit.RESTART, ev.reason)
+            return _begin_stop(rec, now, t, _restart_after(ev.reason), ev.reason)
         if isinstance(ev, Drain):
             # Not ready yet, so not routed to: nothing to drain, stop straight away.
-            after = AfterExit.RESTART if ev.restart else AfterExit.STOP
+            after = _restart_after(ev.reason) if ev.restart else AfterExit.STOP
             return _begin_stop(rec, now, t, after, ev.reason)
         return rec, []
 
@@ -443,9 +446,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Stop):
             return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
         if isinstance(ev, Restart):
-            return _begin_stop(rec, now, t, AfterExit.RESTART, ev.reason)
+            return _begin_stop(rec, now, t, _restart_after(ev.reason), ev.reason)
         if isinstance(ev, Drain):
-            after = AfterExit.RESTART if ev.restart else AfterExit.STOP
+            after = _restart_after(ev.reason) if ev.restart else AfterExit.STOP
             rec, acts = _move(
                 rec,
                 S.DRAINING,
@@ -476,7 +479,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             # and keep it stopped
             return _begin_stop(rec, now, t, AfterExit.STOP, rec.stop_reason or ExitReason.STOP)
         if isinstance(ev, Stop | Restart):
-            after = AfterExit.STOP if isinstance(ev, Stop) else AfterExit.RESTART
+            after = AfterExit.STOP if isinstance(ev, Stop) else _restart_after(ev.reason)
             return _begin_stop(rec, now, t, after, ev.reason)
         if isinstance(ev, Heartbeat):
             return replace(rec, heartbeat_at=now), []
@@ -496,6 +499,14 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         return rec, []
 
     return rec, []
+
+
+def _restart_after(reason: ExitReason) -> AfterExit:
+    """A healing restart is judged like a crash once the process is gone: after a stable run it
+    starts again at once (``delay_s``), else it counts as a failure (backoff, then ``fatal``),
+    so a worker that is over its budget from the start cannot restart in a tight loop. An
+    operator's or a reload's restart is not judged."""
+    return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
 
 
 #: States without a process: a healing restart finds nothing to restart there (no start in

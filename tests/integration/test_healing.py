@@ -266,6 +266,34 @@ def test_over_gpu_and_host_budget_restarts(supervisor: SupervisorFactory, tmp_pa
     assert sup.stop() == 0
 
 
+def test_a_worker_over_its_budget_from_the_start_backs_off_then_goes_fatal(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Every replacement is over its budget again at once: each healing restart of a worker
+    that was not stable counts as a failed start (backoff, then fatal), as a crash would.
+    Regression: it restarted at once, forever (28 post-mortems in 14 s, never fatal)."""
+    restart = {"delay_s": 0, "stable_s": 30, "backoff_initial_s": 0.2, "burst": 2}
+    group = {
+        "name": "big",
+        "command": sim("800"),
+        "restart": restart,
+        "health": {"gpu_memory_limit_mb": 500},
+    }
+    sup = supervisor(config(tmp_path, group))
+    fatal = sup.wait_event(event="worker.state", worker="big-0", new="fatal", timeout=30)
+    assert "gpu_memory_limit" in fatal["reason"], fatal
+    actions = sup.find(event="heal.action", worker="big-0")
+    assert len(actions) == 3 and {a["reason"] for a in actions} == {"gpu_memory_limit"}
+    backoffs = sup.find(event="worker.state", worker="big-0", new="backoff")
+    assert len(backoffs) == 2
+    written = sup.wait_events(3, event="records.postmortem", worker="big-0")
+    docs = [
+        json.loads((sup.state_dir / "postmortems" / f"{e['id']}.json").read_text()) for e in written
+    ]
+    assert all(d["evidence"]["counted_as_failure"] for d in docs), docs[0]["evidence"]
+    assert sup.stop() == 0
+
+
 def test_hot_gpu_derates_its_workers_then_restores_them(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -300,3 +300,29 @@ def test_a_delay_waits_for_the_timer() -> None:
     rec, actions = lc.step(ready(), lc.Exited(10, CRASH), 120.0, T)
     assert rec.state is S.BACKOFF and rec.deadline == 120.5
     assert not any(isinstance(a, lc.Spawn) for a in actions)
+
+
+def test_a_healing_restart_of_an_unstable_worker_counts_as_a_failure() -> None:
+    """A worker that is over its budget (or leaks, or trips an XID) again right after every
+    start backs off and goes fatal instead of restarting in a tight loop (DESIGN.md section 5:
+    never a restart storm); a stable worker is restarted at once (``delay_s``), not counted.
+    Regression: every healing restart started the replacement at once and counted nothing."""
+    over = ExitReason.GPU_MEMORY_LIMIT
+    rec, acts = run([lc.Restart(over), lc.Exited(10, CRASH)], ready(100.0), start=101.0)
+    assert rec.state is S.BACKOFF and rec.deadline == 101.0 + 1  # backoff_initial_s
+    assert [a.failure for a in acts if isinstance(a, lc.Exit)] == [True]
+    rec = at(rec, lc.Timer(), 102.0)
+    rec = at(at(rec, lc.Spawned(11), 102.0), lc.Ready(11), 102.0)
+    rec = at(at(rec, lc.Drain(reason=over), 103.0), lc.Exited(11, CRASH), 103.0)
+    assert rec.state is S.BACKOFF and rec.deadline == 103.0 + 2  # doubled
+    rec = at(at(at(rec, lc.Timer(), 105.0), lc.Spawned(12), 105.0), lc.Restart(over), 106.0)
+    rec = at(rec, lc.Exited(12, CRASH), 106.0)
+    assert rec.state is S.FATAL and "gpu_memory_limit" in rec.reason  # burst 2
+    # ready for stable_s: restarted after delay_s (0.5 s here), not counted
+    leak = [lc.Drain(reason=ExitReason.LEAK), lc.Exited(10, CRASH)]
+    rec, acts = run(leak, ready(100.0), start=120.0)
+    assert rec.state is S.BACKOFF and rec.deadline == 120.5 and rec.history == FailureHistory()
+    assert [a.failure for a in acts if isinstance(a, lc.Exit)] == [False]
+    # an operator's restart is not judged: started again at once
+    rec, _ = run([lc.Restart(), lc.Exited(10, CRASH)], ready(100.0), start=101.0)
+    assert rec.state is S.STARTING
