@@ -13,6 +13,7 @@
     │   ├── SpawnError       the worker's command could not be executed
     │   └── IllegalTransition a lifecycle transition that the state table forbids
     ├── ListenError          the HTTP API cannot listen where configured (address in use...)
+    ├── StateDirBusy         another supervisor holds the same state_dir
     ├── ApiClientError       a client command could not reach or use the supervisor's API
     └── UsageError           bad command-line use: exit code 2
 
@@ -36,6 +37,10 @@ class UsageError(SupervisorError):
 
 class ListenError(SupervisorError):
     """The API cannot bind its socket (``api.listen``); exit code 1, as it may be transient."""
+
+
+class StateDirBusy(SupervisorError):
+    """Another gpu-supervisor holds ``state_dir`` (its lock file); exit code 1."""
 
 
 class ApiClientError(SupervisorError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -22,10 +23,13 @@ from typing import Any
 
 import structlog
 
+from supervisor.errors import StateDirBusy
+
 #: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
 TMP_PREFIX = ".tmp-"
 POSTMORTEM_DIR = "postmortems"
 STATE_FILE = "state.json"
+LOCK_FILE = "lock"  # held by the running supervisor (flock), with its pid inside
 
 _ID = re.compile(r"^[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[A-Za-z0-9._-]+$")
 
@@ -82,6 +86,36 @@ def atomic_write(path: Path, data: bytes) -> None:
 def dump_json(doc: Any) -> bytes:
     """Pretty, stable JSON with a trailing newline."""
     return (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+
+
+def lock_state_dir(state_dir: Path) -> int | None:
+    """Hold an exclusive lock on ``state_dir/lock`` for the life of this process.
+
+    Two supervisors on one ``state_dir`` would take each other's live workers for orphans of
+    a killed predecessor and kill them, steal each other's notify socket and overwrite each
+    other's records. Returns the lock's file descriptor (kept open: the lock ends with the
+    process, however it ends), or None when the file cannot be opened (a read-only or missing
+    ``state_dir``: records are degraded anyway). Raises ``StateDirBusy`` naming the holder.
+    """
+    try:
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None  # no locks on this filesystem
+        raise StateDirBusy(
+            f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor "
+            f"(pid {holder}): give each supervisor a state_dir of its own"
+        ) from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def remove_temp_files(directory: Path) -> int:

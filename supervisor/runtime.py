@@ -68,6 +68,7 @@ from supervisor.records import (
     STATE_FILE,
     Recorder,
     WriteHealth,
+    lock_state_dir,
     read_json,
     remove_temp_files,
 )
@@ -188,6 +189,7 @@ class Runtime:
         self.runners: dict[str, WorkerRunner] = {}
         self.groups: dict[str, list[str]] = {}
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
+        self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
         self._subreaper = subreaper
@@ -825,6 +827,8 @@ class Runtime:
                 (state_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self.write_health.failed("state", exc)
+        # before anything in state_dir is touched: a second supervisor there stops here
+        self._state_lock = lock_state_dir(state_dir)
         try:
             self.listener.open()
         except OSError as exc:

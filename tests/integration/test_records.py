@@ -241,6 +241,30 @@ def test_restarted_supervisor_reclaims_orphans(
     assert reclaimed[grandchild]["verdict"] == "end"
 
 
+def test_a_second_supervisor_on_the_same_state_dir_refuses_to_start(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: a second supervisor took the first one's live workers for orphans of a
+    killed predecessor, killed them and re-bound their notify socket."""
+    first = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    first.ready("w-0")
+    pid = first.wait_event(event="worker.spawned", worker="w-0")["pid"]
+    second = supervisor({"workers": [group("v", "ready_then_sleep")]})
+    assert second.wait_exit() == 1
+    busy = f"state_dir {first.state_dir} is in use by another gpu-supervisor (pid {first.pid})"
+    assert second.raw_stderr and busy in second.raw_stderr[-1], second.raw_stderr
+    assert not second.find(event="supervisor.reclaimed_orphan")
+    assert (first.state_dir / "notify.sock").exists() and alive(pid)
+    mark = first.mark()
+    with first.api() as http:
+        assert http.post("/api/v1/workers/w-0/restart").status_code == 202
+    first.ready("w-0", after=mark)  # READY=1 still reaches the first one
+    assert first.stop() == 0
+    third = supervisor({"workers": [group("v", "ready_then_sleep")]})
+    third.ready("v-0")  # the lock went with the first
+    assert third.stop() == 0
+
+
 def test_reused_pid_is_not_killed(
     supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
 ) -> None:

@@ -319,7 +319,7 @@ def test_a_healing_restart_of_an_unstable_worker_counts_as_a_failure() -> None:
     rec = at(rec, lc.Exited(12, CRASH), 106.0)
     assert rec.state is S.FATAL and "gpu_memory_limit" in rec.reason  # burst 2
     # ready for stable_s: restarted after delay_s (0.5 s here), not counted
-    leak = [lc.Drain(reason=ExitReason.LEAK), lc.Exited(10, CRASH)]
+    leak: list[lc.Event] = [lc.Drain(reason=ExitReason.LEAK), lc.Exited(10, CRASH)]
     rec, acts = run(leak, ready(100.0), start=120.0)
     assert rec.state is S.BACKOFF and rec.deadline == 120.5 and rec.history == FailureHistory()
     assert [a.failure for a in acts if isinstance(a, lc.Exit)] == [False]
