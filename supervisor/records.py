@@ -210,7 +210,7 @@ class PostmortemStore:
             id_ = f"{base}-{n}"
         doc = {**doc, "id": id_}
         atomic_write(self.path_of(id_), dump_json(doc))
-        self.prune()
+        self.prune(spare=id_)
         return id_
 
     def ids(self) -> list[str]:
@@ -222,10 +222,13 @@ class PostmortemStore:
         ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.match(n[:-5])]
         return sorted(ids, reverse=True)
 
-    def prune(self) -> int:
-        """Delete all but the newest ``keep``; return how many were deleted."""
+    def prune(self, spare: str | None = None) -> int:
+        """Delete all but the newest ``keep`` (by the time in their ids), never ``spare`` (the
+        one just written: files dated later, from before the clock was set back, must not
+        take its place); return how many were deleted."""
         removed = 0
-        for id_ in self.ids()[self.keep :]:
+        ids = [i for i in self.ids() if i != spare]
+        for id_ in ids[max(self.keep - (spare is not None), 0) :]:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / f"{id_}.json").unlink()
                 removed += 1

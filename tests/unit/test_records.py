@@ -125,6 +125,16 @@ def test_store_keeps_the_newest_and_lists_newest_first(tmp_path: Path) -> None:
     assert store.summaries(limit=1)[0]["reason"] == "exit"
 
 
+def test_pruning_never_deletes_the_post_mortem_just_written(tmp_path: Path) -> None:
+    """Post-mortems dated later (written before the clock was set back) do not make every new
+    one vanish as it is written; the directory still holds ``keep``."""
+    store = PostmortemStore(tmp_path, keep=3)
+    later = [store.write(_pm(T0 + 10_000 + i)) for i in range(3)]
+    new = store.write(_pm(T0))
+    assert new in store.ids() and len(store.ids()) == 3
+    assert set(store.ids()) == {new, *later[1:]}
+
+
 def test_store_never_overwrites_a_same_named_post_mortem(tmp_path: Path) -> None:
     store = PostmortemStore(tmp_path, keep=10)
     first, second = store.write(_pm(T0)), store.write(_pm(T0))
