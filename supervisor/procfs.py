@@ -79,7 +79,12 @@ def create_time(pid: int) -> float | None:
     st = read_stat(pid)
     if st is None:
         return None
-    return st.start_ticks / _TICKS + boot_time()
+    return ticks_to_time(st.start_ticks)
+
+
+def ticks_to_time(start_ticks: int) -> float:
+    """A start time in clock ticks since boot (``/proc/<pid>/stat``) as psutil's create time."""
+    return start_ticks / _TICKS + boot_time()
 
 
 def scan() -> dict[int, ProcStat]:

@@ -236,7 +236,7 @@ class Runtime:
             self.write_health,
             self._state_snapshot,
             on_dir_recreated=self._on_state_dir_recreated,
-            create_time=procfs.create_time,
+            create_time=self.sampler.member_create_time,
         )
         self.postmortems = self.recorder.store
         self.reclaimed: list[dict[str, Any]] = []

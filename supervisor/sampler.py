@@ -109,6 +109,17 @@ class HostSampler:
         self.starts = starts
         return table
 
+    def member_create_time(self, pid: int) -> float | None:
+        """The create time of tree member ``pid`` (psutil's), only while ``pid`` still is the
+        process a read of the trees found; None for a pid that exited, or was reused since, or
+        was never a member. ``state.json`` records trees with it: the trees may be seconds
+        old, and a reused pid recorded with its new process's create time would be killed as
+        an orphan by a supervisor started after a SIGKILL of this one."""
+        st = procfs.read_stat(pid)
+        if st is None or self.starts.get(pid) != st.start_ticks:
+            return None
+        return procfs.ticks_to_time(st.start_ticks)
+
     def sample(
         self, leaders: Mapping[str, int | None], gpu_pids: frozenset[int] = frozenset()
     ) -> tuple[
@@ -236,6 +247,10 @@ class Sampler:
     def started_ticks(self, pid: int) -> int | None:
         """When tree member ``pid`` started (clock ticks), as the last read of ``/proc`` saw it."""
         return self._host.starts.get(pid)
+
+    def member_create_time(self, pid: int) -> float | None:
+        """``HostSampler.member_create_time``."""
+        return self._host.member_create_time(pid)
 
     @property
     def backend_name(self) -> str:

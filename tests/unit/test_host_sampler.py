@@ -100,3 +100,26 @@ def test_a_new_leaders_tree_is_read_again_a_second_later(monkeypatch: pytest.Mon
         now[0] += 1.1
         host.sample({"w-0": leader.pid})
         assert host.full_scans == scans + 2  # then every 5 s again
+
+
+def test_a_members_create_time_only_while_it_is_that_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``state.json`` records for a tree member: its create time while the pid is the
+    process the trees were read with; nothing once the pid names another process (a reused pid
+    recorded with the new process's create time would be killed by the next supervisor's
+    reclaim), nor for a pid that was never a member."""
+    with leader_with_child() as (leader, child):
+        host = HostSampler(full_every_s=3600.0)
+        host.sample({"w-0": leader.pid})
+        assert host.member_create_time(child) == procfs.create_time(child)
+        assert host.member_create_time(os.getpid()) is None  # not a member
+        real = procfs.read_stat
+
+        def reused(pid: int) -> procfs.ProcStat | None:
+            st = real(pid)
+            return replace(st, start_ticks=st.start_ticks + 1) if st and pid == child else st
+
+        monkeypatch.setattr(procfs, "read_stat", reused)  # no sample since: the tree is stale
+        assert host.member_create_time(child) is None
+        assert host.member_create_time(leader.pid) == procfs.create_time(leader.pid)
