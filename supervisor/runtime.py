@@ -190,6 +190,7 @@ class Runtime:
         self.groups: dict[str, list[str]] = {}
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
+        self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
         self._subreaper = subreaper
@@ -313,7 +314,10 @@ class Runtime:
                 await tg.start(self._serve_signals)
                 await tg.start(self.reaper.serve)
                 tg.start_soon(self._serve_intents)
-                await self._reclaim_orphans()
+                try:
+                    await self._reclaim_orphans()
+                finally:
+                    self._reclaim_done.set()
                 self._kill_stale_cgroups()
                 await tg.start(self.recorder.serve)
                 if self.alerter is not None:
@@ -1243,6 +1247,9 @@ class Runtime:
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
         await self._remove_cgroups()
+        # a stop during start-up: the reclaim's verdicts go into the last state.json too
+        with anyio.move_on_after(timeout):
+            await self._reclaim_done.wait()
         self.stopped = True
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()
