@@ -178,6 +178,27 @@ class CachedTable:
 TABLE = CachedTable()
 
 
+def carrying(name: str, value: str) -> dict[int, dict[str, str]]:
+    """Every readable process whose initial environment has ``name=value``: pid -> that
+    environment (one read of ``/proc/<pid>/environ`` each; unreadable ones are skipped)."""
+    needle = f"{name}={value}".encode()
+    out: dict[int, dict[str, str]] = {}
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                    data = fh.read()
+            except OSError:
+                continue
+            items = data.split(b"\0")
+            if needle in items:
+                env = (i.decode(errors="replace").partition("=") for i in items if b"=" in i)
+                out[int(entry.name)] = {k: v for k, _, v in env}
+    return out
+
+
 def own_children() -> set[int]:
     """This process's children that orphans become: ``/proc/self/task/<pid>/children``.
 

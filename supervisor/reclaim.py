@@ -14,7 +14,9 @@ from typing import Any
 
 import psutil
 
-from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge
+from supervisor import procfs
+from supervisor.plan import STATE_DIR_VAR, WORKER_VAR
+from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge, marked
 
 #: How long orphans get to exit after SIGTERM before SIGKILL.
 TERM_WAIT_S = 3.0
@@ -31,15 +33,33 @@ def _live(pid: int) -> tuple[Live | None, psutil.Process | None]:
         return None, None
 
 
-def reclaim(doc: Mapping[str, Any], own_pid: int | None = None) -> list[dict[str, Any]]:
-    """End the orphans recorded in a previous ``state.json``; return one record per candidate.
+def _carrying(marker: str) -> dict[int, tuple[str, float, int]]:
+    """pid -> (worker, create time, parent) of every process with ``marker`` as its
+    ``STATE_DIR_VAR``."""
+    out: dict[int, tuple[str, float, int]] = {}
+    for pid, env in procfs.carrying(STATE_DIR_VAR, marker).items():
+        st = procfs.read_stat(pid)
+        if st is not None and not st.zombie:
+            out[pid] = (env.get(WORKER_VAR, ""), procfs.ticks_to_time(st.start_ticks), st.ppid)
+    return out
+
+
+def reclaim(
+    doc: Mapping[str, Any], marker: str | None = None, own_pid: int | None = None
+) -> list[dict[str, Any]]:
+    """End the orphans recorded in a previous ``state.json``, and (with ``marker``, the
+    absolute ``state_dir``) every process whose environment names it: left by a killed
+    predecessor, as no other running supervisor holds this ``state_dir``. Returns one record
+    per candidate.
 
     Blocking (waits up to ``TERM_WAIT_S + KILL_WAIT_S``): call it from a worker thread.
     """
     own = os.getpid() if own_pid is None else own_pid
     results: list[dict[str, Any]] = []
     doomed: list[tuple[Candidate, psutil.Process]] = []
-    for cand in candidates(doc):
+    recorded = candidates(doc)
+    found = marked(_carrying(marker), recorded, own) if marker else []
+    for cand in [*recorded, *found]:
         live, proc = _live(cand.pid)
         verdict = judge(cand, live, own)
         results.append(
@@ -49,6 +69,7 @@ def reclaim(doc: Mapping[str, Any], own_pid: int | None = None) -> list[dict[str
                 "leader": cand.leader,
                 "create_time": cand.create_time,
                 "verdict": verdict.value,
+                "found": "environment" if cand in found else "recorded",
             }
         )
         if verdict is Verdict.END and proc is not None:

@@ -42,6 +42,7 @@ from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEve
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
 from supervisor.plan import (
+    STATE_DIR_VAR,
     WORKER_VAR,
     GpuSlot,
     Plan,
@@ -689,6 +690,7 @@ class Runtime:
 
     def _worker_environ(self) -> dict[str, str]:
         env = dict(self.environ)
+        env[STATE_DIR_VAR] = os.fspath(self.settings.supervisor.state_dir.absolute())
         if self.settings.gpu.backend == "sim":
             env["GPU_SUPERVISOR_SIM_DIR"] = os.fspath(self.settings.gpu.sim_dir.absolute())
         return env
@@ -852,9 +854,8 @@ class Runtime:
         for d in (state_dir, state_dir / "postmortems"):
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
-        if previous is None:
-            return
-        results = await anyio.to_thread.run_sync(reclaim, previous)
+        marker = os.fspath(state_dir.absolute())
+        results = await anyio.to_thread.run_sync(reclaim, previous or {}, marker)
         self.reclaimed = results
         for r in results:
             if r["verdict"] == "end":
@@ -864,7 +865,12 @@ class Runtime:
                     pid=r["pid"],
                     signal=r.get("signal"),
                     ended=r.get("ended"),
-                    reason="left running by a previous supervisor (same pid and create time)",
+                    reason=(
+                        "left running by a previous supervisor (same pid and create time)"
+                        if r.get("found") != "environment"
+                        else "left running by a previous supervisor (its environment names "
+                        "this state_dir)"
+                    ),
                 )
             elif r["verdict"] == "reused":
                 self.log.info(

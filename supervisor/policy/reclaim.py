@@ -77,6 +77,21 @@ def candidates(doc: Mapping[str, Any]) -> list[Candidate]:
     return out
 
 
+def marked(
+    found: Mapping[int, tuple[str, float, int]], recorded: list[Candidate], own_pid: int
+) -> list[Candidate]:
+    """Candidates found by the environment marker (``plan.STATE_DIR_VAR``) that ``state.json``
+    did not record (a daemon that double-forked, a child forked between two reads of the
+    trees): ``found`` maps pid -> (worker name, create time, parent pid). Not us, nor a child
+    of ours; the rest are judged like the recorded ones (their create time is their own)."""
+    known = {c.pid for c in recorded}
+    return [
+        Candidate(worker or "?", pid, create_time, leader=False)
+        for pid, (worker, create_time, ppid) in sorted(found.items())
+        if pid not in known and pid != own_pid and ppid != own_pid and pid > 1
+    ]
+
+
 def judge(candidate: Candidate, live: Live | None, own_pid: int) -> Verdict:
     """The verdict for one candidate given what runs under its pid now."""
     if live is None:

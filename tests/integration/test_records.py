@@ -241,6 +241,37 @@ def test_restarted_supervisor_reclaims_orphans(
     assert reclaimed[grandchild]["verdict"] == "end"
 
 
+def test_what_a_killed_supervisor_never_recorded_is_reclaimed_by_its_environment(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A worker's daemon (double-forked: in no tree, never in state.json) outlives a SIGKILL
+    of the supervisor; the next one finds it by the GPU_SUPERVISOR_STATE_DIR it inherited and
+    ends it before its own workers start. Regression: it was left running (holding GPU memory
+    and ports) because only recorded pids were reclaimed."""
+    config = {"workers": [group("d", "fork_grandchild", "--daemon", gpus="none")]}
+    first = supervisor(config)
+    first.ready("d-0")
+    daemon = int(first.wait_line("[d-0] ", contains="grandchild").split()[2])
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait_exit()
+    assert alive(daemon), "the daemon should outlive a SIGKILLed supervisor"
+    try:
+        second = supervisor(config)
+        event = second.wait_event(event="supervisor.reclaimed_orphan", pid=daemon, timeout=15)
+        assert event["worker"] == "d-0" and event["ended"] is True
+        assert "environment" in event["reason"]
+        assert not wait_dead([daemon])
+        first_spawn = second.wait_event(event="worker.spawned", worker="d-0")
+        assert second.events.index(event) < second.events.index(first_spawn)
+        second.ready("d-0")
+        assert second.stop() == 0
+        reclaimed = validate_file(second.state_dir / "state.json")["supervisor"]["reclaimed"]
+        assert {r["pid"]: r["found"] for r in reclaimed}[daemon] == "environment"
+    finally:
+        if alive(daemon):
+            os.kill(daemon, signal.SIGKILL)
+
+
 def test_a_second_supervisor_on_the_same_state_dir_refuses_to_start(
     supervisor: SupervisorFactory,
 ) -> None:

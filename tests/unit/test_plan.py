@@ -99,3 +99,13 @@ def test_inherited_reporter_variables_do_not_leak_into_workers() -> None:
         "/n.sock",
     )
     assert "GPU_SUPERVISOR_IN_USE_SOCKET" not in p.groups[0].workers[0].env
+
+
+def test_the_state_dir_marker_is_the_supervisors() -> None:
+    """The reclaim's marker comes from the supervisor and a group's env cannot set it."""
+    g = {"name": "gpen", "command": ["app"], "env": {"GPU_SUPERVISOR_STATE_DIR": "/other"}}
+    settings = parse_settings({"workers": [g]})
+    ours = build_plan(settings, {"GPU_SUPERVISOR_STATE_DIR": "/var/lib/gs"}, None)
+    assert ours.groups[0].workers[0].env["GPU_SUPERVISOR_STATE_DIR"] == "/var/lib/gs"
+    none = build_plan(settings, {}, None)
+    assert "GPU_SUPERVISOR_STATE_DIR" not in none.groups[0].workers[0].env

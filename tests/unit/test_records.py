@@ -19,7 +19,7 @@ from supervisor import procfs
 from supervisor.journal import Journal, rfc3339
 from supervisor.model import DeviceSample, ExitReason, ExitStatus, GpuProcess
 from supervisor.policy.classify import classify
-from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge
+from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge, marked
 from supervisor.records import (
     TMP_PREFIX,
     PostmortemStore,
@@ -331,3 +331,17 @@ def test_state_document_matches_its_schema() -> None:
     assert doc["workers"][0]["tree"] == [{"pid": 43, "create_time": T0 - 4}]
     assert doc["devices"][0]["processes"] == [{"pid": 42, "worker": "gpen-0", "used_mb": 10.0}]
     assert json.loads(json.dumps(doc)) == doc
+
+
+def test_processes_found_by_the_environment_marker() -> None:
+    """Not recorded, not us, not our child: judged like a recorded tree member."""
+    recorded = [Candidate("w-0", 100, 5.0, leader=True)]
+    found = {
+        100: ("w-0", 5.0, 1),  # recorded already
+        200: ("w-0", 6.0, 1),  # a daemon of w-0
+        300: ("", 7.0, 50),  # no worker name: still ours to end
+        400: ("w-1", 8.0, 42),  # a child of ours (pid 42)
+        42: ("w-1", 8.0, 1),  # us
+    }
+    got = marked(found, recorded, own_pid=42)
+    assert got == [Candidate("w-0", 200, 6.0, False), Candidate("?", 300, 7.0, False)]
