@@ -28,6 +28,7 @@ from supervisor.config import GpuSection, Settings, load_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
+    SpawnError,
     SupervisorError,
     UsageError,
 )
@@ -36,7 +37,7 @@ from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
-from supervisor.processes import release_held_signals
+from supervisor.processes import release_held_signals, resolve_program
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -124,6 +125,20 @@ def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None
             backend.close()
 
 
+def _unrunnable(plan: Plan) -> list[str]:
+    """A warning per group whose program cannot be executed from here (``run`` would start,
+    and report each failed spawn: the program may be installed later, or only at run time)."""
+    out = []
+    for group in plan.groups:
+        for spec in group.workers[:1]:
+            env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
+            try:
+                resolve_program(spec.argv[0], env, spec.cwd)
+            except SpawnError as exc:
+                out.append(f"group {group.group.name}: {exc} (its workers would fail to start)")
+    return out
+
+
 def check_config(settings: Settings, as_json: bool) -> str:
     """The resolved plan as text or JSON, placed on the GPUs the configured backend sees now.
 
@@ -137,7 +152,7 @@ def check_config(settings: Settings, as_json: bool) -> str:
     devices, error = _read_devices(settings.gpu)
     slots = [slot_for(d) for d in devices]
     plan = build_plan(settings, {}, os.fspath(socket_path_for(sup.state_dir)), slots or None)
-    warnings = ([error] if error else []) + list(plan.warnings)
+    warnings = ([error] if error else []) + list(plan.warnings) + _unrunnable(plan)
     rows = _plan_rows(plan)
     if as_json:
         return json.dumps(

@@ -139,7 +139,7 @@ def probe_spawn_helper() -> str | None:
     return _setpriv()
 
 
-def _resolve(program: str, env: Mapping[str, str], cwd: str | None) -> str:
+def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> str:
     """The executable ``program`` names (as execvpe would find it), or SpawnError."""
     if "/" in program:
         path = program if cwd is None or os.path.isabs(program) else os.path.join(cwd, program)
@@ -163,7 +163,7 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     before exec (so a full fork then: the child must run code of ours before exec).
     """
     env = dict(spec.env)
-    program = _resolve(spec.argv[0], env, spec.cwd)
+    program = resolve_program(spec.argv[0], env, spec.cwd)
     setpriv = _setpriv() if cgroup is None else None
     if setpriv is not None:
         argv = [setpriv, "--pdeathsig", "KILL", "--", program, *spec.argv[1:]]

@@ -374,6 +374,11 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
     result = cli("check-config", "-c", str(path))
     assert result.returncode == 0, result.stderr
     assert "gpen-1  8002  0" in result.stdout and "app --port 8002" in result.stdout
+    # a program that cannot be executed from here is a warning (run reports each spawn failure)
+    assert (
+        "warning: group gpen: cannot execute 'app': not found in PATH (its workers would fail "
+        "to start)" in result.stdout
+    )
     result = cli("check-config", "-c", str(path), "--json")
     import json
 
@@ -393,7 +398,7 @@ def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
         f"[gpu]\nbackend='sim'\nsim_dir='{tmp_path}/sim'\n"
     )
     ok = tmp_path / "ok.toml"
-    ok.write_text(base + "[[workers]]\nname='g'\ncommand=['app']\ngpus='auto'\nreplicas=2\n")
+    ok.write_text(base + "[[workers]]\nname='g'\ncommand=['true']\ngpus='auto'\nreplicas=2\n")
     result = cli("check-config", "-c", str(ok), "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
