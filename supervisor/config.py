@@ -55,6 +55,25 @@ class _Strict(BaseModel):
         extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, data: Any) -> Any:
+        """``postmortem_keep = true`` would be 1: a boolean is no number here."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if (
+                    isinstance(value, bool)
+                    and field is not None
+                    and field.annotation
+                    in (
+                        int,
+                        float,
+                    )
+                ):
+                    raise ValueError(f"{key}: expected a number, not a boolean (got {value})")
+        return data
+
 
 NonNegativeSeconds = Annotated[float, Field(ge=0)]
 Xid = Annotated[int, Field(ge=1, strict=True)]  # NVML's XID numbers start at 1

@@ -37,7 +37,9 @@ def bad(data: dict[str, object]) -> str:
         ({"supervisor": {"state_dir": ""}}, "supervisor.state_dir: an empty path"),
         ({"workers": [{**W, "replicas": "3"}]}, "workers[0].replicas: Input should be a valid"),
         ({"workers": [{**W, "replicas": 2.0}]}, "workers[0].replicas: Input should be a valid"),
-        ({"workers": [{**W, "replicas": True}]}, "workers[0].replicas: Input should be a valid"),
+        ({"workers": [{**W, "replicas": True}]}, "workers[0].replicas: expected a number, not"),
+        ({"supervisor": {"postmortem_keep": True}}, "supervisor.postmortem_keep: expected a num"),
+        ({"workers": [{**W, "stop_timeout_s": False}]}, "stop_timeout_s: expected a number, not"),
         (
             {"workers": [{**W, "health": {"watchdog_s": float("inf")}}]},
             "workers[0].health.watchdog_s: Input should be a finite number (got inf)",
