@@ -567,16 +567,18 @@ class Runtime:
         self.log.warning("gpu.xid", gpu=event.gpu_index, uuid=event.uuid, xid=event.xid)
         self.healer.on_xid(event)
 
-    async def _fresh_sample(self, after: float, timeout: float) -> Sample | None:
+    async def _fresh_sample(self, after: float, timeout: float, ask: bool = True) -> Sample | None:
         """The first sample taken after monotonic time ``after``, or None on timeout.
 
-        Asks the sampler for one at once; a caller that loops gets the regular ticks after that.
+        ``ask``: have the sampler take one at once; a caller that loops asks once and then
+        waits for the regular ticks (asking every time would sample back to back).
         """
         with anyio.move_on_after(timeout):
             last = self.sampler.last
             if last is not None and last.t > after:
                 return last
-            self.sampler.request()
+            if ask:
+                self.sampler.request()
             while True:
                 await self._sampled.wait()
                 last = self.sampler.last
@@ -591,8 +593,11 @@ class Runtime:
         deadline = anyio.current_time() + timeout
         after = anyio.current_time()
         held: dict[str, frozenset[int]] = {}
+        ask = True  # the first sample at once, then the regular ticks
         while True:
-            sample = await self._fresh_sample(after, max(deadline - anyio.current_time(), 0.0))
+            left = max(deadline - anyio.current_time(), 0.0)
+            sample = await self._fresh_sample(after, left, ask)
+            ask = False
             if sample is None:
                 return held
             held = {}

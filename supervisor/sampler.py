@@ -359,12 +359,16 @@ class Sampler:
                     self._wake = anyio.Event()
                     await self.tick()
                     gpu = self.available and bool(self.identities)
-                    next_at += (
-                        self.interval_s if gpu else max(self.interval_s, HOST_ONLY_INTERVAL_S)
-                    )
                     now = anyio.current_time()
-                    if next_at < now:  # overran: start the schedule again from now
-                        next_at = now
+                    # A tick that request() asked for early leaves the schedule alone (moving
+                    # it on for every early tick starved the regular ones while a caller kept
+                    # asking).
+                    if now >= next_at:
+                        next_at += (
+                            self.interval_s if gpu else max(self.interval_s, HOST_ONLY_INTERVAL_S)
+                        )
+                        if next_at < now:  # overran: start the schedule again from now
+                            next_at = now
                     with anyio.move_on_after(max(0.0, next_at - now)):
                         await self._wake.wait()  # or sooner, when someone needs a fresh sample
         finally:
