@@ -351,8 +351,7 @@ class Sampler:
         """Sample every ``interval_s`` and watch XIDs until cancelled; then close the backend."""
         try:
             async with anyio.create_task_group() as tg:
-                if self.identities:
-                    tg.start_soon(self._xid_loop)
+                tg.start_soon(self._xid_loop)  # idle until a backend with GPUs is open
                 task_status.started()
                 next_at = anyio.current_time()
                 while True:
@@ -390,8 +389,8 @@ class Sampler:
     async def _xid_loop(self) -> None:
         while True:
             backend = self.backend
-            if backend is None or not self.available:
-                await anyio.sleep(XID_WAIT_S)
+            if backend is None or not self.available or not self.identities:
+                await anyio.sleep(XID_WAIT_S)  # none yet: NVML may come up later (retried)
                 continue
             try:
                 events = await anyio.to_thread.run_sync(

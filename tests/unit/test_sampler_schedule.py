@@ -1,13 +1,16 @@
-"""The sampler's schedule: samples asked for early do not postpone the regular ones."""
+"""The sampler's schedule and XID watch, on the sim backend."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import anyio
+import pytest
 
+from supervisor import sampler as sampler_module
 from supervisor.backends.sim import SimBackend
-from supervisor.model import Sample
+from supervisor.errors import BackendUnavailable
+from supervisor.model import DeviceIdentity, Sample, XidEvent
 from supervisor.sampler import Sampler
 
 
@@ -42,3 +45,50 @@ async def test_requested_samples_do_not_postpone_the_regular_ones(tmp_path: Path
             await got.wait()
         assert len(samples) == asked + 1
         tg.cancel_scope.cancel()
+
+
+async def test_xids_are_read_when_the_backend_comes_up_after_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the XID watch was started only if GPUs were known at start, so after NVML
+    came up on a retry no XID was ever read (no restart, no quarantine, no count)."""
+    monkeypatch.setattr(sampler_module, "REOPEN_INITIAL_S", 0.05)
+    monkeypatch.setattr(sampler_module, "HOST_ONLY_INTERVAL_S", 0.1)
+    world = tmp_path / "sim"
+    opened = 0
+
+    def factory() -> SimBackend:
+        nonlocal opened
+        opened += 1
+        backend = SimBackend(world, 1)
+        if opened == 1:  # NVML_ERROR_DRIVER_NOT_LOADED at start-up, then it loads
+
+            def fail() -> tuple[DeviceIdentity, ...]:
+                raise BackendUnavailable("NVML init failed: Driver Not Loaded")
+
+            backend.open = fail  # type: ignore[method-assign]
+        return backend
+
+    up, xid = anyio.Event(), anyio.Event()
+    xids: list[XidEvent] = []
+
+    def on_sample(s: Sample) -> None:
+        if s.devices:
+            up.set()
+
+    def on_xid(e: XidEvent) -> None:
+        xids.append(e)
+        xid.set()
+
+    sampler = Sampler(factory, 0.1, dict, on_sample, on_xid)
+    assert not await sampler.open()
+    async with anyio.create_task_group() as tg:
+        await tg.start(sampler.serve)
+        with anyio.fail_after(10):
+            await up.wait()
+        with (world / "events").open("a") as fh:
+            fh.write("0 79\n")
+        with anyio.fail_after(10):
+            await xid.wait()
+        tg.cancel_scope.cancel()
+    assert [e.xid for e in xids] == [79]
