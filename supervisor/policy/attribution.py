@@ -79,8 +79,12 @@ def attribute(
                     else:
                         by_gpu[uuid] = by_gpu.get(uuid, 0.0) + p.used_mb
         if matched:
-            total = None if unknown_amount and not by_gpu else sum(by_gpu.values())
-            out[name] = GpuUsage(total, by_gpu, "pid")
+            # One process of the tree whose amount NVML does not give makes the total unknown:
+            # the sum of the others would understate it (and hide a leak or a budget breach).
+            if unknown_amount:
+                out[name] = GpuUsage(None, {}, "pid")
+            else:
+                out[name] = GpuUsage(sum(by_gpu.values()), by_gpu, "pid")
             continue
         if not gpus:
             out[name] = GpuUsage(None, {}, "none")

@@ -28,6 +28,17 @@ def test_unknown_amounts_are_not_zero() -> None:
     assert got["w"].attribution == "pid"
 
 
+def test_one_unknown_amount_makes_the_total_unknown() -> None:
+    """Regression: the known part was reported as the exact total (attribution "pid")."""
+    got = attribute(
+        (dev("A", (10, None), (11, 200.0)), dev("B", (12, 30.0))),
+        {"w": frozenset({10, 11, 12})},
+        {"w": ("A", "B")},
+        frozenset({10, 11, 12}),
+    )
+    assert (got["w"].total_mb, dict(got["w"].by_gpu), got["w"].attribution) == (None, {}, "pid")
+
+
 def test_listed_gpu_without_our_pids_is_zero() -> None:
     got = attribute(
         (dev("A", (99, 5.0)),), {"w": frozenset({10})}, {"w": ("A",)}, frozenset({10, 99})
