@@ -678,6 +678,19 @@ class Runtime:
                 only={runner.name},
             )[runner.name]
         except PlacementError as exc:
+            why_not = {s.uuid: s.why_not for s in slots}
+            if not avoid and all(
+                why_not.get(u) in ("", "is cordoned") and u not in self.suspect for u in gpus
+            ):
+                # a cordon stops new placements only: with nowhere else to go, a worker
+                # restarts where it was instead of failing (and going fatal)
+                self.log.info(
+                    "worker.gpu_cordoned",
+                    worker=runner.name,
+                    gpus=list(gpus),
+                    reason="no other GPU fits: restarting on its cordoned GPU",
+                )
+                return spec
             return f"no GPU to place on: {exc}"
         new = launch_spec(
             group, spec.index, self._worker_environ(), os.fspath(self.notify_path), chosen

@@ -326,6 +326,8 @@ class WorkerRunner:
         if token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
             return  # stopped (or restarted) while we waited
         if isinstance(result, str):
+            self._log.error("worker.spawn_failed", reason="spawn_failed", error=result)
+            self.output.mark(f"spawn failed: {result}")
             self.post(lc.SpawnFailed(result))
             return
         self.spec = result

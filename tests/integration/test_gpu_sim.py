@@ -207,3 +207,33 @@ def test_a_worker_in_its_own_pid_namespace_is_attributed_through_nspid(
     assert usage["by_gpu"] == {UUID0: 700.0}
     assert usage["attribution"] == "pid"
     assert sup.stop() == 0
+
+
+def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A cordon stops new placements only: a worker restarted on its cordoned GPU moves if
+    another GPU fits, else starts there again (it failed to start, and went fatal). A GPU it
+    cannot use at all (quarantined) makes its start fail, and the log says why."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "g", "command": worker_cmd("gpu_user", "100"), "drain_timeout_s": 0.2},
+            sim_devices=1,
+        )
+    )
+    sup.ready("g-0")
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/0/cordon").status_code == 200
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/g-0/restart").status_code == 202
+        cordoned = sup.wait_event(event="worker.gpu_cordoned", worker="g-0", after=mark)
+        assert cordoned["gpus"] == [UUID0]
+        sup.ready("g-0", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+        mark = sup.mark()
+        with open(tmp_path / "sim" / "events", "a") as fh:
+            fh.write("0 79\n")  # device-fatal: quarantined, its worker has nowhere to go
+        failed = sup.wait_event(event="worker.spawn_failed", worker="g-0", after=mark)
+        assert failed["error"].startswith("no GPU to place on") and "quarantined" in failed["error"]
+    assert sup.stop() == 0
