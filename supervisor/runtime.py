@@ -639,6 +639,8 @@ class Runtime:
         await self._await_cgroup_empty(runner)
         spec = runner.spec
         gpus = spec.gpus or ()
+        if spec.gpus is None and self.sampler.identities:
+            return self._place_late(runner)
         if not gpus or not self.sampler.identities:
             return spec
         old = self._trees.pop(runner.name, frozenset())
@@ -703,6 +705,34 @@ class Runtime:
             reason="migrated off a hot GPU" if avoid & set(gpus) else "previous GPU unusable",
         )
         return new
+
+    def _place_late(self, runner: WorkerRunner) -> LaunchSpec | str:
+        """A ``gpus = "auto"`` worker that started without GPU telemetry (nothing placed,
+        ``CUDA_VISIBLE_DEVICES`` unset) is placed at its next start once GPUs are known."""
+        spec = runner.spec
+        group = self.settings.group(spec.group)
+        if group is None or group.gpus != "auto":
+            return spec
+        try:
+            chosen = place(
+                self.settings.workers,
+                self.slots(),
+                self.settings.gpu.reserve_mb,
+                fixed=self._assignments(),
+                only={runner.name},
+            )[runner.name]
+        except PlacementError as exc:
+            return f"no GPU to place on: {exc}"
+        self.log.info(
+            "worker.moved",
+            worker=runner.name,
+            old_gpus=None,
+            new_gpus=list(chosen or ()),
+            reason="placed now that GPU telemetry is up",
+        )
+        return launch_spec(
+            group, spec.index, self._worker_environ(), os.fspath(self.notify_path), chosen
+        )
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -781,8 +811,9 @@ class Runtime:
             output=output,
             on_change=self._changed_now,
             register_pid=self._register_pid,
+            # (a GPU backend without GPUs yet may get them: NVML is retried)
             prepare=self._prepare
-            if self.sampler.identities or self.cgroups.support.contain
+            if self.sampler.backend_name != "none" or self.cgroups.support.contain
             else None,
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,

@@ -177,6 +177,19 @@ def test_nvml_missing_then_appearing(
     up = sup.wait_event(event="gpu.backend", timeout=15)
     assert up["uuids"] == [UUID0, UUID1]
     sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
+    # the worker that started unplaced is placed at its next start; XIDs are read now too
+    mark, lines = sup.mark(), len(sup.stdout)
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/g-0/restart").status_code == 202
+        moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+        assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
+        sup.ready("g-0", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+    env = sup.wait_line("[g-0] ", after=lines, contains=" env ")
+    assert f'"CUDA_VISIBLE_DEVICES": "{UUID0}"' in env
+    with open(world / "events", "a") as fh:
+        fh.write("1 31\n")  # informational: counted, nothing restarted
+    assert sup.wait_event(event="gpu.xid", xid=31, after=mark)["uuid"] == UUID1
     assert sup.stop() == 0
 
 
