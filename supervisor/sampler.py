@@ -26,6 +26,8 @@ from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, 
 from supervisor.policy.attribution import attribute
 
 XID_WAIT_S = 1.0
+#: The error of a GPU seen before that the driver no longer lists.
+LOST_UNLISTED = "GPU is lost: the driver no longer lists it"
 REOPEN_INITIAL_S = 1.0
 REOPEN_MAX_S = 60.0
 #: Without GPU telemetry only the host is sampled, and less often (nothing urgent to catch).
@@ -224,6 +226,7 @@ class Sampler:
         self._on_xid = on_xid
         self.backend: GpuBackend | None = None
         self.identities: tuple[DeviceIdentity, ...] = ()
+        self._seen: dict[str, DeviceIdentity] = {}  # every GPU listed since the backend opened
         self.error: str | None = None
         self.available = False
         self._host = HostSampler(every_s=HOST_EVERY_S)
@@ -279,6 +282,7 @@ class Sampler:
         self.available = True
         self.error = None
         self._reopen_delay = REOPEN_INITIAL_S
+        self._remember(self.identities)
         self._log.info(
             "gpu.backend",
             backend=backend.name,
@@ -287,6 +291,23 @@ class Sampler:
         )
         return True
 
+    def _remember(self, identities: Iterable[DeviceIdentity]) -> None:
+        for ident in identities:
+            self._seen[ident.uuid] = ident
+
+    def _with_missing(self, devices: tuple[DeviceSample, ...]) -> tuple[DeviceSample, ...]:
+        """``devices`` plus every GPU seen before that the driver no longer lists, as lost (a
+        GPU that fell off the bus vanishes from the enumeration after a re-init: forgotten, its
+        workers would have stayed ready and no alert would have fired)."""
+        self._remember(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
+        listed = {d.uuid for d in devices}
+        lost = tuple(
+            DeviceSample(ident.index, uuid, ident.name, healthy=False, error=LOST_UNLISTED)
+            for uuid, ident in self._seen.items()
+            if uuid not in listed
+        )
+        return devices + lost
+
     def _tick_blocking(self, refs: Mapping[str, WorkerRef], available: bool) -> Sample:
         t0 = time.monotonic()
         devices: tuple[DeviceSample, ...] = ()
@@ -294,7 +315,7 @@ class Sampler:
         ok = available
         if available and self.backend is not None:
             try:
-                devices = self.backend.sample()
+                devices = self._with_missing(self.backend.sample())
             except BackendUnavailable as exc:
                 ok, error = False, str(exc)
             except BackendError as exc:
@@ -383,6 +404,7 @@ class Sampler:
         """Replace the backend (``auto`` falling back to ``none``)."""
         self.backend = backend
         self.identities = identities
+        self._seen = {i.uuid: i for i in identities}
         self.available = True
         self.error = None
 

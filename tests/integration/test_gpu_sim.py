@@ -70,9 +70,12 @@ def test_placement_uuids_and_per_worker_memory(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["lost", "unlisted"])
 def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
-    supervisor: SupervisorFactory, tmp_path: Path
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
 ) -> None:
+    """A GPU that reports itself lost, or that the driver no longer lists at all (fallen off
+    the bus: regression, it was simply forgotten and its worker stayed ready on it)."""
     sup = supervisor(
         config(
             tmp_path,
@@ -88,8 +91,11 @@ def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
     sup.ready("g-0")
     sup.ready("g-1")
     gpu1 = tmp_path / "sim" / "gpus" / "1"
-    gpu1.write_text(gpu1.read_text().replace("lost 0", "lost 1"))
     mark = sup.mark()
+    if how == "lost":
+        gpu1.write_text(gpu1.read_text().replace("lost 0", "lost 1"))
+    else:
+        gpu1.rename(tmp_path / "gone")
     sample = sup.wait_event(
         event="gpu.sample", after=mark, devices=lambda d: d[UUID1]["healthy"] is False
     )
