@@ -15,7 +15,7 @@ import os
 import signal
 import tempfile
 from collections import deque
-from collections.abc import Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from supervisor.config import Settings, WorkerGroup, load_settings
 from supervisor.errors import ConfigError, PlacementError
 from supervisor.healing import Healer
 from supervisor.journal import Journal
-from supervisor.model import ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
+from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
 from supervisor.plan import (
@@ -977,6 +977,19 @@ class Runtime:
         if sample is None:
             return []
         worker_of = {pid: n for n, u in sample.workers.items() for pid in u.pids}
+        aliases = self.sampler.aliases
+
+        def owners(d: DeviceSample) -> Mapping[int, str]:
+            # a worker in a PID namespace of its own is listed under its pids there: named
+            # like attribution does, where the worker is placed on this GPU
+            extra = {}
+            for p in d.processes or ():
+                name = worker_of.get(aliases.get(p.pid, -1))
+                runner = self.runners.get(name) if name and p.pid not in worker_of else None
+                if runner is not None and d.uuid in (runner.spec.gpus or ()):
+                    extra[p.pid] = runner.name
+            return {**worker_of, **extra} if extra else worker_of
+
         return [
             device_object(
                 d,
@@ -984,7 +997,7 @@ class Runtime:
                 suspect=d.uuid in self.suspect,
                 quarantined=self.healer.state.quarantined.get(d.uuid),
                 hot=self.healer.state.thermal.get(d.uuid, ThermalTrack()).hot,
-                worker_of=worker_of,
+                worker_of=owners(d),
             )
             for d in sample.devices
         ]

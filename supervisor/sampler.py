@@ -256,6 +256,11 @@ class Sampler:
         return self._host.member_create_time(pid)
 
     @property
+    def aliases(self) -> Mapping[int, int]:
+        """``HostSampler.aliases``: pid in a worker's own PID namespace -> its pid here."""
+        return self._host.aliases
+
+    @property
     def backend_name(self) -> str:
         """``nvml``, ``sim`` or ``none``."""
         return self.backend.name if self.backend is not None else "none"

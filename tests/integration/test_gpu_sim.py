@@ -212,6 +212,10 @@ def test_a_worker_in_its_own_pid_namespace_is_attributed_through_nspid(
     usage = worker_mb(sup, "ns-0", 700.0)
     assert usage["by_gpu"] == {UUID0: 700.0}
     assert usage["attribution"] == "pid"
+    with sup.api() as http:  # the GPU's process list names the worker too
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+        (device,) = [d for d in devices if d["uuid"] == UUID0]
+        assert {p["pid"]: p["worker"] for p in device["processes"]} == {1: "ns-0"}
     assert sup.stop() == 0
 
 
