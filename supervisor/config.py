@@ -14,6 +14,7 @@ import re
 import signal
 import string
 import tomllib
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -62,17 +63,15 @@ class _Strict(BaseModel):
         if isinstance(data, dict):
             for key, value in data.items():
                 field = cls.model_fields.get(key)
-                if (
-                    isinstance(value, bool)
-                    and field is not None
-                    and field.annotation
-                    in (
-                        int,
-                        float,
-                    )
-                ):
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
                     raise ValueError(f"{key}: expected a number, not a boolean (got {value})")
         return data
+
+
+def _numeric(annotation: object) -> bool:
+    """``int``, ``float``, or an optional one (``int | None``): not a bool."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) else (annotation,)
+    return bool({int, float} & set(options)) and bool not in options
 
 
 NonNegativeSeconds = Annotated[float, Field(ge=0)]
@@ -177,10 +176,13 @@ class GpuSection(_Strict):
         return self
 
 
+_DEFAULT_LISTEN = "127.0.0.1:9811"
+
+
 class ApiSection(_Strict):
     """``[api]``: where the HTTP API listens and who may use it."""
 
-    listen: str = "127.0.0.1:9811"
+    listen: str = _DEFAULT_LISTEN
     token_file: Path | None = None
     auth_read: bool = False
 
@@ -455,7 +457,7 @@ class Settings(BaseSettings):
             return data
         taken: list[range] = []
         api = data.get("api")
-        listen = api.get("listen") if isinstance(api, dict) else None
+        listen = api.get("listen", _DEFAULT_LISTEN) if isinstance(api, dict) else _DEFAULT_LISTEN
         with contextlib.suppress(ValueError):  # a bad listen value is reported by its own check
             kind, _, api_port = parse_listen(listen if isinstance(listen, str) else "")
             if kind == "tcp" and api_port:

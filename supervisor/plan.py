@@ -198,7 +198,9 @@ def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
 
 def _resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) -> tuple[str, ...]:
     assert isinstance(group.gpus, tuple)
-    by_index = {d.index: d.uuid for d in devices}
+    by_index: dict[int, str] = {}
+    for d in devices:  # the first wins: listed devices come before lost ones no longer listed
+        by_index.setdefault(d.index, d.uuid)
     uuids = {d.uuid for d in devices}
     out = []
     for j, entry in enumerate(group.gpus):

@@ -35,7 +35,7 @@ from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
 from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings
-from supervisor.errors import ConfigError, PlacementError
+from supervisor.errors import ConfigError, PlacementError, StateDirBusy
 from supervisor.healing import Healer
 from supervisor.journal import Journal
 from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
@@ -65,6 +65,7 @@ from supervisor.processes import (
 )
 from supervisor.reclaim import reclaim
 from supervisor.records import (
+    LOCK_FILE,
     POSTMORTEM_DIR,
     STATE_FILE,
     Recorder,
@@ -90,6 +91,8 @@ from supervisor.worker import WorkerRunner, is_idle
 KILL_WAIT_S = 5.0
 #: How long a restart waits for the previous process's cgroup to empty (seconds).
 CGROUP_EMPTY_WAIT_S = 2.0
+#: How often the GPU-release barrier looks again while the old tree still holds memory.
+RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
 SUMMARY_EVERY_S = 15.0
 #: Samples kept per worker for its post-mortem (60 s at the default 0.5 s interval).
@@ -567,18 +570,14 @@ class Runtime:
         self.log.warning("gpu.xid", gpu=event.gpu_index, uuid=event.uuid, xid=event.xid)
         self.healer.on_xid(event)
 
-    async def _fresh_sample(self, after: float, timeout: float, ask: bool = True) -> Sample | None:
-        """The first sample taken after monotonic time ``after``, or None on timeout.
-
-        ``ask``: have the sampler take one at once; a caller that loops asks once and then
-        waits for the regular ticks (asking every time would sample back to back).
-        """
+    async def _fresh_sample(self, after: float, timeout: float) -> Sample | None:
+        """The first sample taken after monotonic time ``after``, or None on timeout (asks the
+        sampler for one at once when the last one is older)."""
         with anyio.move_on_after(timeout):
             last = self.sampler.last
             if last is not None and last.t > after:
                 return last
-            if ask:
-                self.sampler.request()
+            self.sampler.request()
             while True:
                 await self._sampled.wait()
                 last = self.sampler.last
@@ -593,11 +592,9 @@ class Runtime:
         deadline = anyio.current_time() + timeout
         after = anyio.current_time()
         held: dict[str, frozenset[int]] = {}
-        ask = True  # the first sample at once, then the regular ticks
         while True:
             left = max(deadline - anyio.current_time(), 0.0)
-            sample = await self._fresh_sample(after, left, ask)
-            ask = False
+            sample = await self._fresh_sample(after, left)
             if sample is None:
                 return held
             held = {}
@@ -611,6 +608,9 @@ class Runtime:
             if not held or anyio.current_time() >= deadline:
                 return held
             after = sample.t
+            # look again soon, not back to back (nor only at the regular ticks: they may be a
+            # minute apart)
+            await anyio.sleep(min(RELEASE_POLL_S, max(deadline - anyio.current_time(), 0.0)))
 
     async def _await_cgroup_empty(self, runner: WorkerRunner) -> None:
         """What ``cgroup.kill`` ended is gone before the replacement joins the cgroup (its
@@ -884,6 +884,13 @@ class Runtime:
             self.write_health.failed("state", exc)
         # before anything in state_dir is touched: a second supervisor there stops here
         self._state_lock = lock_state_dir(state_dir)
+        if self._state_lock is None:
+            self.log.warning(
+                "records.not_locked",
+                path=os.fspath(state_dir),
+                reason="cannot lock state_dir: a second supervisor with it would not be refused, "
+                "and leftovers are found only from state.json",
+            )
         try:
             self.listener.open()
         except OSError as exc:
@@ -903,7 +910,9 @@ class Runtime:
         for d in (state_dir, state_dir / "postmortems"):
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
-        marker = os.fspath(state_dir.absolute())
+        # by the environment marker only while we hold state_dir's lock: without it another
+        # supervisor may be running with the same state_dir, and its workers carry the marker
+        marker = os.fspath(state_dir.absolute()) if self._state_lock is not None else None
         results = await anyio.to_thread.run_sync(reclaim, previous or {}, marker)
         self.reclaimed = results
         for r in results:
@@ -1018,13 +1027,35 @@ class Runtime:
         self.recorder.mark(urgent=True)
 
     def _on_state_dir_recreated(self) -> None:
-        """``state_dir`` was removed: bind the notify socket again, reopen the log files."""
+        """``state_dir`` was removed: lock it again (the lock file went with it), bind the
+        notify socket again, reopen the log files."""
+        self._relock_state_dir()
         with contextlib.suppress(OSError):
             if not self.listener.bound():
                 self.listener.rebind()
                 self.log.warning("notify.rebound", path=os.fspath(self.notify_path))
         for runner in self.workers():
             runner.output.file.close()
+
+    def _relock_state_dir(self) -> None:
+        state_dir = self.settings.supervisor.state_dir
+        if self._state_lock is not None:
+            with contextlib.suppress(OSError):
+                here = os.stat(state_dir / LOCK_FILE)
+                held = os.fstat(self._state_lock)
+                if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
+                    return  # our lock file is still there (only a subdirectory went)
+        try:
+            fd = lock_state_dir(state_dir)
+        except StateDirBusy as exc:  # another supervisor started there meanwhile
+            self.log.error(  # noqa: TRY400 - one line, no traceback
+                "records.lock_lost", path=os.fspath(state_dir), error=str(exc)
+            )
+            fd = None
+        if fd is not None:
+            old, self._state_lock = self._state_lock, fd
+            if old is not None:
+                os.close(old)  # the lock of the removed file: held by no one else's name
 
     def _on_log_health(self, exc: OSError | None) -> None:
         if exc is None:

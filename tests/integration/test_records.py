@@ -331,6 +331,25 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     assert state["stopped"] and [r["pid"] for r in state["reclaimed"]] == [stubborn.pid]
 
 
+def test_without_the_lock_nothing_is_reclaimed_by_its_environment(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A state_dir that cannot be created cannot be locked: then a second supervisor with it
+    is not refused, so the environment marker proves nothing and is not used (it would find
+    the first one's live workers)."""
+    (tmp_path / "file").write_text("")
+    broken = {"state_dir": str(tmp_path / "file" / "state")}  # not a directory: no lock
+    first = supervisor({"supervisor": broken, "workers": [group("a", "ready_then_sleep")]})
+    first.ready("a-0")
+    pid = first.wait_event(event="worker.spawned", worker="a-0")["pid"]
+    assert first.wait_event(event="records.not_locked")["path"] == broken["state_dir"]
+    second = supervisor({"supervisor": broken, "workers": [group("b", "ready_then_sleep")]})
+    second.wait_event(event="supervisor.start")  # after the reclaim
+    second.ready("b-0")
+    assert not second.find(event="supervisor.reclaimed_orphan") and alive(pid)
+    assert second.stop() == 0 and first.stop() == 0
+
+
 def test_reused_pid_is_not_killed(
     supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
 ) -> None:
@@ -535,6 +554,16 @@ def test_deleted_state_dir_is_recreated_and_notify_keeps_working(
     mark = sup.mark()
     # the notify socket was bound again: replacements still become ready by READY=1
     sup.wait_events(3, after=mark, event="worker.state", worker="c-0", new="ready")
+    # locked again (the lock file went with the directory): a second supervisor is refused
+    assert (sup.state_dir / "lock").read_text().strip() == str(sup.pid)
+    other = subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", "-c", str(sup.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert other.returncode == 1 and "is in use by another gpu-supervisor" in other.stderr
     assert sup.stop() == 0
     validate_file(sup.state_dir / "state.json")
     assert (sup.state_dir / "logs" / "c-0.log").exists()

@@ -286,3 +286,16 @@ def test_worker_ports_and_the_api_port() -> None:
 def test_a_check_of_several_keys_does_not_print_the_whole_section() -> None:
     gpu = {"xid_worker_fatal": [13], "xid_device_fatal": [13]}
     assert bad({"gpu": gpu}) == "c.toml: gpu: xid_worker_fatal and xid_device_fatal both list 13"
+
+
+def test_handed_out_ports_go_around_the_default_api_port() -> None:
+    """With [api] not written, the API listens on 127.0.0.1:9811: a range across it skips it."""
+    s = parse_settings({"workers": [{**W, "replicas": 2000}]})
+    base = s.workers[0].port_base
+    assert base is not None and 9811 not in range(base, base + 2000)
+
+
+def test_a_boolean_for_an_optional_number() -> None:
+    assert bad({"workers": [{**W, "port_base": True}]}).startswith(
+        "c.toml: workers[0].port_base: expected a number, not a boolean"
+    )

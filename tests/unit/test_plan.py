@@ -109,3 +109,20 @@ def test_the_state_dir_marker_is_the_supervisors() -> None:
     assert ours.groups[0].workers[0].env["GPU_SUPERVISOR_STATE_DIR"] == "/var/lib/gs"
     none = build_plan(settings, {}, None)
     assert "GPU_SUPERVISOR_STATE_DIR" not in none.groups[0].workers[0].env
+
+
+def test_an_explicit_index_names_the_listed_gpu_not_a_lost_one() -> None:
+    """A GPU no longer listed keeps its old index, which the driver may have given to another
+    after a re-init: an explicit index names the listed one."""
+    from supervisor.model import DeviceSample
+    from supervisor.plan import slot_for
+
+    listed = DeviceSample(0, "GPU-B", "g", memory_total_mb=1000.0, processes=())
+    lost = DeviceSample(0, "GPU-A", "g", healthy=False, error="GPU is lost")
+    p = build_plan(
+        parse_settings({"workers": [{"name": "gpen", "command": ["app"], "gpus": [0]}]}),
+        {},
+        None,
+        [slot_for(listed), slot_for(lost)],
+    )
+    assert p.groups[0].workers[0].gpus == ("GPU-B",)
