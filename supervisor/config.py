@@ -635,4 +635,41 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
         raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: TOML syntax error: {exc}") from None
+    _check_toml_types(data, Settings, "", source)
     return parse_settings(data, source)
+
+
+def _check_toml_types(
+    data: Mapping[str, Any], model: type[BaseModel], path: str, source: str
+) -> None:
+    """TOML has types: a string or a number where a flag is due, or a string where a number is
+    due, is a mistake in the file (``log_passthrough = "yes"``, ``shutdown_timeout_s = "30"``),
+    refused here. Environment overrides, all strings, are converted as before."""
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            continue  # unknown keys are reported by the validation
+        where = f"{path}{key}"
+        annotation = field.annotation
+        if annotation is bool and not isinstance(value, bool):
+            raise ConfigError(f"{source}: {where}: expected true or false (got {value!r})")
+        if _numeric(annotation) and isinstance(value, str):
+            raise ConfigError(f"{source}: {where}: expected a number, not a string (got {value!r})")
+        nested = _model_in(annotation)
+        if nested is None:
+            continue
+        if isinstance(value, dict):
+            _check_toml_types(value, nested, f"{where}.", source)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    _check_toml_types(item, nested, f"{where}[{i}].", source)
+
+
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    """The model a field holds, alone or as the items of a tuple (``tuple[WorkerGroup, ...]``)."""
+    options = typing.get_args(annotation) if typing.get_origin(annotation) else (annotation,)
+    for option in options:
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return option
+    return None

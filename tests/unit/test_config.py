@@ -299,3 +299,41 @@ def test_a_boolean_for_an_optional_number() -> None:
     assert bad({"workers": [{**W, "port_base": True}]}).startswith(
         "c.toml: workers[0].port_base: expected a number, not a boolean"
     )
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        (
+            '[supervisor]\nshutdown_timeout_s = "30"\n',
+            "supervisor.shutdown_timeout_s: expected a number, not a string (got '30')",
+        ),
+        ("[api]\nauth_read = 1\n", "api.auth_read: expected true or false (got 1)"),
+        (
+            '[[workers]]\nname = "a"\ncommand = ["x"]\nlog_passthrough = "yes"\n',
+            "workers[0].log_passthrough: expected true or false (got 'yes')",
+        ),
+        (
+            '[[workers]]\nname = "a"\ncommand = ["x"]\n[workers.health]\nleak_window_s = "600"\n',
+            "workers[0].health.leak_window_s: expected a number, not a string (got '600')",
+        ),
+    ],
+)
+def test_toml_values_of_the_wrong_type_are_refused(
+    tmp_path: Path, toml: str, expected: str
+) -> None:
+    """In the file, TOML's types count (environment overrides, all strings, are converted)."""
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert str(info.value) == f"{path}: {expected}"
+
+
+def test_environment_overrides_are_still_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_SUPERVISOR_SUPERVISOR__SHUTDOWN_TIMEOUT_S", "30")
+    path = tmp_path / "c.toml"
+    path.write_text("")
+    assert load_settings(path).supervisor.shutdown_timeout_s == 30
