@@ -40,10 +40,12 @@ IN_USE_EVERY_S = 5.0
 #: The worker's name in its environment (DESIGN.md section 4); processes that carry it and are
 #: re-parented to the supervisor are that worker's leftovers.
 WORKER_VAR = "GPU_SUPERVISOR_WORKER"
-#: The supervisor's ``state_dir`` (absolute) in every worker's environment: only one running
-#: supervisor holds a ``state_dir`` (its lock), so at start-up, before any worker of ours runs,
-#: a process that carries ours is a leftover of a killed predecessor (reclaimed).
-STATE_DIR_VAR = "GPU_SUPERVISOR_STATE_DIR"
+#: The id of the supervisor's ``state_dir`` (random, kept in ``state_dir/instance``) in every
+#: worker's environment: only one running supervisor holds a ``state_dir`` (its lock), so at
+#: start-up, before any worker of ours runs, a process that carries ours is a leftover of a
+#: killed predecessor (reclaimed). Not the path: containers of one image share it, and with
+#: ``--pid=host`` each would take the others' workers for its own leftovers.
+INSTANCE_VAR = "GPU_SUPERVISOR_INSTANCE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +127,10 @@ def launch_spec(
     argv = tuple(_expand(a, values) for a in group.command)
     env = {k: v for k, v in inherited_env.items() if k not in SCRUBBED_ENV}
     env.update({k: _expand(v, values) for k, v in group.env.items()})
-    if STATE_DIR_VAR in inherited_env:  # the supervisor's, never the group's (reclaim)
-        env[STATE_DIR_VAR] = inherited_env[STATE_DIR_VAR]
+    if INSTANCE_VAR in inherited_env:  # the supervisor's, never the group's (reclaim)
+        env[INSTANCE_VAR] = inherited_env[INSTANCE_VAR]
     else:
-        env.pop(STATE_DIR_VAR, None)
+        env.pop(INSTANCE_VAR, None)
     env.update(
         {
             "PORT": str(port),

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from supervisor import procfs
-from supervisor.plan import STATE_DIR_VAR, WORKER_VAR
+from supervisor.plan import INSTANCE_VAR, WORKER_VAR
 from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judge, marked
 
 #: How long orphans get to exit after SIGTERM before SIGKILL.
@@ -35,9 +35,9 @@ def _live(pid: int) -> tuple[Live | None, psutil.Process | None]:
 
 def _carrying(marker: str) -> dict[int, tuple[str, float, int]]:
     """pid -> (worker, create time, parent) of every process with ``marker`` as its
-    ``STATE_DIR_VAR``."""
+    ``INSTANCE_VAR``."""
     out: dict[int, tuple[str, float, int]] = {}
-    for pid, env in procfs.carrying(STATE_DIR_VAR, marker).items():
+    for pid, env in procfs.carrying(INSTANCE_VAR, marker).items():
         st = procfs.read_stat(pid)
         if st is not None and not st.zombie:
             out[pid] = (env.get(WORKER_VAR, ""), procfs.ticks_to_time(st.start_ticks), st.ppid)
@@ -47,8 +47,8 @@ def _carrying(marker: str) -> dict[int, tuple[str, float, int]]:
 def reclaim(
     doc: Mapping[str, Any], marker: str | None = None, own_pid: int | None = None
 ) -> list[dict[str, Any]]:
-    """End the orphans recorded in a previous ``state.json``, and (with ``marker``, the
-    absolute ``state_dir``) every process whose environment names it: left by a killed
+    """End the orphans recorded in a previous ``state.json``, and (with ``marker``, the id of
+    our ``state_dir``) every process whose environment carries it: left by a killed
     predecessor, as no other running supervisor holds this ``state_dir``. Returns one record
     per candidate.
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ TMP_PREFIX = ".tmp-"
 POSTMORTEM_DIR = "postmortems"
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"  # held by the running supervisor (flock), with its pid inside
+INSTANCE_FILE = "instance"  # the state_dir's random id, in its workers' environment
+_INSTANCE = re.compile(r"^[0-9a-f]{32}$")
 
 _ID = re.compile(r"^[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[A-Za-z0-9._-]+$")
 
@@ -116,6 +119,24 @@ def lock_state_dir(state_dir: Path) -> int | None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
+    """The random id of ``state_dir`` (``state_dir/instance``), made on first use; with
+    ``keep``, that id is written back (``state_dir`` was removed and recreated). None when the
+    file can be neither read nor written."""
+    path = state_dir / INSTANCE_FILE
+    if keep is None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            found = path.read_text().strip()
+            if _INSTANCE.match(found):
+                return found
+    value = keep or uuid.uuid4().hex
+    try:
+        atomic_write(path, f"{value}\n".encode())
+    except OSError:
+        return None
+    return value
 
 
 def remove_temp_files(directory: Path) -> int:

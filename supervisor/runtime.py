@@ -42,7 +42,7 @@ from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, Worke
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
 from supervisor.plan import (
-    STATE_DIR_VAR,
+    INSTANCE_VAR,
     WORKER_VAR,
     GpuSlot,
     Plan,
@@ -70,6 +70,7 @@ from supervisor.records import (
     STATE_FILE,
     Recorder,
     WriteHealth,
+    instance_id,
     lock_state_dir,
     read_json,
     remove_temp_files,
@@ -194,6 +195,7 @@ class Runtime:
         self.groups: dict[str, list[str]] = {}
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
+        self._instance: str | None = None  # state_dir's id, in the workers' environment
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -738,7 +740,8 @@ class Runtime:
 
     def _worker_environ(self) -> dict[str, str]:
         env = dict(self.environ)
-        env[STATE_DIR_VAR] = os.fspath(self.settings.supervisor.state_dir.absolute())
+        if self._instance is not None:
+            env[INSTANCE_VAR] = self._instance
         if self.settings.gpu.backend == "sim":
             env["GPU_SUPERVISOR_SIM_DIR"] = os.fspath(self.settings.gpu.sim_dir.absolute())
         return env
@@ -884,6 +887,8 @@ class Runtime:
             self.write_health.failed("state", exc)
         # before anything in state_dir is touched: a second supervisor there stops here
         self._state_lock = lock_state_dir(state_dir)
+        if self._state_lock is not None:
+            self._instance = instance_id(state_dir)
         if self._state_lock is None:
             self.log.warning(
                 "records.not_locked",
@@ -910,10 +915,9 @@ class Runtime:
         for d in (state_dir, state_dir / "postmortems"):
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
-        # by the environment marker only while we hold state_dir's lock: without it another
-        # supervisor may be running with the same state_dir, and its workers carry the marker
-        marker = os.fspath(state_dir.absolute()) if self._state_lock is not None else None
-        results = await anyio.to_thread.run_sync(reclaim, previous or {}, marker)
+        # by the environment marker only while we hold state_dir's lock (else another
+        # supervisor may run with the same state_dir, and its workers carry the same id)
+        results = await anyio.to_thread.run_sync(reclaim, previous or {}, self._instance)
         self.reclaimed = results
         for r in results:
             if r["verdict"] == "end":
@@ -1056,6 +1060,8 @@ class Runtime:
             old, self._state_lock = self._state_lock, fd
             if old is not None:
                 os.close(old)  # the lock of the removed file: held by no one else's name
+            if self._instance is not None:
+                instance_id(state_dir, keep=self._instance)  # what our workers carry
 
     def _on_log_health(self, exc: OSError | None) -> None:
         if exc is None:

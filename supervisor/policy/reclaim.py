@@ -80,7 +80,7 @@ def candidates(doc: Mapping[str, Any]) -> list[Candidate]:
 def marked(
     found: Mapping[int, tuple[str, float, int]], recorded: list[Candidate], own_pid: int
 ) -> list[Candidate]:
-    """Candidates found by the environment marker (``plan.STATE_DIR_VAR``) that ``state.json``
+    """Candidates found by the environment marker (``plan.INSTANCE_VAR``) that ``state.json``
     did not record (a daemon that double-forked, a child forked between two reads of the
     trees): ``found`` maps pid -> (worker name, create time, parent pid). Not us, nor a child
     of ours; the rest are judged like the recorded ones (their create time is their own)."""

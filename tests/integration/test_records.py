@@ -245,7 +245,7 @@ def test_what_a_killed_supervisor_never_recorded_is_reclaimed_by_its_environment
     supervisor: SupervisorFactory,
 ) -> None:
     """A worker's daemon (double-forked: in no tree, never in state.json) outlives a SIGKILL
-    of the supervisor; the next one finds it by the GPU_SUPERVISOR_STATE_DIR it inherited and
+    of the supervisor; the next one finds it by the GPU_SUPERVISOR_INSTANCE it inherited and
     ends it before its own workers start. Regression: it was left running (holding GPU memory
     and ports) because only recorded pids were reclaimed."""
     config = {"workers": [group("d", "fork_grandchild", "--daemon", gpus="none")]}
@@ -329,6 +329,62 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     assert ended["signal"] == "SIGKILL" and ended["ended"] is True
     state = json.loads((state_dir / "state.json").read_text())["supervisor"]
     assert state["stopped"] and [r["pid"] for r in state["reclaimed"]] == [stubborn.pid]
+
+
+def _private_mounts_work() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = [unshare, "-m", "--propagation", "private", "true"]
+    return subprocess.run(probe, check=False, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _private_mounts_work(), reason="unshare -m not permitted here")
+def test_supervisors_whose_state_dirs_share_a_path_leave_each_other_alone(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Containers of one image with --pid=host: each mounts a volume of its own at the same
+    state_dir path, and sees the other's processes. Regression: the environment marker was
+    that path, so a supervisor starting ended the other one's live workers; it is now the
+    random id of the directory itself."""
+    path = tmp_path / "state-path"
+    path.mkdir()
+
+    def in_own_mounts(volume: Path) -> list[str]:
+        volume.mkdir()
+        script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+        unshare = shutil.which("unshare")
+        assert unshare is not None
+        return [
+            unshare,
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(volume),
+            str(path),
+        ]
+
+    config = {"supervisor": {"state_dir": str(path)}}
+    first = supervisor(
+        {**config, "workers": [group("a", "ready_then_sleep")]},
+        prefix=in_own_mounts(tmp_path / "volume-a"),
+    )
+    first.ready("a-0")
+    pid = first.wait_event(event="worker.spawned", worker="a-0")["pid"]
+    second = supervisor(
+        {**config, "workers": [group("b", "ready_then_sleep")]},
+        prefix=in_own_mounts(tmp_path / "volume-b"),
+    )
+    second.ready("b-0")  # after its reclaim
+    assert not second.find(event="supervisor.reclaimed_orphan")
+    assert alive(pid) and not first.find(event="worker.exited", worker="a-0")
+    ids = [(tmp_path / v / "instance").read_text() for v in ("volume-a", "volume-b")]
+    assert ids[0] != ids[1]
+    assert second.stop() == 0 and first.stop() == 0
 
 
 def test_without_the_lock_nothing_is_reclaimed_by_its_environment(

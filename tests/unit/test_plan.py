@@ -103,12 +103,12 @@ def test_inherited_reporter_variables_do_not_leak_into_workers() -> None:
 
 def test_the_state_dir_marker_is_the_supervisors() -> None:
     """The reclaim's marker comes from the supervisor and a group's env cannot set it."""
-    g = {"name": "gpen", "command": ["app"], "env": {"GPU_SUPERVISOR_STATE_DIR": "/other"}}
+    g = {"name": "gpen", "command": ["app"], "env": {"GPU_SUPERVISOR_INSTANCE": "f" * 32}}
     settings = parse_settings({"workers": [g]})
-    ours = build_plan(settings, {"GPU_SUPERVISOR_STATE_DIR": "/var/lib/gs"}, None)
-    assert ours.groups[0].workers[0].env["GPU_SUPERVISOR_STATE_DIR"] == "/var/lib/gs"
+    ours = build_plan(settings, {"GPU_SUPERVISOR_INSTANCE": "a" * 32}, None)
+    assert ours.groups[0].workers[0].env["GPU_SUPERVISOR_INSTANCE"] == "a" * 32
     none = build_plan(settings, {}, None)
-    assert "GPU_SUPERVISOR_STATE_DIR" not in none.groups[0].workers[0].env
+    assert "GPU_SUPERVISOR_INSTANCE" not in none.groups[0].workers[0].env
 
 
 def test_an_explicit_index_names_the_listed_gpu_not_a_lost_one() -> None:

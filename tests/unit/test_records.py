@@ -345,3 +345,18 @@ def test_processes_found_by_the_environment_marker() -> None:
     }
     got = marked(found, recorded, own_pid=42)
     assert got == [Candidate("w-0", 200, 6.0, False), Candidate("?", 300, 7.0, False)]
+
+
+def test_a_state_dirs_instance_id(tmp_path: Path) -> None:
+    """Made once and kept; written back with ``keep`` when state_dir was recreated; None when
+    it can be neither read nor written."""
+    from supervisor.records import instance_id
+
+    first = instance_id(tmp_path)
+    assert first is not None and len(first) == 32 and instance_id(tmp_path) == first
+    assert instance_id(tmp_path / "other") is None  # no such directory
+    (tmp_path / "instance").unlink()
+    assert instance_id(tmp_path, keep=first) == first
+    assert (tmp_path / "instance").read_text().strip() == first
+    (tmp_path / "instance").write_text("not an id\n")
+    assert instance_id(tmp_path) not in (None, first)  # a damaged file gets a new id
