@@ -63,7 +63,8 @@ from supervisor.processes import (
     release_held_signals,
     set_child_subreaper,
 )
-from supervisor.reclaim import reclaim
+from supervisor.reclaim import KILL_WAIT_S as RECLAIM_KILL_WAIT_S
+from supervisor.reclaim import TERM_WAIT_S, reclaim
 from supervisor.records import (
     LOCK_FILE,
     POSTMORTEM_DIR,
@@ -92,6 +93,8 @@ from supervisor.worker import WorkerRunner, is_idle
 KILL_WAIT_S = 5.0
 #: How long a restart waits for the previous process's cgroup to empty (seconds).
 CGROUP_EMPTY_WAIT_S = 2.0
+#: How long a stop during start-up waits for the reclaim of a predecessor's orphans.
+RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -1352,8 +1355,9 @@ class Runtime:
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
         await self._remove_cgroups()
-        # a stop during start-up: the reclaim's verdicts go into the last state.json too
-        with anyio.move_on_after(timeout):
+        # a stop during start-up: the reclaim's verdicts go into the last state.json too (the
+        # reclaim ends its orphans within its own TERM and KILL waits)
+        with anyio.move_on_after(RECLAIM_WAIT_S):
             await self._reclaim_done.wait()
         self.stopped = True
         with anyio.move_on_after(KILL_WAIT_S):

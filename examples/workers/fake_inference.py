@@ -63,8 +63,7 @@ def main() -> None:
         time.sleep(args.load_s)  # "load the model"
         world.claim(args.memory_mb)
         port = int(os.environ.get("PORT", "8001"))
-        handler = http.server.BaseHTTPRequestHandler
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Ok)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         notify(f"READY=1\nSTATUS=serving on {port}")
         gpus = ",".join(world.gpus) or "-"
@@ -85,6 +84,21 @@ def main() -> None:
             notify(f"WATCHDOG=1\nSTATUS=serving, {used:.0f} MiB")
     finally:
         world.release()
+
+
+class Ok(http.server.BaseHTTPRequestHandler):
+    """``GET`` of any path answers 200 ``ok`` (a health URL for ``ready = "http://..."``)."""
+
+    def do_GET(self) -> None:
+        body = b"ok\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # no line per request in the worker's log
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ INSTALLED_BIN = "/usr/local/bin/gpu-supervisor"
 #: Every example config whose shutdown_timeout_s the unit's TimeoutStopSec must cover.
 EXAMPLE_CONFIGS = sorted(ROOT.glob("examples/**/*.toml"))
 #: After shutdown_timeout_s the supervisor may still wait KILL_WAIT_S for the SIGKILLed workers,
-#: KILL_WAIT_S for adopted orphans and KILL_WAIT_S for the last records flush (runtime._shutdown).
-STOP_MARGIN_S = 3 * KILL_WAIT_S
+#: KILL_WAIT_S for adopted orphans, KILL_WAIT_S for the workers' cgroups to empty and KILL_WAIT_S
+#: for the last records flush (runtime._shutdown).
+STOP_MARGIN_S = 4 * KILL_WAIT_S
 
 
 def _clean_env() -> dict[str, str]:
