@@ -677,13 +677,7 @@ class Runtime:
             )
             return spec
         try:
-            chosen = place(
-                self.settings.workers,
-                slots,
-                self.settings.gpu.reserve_mb,
-                fixed=self._assignments(),
-                only={runner.name},
-            )[runner.name]
+            chosen = self._place_one(runner, slots)
         except PlacementError as exc:
             why_not = {s.uuid: s.why_not for s in slots}
             if not avoid and all(
@@ -699,9 +693,7 @@ class Runtime:
                 )
                 return spec
             return f"no GPU to place on: {exc}"
-        new = launch_spec(
-            group, spec.index, self._worker_environ(), os.fspath(self.notify_path), chosen
-        )
+        new = self._spec_on(group, spec.index, chosen)
         self.log.info(
             "worker.moved",
             worker=runner.name,
@@ -719,13 +711,7 @@ class Runtime:
         if group is None or group.gpus != "auto":
             return spec
         try:
-            chosen = place(
-                self.settings.workers,
-                self.slots(),
-                self.settings.gpu.reserve_mb,
-                fixed=self._assignments(),
-                only={runner.name},
-            )[runner.name]
+            chosen = self._place_one(runner, self.slots())
         except PlacementError as exc:
             return f"no GPU to place on: {exc}"
         self.log.info(
@@ -735,9 +721,21 @@ class Runtime:
             new_gpus=list(chosen or ()),
             reason="placed now that GPU telemetry is up",
         )
-        return launch_spec(
-            group, spec.index, self._worker_environ(), os.fspath(self.notify_path), chosen
-        )
+        return self._spec_on(group, spec.index, chosen)
+
+    def _place_one(self, runner: WorkerRunner, slots: list[GpuSlot]) -> tuple[str, ...] | None:
+        """GPUs for ``runner`` alone on ``slots``, the others where they are (PlacementError)."""
+        return place(
+            self.settings.workers,
+            slots,
+            self.settings.gpu.reserve_mb,
+            fixed=self._assignments(),
+            only={runner.name},
+        )[runner.name]
+
+    def _spec_on(self, group: WorkerGroup, index: int, gpus: tuple[str, ...] | None) -> LaunchSpec:
+        """Worker ``index`` of ``group`` planned again on ``gpus``."""
+        return launch_spec(group, index, self._worker_environ(), os.fspath(self.notify_path), gpus)
 
     # --- wiring -------------------------------------------------------------------------
 
