@@ -259,9 +259,11 @@ class Alerter:
         return len(self._queue) + (self._current is not None)
 
     def forget(self) -> int:
-        """Drop what is queued (its URL was removed by a reload); how many were dropped."""
+        """The URL was removed by a reload: drop what is queued, and stop retrying the alert
+        being delivered (its POST in flight ends on its own); how many were dropped."""
         count = len(self._queue)
         self._queue.clear()
+        self.url = ""
         return count
 
     def send(self, doc: dict[str, Any], key: tuple[str, ...] | None = None) -> bool:
@@ -309,7 +311,11 @@ class Alerter:
                 transport=self._transport,
                 verify=tls,
                 timeout=self.timeout_s,
-                headers={"User-Agent": USER_AGENT, "Content-Type": "application/json"},
+                headers={
+                    "User-Agent": USER_AGENT,
+                    "Content-Type": "application/json",
+                    "Accept-Encoding": "identity",  # the answer's body is not read anyway
+                },
                 follow_redirects=False,
             ) as client:
                 task_status.started()
@@ -358,7 +364,7 @@ class Alerter:
             self._gave_up(doc, Attempt(error=f"not JSON: {exc}"), attempts=0)
             return
         attempts = 0
-        while True:
+        while self.url:  # a reload that removes the URL ends the retries too
             attempts += 1
             attempt = await self._post(client, body)
             outcome = attempt.verdict
@@ -376,7 +382,11 @@ class Alerter:
 
         try:
             with anyio.fail_after(self.timeout_s):
-                response = await client.post(self.url, content=body)
+                # streamed, and closed unread: only the status and Retry-After count, and an
+                # answer of any size (or a compressed bomb) must not land in our memory
+                request = client.build_request("POST", self.url, content=body)
+                response = await client.send(request, stream=True)
+                await response.aclose()
         except (TimeoutError, httpx.TimeoutException):
             return Attempt(error="timeout")
         except (httpx.HTTPError, OSError) as exc:

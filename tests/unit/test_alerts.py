@@ -468,3 +468,45 @@ async def test_the_url_can_be_cleared_and_set_while_serving() -> None:
         assert alerter.send(doc(2))
         await wait_until(lambda: alerter.sent == 1)
     assert [b["message"] for b in hook.bodies] == ["alert 2"]
+
+
+class _Unread(httpx.AsyncByteStream):
+    """An answer body that records whether anyone read it (a huge or compressed one would
+    land in the supervisor's memory)."""
+
+    def __init__(self) -> None:
+        self.read = False
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        self.read = True
+        yield b"x" * 1024
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_the_answer_body_is_neither_read_nor_asked_compressed() -> None:
+    """Regression: the whole answer was read (and gunzipped): 2 MB of gzip took 4 GB."""
+    body = _Unread()
+    transport, seen = scripted(httpx.Response(200, stream=body))
+    async with serving(fast("http://hook.test/x", transport=transport)) as alerter:
+        alerter.send(doc())
+        await wait_until(lambda: alerter.sent == 1)
+    assert not body.read and body.closed
+    assert seen[0][1].headers["accept-encoding"] == "identity"
+
+
+async def test_forget_also_ends_the_retries_of_the_alert_in_flight() -> None:
+    """Regression: a reload that removed the URL emptied the queue, but the alert being
+    delivered went on retrying the removed URL."""
+    transport, seen = scripted(httpx.Response(500))
+    alerter = fast("http://hook.test/x", transport=transport, retries=50, backoff_s=0.05)
+    async with serving(alerter):
+        alerter.send(doc())
+        await wait_until(lambda: len(seen) >= 1)
+        alerter.forget()
+        tried = len(seen)
+        await wait_until(lambda: alerter.pending() == 0)  # the delivery in flight has ended
+    assert len(seen) <= tried + 1  # at most the POST that was already on its way
+    assert alerter.sent == 0
