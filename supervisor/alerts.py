@@ -19,13 +19,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
 import structlog
 
 from supervisor._version import __version__
+from supervisor.config import redact_url
 from supervisor.journal import rfc3339
 
 if TYPE_CHECKING:
@@ -142,19 +142,6 @@ def retry_delay(attempt: int, backoff_s: float, retry_after: float | None = None
     if retry_after is not None:
         return retry_after
     return backoff_s * 2.0 ** (attempt - 1)
-
-
-def redact_url(url: str) -> str:
-    """``scheme://host[:port]`` of a URL, for logs: userinfo, path and query may hold tokens."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return "<invalid url>"
-    if not parts.scheme or not host:
-        return "<invalid url>"
-    netloc = f"[{host}]" if ":" in host else host
-    return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -242,6 +243,20 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def redact_url(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, for logs and messages: userinfo, path and query may
+    hold tokens (a webhook's secret is often its path)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return "<invalid url>"
+    if not parts.scheme or not host:
+        return "<invalid url>"
+    netloc = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
 
 
 class AlertsSection(_Strict):
@@ -593,7 +608,10 @@ def format_validation_error(
     line = f"{source}: {path}: {msg}" if path else f"{source}: {msg}"
     whole_section = isinstance(first.get("input"), dict)  # a check of several keys at once
     if kind not in ("missing",) and "(got " not in msg and path and not whole_section:
-        line += f" (got {_short(first.get('input'))})"
+        shown = first.get("input")
+        if path.endswith("webhook_url") and isinstance(shown, str):
+            shown = redact_url(shown)  # its path or query is often the secret
+        line += f" (got {_short(shown)})"
     env_name = _env_name_for(loc, environ) if loc else None
     if env_name:
         line += f" [from {env_name}]"

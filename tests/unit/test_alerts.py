@@ -26,11 +26,11 @@ from supervisor.alerts import (
     RateLimit,
     alert_doc,
     encode,
-    redact_url,
     retry_after_s,
     retry_delay,
     verdict,
 )
+from supervisor.config import redact_url
 
 T0 = 1_796_000_000.25
 

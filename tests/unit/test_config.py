@@ -337,3 +337,13 @@ def test_environment_overrides_are_still_converted(
     path = tmp_path / "c.toml"
     path.write_text("")
     assert load_settings(path).supervisor.shutdown_timeout_s == 30
+
+
+def test_a_bad_webhook_url_is_named_without_its_secret() -> None:
+    """Regression: a typo in the scheme printed (and on a reload logged) the whole URL."""
+    url = "htps://hooks.example.com/services/T0/B0/SECRETTOKEN?key=ALSOSECRET"
+    msg = bad({"alerts": {"webhook_url": url}})
+    assert msg == (
+        "c.toml: alerts.webhook_url: expected an http:// or https:// URL "
+        "(got 'htps://hooks.example.com')"
+    )
