@@ -156,21 +156,66 @@ MARK = "_gpu_supervisor_worker_site"
 
 
 class TorchWatch:
-    """A ``sys.meta_path`` entry that starts the reporter when the program imports ``torch``.
+    """A ``sys.meta_path`` entry that starts the reporter once the program has imported
+    ``torch``.
 
-    It finds nothing itself (the import goes on as before, to the same loader): it only notes
-    the moment. A process that never imports torch never gets a thread (Python 3.12 warns about
-    ``fork()`` in a multi-threaded process, and a reporter would have nothing to say there).
+    For ``torch`` it returns the spec the other finders find, its loader wrapped so that the
+    reporter starts when torch's module has run: a program that only looks whether torch is
+    there (``importlib.util.find_spec``, a failed ``import torch``) starts nothing. A process
+    that never imports torch never gets a thread (Python 3.12 warns about ``fork()`` in a
+    multi-threaded process, and a reporter would have nothing to say there).
     """
 
     def __init__(self, start: Callable[[], None]) -> None:
         self._start = start
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
-        if name == "torch":
-            with contextlib.suppress(ValueError):
-                sys.meta_path.remove(self)
-            self._start()
+    def find_spec(
+        self, name: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch":
+            return None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec: importlib.machinery.ModuleSpec | None = find(name, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _StartAfter(spec.loader, self._started)  # type: ignore[assignment]
+            return spec
+        return None
+
+    def _started(self) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        self._start()
+
+
+class _StartAfter:
+    """torch's own loader, which calls ``start`` once torch's module has run (and leaves the
+    module with its own loader)."""
+
+    def __init__(self, loader: object, start: Callable[[], None]) -> None:
+        self._loader = loader
+        self._start = start
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        module: types.ModuleType | None = create(spec) if create is not None else None
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = self._loader
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self._loader
+        getattr(self._loader, "exec_module")(module)  # noqa: B009 - the loader is any object
+        self._start()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._loader, name)
 
 
 def _arm(mark: types.ModuleType) -> None:

@@ -302,3 +302,45 @@ def test_it_reports_from_other_worker_interpreters(
         errors = proc.stderr.read()
         proc.stderr.close()
     assert b"Error" not in errors, errors
+
+
+@pytest.mark.parametrize("torch_imports", [True, False])
+def test_looking_for_torch_starts_nothing_importing_it_does(
+    tmp_path: Path, torch_imports: bool
+) -> None:
+    """``importlib.util.find_spec("torch")`` (how libraries check that torch is there) and an
+    ``import torch`` that fails start no thread; an import that succeeds does, and torch keeps
+    its own loader. Regression: any lookup of the name started the reporter."""
+    broken = tmp_path / "broken"
+    (broken / "torch").mkdir(parents=True)
+    (broken / "torch" / "__init__.py").write_text("raise ImportError('broken torch')\n")
+    torch_dir = FAKE_TORCH if torch_imports else str(broken)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, torch_dir]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "nobody.sock"),
+    }
+    code = (
+        "import importlib.util, sys, threading\n"
+        "names = lambda: [t.name for t in threading.enumerate()]\n"
+        "found = importlib.util.find_spec('torch') is not None\n"
+        "print(found, 'torch' in sys.modules, names())\n"
+        "try:\n"
+        "    import torch\n"
+        "    print(type(torch.__spec__.loader).__name__, names())\n"
+        "except ImportError:\n"
+        "    print('no torch', names())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.splitlines()
+    assert out[0] == "True False ['MainThread']"
+    if torch_imports:
+        assert out[1] == "SourceFileLoader ['MainThread', 'gpu-supervisor-in-use']"
+    else:
+        assert out[1] == "no torch ['MainThread']"
