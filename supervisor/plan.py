@@ -182,6 +182,17 @@ class GpuSlot:
     why_not: str = ""
 
 
+#: ``GpuSlot.why_not`` of a GPU that nothing else keeps placements off.
+CORDONED = "is cordoned"
+
+
+def only_cordoned(gpus: Sequence[str], slots: Sequence[GpuSlot]) -> bool:
+    """True when none of ``gpus`` is unusable for any reason but a cordon: a cordon stops new
+    placements only, so a worker already there may start there again when nothing else fits."""
+    why_not = {s.uuid: s.why_not for s in slots}
+    return all(why_not.get(u) in ("", CORDONED) for u in gpus)
+
+
 def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
     """Device ``d`` as placement sees it; ``why_not``: why nothing may be placed on it now
     (None: only its health counts)."""

@@ -42,12 +42,14 @@ from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, Worke
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
 from supervisor.plan import (
+    CORDONED,
     INSTANCE_VAR,
     WORKER_VAR,
     GpuSlot,
     Plan,
     build_plan,
     launch_spec,
+    only_cordoned,
     place,
     slot_for,
 )
@@ -463,10 +465,10 @@ class Runtime:
                 why = f"is unhealthy ({d.error})"
             elif d.uuid in self.healer.state.quarantined:
                 why = f"is quarantined ({self.healer.state.quarantined[d.uuid]})"
-            elif d.uuid in self.cordoned:
-                why = "is cordoned"
             elif d.uuid in self.suspect:
                 why = "is suspect (memory of a dead worker still held)"
+            elif d.uuid in self.cordoned:
+                why = CORDONED
             out.append(slot_for(d, why))
         return out
 
@@ -679,12 +681,7 @@ class Runtime:
         try:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
-            why_not = {s.uuid: s.why_not for s in slots}
-            if not avoid and all(
-                why_not.get(u) in ("", "is cordoned") and u not in self.suspect for u in gpus
-            ):
-                # a cordon stops new placements only: with nowhere else to go, a worker
-                # restarts where it was instead of failing (and going fatal)
+            if not avoid and only_cordoned(gpus, slots):  # restart where it was, not fail
                 self.log.info(
                     "worker.gpu_cordoned",
                     worker=runner.name,

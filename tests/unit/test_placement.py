@@ -98,3 +98,21 @@ def test_plan_puts_uuids_in_cuda_visible_devices() -> None:
     envs = [w.env["CUDA_VISIBLE_DEVICES"] for w in plan.groups[0].workers]
     assert envs == ["GPU-0", "GPU-1"]
     assert plan.warnings == ()
+
+
+def test_only_a_cordon_lets_a_worker_restart_where_it_was() -> None:
+    from supervisor.plan import CORDONED, GpuSlot, only_cordoned
+
+    def slot(uuid: str, why: str = "") -> GpuSlot:
+        return GpuSlot(
+            index=0, uuid=uuid, total_mb=1000.0, free_mb=1000.0, usable=not why, why_not=why
+        )
+
+    slots = [
+        slot("A", CORDONED),
+        slot("B"),
+        slot("C", "is suspect (memory of a dead worker still held)"),
+    ]
+    assert only_cordoned(["A"], slots) and only_cordoned(["A", "B"], slots)
+    assert not only_cordoned(["A", "C"], slots)
+    assert not only_cordoned(["Z"], slots)  # a GPU no longer listed
