@@ -54,6 +54,7 @@ from supervisor.plan import (
     slot_for,
 )
 from supervisor.policy import lifecycle as lc
+from supervisor.policy.attribution import alias_owner
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.reload import applied_by_reload, diff_groups, start_only_changes
@@ -988,17 +989,15 @@ class Runtime:
         if sample is None:
             return []
         worker_of = {pid: n for n, u in sample.workers.items() for pid in u.pids}
-        aliases = self.sampler.aliases
+        assigned = {r.name: r.spec.gpus for r in self.workers()}
 
         def owners(d: DeviceSample) -> Mapping[int, str]:
-            # a worker in a PID namespace of its own is listed under its pids there: named
-            # like attribution does, where the worker is placed on this GPU
+            # a worker in a PID namespace of its own is listed under its pids there
             extra = {}
             for p in d.processes or ():
-                name = worker_of.get(aliases.get(p.pid, -1))
-                runner = self.runners.get(name) if name and p.pid not in worker_of else None
-                if runner is not None and d.uuid in (runner.spec.gpus or ()):
-                    extra[p.pid] = runner.name
+                name = alias_owner(p.pid, d.uuid, self.sampler.aliases, worker_of, assigned)
+                if name is not None:
+                    extra[p.pid] = name
             return {**worker_of, **extra} if extra else worker_of
 
         return [

@@ -122,12 +122,27 @@ def _resolve(
     assigned: Mapping[str, tuple[str, ...] | None],
 ) -> tuple[GpuProcess, ...]:
     """``plist`` with namespace-local pids replaced by ours, where that is unambiguous."""
+    worker_of = {pid: n for n, t in trees.items() for pid in t}
     out = []
     for p in plist:
-        ours = aliases.get(p.pid)
-        if p.pid not in known and ours is not None:
-            owner = next((n for n, t in trees.items() if ours in t), None)
-            if owner is not None and uuid in (assigned.get(owner) or ()):
-                p = GpuProcess(ours, p.used_mb)
+        if alias_owner(p.pid, uuid, aliases, worker_of, assigned) is not None:
+            p = GpuProcess(aliases[p.pid], p.used_mb)
         out.append(p)
     return tuple(out)
+
+
+def alias_owner(
+    pid: int,
+    uuid: str,
+    aliases: Mapping[int, int],
+    worker_of: Mapping[int, str],
+    assigned: Mapping[str, tuple[str, ...] | None],
+) -> str | None:
+    """The worker that NVML's ``pid`` on GPU ``uuid`` stands for when it is a pid in the
+    worker's own PID namespace: not one of ours, an alias of one of ours, and the worker placed
+    on that GPU; else None."""
+    ours = aliases.get(pid)
+    if pid in worker_of or ours is None:
+        return None
+    owner = worker_of.get(ours)
+    return owner if owner is not None and uuid in (assigned.get(owner) or ()) else None
