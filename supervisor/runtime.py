@@ -1136,9 +1136,7 @@ class Runtime:
             self._end_leftovers(runner, runner.last_exit_pid)
         outcome = action.outcome
         rec = runner.record
-        if rec.restarts > before.restarts or rec.state in (WorkerState.BACKOFF,):
-            key = (runner.name, outcome.reason.value)
-            self.restarts_total[key] = self.restarts_total.get(key, 0) + 1
+        restarted = rec.restarts > before.restarts or rec.state in (WorkerState.BACKOFF,)
         restarting = rec.state in (WorkerState.BACKOFF, WorkerState.STARTING)
         if outcome.reason.value in ("hang", "start_timeout") and restarting:
             # the lifecycle's own restarts go the healing actions' way: log, count, webhook
@@ -1164,6 +1162,7 @@ class Runtime:
             # Only a SIGKILL can be the kernel's OOM killer: /proc/vmstat is not read otherwise.
             oom_baseline=self.healer.oom_baseline(runner.name) if sigkill else None,
             journal_seq=self.journal.last_seq,
+            restarted=restarted,
         )
         runner.after_step(functools.partial(self._write_postmortem, dead))
 
@@ -1188,6 +1187,13 @@ class Runtime:
             healing=dead.healing,
             oom_kills=self.healer.oom_kills_since(runner.name, dead.oom_baseline),
         )
+        # The restart is counted under what the death was found to be (a CUDA OOM, not
+        # "exit"), as the post-mortem and the worker object's last_exit say.
+        reason = outcome.reason.value if found is None else found.reason
+        if dead.restarted:
+            key = (runner.name, reason)
+            self.restarts_total[key] = self.restarts_total.get(key, 0) + 1
+        runner.classified_exit(reason)
         if found is None:
             return
         spec = dead.spec
@@ -1567,3 +1573,4 @@ class _Death:
     healing: dict[str, Any] | None
     oom_baseline: int | None
     journal_seq: int
+    restarted: bool  # the lifecycle restarts it (or backs off to): counted in restarts_total

@@ -77,6 +77,7 @@ class WorkerRunner:
         self._reaped = False  # the current process's status was collected: its pid is not ours
         self.last_exit_wall: float | None = None
         self.last_exit_pid: int | None = None
+        self._exit_reason: str | None = None  # the last exit as classified (cuda_oom, ...)
         self._spawn_token = 0
         self._after_step: list[Callable[[], None]] = []
         self.last_exit_at: float | None = None
@@ -199,7 +200,7 @@ class WorkerRunner:
             else {
                 "code": last.status.code if last.status else None,
                 "signal": last.status.signal_name if last.status else None,
-                "reason": last.reason.value,
+                "reason": self._exit_reason or last.reason.value,
                 "at": None if self.last_exit_wall is None else rfc3339(self.last_exit_wall),
                 "detail": last.detail,
             },
@@ -249,6 +250,11 @@ class WorkerRunner:
         while self._after_step:
             self._after_step.pop(0)()
 
+    def classified_exit(self, reason: str) -> None:
+        """What the last exit was found to be (``cuda_oom``, ``host_oom``: its post-mortem's
+        reason), shown as ``last_exit.reason`` instead of the lifecycle's ``exit``/``signal``."""
+        self._exit_reason = reason
+
     def after_step(self, work: Callable[[], None]) -> None:
         """Run ``work`` once the current step's actions are done (after a replacement's spawn:
         what a death leaves to write must not delay the new process)."""
@@ -291,6 +297,7 @@ class WorkerRunner:
 
     def _spawn(self) -> lc.Event:
         self.spawn_attempts += 1
+        self._last_pid = None  # a failed spawn's state changes name no process
         try:
             cgroup = self._cgroup_for(self) if self._cgroup_for is not None else None
             child = spawn(self.spec, cgroup)
@@ -326,6 +333,7 @@ class WorkerRunner:
         if token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
             return  # stopped (or restarted) while we waited
         if isinstance(result, str):
+            self._last_pid = None
             self._log.error("worker.spawn_failed", reason="spawn_failed", error=result)
             self.output.mark(f"spawn failed: {result}")
             self.post(lc.SpawnFailed(result))
@@ -366,6 +374,7 @@ class WorkerRunner:
         self.last_exit_at = self._clock.now()
         self.last_exit_wall = self._clock.wall()
         self.last_exit_pid = child.pid if child else None
+        self._exit_reason = None
         self._create_time = None
         status = outcome.status
         detail = outcome.detail or outcome.reason.value

@@ -82,6 +82,9 @@ COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
 #: or lost; printing a sticky CUDA error): acting on them does not wait for ``max_unavailable``.
 #: A worker-fatal XID is not one: it is one process's fault, and its siblings on the GPU wait.
 BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "log_pattern"})
+#: Findings whose restart cuts a drain short: a worker with a sticky error or a worker-fatal
+#: XID serves nothing, so waiting out ``drain_timeout_s`` only holds its GPU memory.
+CUTS_DRAIN: frozenset[str] = frozenset({"xid_worker", "log_pattern"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +281,13 @@ def decide(
                 why[f.key] = "another migration is in flight"
                 continue
             going = view.state in _LEAVING or view.state in _DOWN or act.worker in taken
-            if act.action != "migrate" and going:
+            cut = (
+                act.action == "restart"
+                and f.kind in CUTS_DRAIN
+                and view.state is WorkerState.DRAINING
+                and act.worker not in taken
+            )
+            if act.action != "migrate" and going and not cut:
                 continue  # already going down (or down): its restart will come from that
             if act.action == "migrate" and (going or not view.has_process):
                 act = replace(act, redirect_only=True)

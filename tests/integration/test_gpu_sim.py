@@ -246,4 +246,9 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
             fh.write("0 79\n")  # device-fatal: quarantined, its worker has nowhere to go
         failed = sup.wait_event(event="worker.spawn_failed", worker="g-0", after=mark)
         assert failed["error"].startswith("no GPU to place on") and "quarantined" in failed["error"]
+        # no process was started: the state change names none (regression: the last one's pid)
+        backoff = sup.wait_event(
+            event="worker.state", worker="g-0", reason="spawn_failed", after=mark
+        )
+        assert backoff["pid"] is None
     assert sup.stop() == 0

@@ -356,6 +356,28 @@ def test_xid_13_restarts_only_the_worker_on_that_gpu(
     assert sup.stop() == 0
 
 
+def test_a_worker_fatal_xid_cuts_an_operators_drain_short(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A worker being drained by an operator gets XID 13: it is stopped at once (not after its
+    30 s drain) and stays stopped, and the action is logged. Regression: the XID was dropped."""
+    sup = supervisor(
+        config(tmp_path, {"name": "g", "command": sim("100"), "drain_timeout_s": 30}, sim_devices=1)
+    )
+    sup.ready("g-0")
+    with sup.api() as api:
+        mark = sup.mark()
+        assert api.post("/api/v1/workers/g-0/drain").status_code == 202
+        sup.wait_event(event="worker.state", worker="g-0", new="draining", after=mark)
+        xid(tmp_path, 0, 13)
+        action = sup.wait_event(event="heal.action", reason="xid", after=mark, timeout=20)
+        assert (action["action"], action["worker"]) == ("restart", "g-0")
+        sup.wait_event(event="worker.state", worker="g-0", new="stopped", after=mark)
+        assert api.get("/api/v1/workers/g-0").json()["state"] == "stopped"
+    assert len(sup.find(event="worker.spawned", worker="g-0")) == 1
+    assert sup.stop() == 0
+
+
 def test_xid_79_quarantines_the_gpu_and_moves_its_workers(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

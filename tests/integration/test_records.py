@@ -104,6 +104,14 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
         }
     )
     sup.wait_event(event="worker.state", worker="o-0", new="fatal")
+    with sup.api() as api:
+        # The API and the metrics say what the post-mortems say (regression: "exit").
+        assert api.get("/api/v1/workers/o-0").json()["last_exit"]["reason"] == "cuda_oom"
+        metrics = api.get("/metrics").text
+    assert (
+        'gpu_supervisor_worker_restarts_total{group="o",reason="cuda_oom",worker="o-0"}' in metrics
+    )
+    assert 'reason="exit"' not in metrics
     assert sup.stop() == 0
     docs = postmortems(sup)
     assert docs and all(d["reason"] == "cuda_oom" for d in docs)

@@ -169,6 +169,19 @@ def test_workers_already_leaving_are_not_acted_on_again() -> None:
     assert d.acts == () and d.deferred == ()
 
 
+def test_a_broken_worker_that_is_draining_is_restarted_at_once() -> None:
+    """A sticky CUDA error or a worker-fatal XID on a draining worker: the drain is cut short
+    (it serves nothing and holds its GPU memory); a leak of a draining worker waits for it, and
+    a worker already stopping is left to stop. Regression: the restart was dropped, unrecorded."""
+    workers = views(w_0=WorkerState.DRAINING, w_2=WorkerState.STOPPING, w_1=R)
+    sticky = Finding("log_pattern", "CUDA error", worker="w-0")
+    xid = Finding("xid_worker", "XID 13", gpu=G0)
+    d = decide([sticky, xid, leak("w-0")], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("restart", "w-0", None, "log_pattern")]  # once, and w-2 not at all
+    d = decide([xid], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")] and d.deferred == ()
+
+
 def test_non_disruptive_actions_are_never_deferred() -> None:
     workers = views(w_0=R, w_2=WorkerState.BACKOFF)
     d = decide([Finding("thermal", "hot", gpu=G0)], workers, {"w": GroupPolicy()}, 0.0, {})
