@@ -402,11 +402,16 @@ class WorkerRunner:
         if self._on_exit is not None:
             self._on_exit(self, action, self._before)
 
+    def _current_pid(self) -> int | None:
+        return None if self._child is None else self._child.pid
+
     async def _probe_health(self, pid: int, url: str) -> None:
         import httpx  # only groups with an HTTP health URL pay for the import
 
         async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
-            while self.record.pid == pid and self.record.state is WorkerState.STARTING:
+            # The process, not the record: a start after the pre-start hook queues its
+            # ``Spawned`` and this task may run before the record has the pid.
+            while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
                 try:
                     response = await client.get(url)
                 except httpx.HTTPError:

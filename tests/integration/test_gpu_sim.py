@@ -219,6 +219,35 @@ def test_a_worker_in_its_own_pid_namespace_is_attributed_through_nspid(
     assert sup.stop() == 0
 
 
+def test_an_http_ready_worker_on_a_gpu_is_ready_again_after_a_restart(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A start on a GPU goes through the pre-start hook (GPU-release barrier); the health probe
+    it starts must wait for the new pid to be recorded. Regression: the probe ended at once,
+    so every start after the first timed out (start_timeout, backoff, fatal)."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "web",
+                "command": worker_cmd("http_ready", "0"),
+                "ready": "http://127.0.0.1:{port}/health",
+                "port_base": 18951,
+                "gpus": [0],
+                "start_timeout_s": 20,
+            },
+        )
+    )
+    sup.ready("web-0")
+    with sup.api() as http:
+        for _ in range(3):
+            mark = sup.mark()
+            assert http.post("/api/v1/workers/web-0/restart").status_code == 202
+            sup.ready("web-0", after=mark)
+    assert not sup.find(event="worker.state", reason="start_timeout")
+    assert sup.stop() == 0
+
+
 def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
