@@ -14,13 +14,14 @@ token (401).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from supervisor.config import ApiSection, load_settings, parse_listen
 from supervisor.errors import ApiClientError, ConfigError, UsageError
@@ -148,6 +149,19 @@ def resolve(
     return url, token
 
 
+def is_local(url: str) -> bool:
+    """A unix socket or a loopback address (``localhost``, ``127.x``, ``::1``)."""
+    if url.startswith("unix:"):
+        return True
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Client:
     """A small synchronous client of the supervisor's API."""
 
@@ -168,7 +182,13 @@ class Client:
         else:
             base = url.rstrip("/")
         self._http = httpx.Client(
-            base_url=base, headers=headers, timeout=timeout, transport=transport
+            base_url=base,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            # http_proxy/HTTPS_PROXY (set on many hosts and images) are for the outside world,
+            # not for a supervisor on this machine
+            trust_env=not is_local(url),
         )
 
     def close(self) -> None:

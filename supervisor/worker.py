@@ -408,7 +408,8 @@ class WorkerRunner:
     async def _probe_health(self, pid: int, url: str) -> None:
         import httpx  # only groups with an HTTP health URL pay for the import
 
-        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
+        # never through http_proxy: the worker is on this machine
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
             # The process, not the record: a start after the pre-start hook queues its
             # ``Spawned`` and this task may run before the record has the pid.
             while self._current_pid() == pid and self.record.state is WorkerState.STARTING:

@@ -308,6 +308,11 @@ class Supervisor:
         if self._proc is None:
             return []
         if self._proc.poll() is None:
+            # a test that failed midway: a clean stop first, so what it started ends too
+            self._proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(15)
+        if self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(10)

@@ -154,6 +154,10 @@ def test_client_commands(
     assert code == 2 and "invalid bearer token" in err
     monkeypatch.setenv("GPU_SUPERVISOR_API_TOKEN", TOKEN)
     assert run(capsys, "status", "--url", f"unix:{socket_path}")[0] == 0
+    # a proxy in the environment is for the outside world (regression: it was used)
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    assert run(capsys, "status", "--url", f"unix:{socket_path}")[0] == 0
 
     assert sup.stop() == 0
     out = cli("status", "-c", cfg)
