@@ -98,6 +98,9 @@ KILL_WAIT_S = 5.0
 CGROUP_EMPTY_WAIT_S = 2.0
 #: How long a stop during start-up waits for the reclaim of a predecessor's orphans.
 RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
+#: How many times an exited worker's leftovers are looked for among our children (a dying
+#: member hands its children to us as it dies: one more read finds them).
+LEFTOVER_ROUNDS = 4
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -1107,12 +1110,35 @@ class Runtime:
             with contextlib.suppress(OSError):
                 os.kill(member, signal.SIGKILL)
                 killed.append(member)
-        for child in sorted(procfs.own_children() - self._pids.keys() - {pid, *killed}):
-            with contextlib.suppress(psutil.Error, OSError):
-                proc = psutil.Process(child)
-                if proc.environ().get(WORKER_VAR) == runner.name and proc.status() != "zombie":
+        # A member of the group killed with it may be dying right now: alive, what it forked
+        # (a setsid() grandchild) is still its child; dead, that was re-parented to us just
+        # before. So its children are taken with it, and our children are read again until
+        # no new one of this worker turns up.
+        looked: set[int] = {pid, *killed}
+        for _ in range(LEFTOVER_ROUNDS):
+            try:
+                orphans = procfs.own_children() - self._pids.keys() - looked
+            except OSError:  # out of file descriptors: the cgroup or the next reclaim ends them
+                break
+            looked |= orphans
+            dying = False
+            for child in sorted(orphans):
+                with contextlib.suppress(psutil.Error, OSError):
+                    proc = psutil.Process(child)
+                    if not _left_by(proc, pid, runner.name):
+                        continue
+                    dying = True
+                    if proc.status() == "zombie":
+                        continue
+                    below = proc.children(recursive=True)
                     proc.kill()  # psutil checks the create time: never a reused pid
                     killed.append(child)
+                    for descendant in below:
+                        with contextlib.suppress(psutil.Error):
+                            descendant.kill()
+                            killed.append(descendant.pid)
+            if not dying:
+                break
         if killed:
             self.log.warning(
                 "worker.killed_leftovers",
@@ -1555,6 +1581,18 @@ def _children() -> list[psutil.Process]:
         return psutil.Process().children()
     except psutil.Error:
         return []
+
+
+def _left_by(proc: psutil.Process, leader: int, worker: str) -> bool:
+    """``proc``, re-parented to us, was part of ``worker`` whose main process was ``leader``:
+    in its process group (a member killed with the group but not dead yet has no environment
+    left to read), or carrying its name in its environment (a daemon that left the group)."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(proc.pid) == leader:
+            return True
+    with contextlib.suppress(psutil.Error, OSError):
+        return proc.environ().get(WORKER_VAR) == worker
+    return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -343,6 +343,30 @@ def test_a_crash_takes_the_grandchild_that_left_the_group(supervisor: Supervisor
     assert sup.stop() == 0
 
 
+def test_a_crash_takes_what_a_child_in_the_group_started_with_setsid(
+    supervisor: SupervisorFactory,
+) -> None:
+    """The worker's child (in its group) forked a grandchild that called setsid(), and the
+    worker crashes before the sampler ever read the tree: when the leader's exit is handled,
+    the child (killed with the group) may not have died yet, so the grandchild is still its
+    child, not re-parented to the supervisor. It is found under the child and killed.
+    Regression: it survived, for good once the worker went fatal."""
+    sup = supervisor(
+        {
+            "workers": [
+                group("via", "fork_grandchild", "--via-child", restart={"backoff_initial_s": 30})
+            ]
+        }
+    )
+    if sup.wait_event(event="cgroup.mode")["containment"] == "cgroup":  # pragma: no cover
+        pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
+    escapee = int(sup.wait_line("[via-0] ", endswith=" grandchild").split()[2])
+    exited = sup.wait_event(event="worker.exited", worker="via-0")  # on its own, 0.2 s after
+    assert exited["code"] == 3
+    assert wait_dead([escapee]) == [], "a process of the crashed worker outlived it"
+    assert sup.stop() == 0
+
+
 def test_a_crash_takes_the_daemon_it_left(supervisor: SupervisorFactory) -> None:
     """A daemon (double fork) is re-parented to the supervisor at once and is in no tree: it
     is found by the worker's name in its environment, and killed with the crash."""

@@ -1,5 +1,7 @@
 """Fork a grandchild that ignores SIGTERM and sleeps (``--setsid``: it leaves the group too;
-``--daemon``: it double-forks, so it is re-parented to the supervisor and in no tree)."""
+``--daemon``: it double-forks, so it is re-parented to the supervisor and in no tree;
+``--via-child``: a child that stays in the group forks it, with setsid, and the worker exits
+with code 3 0.2 s after it is ready)."""
 
 import os
 import signal
@@ -8,6 +10,12 @@ import sys
 from common import forever, notify, say
 
 pid = os.fork()
+if pid == 0 and "--via-child" in sys.argv:
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.setsid()
+        say("grandchild")
+    forever()
 if pid == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "--setsid" in sys.argv or "--daemon" in sys.argv:
@@ -21,4 +29,7 @@ if "--daemon" in sys.argv:
 say(f"forked {pid}")
 notify("READY=1")
 say("ready")
+if "--via-child" in sys.argv:
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    signal.signal(signal.SIGALRM, lambda *_: sys.exit(3))
 forever()
