@@ -307,10 +307,18 @@ class Healer:
         """Judge every worker and GPU at this sample; act."""
         now = sample.t
         free_of = {d.uuid: d.memory_free_mb for d in sample.devices}
+        # Only a worker with a process and a usage in this sample can be judged: one without
+        # (in backoff, fatal, stopped) keeps its judged_at of -inf and would take the tick's
+        # judgement every time, starving every other worker's leak judgement.
+        judgeable = {
+            r.name
+            for r in self.host.workers()
+            if r.record.pid is not None and r.name in sample.workers
+        }
         due = sorted(
             (w.judged_at, name)
             for name, w in self._watch.items()
-            if now - w.judged_at >= w.gpu_floor.bucket_s
+            if name in judgeable and now - w.judged_at >= w.gpu_floor.bucket_s
         )
         # Leak judgements are spread over the ticks (about one bucket's worth of workers per
         # tick), so 64 workers never cost one tick all of their fits at once.

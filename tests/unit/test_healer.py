@@ -10,7 +10,7 @@ from typing import Any
 from supervisor.clock import FakeClock
 from supervisor.config import Settings, parse_settings
 from supervisor.healing import Healer
-from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState
+from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState, WorkerUsage
 from supervisor.plan import GpuSlot, slot_for
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.heal import Finding
@@ -259,3 +259,40 @@ def test_a_migrate_in_the_round_of_a_leak_drain_leaves_the_exit_to_the_drain() -
     assert [type(e) for e in m0.posted] == [lc.Drain]
     assert healer.exit_evidence("m-0")["slope_mb_per_min"] == 50.0  # type: ignore[index]
     assert healer.avoid["m-0"] == {GPUS[0]}
+
+
+def test_a_worker_without_a_process_does_not_starve_the_leak_judgements_of_the_others() -> None:
+    """A fatal worker (no process, so it is never judged) kept the head of the judgement queue
+    at every tick, and the one judgement a tick went to it: a leaking neighbour was never
+    judged again and never restarted."""
+    dead = Runner("budget-0", GPUS[0], WorkerState.FATAL)
+    dead.record.pid = None
+    leak = Runner("leak-0", GPUS[0])
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.25},
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {"name": "budget", "command": ["x"]},
+            {
+                "name": "leak",
+                "command": ["x"],
+                "health": {
+                    "leak_warmup_s": 1,
+                    "leak_window_s": 30,
+                    "oom_horizon_s": 100000,
+                    "on_leak": "restart",
+                },
+            },
+        ],
+    }
+    host = Host(parse_settings(cfg), {r.name: r for r in (dead, leak)})
+    healer = Healer(host)  # type: ignore[arg-type]
+    for _ in range(80):  # 20 s, 30 MiB/s
+        host.clock.advance(0.25)
+        now = host.clock.now()
+        usage = WorkerUsage(
+            "leak-0", (100,), 1000 + 30 * now, {GPUS[0]: 1000 + 30 * now}, "pid", 100.0, 0.0
+        )
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"leak-0": usage}, True))
+    assert lc.Restart(reason=ExitReason.LEAK) in leak.posted
+    assert dead.posted == []
