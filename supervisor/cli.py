@@ -37,7 +37,7 @@ from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
-from supervisor.processes import release_held_signals, resolve_program
+from supervisor.processes import raise_open_files_limit, release_held_signals, resolve_program
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -374,6 +374,9 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     path = Path(args.config)
     settings = load_settings(path)
+    before, after = raise_open_files_limit()
+    if after != before:
+        structlog.get_logger().debug("supervisor.open_files_limit", before=before, now=after)
     services: list[Service] = []
     # Bound before anything starts, so a port in use fails here; FastAPI is imported later.
     bound = open_api(settings.api) if settings.api.listen else None

@@ -154,6 +154,35 @@ def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> st
     return found
 
 
+#: The open-files limit the supervisor raises its own soft limit to (where the hard limit
+#: allows): two descriptors a worker, the API's connections, /proc reads. Workers inherit it,
+#: as under supervisord (``minfds``) and in containers, where soft and hard are one value.
+OPEN_FILES_WANTED = 65536
+#: Descriptors the supervisor needs besides its workers' (logs, sockets, /proc, the API).
+OPEN_FILES_BASE = 64
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` towards ``wanted`` (never above the hard limit, never
+    down); return (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError):
+        return soft, soft
+    return soft, target
+
+
+def open_files_needed(workers: int) -> int:
+    """About how many descriptors ``workers`` workers need the supervisor to hold."""
+    return OPEN_FILES_BASE + 4 * workers
+
+
 def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     """Start the worker described by ``spec``; raise ``SpawnError`` if it cannot be executed.
 
@@ -172,7 +201,10 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         argv = [program, *spec.argv[1:]]
         procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
         preexec = _child_setup(os.getpid(), _prctl(), procs)
-    read_fd, write_fd = os.pipe()
+    try:
+        read_fd, write_fd = os.pipe()
+    except OSError as exc:  # EMFILE/ENFILE: out of file descriptors
+        raise SpawnError(f"cannot start {spec.argv[0]!r}: {exc.strerror or exc}") from exc
     try:
         popen = subprocess.Popen(
             argv,
@@ -201,9 +233,13 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
 
 def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (empty if it is gone), from one shared table scan."""
-    out = []
-    for child in procfs.tree(pid, procfs.TABLE.children()) - {pid}:
-        with contextlib.suppress(psutil.Error):
+    out: list[psutil.Process] = []
+    try:
+        table = procfs.TABLE.children()
+    except OSError:  # out of file descriptors: the process group is still signalled
+        return out
+    for child in procfs.tree(pid, table) - {pid}:
+        with contextlib.suppress(psutil.Error, OSError):
             out.append(psutil.Process(child))  # remembers the create time: reuse-safe kills
     return out
 

@@ -12,6 +12,7 @@ import functools
 import gc
 import math
 import os
+import resource
 import signal
 import tempfile
 from collections import deque
@@ -62,6 +63,7 @@ from supervisor.processes import (
     HELD_SIGNALS,
     Reaped,
     Reaper,
+    open_files_needed,
     probe_spawn_helper,
     release_held_signals,
     set_child_subreaper,
@@ -354,6 +356,7 @@ class Runtime:
                     notify_socket=os.fspath(self.notify_path),
                     pid1=os.getpid() == 1,
                 )
+                self._check_open_files(sum(len(g.workers) for g in plan.groups))
                 await tg.start(self.listener.serve)
                 await tg.start(self.sampler.serve)
                 tg.start_soon(self._serve_systemd)
@@ -1083,6 +1086,20 @@ class Runtime:
         group = self.settings.group(runner.spec.group)
         limit = group.health.host_memory_limit_mb if group is not None else 0.0
         return self.cgroups.prepare(runner.name, limit)
+
+    def _check_open_files(self, workers: int) -> None:
+        """Warn when the open-files limit is too low for ``workers`` workers (spawns would
+        fail with "Too many open files")."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        needed = open_files_needed(workers)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            self.log.warning(
+                "supervisor.open_files_low",
+                limit=soft,
+                needed=needed,
+                workers=workers,
+                hint="raise LimitNOFILE= (systemd) or --ulimit nofile= (docker)",
+            )
 
     def _end_leftovers(self, runner: WorkerRunner, pid: int) -> None:
         """What is left of an exited worker's tree goes with it (DESIGN.md section 2).

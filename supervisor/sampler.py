@@ -237,6 +237,8 @@ class Sampler:
         self._wake = anyio.Event()
         self.last: Sample | None = None
         self._log = structlog.get_logger()
+        self.tick_errors = 0  # ticks lost to an OSError (out of file descriptors)
+        self._tick_error_logged_at: float | None = None
 
     @property
     def host_every_s(self) -> float:
@@ -382,7 +384,12 @@ class Sampler:
                 next_at = anyio.current_time()
                 while True:
                     self._wake = anyio.Event()
-                    await self.tick()
+                    try:
+                        await self.tick()
+                    except OSError as exc:
+                        # out of file descriptors (EMFILE), /proc unreadable: this tick is
+                        # lost, supervision goes on (crashes are seen by the reaper)
+                        self._tick_failed(exc)
                     gpu = self.available and bool(self.identities)
                     now = anyio.current_time()
                     # A tick that request() asked for early leaves the schedule alone (moving
@@ -400,6 +407,13 @@ class Sampler:
             if self.backend is not None:
                 with anyio.CancelScope(shield=True), contextlib.suppress(BackendError):
                     await anyio.to_thread.run_sync(self.backend.close, limiter=self._limiter)
+
+    def _tick_failed(self, exc: OSError) -> None:
+        self.tick_errors += 1
+        now = time.monotonic()
+        if self._tick_error_logged_at is None or now - self._tick_error_logged_at >= 60.0:
+            self._tick_error_logged_at = now
+            self._log.warning("sampler.tick_failed", error=str(exc), errors=self.tick_errors)
 
     def request(self) -> None:
         """Take the next sample now instead of at the next tick."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -470,3 +471,56 @@ def test_the_replacement_waits_for_the_cgroup_to_empty(
             sup.close()
     finally:
         _remove_cgroup_tree(home)
+
+
+def _sleepers(replicas: int) -> dict[str, Any]:
+    return {
+        "workers": [
+            {
+                "name": "many",
+                "command": ["sleep", "1000"],
+                "replicas": replicas,
+                "ready": "none",
+                "gpus": "none",
+                "restart": {"backoff_initial_s": 30},
+            }
+        ]
+    }
+
+
+def test_out_of_file_descriptors_fails_starts_not_the_supervisor(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Under a hard open-files limit too low for its workers, the starts that find no
+    descriptor fail like any failed start, with a warning at start-up naming the limit, and
+    the supervisor goes on and stops cleanly. Regression: os.pipe's EMFILE ended it (and every
+    worker with it) with a traceback."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("util-linux prlimit is not installed")
+    sup = supervisor(
+        {**_sleepers(40), "api": {"listen": ""}}, prefix=[prlimit, "--nofile=40:40", "--"]
+    )
+    low = sup.wait_event(event="supervisor.open_files_low")
+    assert (low["limit"], low["workers"]) == (40, 40)
+    failed = sup.wait_event(event="worker.spawn_failed")
+    assert "Too many open files" in failed["error"]
+    assert sup.find(event="worker.spawned")  # some started
+    sup.wait_event(event="sampler.tick_failed")  # /proc cannot be read: that tick is lost
+    code = sup.stop()
+    noted = [e for e in sup.events if not e["event"].startswith("worker.")]
+    assert code == 0, "\n".join(map(str, [*sup.raw_stderr[-10:], *noted[-12:]]))
+
+
+def test_the_open_files_limit_is_raised_to_what_the_hard_limit_allows(
+    supervisor: SupervisorFactory,
+) -> None:
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("util-linux prlimit is not installed")
+    sup = supervisor(_sleepers(40), prefix=[prlimit, "--nofile=40:4096", "--"])
+    sup.wait_events(40, event="worker.spawned")
+    assert not sup.find(event="supervisor.open_files_low")
+    assert not sup.find(event="worker.spawn_failed")
+    assert psutil.Process(sup.pid).rlimit(psutil.RLIMIT_NOFILE) == (4096, 4096)
+    assert sup.stop() == 0
