@@ -1,6 +1,11 @@
 """Worker output: a size-rotated log file per worker, the last lines in memory, passthrough.
 
 The worker's stdout and stderr share one pipe; ``pump()`` reads it without blocking the loop.
+
+A line longer than :data:`MAX_LINE` bytes is never held whole: the log file gets every byte as
+it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its own prefixed
+line, so that output from several workers never mixes within a line), and the in-memory tail and
+``on_line`` get its first ``MAX_LINE`` bytes, where the timestamp, level and error text are.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ import anyio
 
 TAIL_LINES = 200
 _READ_SIZE = 65536
-_MAX_LINE = 16384  # an unterminated line longer than this is cut for the in-memory tail
+#: A line longer than this (in bytes, without its newline) is passed through in pieces of at most
+#: this size and kept cut to its start for the tail and ``on_line``; it bounds the bytes held.
+#: 16 KiB is also where Docker and containerd split a long line into partial log records.
+MAX_LINE = 16384
+#: Appended to the start of a line that was cut for the tail (the log file has the whole line).
+CUT_MARK = " [... line cut: {total} bytes]"
 
 
 class RotatingFile:
@@ -105,36 +115,80 @@ class WorkerOutput:
         self.file = RotatingFile(log_path, max_bytes, backups)
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.passthrough = passthrough
+        #: The current line's bytes not passed through yet (at most ``MAX_LINE``).
         self._partial = b""
+        #: The start of the current line once it is known to be too long, else None.
+        self._head: str | None = None
+        #: Bytes of the current (too long) line already passed on.
+        self._done = 0
         self._stdout = stdout or _write_stdout
         self._prefix = f"[{name}] ".encode()
-        #: Called with every complete line of output (the sticky-error patterns watch it).
+        #: Called once with every line of output, a too long one cut to its first ``MAX_LINE``
+        #: bytes as soon as they are in (the sticky-error patterns watch it).
         self.on_line: Callable[[str], None] | None = None
 
     def feed(self, data: bytes) -> None:
         """Take a chunk of output."""
         self.file.write(data)
-        buf = self._partial + data
-        *lines, rest = buf.split(b"\n")
+        lines = (self._partial + data).split(b"\n")
+        rest = lines.pop()
+        out: list[bytes] = []  # passthrough: one write for the whole chunk
+        if lines and self._head is not None:  # the end of a too long line
+            self._end_long(self._pass_pieces(lines[0], out), out)
+            del lines[0]
+        tail, on_line, prefix, passthrough = self.tail, self.on_line, self._prefix, self.passthrough
         for line in lines:
+            if len(line) > MAX_LINE:
+                self._end_long(self._pass_pieces(line, out), out)
+                continue
             text = line.decode("utf-8", errors="replace")
-            self.tail.append(text)
+            tail.append(text)
+            if on_line is not None:
+                on_line(text)
+            if passthrough:
+                out += (prefix, line, b"\n")
+        self._partial = self._pass_pieces(rest, out) if len(rest) > MAX_LINE else rest
+        if out:
+            self._stdout(b"".join(out))
+
+    def _pass_pieces(self, buf: bytes, out: list[bytes]) -> bytes:
+        """Add the bytes of a too long line to ``out`` in pieces of at most ``MAX_LINE`` bytes,
+        each a line of its own (cut between characters where the bytes are UTF-8); return what
+        is left, ``MAX_LINE`` bytes at most."""
+        if self._head is None:  # the line's first bytes: its start is what the tail keeps
+            self._head = buf[: _cut_at(buf, 0, MAX_LINE)].decode("utf-8", errors="replace")
             if self.on_line is not None:
-                self.on_line(text)
+                self.on_line(self._head)
+        start = 0
+        while len(buf) - start > MAX_LINE:
+            cut = _cut_at(buf, start, MAX_LINE)
             if self.passthrough:
-                self._stdout(self._prefix + line + b"\n")
-        if len(rest) > _MAX_LINE:
-            self.tail.append(rest[:_MAX_LINE].decode("utf-8", errors="replace"))
-            rest = b""
-        self._partial = rest
+                out += (self._prefix, buf[start:cut], b"\n")
+            self._done += cut - start
+            start = cut
+        return buf[start:]
+
+    def _end_long(self, last: bytes, out: list[bytes]) -> None:
+        """The too long line ends with ``last`` (at most ``MAX_LINE`` bytes)."""
+        if self.passthrough and last:
+            out += (self._prefix, last, b"\n")
+        assert self._head is not None
+        self.tail.append(self._head + CUT_MARK.format(total=self._done + len(last)))
+        self._head = None
+        self._done = 0
 
     def flush_partial(self) -> None:
         """The pipe closed: keep an unterminated last line too."""
-        if self._partial:
+        if self._head is not None:
+            out: list[bytes] = []
+            self._end_long(self._partial, out)
+            if out:
+                self._stdout(b"".join(out))
+        elif self._partial:
             self.tail.append(self._partial.decode("utf-8", errors="replace"))
             if self.passthrough:
                 self._stdout(self._prefix + self._partial + b"\n")
-            self._partial = b""
+        self._partial = b""
 
     def mark(self, text: str) -> None:
         """Write a supervisor line (start/exit markers) into the log file and the tail."""
@@ -172,3 +226,15 @@ def _write_stdout(data: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
+
+
+def _cut_at(buf: bytes, start: int, size: int) -> int:
+    """The end of a piece of ``buf`` from ``start``, ``size`` bytes at most: not inside a UTF-8
+    character, unless the bytes there are not UTF-8."""
+    cut = start + size
+    if cut >= len(buf):
+        return len(buf)
+    for back in range(4):  # a UTF-8 character has at most 3 continuation bytes
+        if buf[cut - back] & 0xC0 != 0x80 and cut - back > start:
+            return cut - back
+    return cut

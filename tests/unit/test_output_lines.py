@@ -1,0 +1,202 @@
+"""Lines longer than ``MAX_LINE`` through the real ``WorkerOutput``: passthrough and the log file
+lose no byte, the tail and ``on_line`` keep the line's start, and memory stays bounded."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.output import _READ_SIZE, CUT_MARK, MAX_LINE, WorkerOutput
+
+PREFIX = b"[w-0] "
+
+
+def chunks(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+Make = Callable[..., WorkerOutput]
+
+
+@pytest.fixture(name="make")
+def fixture_make(tmp_path: Path) -> Iterator[Make]:
+    """``make(stdout=None)``: a ``WorkerOutput`` logging to ``tmp_path/w.log`` (passthrough to
+    ``stdout`` when one is given); closed after the test."""
+    made: list[WorkerOutput] = []
+
+    def make(stdout: Callable[[bytes], object] | None = None) -> WorkerOutput:
+        log = tmp_path / "w.log"
+        made.append(WorkerOutput("w-0", log, 0, 0, passthrough=stdout is not None, stdout=stdout))
+        return made[-1]
+
+    yield make
+    for out in made:
+        out.close()
+
+
+def payloads(seen: list[bytes]) -> list[bytes]:
+    """What the worker printed, one entry per passthrough line, from what was written to stdout
+    (every write whole lines, every line prefixed)."""
+    assert all(write.endswith(b"\n") for write in seen)
+    lines = b"".join(seen).split(b"\n")[:-1]
+    assert all(line.startswith(PREFIX) for line in lines)
+    return [line[len(PREFIX) :] for line in lines]
+
+
+@pytest.mark.parametrize("size", [_READ_SIZE, 4096, 100_001, 10**7])
+def test_passthrough_loses_nothing_of_long_lines(make: Make, tmp_path: Path, size: int) -> None:
+    """The defect: 50 lines of 100 kB came out as fragments without their start. Now every
+    byte comes out, in order, in prefixed pieces of at most MAX_LINE bytes, the same however
+    the pipe's reads fall; the log file has every byte too."""
+    lines = [b"L%03d " % i + b"z" * 100_000 + b" END" for i in range(50)]
+    data = b"".join(line + b"\n" for line in lines)
+    seen: list[bytes] = []
+    out = make(seen.append)
+    for chunk in chunks(data, size):
+        out.feed(chunk)
+    assert len(seen) <= -(-len(data) // size)  # one write per chunk at most
+    got = payloads(seen)
+    assert all(len(p) <= MAX_LINE for p in got)
+    assert b"".join(got) == b"".join(lines)
+    starts = [i for i, p in enumerate(got) if p.startswith(b"L0")]
+    assert len(starts) == 50
+    rebuilt = [b"".join(got[a:b]) for a, b in zip(starts, [*starts[1:], len(got)], strict=True)]
+    assert rebuilt == lines
+    assert got[:7] == [lines[0][i : i + MAX_LINE] for i in range(0, len(lines[0]), MAX_LINE)]
+    assert (tmp_path / "w.log").read_bytes() == data
+
+
+def test_the_tail_keeps_the_start_of_a_long_line_marked_as_cut(make: Make) -> None:
+    out = make()
+    long = b"2024-05-01 ERROR boom " + b"z" * 100_000 + b" END"
+    for chunk in chunks(b"before\n" + long + b"\nafter\n", _READ_SIZE):
+        out.feed(chunk)
+    head = long[:MAX_LINE].decode()
+    assert out.lines() == [
+        "before",
+        head + CUT_MARK.format(total=len(long)),
+        "after",
+    ]
+
+
+def test_a_long_complete_line_in_one_read_is_cut_for_the_tail_too(make: Make) -> None:
+    """A long line that arrives whole in one read is held to MAX_LINE in the tail as well."""
+    out = make()
+    long = b"x" * (3 * MAX_LINE)
+    out.feed(long + b"\n")
+    assert out.lines() == [long[:MAX_LINE].decode() + CUT_MARK.format(total=len(long))]
+
+
+def test_on_line_sees_the_start_of_a_long_line_once_and_early(make: Make) -> None:
+    """Sticky-error patterns are matched on the start of the line, as soon as it is in."""
+    seen: list[str] = []
+    out = make()
+    out.on_line = seen.append
+    error = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    data = (error + " " + "z" * 100_000 + "\nnext\n").encode()
+    first, *rest = chunks(data, _READ_SIZE)
+    out.feed(first)
+    assert len(seen) == 1 and seen[0].startswith(error)
+    assert len(seen[0].encode()) == MAX_LINE
+    for chunk in rest:
+        out.feed(chunk)
+    assert seen[1:] == ["next"]
+
+
+@pytest.mark.parametrize("length", [MAX_LINE - 1, MAX_LINE, MAX_LINE + 1, 2 * MAX_LINE + 1])
+def test_line_lengths_at_the_limit(make: Make, length: int) -> None:
+    """Up to MAX_LINE bytes a line is one passthrough line and whole in the tail; past it, it
+    is cut (and marked); either way the bytes all come out."""
+    seen: list[bytes] = []
+    out = make(seen.append)
+    line = b"a" * length
+    for byte_at_a_time in chunks(line + b"\n", 997):
+        out.feed(byte_at_a_time)
+    got = payloads(seen)
+    assert b"".join(got) == line
+    assert len(got) == -(-length // MAX_LINE)
+    tail = out.lines()[0]
+    if length <= MAX_LINE:
+        assert tail == line.decode()
+    else:
+        assert tail == "a" * MAX_LINE + CUT_MARK.format(total=length)
+
+
+def test_pieces_are_cut_between_utf8_characters(make: Make) -> None:
+    """A piece never ends inside a character, so each passthrough line is valid UTF-8 and the
+    tail's start of the line has no replacement character."""
+    seen: list[bytes] = []
+    out = make(seen.append)
+    line = ("a" + "é€😀" * 10_000).encode()  # 2-, 3- and 4-byte characters, 90 kB
+    for chunk in chunks(line + b"\n", _READ_SIZE):
+        out.feed(chunk)
+    got = payloads(seen)
+    assert b"".join(got) == line
+    assert all(len(p) <= MAX_LINE for p in got)
+    decoded = [p.decode("utf-8") for p in got]  # strict: raises on a cut character
+    assert "".join(decoded) == line.decode()
+    assert "\ufffd" not in out.lines()[0]
+    assert out.lines()[0].startswith("aé€😀")
+
+
+def test_bytes_that_are_not_utf8_are_still_passed_whole(make: Make) -> None:
+    seen: list[bytes] = []
+    out = make(seen.append)
+    line = b"\x80" * (3 * MAX_LINE + 5)  # continuation bytes only: no character boundary
+    out.feed(line + b"\n")
+    got = payloads(seen)
+    assert b"".join(got) == line
+    assert [len(p) for p in got] == [MAX_LINE, MAX_LINE, MAX_LINE, 5]
+
+
+def test_an_endless_line_is_passed_on_with_bounded_memory(make: Make, tmp_path: Path) -> None:
+    """Output without a newline (a progress bar redrawn with \\r, say) is passed through as it
+    comes and never accumulates; when the pipe closes the rest comes out too."""
+    first: list[bytes] = []
+    total = 0
+
+    def count(data: bytes) -> None:
+        nonlocal total
+        got = payloads([data])
+        total += sum(map(len, got))
+        if not first:
+            first.append(got[0])
+
+    out = make(count)
+    chunk = b"\r 42%|" + b"#" * (_READ_SIZE - 6)
+    rounds = 200  # 12.5 MiB
+    out.feed(chunk)
+    tracemalloc.start()
+    try:
+        for _ in range(rounds - 1):
+            out.feed(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * _READ_SIZE, peak
+    out.flush_partial()
+    assert total == rounds * len(chunk)
+    assert first == [chunk[:MAX_LINE]]
+    assert out.lines() == [chunk[:MAX_LINE].decode() + CUT_MARK.format(total=rounds * len(chunk))]
+    assert (tmp_path / "w.log").stat().st_size == rounds * len(chunk)
+
+
+def test_a_marker_ends_a_long_line_in_progress(make: Make) -> None:
+    """The worker exits in the middle of a long line: its rest is passed through, the tail
+    has its start, then the marker; what comes after starts a new line."""
+    seen: list[bytes] = []
+    out = make(seen.append)
+    long = b"S" + b"y" * (2 * MAX_LINE)
+    out.feed(long)
+    out.mark("exited: code 1")
+    out.feed(b"late\n")
+    assert b"".join(payloads(seen)[:-1]) == long
+    assert payloads(seen)[-1] == b"late"
+    assert out.lines() == [
+        "S" + "y" * (MAX_LINE - 1) + CUT_MARK.format(total=len(long)),
+        "--- gpu-supervisor: exited: code 1 ---",
+        "late",
+    ]
