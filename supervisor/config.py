@@ -15,7 +15,7 @@ import signal
 import string
 import tomllib
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -426,6 +426,63 @@ def _placeholder_errors(text: str) -> str | None:
     return None
 
 
+def _taken_ports(data: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> list[range]:
+    """The ports a raw config already claims: the API's and the groups' with a ``port_base``."""
+    taken: list[range] = []
+    api = data.get("api")
+    listen = api.get("listen", _DEFAULT_LISTEN) if isinstance(api, dict) else _DEFAULT_LISTEN
+    with contextlib.suppress(ValueError):  # a bad listen value is reported by its own check
+        kind, _, api_port = parse_listen(listen if isinstance(listen, str) else "")
+        if kind == "tcp" and api_port:
+            taken.append(range(api_port, api_port + 1))  # the API's own port
+    for g in groups:
+        base, replicas = g.get("port_base"), g.get("replicas", 1)
+        if isinstance(base, int) and isinstance(replicas, int) and replicas >= 0:
+            taken.append(range(base, base + replicas))
+    return taken
+
+
+def keep_port_bases(data: Mapping[str, Any], running: Mapping[str, range]) -> dict[str, Any]:
+    """``data`` (a raw config) with each group that has no ``port_base`` given the one it runs
+    with (``running``: group -> its ports now) where its ports, as many as its replicas now, are
+    free: a reload that scales one group never moves another's ports, and a group keeps its own
+    while it fits. Groups that keep or shrink their range go first, then those that grow; one
+    that no longer fits gets a free range as usual."""
+    groups = data.get("workers")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        return dict(data)
+    taken = _taken_ports(data, groups)
+    wanted: dict[int, range] = {}
+    for i, g in enumerate(groups):
+        now, replicas = running.get(str(g.get("name"))), g.get("replicas", 1)
+        if g.get("port_base") is None and now is not None and isinstance(replicas, int):
+            wanted[i] = range(now.start, now.start + max(replicas, 0))
+    grows = {i for i, ports in wanted.items() if ports.stop > running[groups[i]["name"]].stop}
+    kept: dict[int, int] = {}
+    for i in sorted(wanted, key=lambda i: (i in grows, i)):
+        if not any(_overlaps(wanted[i], r) for r in taken):
+            taken.append(wanted[i])
+            kept[i] = wanted[i].start
+    # The others get free ranges now, outside every range in use (a group that moves holds
+    # its old ports until its rollout has restarted each of its workers).
+    taken += running.values()
+    for i, g in enumerate(groups):
+        replicas = g.get("replicas", 1)
+        if i not in kept and g.get("port_base") is None and isinstance(replicas, int):
+            kept[i] = _first_free(max(replicas, 0), taken)
+            taken.append(range(kept[i], kept[i] + max(replicas, 0)))
+    out = [{**g, "port_base": kept[i]} if i in kept else g for i, g in enumerate(groups)]
+    return {**data, "workers": out}
+
+
+def _first_free(replicas: int, taken: Sequence[range]) -> int:
+    """The lowest base from ``DEFAULT_PORT_BASE`` whose ``replicas`` ports are not taken."""
+    base = DEFAULT_PORT_BASE
+    while any(_overlaps(range(base, base + replicas), r) for r in taken):
+        base += 1
+    return base
+
+
 def _ports_of(group: WorkerGroup) -> range:
     assert group.port_base is not None
     return range(group.port_base, group.port_base + group.replicas)
@@ -470,24 +527,12 @@ class Settings(BaseSettings):
         groups = data.get("workers")
         if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) for g in groups):
             return data
-        taken: list[range] = []
-        api = data.get("api")
-        listen = api.get("listen", _DEFAULT_LISTEN) if isinstance(api, dict) else _DEFAULT_LISTEN
-        with contextlib.suppress(ValueError):  # a bad listen value is reported by its own check
-            kind, _, api_port = parse_listen(listen if isinstance(listen, str) else "")
-            if kind == "tcp" and api_port:
-                taken.append(range(api_port, api_port + 1))  # the API's own port
-        for g in groups:
-            base, replicas = g.get("port_base"), g.get("replicas", 1)
-            if isinstance(base, int) and isinstance(replicas, int) and replicas >= 0:
-                taken.append(range(base, base + replicas))
+        taken = _taken_ports(data, groups)
         out = []
         for g in groups:
             if g.get("port_base") is None and isinstance(g.get("replicas", 1), int):
                 replicas = max(int(g.get("replicas", 1)), 0)
-                base = DEFAULT_PORT_BASE
-                while any(_overlaps(range(base, base + replicas), r) for r in taken):
-                    base += 1
+                base = _first_free(replicas, taken)
                 taken.append(range(base, base + replicas))
                 g = {**g, "port_base": base}
             out.append(g)
@@ -638,8 +683,12 @@ def _env_parse_error(source: str, exc: SettingsError) -> str:
     return f"{source}: environment variable {name}: {why} (got {_short(value)})"
 
 
-def load_settings(path: str | os.PathLike[str]) -> Settings:
-    """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line."""
+def load_settings(
+    path: str | os.PathLike[str], keep_ports: Mapping[str, range] | None = None
+) -> Settings:
+    """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line.
+
+    ``keep_ports``: the ports the groups run with (a reload): see ``keep_port_bases``."""
     source = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -654,6 +703,8 @@ def load_settings(path: str | os.PathLike[str]) -> Settings:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: TOML syntax error: {exc}") from None
     _check_toml_types(data, Settings, "", source)
+    if keep_ports:
+        data = keep_port_bases(data, keep_ports)
     return parse_settings(data, source)
 
 

@@ -1455,7 +1455,13 @@ class Runtime:
             return
         path = self.config_path
         try:
-            new = await anyio.to_thread.run_sync(load_settings, path)
+            # groups with automatic ports keep theirs where they still fit
+            running = {
+                g.name: range(g.port_base, g.port_base + g.replicas)
+                for g in self.settings.workers
+                if g.port_base is not None
+            }
+            new = await anyio.to_thread.run_sync(load_settings, path, running)
         except ConfigError as exc:
             self.log.error(  # noqa: TRY400 - a bad config is reported in one line, no traceback
                 "supervisor.reload_rejected", reason="bad config", error=str(exc)
@@ -1468,6 +1474,7 @@ class Runtime:
             "supervisor.reload",
             unchanged=list(diff.unchanged),
             changed=list(diff.changed),
+            scaled=list(diff.scaled),
             removed=list(diff.removed),
             added=list(diff.added),
         )
@@ -1514,7 +1521,9 @@ class Runtime:
                 return
             group = self.settings.group(name)
             assert group is not None
-            if await self._roll_group(group, plan, resume=name in resumed):
+            # a scaled group's workers that run what the new plan says are left alone
+            resume = name in resumed or name in diff.scaled
+            if await self._roll_group(group, plan, resume=resume):
                 self._halted.discard(name)
             else:
                 before = old.group(name)

@@ -16,6 +16,9 @@ class ReloadDiff:
     changed: tuple[str, ...]
     removed: tuple[str, ...]
     added: tuple[str, ...]
+    #: the changed groups whose only change is their number of replicas: their workers that
+    #: run what the new plan says are left alone (only workers are added or removed)
+    scaled: tuple[str, ...] = ()
 
     @property
     def is_noop(self) -> bool:
@@ -36,6 +39,7 @@ def diff_groups(
     unchanged: list[str] = []
     changed: list[str] = []
     added: list[str] = []
+    scaled: list[str] = []
     for g in new:
         before = old_by_name.get(g.name)
         if before is None:
@@ -44,8 +48,10 @@ def diff_groups(
             unchanged.append(g.name)
         else:
             changed.append(g.name)
+            if g.name not in dirty and before.model_copy(update={"replicas": g.replicas}) == g:
+                scaled.append(g.name)
     removed = [g.name for g in old if g.name not in new_names]
-    return ReloadDiff(tuple(unchanged), tuple(changed), tuple(removed), tuple(added))
+    return ReloadDiff(tuple(unchanged), tuple(changed), tuple(removed), tuple(added), tuple(scaled))
 
 
 #: ``[gpu]`` keys read once, when the GPU backend is opened; the others apply at a reload.

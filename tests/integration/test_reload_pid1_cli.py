@@ -74,6 +74,52 @@ def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
     assert sup.stop() == 0
 
 
+def test_scaling_a_group_touches_only_the_workers_added_or_removed(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Groups with automatic ports: scaling one never moves another's ports, and the workers
+    of a scaled group that keep their port are not restarted. A group that grows into the next
+    group's ports moves to a free range (its workers restart there). Regression: scaling ``a``
+    moved ``b`` to other ports (a client of b's port reached a's worker), and every worker of
+    a scaled group was restarted."""
+
+    def ports(api: Any) -> dict[str, int]:
+        return {w["name"]: w["port"] for w in api.get("/api/v1/workers").json()}
+
+    def reload(a: int, b: int) -> int:
+        mark = sup.mark()
+        sup.write_config({"workers": [g("a", replicas=a), g("b", replicas=b)]})
+        sup.signal(signal.SIGHUP)
+        return mark
+
+    sup = supervisor({"workers": [g("a", replicas=2), g("b")]})
+    for w in ("a-0", "a-1", "b-0"):
+        sup.ready(w)
+    with sup.api() as api:
+        before = ports(api)
+        assert [before[w] for w in ("a-0", "a-1", "b-0")] == [8001, 8002, 8003]
+        mark = reload(2, 2)  # b grows into free ports: b-1 is added, nothing else moves
+        sup.ready("b-1", after=mark)
+        assert sup.wait_event(event="supervisor.reload", after=mark)["scaled"] == ["b"]
+        assert ports(api) == {**before, "b-1": 8004}
+        assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
+        mark = reload(3, 2)  # a would grow into b's ports: a moves, b stays
+        sup.ready("a-2", after=mark)
+        assert [ports(api)[w] for w in ("a-0", "a-1", "a-2", "b-0", "b-1")] == [
+            8005,
+            8006,
+            8007,
+            8003,
+            8004,
+        ]
+        assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
+        mark = reload(1, 2)  # a shrinks where it is: a-0 keeps running
+        sup.wait_event(event="worker.state", worker="a-2", new="stopped", after=mark)
+        assert ports(api) == {"a-0": 8005, "b-0": 8003, "b-1": 8004}
+        assert not sup.find(event="worker.spawned", after=mark)
+    assert sup.stop() == 0
+
+
 def test_removing_a_group_whose_workers_stop_at_different_times(
     supervisor: SupervisorFactory,
 ) -> None:
@@ -156,15 +202,12 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
         with sup.api() as http:
             return [w["name"] for w in http.get("/api/v1/workers").json()]
 
-    sup.ready("roll-0")
-    sup.ready("roll-1")
-    mark, _ = reload({**good, "replicas": 3})
+    pids = {w: sup.ready(w)["pid"] for w in ("roll-0", "roll-1")}
+    mark, diff = reload({**good, "replicas": 3})
+    assert diff["scaled"] == ["roll"], diff
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-2"
-    for w in ("roll-0", "roll-1"):  # restarted by the rollout before it reached roll-2
-        sup.ready(w, after=mark)
-    pids = {
-        w: since(mark, event="worker.spawned", worker=w)[-1]["pid"] for w in ("roll-0", "roll-1")
-    }
+    assert not since(mark, event="worker.spawned", worker="roll-0")  # a scale leaves them be
+    assert not since(mark, event="worker.spawned", worker="roll-1")
     mark, diff = reload(good)  # back to 2 replicas
     assert diff["changed"] == ["roll"], diff
     sup.wait_until(lambda: names() == ["roll-0", "roll-1"], what="roll-2 removed")

@@ -67,3 +67,41 @@ def test_keys_read_at_start_only_are_named_and_kept() -> None:
     assert (applied.gpu.reserve_mb, applied.gpu.thermal_margin_c) == (1024, 2)
     assert applied.workers == new.workers
     assert start_only_changes(old, applied) == ()
+
+
+def test_a_change_of_replicas_only_is_a_scale() -> None:
+    old = groups(
+        {"name": "a", "command": ["x"], "port_base": 9000, "replicas": 2},
+        {"name": "b", "command": ["y"], "port_base": 9100, "replicas": 2},
+    )
+    new = groups(
+        {"name": "a", "command": ["x"], "port_base": 9000, "replicas": 3},
+        {"name": "b", "command": ["y", "--v2"], "port_base": 9100, "replicas": 3},
+    )
+    d = diff_groups(old, new)
+    assert d.changed == ("a", "b") and d.scaled == ("a",)
+    assert diff_groups(old, new, dirty={"a"}).scaled == ()  # a halted rollout: all of it again
+
+
+def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
+    """Groups without port_base keep the ports they run with where they still fit; the groups
+    that keep or shrink their range go first, a group that grows into another's moves."""
+    from supervisor.config import keep_port_bases
+
+    def bases(data: dict[str, object]) -> dict[str, int | None]:
+        return {g.name: g.port_base for g in parse_settings(data).workers}
+
+    running = {"a": range(8001, 8003), "b": range(8003, 8004), "c": range(9000, 9001)}
+    data = {
+        "workers": [
+            {"name": "a", "command": ["x"], "replicas": 3},  # grows into b's port 8003
+            {"name": "b", "command": ["x"]},
+            {"name": "c", "command": ["x"], "port_base": 9500},  # its own choice wins
+            {"name": "d", "command": ["x"]},  # new
+        ]
+    }
+    assert bases(data) == {"a": 8001, "b": 8004, "c": 9500, "d": 8005}  # from scratch
+    # a moves past every port in use (its own too, until its workers have moved), d as well
+    assert bases(keep_port_bases(data, running)) == {"a": 8004, "b": 8003, "c": 9500, "d": 8007}
+    data["workers"][0]["replicas"] = 1  # type: ignore[index]
+    assert bases(keep_port_bases(data, running))["a"] == 8001
