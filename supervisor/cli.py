@@ -250,13 +250,17 @@ def _gpus(args: argparse.Namespace) -> int:
         error = str(exc)
     finally:
         backend.close()
+    available = error is None and backend.name != "none"
     if args.json:
         print(
             json.dumps(
                 {
                     "backend": backend.name,
-                    "nvml_available": error is None and backend.name != "none",
-                    "error": error,
+                    "nvml_available": available,
+                    # as the API's /api/v1/gpu/status says it
+                    "error": error
+                    if available or error
+                    else f"no GPU telemetry (backend {backend.name})",
                     "devices": [device_json(d) for d in devices],
                 },
                 indent=2,

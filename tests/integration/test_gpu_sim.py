@@ -140,6 +140,20 @@ def test_not_supported_fields_are_null(tmp_path: Path) -> None:
     assert dev["temperature_celsius"] is None
     assert dev["utilization_percent"] == 0.0
     assert dev["memory"]["total_mb"] == 81920.0
+    # without telemetry the error says so, as the API does (regression: null)
+    none = subprocess.run(
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", "none", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    assert json.loads(none.stdout) == {
+        "backend": "none",
+        "nvml_available": False,
+        "error": "no GPU telemetry (backend none)",
+        "devices": [],
+    }
 
 
 def test_barrier_waits_for_release_then_restarts_in_place(
