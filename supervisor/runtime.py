@@ -1183,11 +1183,12 @@ class Runtime:
         restarting = rec.state in (WorkerState.BACKOFF, WorkerState.STARTING)
         if outcome.reason.value in ("hang", "start_timeout") and restarting:
             # the lifecycle's own restarts go the healing actions' way: log, count, webhook
-            why = (
-                "no WATCHDOG=1 within watchdog_s"
-                if outcome.reason.value == "hang"
-                else "not ready within start_timeout_s"
-            )
+            if outcome.reason.value == "start_timeout":
+                why = "not ready within start_timeout_s"
+            elif runner.watchdog_triggered:
+                why = "the worker sent WATCHDOG=trigger"
+            else:
+                why = "no WATCHDOG=1 within watchdog_s"
             detail = f"{why}; {outcome.detail}" if outcome.detail else why
             self.healer.on_restarted(runner, outcome.reason.value, detail)
         sigkill = outcome.status is not None and outcome.status.signal == signal.SIGKILL

@@ -62,6 +62,7 @@ class WorkerRunner:
         self.output = output
         self.status_text = ""
         self.stopping_notified = False
+        self.watchdog_triggered = False  # the process sent WATCHDOG=trigger
         self.started_wall: float | None = None
         self.spawn_attempts = 0
         self._reaper = reaper
@@ -153,6 +154,10 @@ class WorkerRunner:
             self.post(lc.Ready(pid))
         if fields.get("WATCHDOG") == "1":
             self.post(lc.Heartbeat(pid))
+        elif fields.get("WATCHDOG") == "trigger":
+            self.watchdog_triggered = True
+            self._log.warning("worker.watchdog_trigger", pid=pid)
+            self.post(lc.Heartbeat(pid, trigger=True))
 
     def cancel(self) -> None:
         """End the runner task (its process must already be gone)."""
@@ -310,6 +315,7 @@ class WorkerRunner:
         self._last_pid = child.pid
         self._tree = []
         self.stopping_notified = False
+        self.watchdog_triggered = False
         self.status_text = ""
         self.started_wall = self._clock.wall()
         self._create_time = None

@@ -166,9 +166,11 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """WATCHDOG=1."""
+    """WATCHDOG=1; ``trigger``: WATCHDOG=trigger, the worker says it is hung (systemd's
+    meaning: handled as a missed watchdog, whether ``watchdog_s`` is set or not)."""
 
     pid: int
+    trigger: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +426,8 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 heartbeat_at=now,
                 deadline=_ready_deadline(now, t),
             )
+        if isinstance(ev, Heartbeat) and ev.trigger:
+            return _begin_stop(rec, now, t, AfterExit.RECOVER, ExitReason.HANG)
         if isinstance(ev, Heartbeat):
             return replace(rec, heartbeat_at=now), []
         if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
@@ -439,9 +443,11 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         return rec, []
 
     if state is S.READY:
-        if isinstance(ev, Heartbeat):
+        if isinstance(ev, Heartbeat) and not ev.trigger:
             return replace(rec, heartbeat_at=now, deadline=_ready_deadline(now, t)), []
-        if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
+        if isinstance(ev, Heartbeat) or (
+            isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline
+        ):
             return _begin_stop(rec, now, t, AfterExit.RECOVER, ExitReason.HANG)
         if isinstance(ev, Stop):
             return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
@@ -481,7 +487,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Stop | Restart):
             after = AfterExit.STOP if isinstance(ev, Stop) else _restart_after(ev.reason)
             return _begin_stop(rec, now, t, after, ev.reason)
-        if isinstance(ev, Heartbeat):
+        if isinstance(ev, Heartbeat) and not ev.trigger:  # going anyway: no hang restart
             return replace(rec, heartbeat_at=now), []
         return rec, []
 

@@ -524,3 +524,37 @@ def test_the_open_files_limit_is_raised_to_what_the_hard_limit_allows(
     assert not sup.find(event="worker.spawn_failed")
     assert psutil.Process(sup.pid).rlimit(psutil.RLIMIT_NOFILE) == (4096, 4096)
     assert sup.stop() == 0
+
+
+def test_watchdog_trigger_restarts_the_worker_for_a_hang(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A worker that sends systemd's WATCHDOG=trigger (it found itself hung) is restarted at
+    once with reason hang, without watchdog_s set. Regression: it was ignored."""
+    script = tmp_path / "trigger.py"
+    script.write_text(
+        "import os, socket, time\n"
+        "addr = os.environ['NOTIFY_SOCKET']\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "s.sendto(b'READY=1', addr)\n"
+        "time.sleep(0.2)\n"
+        "s.sendto(b'WATCHDOG=trigger', addr)\n"
+        "time.sleep(1000)\n"
+    )
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "t",
+                    "command": [sys.executable, str(script)],
+                    "restart": {"stable_s": 0.1, "backoff_initial_s": 30},
+                }
+            ]
+        }
+    )
+    sup.ready("t-0")
+    action = sup.wait_event(event="heal.action", worker="t-0", reason="hang")
+    assert action["action"] == "restart"
+    assert action["message"].startswith("the worker sent WATCHDOG=trigger")
+    assert sup.wait_event(event="records.postmortem", worker="t-0")["reason"] == "hang"
+    assert sup.stop() == 0

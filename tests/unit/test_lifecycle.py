@@ -152,6 +152,22 @@ def test_watchdog_expiry_stops_with_reason_hang() -> None:
     assert lc.SendSignal(signal.SIGTERM) in acts
 
 
+@pytest.mark.parametrize("watchdog_s", [1.0, 0.0])
+def test_watchdog_trigger_is_a_hang_at_once(watchdog_s: float) -> None:
+    """WATCHDOG=trigger (systemd: the service found itself hung) stops a starting or ready
+    worker with reason hang, judged like a crash, whether watchdog_s is set or not; a draining
+    one is going anyway, and another process's trigger is ignored."""
+    t = replace(T, watchdog_s=watchdog_s)
+    trigger = lc.Heartbeat(10, trigger=True)
+    for rec in (started(), ready()):
+        rec, acts = lc.step(rec, trigger, 100.5, t)
+        assert rec.state is S.STOPPING and rec.stop_reason is ExitReason.HANG
+        assert rec.after_exit is lc.AfterExit.RECOVER and lc.SendSignal(signal.SIGTERM) in acts
+    draining = at(ready(), lc.Drain(), 100.2, t)
+    assert at(draining, trigger, 100.5, t) == draining
+    assert at(ready(), lc.Heartbeat(99, trigger=True), 100.5, t).state is S.READY
+
+
 def test_stop_timeout_kills_the_tree_once() -> None:
     rec = at(ready(), lc.Stop(), 101)
     rec, acts = lc.step(rec, lc.Timer(), 103, T)
