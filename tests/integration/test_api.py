@@ -504,7 +504,8 @@ def test_a_worker_added_again_by_a_reload_counts_restarts_from_zero(
             sup.write_config({"workers": [{**group, "replicas": replicas}]})
             sup.signal(signal.SIGHUP)
             sup.wait_event(event="supervisor.reload", after=mark)
-            sup.ready("c-0", after=mark)
+            if replicas == 1:  # a scale: c-0 is left alone, c-1 removed
+                sup.wait_event(event="worker.state", worker="c-1", new="stopped", after=mark)
         sup.ready("c-1", after=mark)
         assert http.get("/api/v1/workers/c-1").json()["restarts"] == 0
         assert restarts() == []
