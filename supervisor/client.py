@@ -14,7 +14,6 @@ token (401).
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import math
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-from supervisor.config import ApiSection, load_settings, parse_listen
+from supervisor.config import ApiSection, is_loopback, load_settings, parse_listen
 from supervisor.errors import ApiClientError, ConfigError, UsageError
 
 if TYPE_CHECKING:
@@ -151,15 +150,7 @@ def resolve(
 
 def is_local(url: str) -> bool:
     """A unix socket or a loopback address (``localhost``, ``127.x``, ``::1``)."""
-    if url.startswith("unix:"):
-        return True
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return url.startswith("unix:") or is_loopback(urlsplit(url).hostname or "")
 
 
 class Client:

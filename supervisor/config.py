@@ -201,7 +201,7 @@ class ApiSection(_Strict):
     @model_validator(mode="after")
     def _no_open_bind_without_token(self) -> ApiSection:
         kind, host, _ = parse_listen(self.listen)
-        if kind == "tcp" and not _is_loopback(host) and self.token_file is None:
+        if kind == "tcp" and not is_loopback(host) and self.token_file is None:
             raise ValueError(
                 f"listen: {self.listen!r} is not a loopback address and no token_file is set "
                 "(set api.token_file, or listen on 127.0.0.1 or a unix socket)"
@@ -236,7 +236,8 @@ def parse_listen(value: str) -> tuple[Literal["tcp", "unix", "off"], str, int]:
     return ("tcp", host, int(port))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (``127.x``, ``::1``)."""
     if host == "localhost":
         return True
     try:
