@@ -1358,6 +1358,7 @@ class Runtime:
             self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
             key = ("rolling_restart", "operator")
             self.actions_total[key] = self.actions_total.get(key, 0) + 1
+            replaced: list[WorkerRunner] = []
             for name in list(self.groups.get(group, [])):
                 runner = self.runners.get(name)
                 if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
@@ -1379,9 +1380,39 @@ class Runtime:
                         reason="restarted worker did not become ready; the rest keep running",
                     )
                     return
+                replaced.append(runner)
+                if not await self._rollout_holds(
+                    group, replaced, runner.timing.restart.stable_s, "the rest keep running"
+                ):
+                    return
             self.log.info("supervisor.rolling_restart_done", group=group)
         finally:
             self.rolling.discard(group)
+
+    async def _rollout_holds(
+        self, group: str, replaced: list[WorkerRunner], stable_s: float, rest: str
+    ) -> bool:
+        """A roll-out goes on only once the worker it just replaced has been ready for
+        ``stable_s`` (a worker that exits sooner is a failed start: a version that crashes
+        just after its READY=1 must not be rolled onto the whole group), and while every
+        worker it replaced before is still ready. False (halted, logged) if one is not."""
+
+        def broken() -> WorkerRunner | None:
+            return next((r for r in replaced if r.state is not WorkerState.READY), None)
+
+        if stable_s > 0:
+            await self.wait_until(lambda: broken() is not None, stable_s)
+        failed = broken()
+        if failed is None or self._shutting_down:
+            return failed is None
+        self.log.error(
+            "supervisor.rollout_halted",
+            group=group,
+            worker=failed.name,
+            state=failed.state.value,
+            reason=f"replaced worker did not stay ready for stable_s ({stable_s:g} s); {rest}",
+        )
+        return False
 
     async def _shutdown(self, signal_name: str) -> None:
         self.systemd.send("STOPPING=1")
@@ -1563,6 +1594,7 @@ class Runtime:
         timing = lc.timing_for(group)
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
         new_names = [s.name for s in specs]
+        replaced: list[WorkerRunner] = []
         for index, spec in enumerate(specs):
             runner = self.runners.get(spec.name)
             if runner is None:
@@ -1577,6 +1609,7 @@ class Runtime:
                     continue  # an operator stop stays in force
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))
+                replaced.append(runner)
             settled = await self.wait_until(
                 _settled_after(runner, attempts),
                 self._stop_budget(runner) + timing.start_timeout_s,
@@ -1589,6 +1622,14 @@ class Runtime:
                     state=runner.state.value,
                     reason="replaced worker did not become ready; the rest keep the old config",
                 )
+                return False
+            if (
+                replaced
+                and replaced[-1] is runner
+                and not await self._rollout_holds(
+                    group.name, replaced, timing.restart.stable_s, "the rest keep the old config"
+                )
+            ):
                 return False
         for name in old_names:
             if name not in new_names and name in self.runners:

@@ -243,10 +243,10 @@ class Supervisor:
         with self._cond:
             return len(self.events)
 
-    def find(self, **match: Any) -> list[dict[str, Any]]:
-        """Every event so far that matches."""
+    def find(self, after: int = 0, **match: Any) -> list[dict[str, Any]]:
+        """Every event so far that matches (``after``: from that ``mark()`` on)."""
         with self._cond:
-            return [e for e in self.events if _matches(e, match)]
+            return [e for e in self.events[after:] if _matches(e, match)]
 
     def ready(self, worker: str, timeout: float = 10.0, after: int = 0) -> dict[str, Any]:
         """Wait until ``worker`` becomes ready; return that event."""

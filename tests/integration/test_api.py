@@ -242,6 +242,7 @@ def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: 
                 "replicas": 2,
                 "command": worker_cmd("gpu_user", "100"),
                 "drain_timeout_s": 0.2,
+                "restart": {"stable_s": 0.2},  # a rolling restart waits this long a worker
             },
             {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
         )

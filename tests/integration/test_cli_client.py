@@ -61,6 +61,7 @@ def test_client_commands(
                 "command": worker_cmd("gpu_user", "100"),
                 "drain_timeout_s": 0.2,
                 "stop_timeout_s": 2,
+                "restart": {"stable_s": 0.2},  # a rolling restart waits this long a worker
             },
             {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
         ],

@@ -29,6 +29,8 @@ def g(name: str, script: str = "ready_then_sleep", *args: str, **extra: Any) -> 
         "command": worker_cmd(script, *args),
         "log_passthrough": True,
         "stop_timeout_s": 2,
+        # a roll-out waits for each replaced worker to stay ready this long
+        "restart": {"stable_s": 0.2},
         **extra,
     }
 
@@ -120,6 +122,42 @@ def test_scaling_a_group_touches_only_the_workers_added_or_removed(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["reload", "rolling-restart"])
+def test_a_version_that_crashes_just_after_ready_is_not_rolled_onto_the_group(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
+) -> None:
+    """A roll-out goes on only once the worker it replaced has been ready for stable_s: a
+    version that exits 0.3 s after its READY=1 halts it at the first worker, and the others
+    keep running. Regression: the roll-out went on at each READY=1 and took the whole group
+    down."""
+    flag = tmp_path / "broken"
+    # crashes 0.3 s after ready once the flag exists (the "new version")
+    command = [
+        "sh",
+        "-c",
+        f"if [ -e {flag} ]; then exec {sys.executable} {ROOT / 'tests/workers/crash_after.py'}"
+        f" 0.3; else exec {sys.executable} {ROOT / 'tests/workers/ready_then_sleep.py'}; fi",
+    ]
+    group = g("v", replicas=3, port_base=9480, restart={"stable_s": 2, "backoff_initial_s": 30})
+    group["command"] = command
+    sup = supervisor({"workers": [group]})
+    pids = {w: sup.ready(w)["pid"] for w in ("v-0", "v-1", "v-2")}
+    flag.touch()
+    mark = sup.mark()
+    if how == "reload":
+        sup.write_config({"workers": [{**group, "env": {"VERSION": "2"}}]})
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as http:
+            assert http.post("/api/v1/groups/v/rolling-restart").status_code == 202
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
+    assert halted["worker"] == "v-0" and "did not stay ready" in halted["reason"]
+    for w in ("v-1", "v-2"):  # never touched
+        assert not sup.find(event="worker.spawned", worker=w, after=mark)
+        assert sup.find(event="worker.spawned", worker=w)[-1]["pid"] == pids[w]
+    assert sup.stop() == 0
+
+
 def test_removing_a_group_whose_workers_stop_at_different_times(
     supervisor: SupervisorFactory,
 ) -> None:
@@ -186,6 +224,7 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
         "port_base": 9450,
         "stop_timeout_s": 2,
         "start_timeout_s": 1,
+        "restart": {"stable_s": 0.2},
     }
     sup = supervisor({"workers": [good]})
 
