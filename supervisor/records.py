@@ -17,7 +17,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ POSTMORTEM_DIR = "postmortems"
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"  # held by the running supervisor (flock), with its pid inside
 INSTANCE_FILE = "instance"  # the state_dir's random id, in its workers' environment
+CORDONS_FILE = "cordons"  # the GPUs an operator cordoned, one UUID a line
 _INSTANCE = re.compile(r"^[0-9a-f]{32}$")
 
 _ID = re.compile(r"^[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[A-Za-z0-9._-]+$")
@@ -137,6 +138,21 @@ def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     except OSError:
         return None
     return value
+
+
+def read_cordons(state_dir: Path) -> set[str]:
+    """The GPUs an operator cordoned (``state_dir/cordons``: one UUID a line), so that a
+    cordon outlives a restart of the supervisor; empty when there is no such file."""
+    try:
+        text = (state_dir / CORDONS_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return set()
+    return {line.strip() for line in text.splitlines() if line.strip()}
+
+
+def write_cordons(state_dir: Path, uuids: Iterable[str]) -> None:
+    """Record the operator's cordons (``read_cordons``); raises OSError."""
+    atomic_write(state_dir / CORDONS_FILE, "".join(f"{u}\n" for u in sorted(uuids)).encode())
 
 
 def remove_temp_files(directory: Path) -> int:

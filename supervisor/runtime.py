@@ -78,8 +78,10 @@ from supervisor.records import (
     WriteHealth,
     instance_id,
     lock_state_dir,
+    read_cordons,
     read_json,
     remove_temp_files,
+    write_cordons,
 )
 from supervisor.sampler import Sampler, WorkerRef, host_interval
 from supervisor.sdnotify import SystemdNotifier
@@ -894,6 +896,9 @@ class Runtime:
         self._state_lock = lock_state_dir(state_dir)
         if self._state_lock is not None:
             self._instance = instance_id(state_dir)
+            self.cordoned |= read_cordons(state_dir)  # the operator's, before a restart
+            if self.cordoned:
+                self.log.info("gpu.cordons_kept", gpus=sorted(self.cordoned), reason="operator")
         if self._state_lock is None:
             self.log.warning(
                 "records.not_locked",
@@ -1343,6 +1348,11 @@ class Runtime:
             key = ("cordon" if cmd.cordon else "uncordon", "operator")
             self.actions_total[key] = self.actions_total.get(key, 0) + 1
             self.recorder.mark(urgent=True)
+            operator = self.cordoned - self.healer.state.thermal_cordoned
+            try:  # a cordon outlives a restart of the supervisor
+                write_cordons(self.settings.supervisor.state_dir, operator)
+            except OSError as exc:
+                self.write_health.failed("state", exc)
         self._changed_now()
 
     def resolve_gpu(self, ident: str) -> str | None:

@@ -262,6 +262,34 @@ def test_an_http_ready_worker_on_a_gpu_is_ready_again_after_a_restart(
     assert sup.stop() == 0
 
 
+def test_an_operator_cordon_outlives_a_restart_of_the_supervisor(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A GPU cordoned for maintenance stays cordoned when the supervisor restarts (a crash, an
+    upgrade): the next one places nothing there. Regression: the cordon was forgotten and
+    workers went back onto the GPU."""
+    cfg = config(tmp_path, {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "100")})
+    first = supervisor(cfg)
+    first.ready("g-0")
+    first.ready("g-1")
+    with first.api() as http:
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+    assert (first.state_dir / "cordons").read_text() == f"{UUID1}\n"
+    assert first.stop() == 0
+    second = supervisor(cfg)
+    assert second.wait_event(event="gpu.cordons_kept")["gpus"] == [UUID1]
+    second.ready("g-0")
+    second.ready("g-1")
+    with second.api() as http:
+        devices = {d["uuid"]: d for d in http.get("/api/v1/gpu/status").json()["devices"]}
+        assert devices[UUID1]["cordoned"] is True
+        workers = http.get("/api/v1/workers").json()
+        assert all(w["gpus"] == [UUID0] for w in workers)
+        assert http.post("/api/v1/gpus/1/uncordon").status_code == 200
+    assert (second.state_dir / "cordons").read_text() == ""
+    assert second.stop() == 0
+
+
 def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
