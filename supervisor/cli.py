@@ -235,7 +235,7 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    gpu = load_settings(args.config).gpu if args.config else GpuSection()
+    gpu = client.client_settings(args.config).gpu if args.config else GpuSection()
     if args.backend:
         gpu = gpu.model_copy(update={"backend": args.backend})
     if args.sim_dir:
@@ -280,7 +280,7 @@ def _store(args: argparse.Namespace) -> PostmortemStore:
     if args.state_dir:
         state_dir = Path(args.state_dir)
     elif args.config:
-        state_dir = load_settings(args.config).supervisor.state_dir
+        state_dir = client.client_settings(args.config).supervisor.state_dir
     else:
         raise UsageError("gpu-supervisor postmortem: give -c FILE or --state-dir DIR")
     return PostmortemStore(state_dir / POSTMORTEM_DIR, keep=1)

@@ -17,12 +17,19 @@ import argparse
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-from supervisor.config import ApiSection, is_loopback, load_settings, parse_listen
+from supervisor.config import (
+    ApiSection,
+    Settings,
+    is_loopback,
+    load_client_settings,
+    parse_listen,
+)
 from supervisor.errors import ApiClientError, ConfigError, UsageError
 
 if TYPE_CHECKING:
@@ -118,12 +125,21 @@ def read_token_file(path: Path) -> str:
     return token
 
 
+def client_settings(config: str) -> Settings:
+    """``config``'s settings for a client command: a mistake outside the sections it reads is
+    a warning on stderr (``config.load_client_settings``), not an error."""
+    settings, warning = load_client_settings(config)
+    if warning is not None:
+        print(f"gpu-supervisor: warning: {warning}", file=sys.stderr)
+    return settings
+
+
 def resolve(
     url: str | None, config: str | None, environ: Mapping[str, str] | None = None
 ) -> tuple[str, str | None]:
     """``(url, token)`` from ``--url``, ``-c FILE`` and the environment."""
     environ = os.environ if environ is None else environ
-    api = load_settings(config).api if config else ApiSection()
+    api = client_settings(config).api if config else ApiSection()
     if url is None:
         url = url_for(api.listen)
         if url is None:

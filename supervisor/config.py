@@ -691,6 +691,41 @@ def load_settings(
 
     ``keep_ports``: the ports the groups run with (a reload): see ``keep_port_bases``."""
     source = str(path)
+    data = _read_toml(path)
+    _check_toml_types(data, Settings, "", source)
+    if keep_ports:
+        data = keep_port_bases(data, keep_ports)
+    return parse_settings(data, source)
+
+
+#: What the client commands read of a config file: where the API is and its token
+#: (``[api]``), ``state_dir`` (``[supervisor]``), the GPU backend (``[gpu]``).
+CLIENT_SECTIONS = ("supervisor", "api", "gpu")
+
+
+def load_client_settings(path: str | os.PathLike[str]) -> tuple[Settings, str | None]:
+    """The settings the client commands (``status``, ``drain``, ``postmortem``...) need, and a
+    warning when the file has a mistake elsewhere (a worker group being edited): they only
+    read ``CLIENT_SECTIONS``, and ``status`` is most needed right after a file was broken.
+    A mistake in those sections, or a file that is no TOML, is still a ``ConfigError``."""
+    try:
+        return load_settings(path), None
+    except ConfigError as full:
+        data = _read_toml(path)
+        partial = {k: v for k, v in data.items() if k in CLIENT_SECTIONS}
+        try:
+            _check_toml_types(partial, Settings, "", str(path))
+            settings = parse_settings(partial, str(path))
+        except ConfigError:
+            raise full from None
+        return (
+            settings,
+            f"{full} (only its {', '.join(f'[{k}]' for k in CLIENT_SECTIONS)} used here)",
+        )
+
+
+def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    source = str(path)
     try:
         raw = Path(path).read_bytes()
     except FileNotFoundError:
@@ -698,15 +733,11 @@ def load_settings(
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: TOML syntax error: {exc}") from None
-    _check_toml_types(data, Settings, "", source)
-    if keep_ports:
-        data = keep_port_bases(data, keep_ports)
-    return parse_settings(data, source)
 
 
 def _check_toml_types(

@@ -155,6 +155,17 @@ def test_client_commands(
     assert code == 2 and "invalid bearer token" in err
     monkeypatch.setenv("GPU_SUPERVISOR_API_TOKEN", TOKEN)
     assert run(capsys, "status", "--url", f"unix:{socket_path}")[0] == 0
+    # a mistake in the file outside [api]/[supervisor]/[gpu] (a group being edited) is a
+    # warning for the client commands, not an error: status is needed most just then
+    text = Path(cfg).read_text()
+    Path(cfg).write_text(text.replace("replicas = 2", 'replicas = "3"'))
+    code, out, err = run(capsys, "status", "-c", cfg)
+    assert code == 0 and "g-1" in out
+    assert err.startswith("gpu-supervisor: warning: ") and "replicas" in err
+    assert run(capsys, "postmortem", "list", "-c", cfg)[0] == 0
+    Path(cfg).write_text(text.replace('listen = "unix:', 'listen = "nix:'))  # its own section
+    assert run(capsys, "status", "-c", cfg)[0] == 2
+    Path(cfg).write_text(text)
     # a proxy in the environment is for the outside world (regression: it was used)
     for name in ("http_proxy", "HTTP_PROXY", "all_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
