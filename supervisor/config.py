@@ -666,8 +666,45 @@ def format_validation_error(
     return line
 
 
+#: ``GPU_SUPERVISOR_*`` names that start like an override with one underscore but are not one:
+#: the client's API token, and the budget every worker gets (a supervisor started from a
+#: worker's environment sees it).
+NOT_OVERRIDES = frozenset({"GPU_SUPERVISOR_API_TOKEN", "GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"})
+
+
+def _check_env_names(source: str, environ: Mapping[str, str]) -> None:
+    """An override whose section is misspelled (``GPU_SUPERVISOR_SUPERVISR__STATE_DIR``) or
+    that has one underscore where two are due (``GPU_SUPERVISOR_SUPERVISOR_STATE_DIR``) would
+    be silently ignored: it is an error, as an unknown key is. (Other ``GPU_SUPERVISOR_*``
+    names are the workers' own variables, or the API token: not overrides.)"""
+    sections = [name.upper() for name in Settings.model_fields]
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX.upper()):
+            continue
+        rest = upper[len(ENV_PREFIX) :]
+        section, delimiter, _ = rest.partition(ENV_DELIMITER)
+        if delimiter and section not in sections:
+            known = ", ".join(f"{ENV_PREFIX}{s}{ENV_DELIMITER}..." for s in sections)
+            raise ConfigError(
+                f"{source}: environment variable {name}: unknown section {section.lower()!r}"
+                f" (overrides are {known})"
+            )
+        if delimiter or upper in NOT_OVERRIDES:
+            continue
+        for known_section in sections:
+            if rest.startswith(known_section + "_"):
+                key = rest[len(known_section) + 1 :]
+                fixed = f"{ENV_PREFIX}{known_section}{ENV_DELIMITER}{key}"
+                raise ConfigError(
+                    f"{source}: environment variable {name}: a section and its key are "
+                    f"separated by two underscores (did you mean {fixed}?)"
+                )
+
+
 def parse_settings(data: Mapping[str, Any], source: str = "<config>") -> Settings:
     """Validate already-parsed TOML data (environment overrides applied)."""
+    _check_env_names(source, os.environ)
     try:
         return Settings(**dict(data))
     except ValidationError as exc:

@@ -347,3 +347,35 @@ def test_a_bad_webhook_url_is_named_without_its_secret() -> None:
         "c.toml: alerts.webhook_url: expected an http:// or https:// URL "
         "(got 'htps://hooks.example.com')"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("GPU_SUPERVISOR_SUPERVISR__STATE_DIR", "unknown section 'supervisr'"),
+        (
+            "GPU_SUPERVISOR_SUPERVISOR_STATE_DIR",
+            "did you mean GPU_SUPERVISOR_SUPERVISOR__STATE_DIR?",
+        ),
+        ("gpu_supervisor_api_listen", "did you mean GPU_SUPERVISOR_API__LISTEN?"),
+    ],
+)
+def test_a_misspelled_environment_override_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, name: str, message: str
+) -> None:
+    """An override that would be silently ignored is refused, as an unknown key is; the
+    workers' own variables and the API token are not overrides."""
+    for ok in (
+        "GPU_SUPERVISOR_API_TOKEN",
+        "GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB",
+        "GPU_SUPERVISOR_WORKER",
+        "GPU_SUPERVISOR_SIM_DIR",
+        "GPU_SUPERVISOR_INSTANCE",
+    ):
+        monkeypatch.setenv(ok, "1")
+    parse_settings({})  # fine
+    monkeypatch.setenv(name, "/x")
+    with pytest.raises(ConfigError) as err:
+        parse_settings({}, "cfg.toml")
+    assert str(err.value).startswith(f"cfg.toml: environment variable {name}: ")
+    assert message in str(err.value)
