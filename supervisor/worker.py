@@ -280,7 +280,9 @@ class WorkerRunner:
                 self._log.warning("worker.kill", pid=self.record.pid, reason="stop timeout")
                 kill_tree(self.record.pid, self._tree)
         elif isinstance(action, lc.Transitioned):
-            self._log.info(
+            self._log.log(
+                # giving up on a worker is what an operator must hear of first
+                40 if action.new is WorkerState.FATAL else 20,
                 "worker.state",
                 pid=self.record.pid
                 if action.new is WorkerState.STARTING

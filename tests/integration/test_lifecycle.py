@@ -57,6 +57,7 @@ def test_crash_loop_goes_fatal_after_burst(supervisor: SupervisorFactory) -> Non
     sup = supervisor({"workers": [group("loop", "exit_with_code", "1", restart=restart)]})
     fatal = sup.wait_event(event="worker.state", worker="loop-0", new="fatal")
     assert "burst 3" in fatal["reason"]
+    assert fatal["level"] == "error"  # what an operator must hear of first
     assert sup.stop() == 0
     assert len(sup.find(event="worker.spawned", worker="loop-0")) == 4
 
