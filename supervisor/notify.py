@@ -23,6 +23,8 @@ import psutil
 
 _UCRED = struct.Struct("iII")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 MAX_DATAGRAM = 4096
+#: Datagrams read at most each time the socket is found readable.
+PER_WAKE = 64
 #: sun_path holds 108 bytes including the NUL.
 MAX_SOCKET_PATH = 107
 
@@ -134,13 +136,14 @@ class NotifyListener:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
-    def drain(self) -> int:
-        """Read every queued datagram without blocking; return how many were read."""
+    def drain(self, limit: int | None = None) -> int:
+        """Read the queued datagrams without blocking (``limit``: at most that many); return
+        how many were read."""
         sock = self._sock
         if sock is None:
             return 0
         count = 0
-        while True:
+        while limit is None or count < limit:
             try:
                 data, ancdata, _, _ = sock.recvmsg(MAX_DATAGRAM, socket.CMSG_SPACE(_UCRED.size))
             except (BlockingIOError, InterruptedError):
@@ -152,6 +155,7 @@ class NotifyListener:
                     pid = _UCRED.unpack(payload[: _UCRED.size])[0]
             if pid > 0:
                 self._on_message(NotifyMessage(pid, parse_datagram(data)))
+        return count
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -206,11 +210,13 @@ class NotifyListener:
                 await anyio.wait_readable(sock)
             except anyio.ClosedResourceError:
                 continue  # rebound: wait on the new socket
-            self.drain()
+            self.drain(PER_WAKE)
 
     def _on_readable(self) -> None:
         try:
-            self.drain()
+            # at most a batch a wake-up: a worker that floods the socket must not keep the
+            # event loop in this callback (the socket stays readable: the loop comes back)
+            self.drain(PER_WAKE)
         except BaseException as exc:  # hand it to serve(), as the waiting loop would raise it
             self._unwatch()
             if self._failed is not None and not self._failed.done():

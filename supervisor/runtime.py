@@ -105,6 +105,8 @@ RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 #: How many times an exited worker's leftovers are looked for among our children (a dying
 #: member hands its children to us as it dies: one more read finds them).
 LEFTOVER_ROUNDS = 4
+#: Datagrams read at most from the notify socket before a worker's deadline is judged.
+NOTIFY_BEFORE_DEADLINE = 4096
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -828,6 +830,7 @@ class Runtime:
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
             cgroup_for=self._cgroup_for,
+            read_notify=lambda: self.listener.drain(NOTIFY_BEFORE_DEADLINE),
         )
         output.on_line = functools.partial(self.healer.on_line, runner)
         return runner

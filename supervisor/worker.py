@@ -53,6 +53,7 @@ class WorkerRunner:
         on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
         cgroup_for: Callable[[WorkerRunner], Path | None] | None = None,
+        read_notify: Callable[[], object] | None = None,
     ) -> None:
         self.spec = spec
         self.timing = timing
@@ -73,6 +74,9 @@ class WorkerRunner:
         self._on_event = on_event or (lambda _r, _t, _f: None)
         self._on_exit = on_exit
         self._cgroup_for = cgroup_for
+        self._read_notify = read_notify
+        #: a Heartbeat / Ready is queued and not handled yet: more of the same add nothing
+        self._queued: set[type[lc.Event]] = set()
         self._before: lc.WorkerRecord = self.record
         self._create_time: float | None = None
         self._reaped = False  # the current process's status was collected: its pid is not ours
@@ -151,13 +155,21 @@ class WorkerRunner:
             self.stopping_notified = True
             self._log.info("worker.stopping_notified", pid=pid)
         if fields.get("READY") == "1":
-            self.post(lc.Ready(pid))
+            self._post_once(lc.Ready(pid))
         if fields.get("WATCHDOG") == "1":
-            self.post(lc.Heartbeat(pid))
+            self._post_once(lc.Heartbeat(pid))
         elif fields.get("WATCHDOG") == "trigger":
             self.watchdog_triggered = True
             self._log.warning("worker.watchdog_trigger", pid=pid)
             self.post(lc.Heartbeat(pid, trigger=True))
+
+    def _post_once(self, event: lc.Ready | lc.Heartbeat) -> None:
+        """Queue ``event`` unless one of its kind waits to be handled already: a worker that
+        floods the socket with heartbeats cannot grow the queue (nor hold back a Stop behind
+        it); the one queued is handled at the time it is, which is all it says."""
+        if type(event) not in self._queued:
+            self._queued.add(type(event))
+            self.post(event)
 
     def cancel(self) -> None:
         """End the runner task (its process must already be gone)."""
@@ -235,6 +247,13 @@ class WorkerRunner:
             return await self._recv.receive()
         with anyio.move_on_after(max(0.0, deadline - self._clock.now())):
             return await self._recv.receive()
+        # A deadline (watchdog, start) passed: what the workers sent meanwhile is read first,
+        # so a supervisor that stalled (a paused VM, a starved CPU) does not take heartbeats
+        # still waiting in its socket for a hang.
+        if self._read_notify is not None:
+            self._read_notify()
+            with contextlib.suppress(anyio.WouldBlock):
+                return self._recv.receive_nowait()
         return lc.Timer()
 
     def _apply(self, first: lc.Event) -> None:
@@ -242,6 +261,7 @@ class WorkerRunner:
         changed = False
         while pending:
             event = pending.popleft()
+            self._queued.discard(type(event))
             old = self.record
             self._before = old
             self.record, actions = lc.step(old, event, self._clock.now(), self.timing)

@@ -159,8 +159,8 @@ def test_client_commands(
     # warning for the client commands, not an error: status is needed most just then
     text = Path(cfg).read_text()
     Path(cfg).write_text(text.replace("replicas = 2", 'replicas = "3"'))
-    code, out, err = run(capsys, "status", "-c", cfg)
-    assert code == 0 and "g-1" in out
+    code, shown, err = run(capsys, "status", "-c", cfg)
+    assert code == 0 and "g-1" in shown
     assert err.startswith("gpu-supervisor: warning: ") and "replicas" in err
     assert run(capsys, "postmortem", "list", "-c", cfg)[0] == 0
     Path(cfg).write_text(text.replace('listen = "unix:', 'listen = "nix:'))  # its own section

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from supervisor.config import parse_settings
 from supervisor.policy.reload import diff_groups
 
@@ -88,11 +91,11 @@ def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     that keep or shrink their range go first, a group that grows into another's moves."""
     from supervisor.config import keep_port_bases
 
-    def bases(data: dict[str, object]) -> dict[str, int | None]:
+    def bases(data: Mapping[str, Any]) -> dict[str, int | None]:
         return {g.name: g.port_base for g in parse_settings(data).workers}
 
     running = {"a": range(8001, 8003), "b": range(8003, 8004), "c": range(9000, 9001)}
-    data = {
+    data: dict[str, Any] = {
         "workers": [
             {"name": "a", "command": ["x"], "replicas": 3},  # grows into b's port 8003
             {"name": "b", "command": ["x"]},
@@ -103,5 +106,5 @@ def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     assert bases(data) == {"a": 8001, "b": 8004, "c": 9500, "d": 8005}  # from scratch
     # a moves past every port in use (its own too, until its workers have moved), d as well
     assert bases(keep_port_bases(data, running)) == {"a": 8004, "b": 8003, "c": 9500, "d": 8007}
-    data["workers"][0]["replicas"] = 1  # type: ignore[index]
+    data["workers"][0]["replicas"] = 1
     assert bases(keep_port_bases(data, running))["a"] == 8001

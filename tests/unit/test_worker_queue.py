@@ -1,0 +1,96 @@
+"""A worker's event queue under a flood of sd_notify datagrams (no process needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+
+from supervisor.clock import FakeClock
+from supervisor.model import LaunchSpec, WorkerState
+from supervisor.notify import NotifyMessage
+from supervisor.output import WorkerOutput
+from supervisor.policy import lifecycle as lc
+from supervisor.processes import Reaper
+from supervisor.worker import WorkerRunner
+
+
+def runner(tmp_path: Path, read_notify: object = None) -> WorkerRunner:
+    spec = LaunchSpec(
+        name="w-0",
+        group="w",
+        index=0,
+        argv=("true",),
+        env={},
+        port=None,
+        gpus=None,
+        ready_url=None,
+        notify=True,
+        watchdog_s=1.0,
+    )
+    out = WorkerOutput("w-0", tmp_path / "w-0.log", 0, 0)
+    r = WorkerRunner(
+        spec,
+        lc.Timing(watchdog_s=1.0),
+        reaper=Reaper(),
+        clock=FakeClock(),
+        output=out,
+        on_change=lambda _r: None,
+        register_pid=lambda _p, _r: None,
+        read_notify=read_notify,  # type: ignore[arg-type]
+    )
+    r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=1001.0)
+    return r
+
+
+def closed(r: WorkerRunner) -> None:
+    r._send.close()
+    r._recv.close()
+    r.output.close()
+
+
+def test_a_flood_of_heartbeats_queues_one(tmp_path: Path) -> None:
+    """A worker that floods the socket with WATCHDOG=1 (and READY=1) adds one event of each
+    kind until it is handled: the queue cannot grow, and a Stop is not held behind it.
+    Regression: every datagram was queued (352 MB, a stop that waited for minutes)."""
+    anyio.run(_flood, tmp_path)
+
+
+async def _flood(tmp_path: Path) -> None:
+    r = runner(tmp_path)
+    for _ in range(10_000):
+        r.on_notify(NotifyMessage(42, {"WATCHDOG": "1", "READY": "1"}))
+    r.post(lc.Stop())
+    queued = [r._recv.receive_nowait() for _ in range(r._recv.statistics().current_buffer_used)]
+    assert [type(e) for e in queued] == [lc.Ready, lc.Heartbeat, lc.Stop]
+    r._apply(queued[1])  # handled: the next heartbeat is queued again
+    r.on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
+    assert r._recv.statistics().current_buffer_used == 1
+    closed(r)
+
+
+def test_a_passed_deadline_reads_the_socket_first(tmp_path: Path) -> None:
+    """When a deadline passes (the supervisor was stalled longer than watchdog_s, say), the
+    heartbeats still waiting in the notify socket are read before the deadline is judged.
+    Regression: healthy workers were restarted for a hang after every stall."""
+    anyio.run(_deadline, tmp_path)
+
+
+async def _deadline(tmp_path: Path) -> None:
+    holder: list[WorkerRunner] = []
+
+    def read_notify() -> int:  # what the socket held: a heartbeat sent during the stall
+        holder[0].on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
+        return 1
+
+    r = runner(tmp_path, read_notify)
+    holder.append(r)
+    r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=0.0)  # long passed
+    with anyio.fail_after(5):
+        event = await r._next_event()
+    assert isinstance(event, lc.Heartbeat)
+    silent = runner(tmp_path)
+    silent.record = r.record
+    assert isinstance(await silent._next_event(), lc.Timer)  # nothing to read: judged
+    closed(r)
+    closed(silent)
