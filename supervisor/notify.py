@@ -91,7 +91,7 @@ class NotifyListener:
     def open(self) -> None:
         """Bind the socket (removing a stale one) with SO_PASSCRED on."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone, or a state_dir turned read-only
             self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -133,7 +133,7 @@ class NotifyListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone, or a state_dir turned read-only
             self.path.unlink()
 
     def drain(self, limit: int | None = None) -> int:

@@ -107,6 +107,8 @@ RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 LEFTOVER_ROUNDS = 4
 #: Datagrams read at most from the notify socket before a worker's deadline is judged.
 NOTIFY_BEFORE_DEADLINE = 4096
+#: At most one ``supervisor.reaped_orphan`` line at info this often (seconds).
+ORPHAN_LOG_EVERY_S = 1.0
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -266,6 +268,8 @@ class Runtime:
         self.loop_alive_at = 0.0  # monotonic time of the last sample or worker change
         self.samples_of: dict[str, deque[SamplePoint]] = {}
         self.restarts_total: dict[tuple[str, str], int] = {}
+        self._orphans_unlogged = 0
+        self._orphan_logged_at = -math.inf
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
         self.sample_listeners: list[Callable[[Sample], None]] = []
@@ -796,13 +800,23 @@ class Runtime:
         self.log.debug("notify.unknown_sender", pid=msg.pid)
 
     def _on_orphan(self, reaped: Reaped) -> None:
-        self.log.info(
+        # A worker whose children double-fork in a loop makes thousands a second: one line a
+        # second at most (``reaped``: how many since the last line), the rest at debug.
+        self._orphans_unlogged += 1
+        now = self.clock.now()
+        loud = now - self._orphan_logged_at >= ORPHAN_LOG_EVERY_S
+        self.log.log(
+            20 if loud else 10,
             "supervisor.reaped_orphan",
             pid=reaped.pid,
             code=reaped.status.code,
             signal=reaped.status.signal_name,
             reason="orphan",
+            reaped=self._orphans_unlogged,
         )
+        if loud:
+            self._orphan_logged_at = now
+            self._orphans_unlogged = 0
 
     def _make_runner(self, group: WorkerGroup, index: int, plan: Plan) -> WorkerRunner:
         spec = next(g for g in plan.groups if g.group.name == group.name).workers[index]

@@ -274,6 +274,17 @@ def test_orphaned_grandchild_is_reaped(supervisor: SupervisorFactory) -> None:
     assert sup.stop() == 0
 
 
+def test_a_burst_of_orphans_is_not_a_burst_of_log_lines(supervisor: SupervisorFactory) -> None:
+    """40 orphans reaped within a second: one line at info (the rest at debug, each counting
+    those since the last info line). Regression: one info line each (23,000 in 20 s from a
+    worker whose children double-fork in a loop, past journald's rate limit)."""
+    sup = supervisor({"workers": [group("df", "double_fork", "0", "40")]}, log_level="debug")
+    sup.wait_events(40, event="supervisor.reaped_orphan")
+    loud = sup.find(event="supervisor.reaped_orphan", level="info")
+    assert 1 <= len(loud) <= 2, loud  # a second may pass between the first and the last
+    assert sup.stop() == 0
+
+
 def test_sigterm_while_a_group_is_being_added_stops_every_worker(
     supervisor: SupervisorFactory,
 ) -> None:
