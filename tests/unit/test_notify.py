@@ -92,3 +92,32 @@ async def test_a_failed_rebind_keeps_the_socket_it_had(
     assert listener._sock is old and old.fileno() >= 0  # not leaked, not closed
     listener.close()
     assert old.fileno() == -1
+
+
+def test_closing_on_a_read_only_state_dir_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The socket file cannot be removed (the state_dir turned read-only while running): the
+    close still succeeds. Regression: OSError (EROFS) made a clean stop end with exit 1."""
+    listener = NotifyListener(tmp_path / "notify.sock", lambda _m: None)
+    listener.open()
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    listener.close()  # no exception
+
+
+def test_a_read_is_at_most_the_limit(tmp_path: Path) -> None:
+    """A wake-up reads at most ``limit`` datagrams: a flooding worker cannot keep the event
+    loop in the reader callback."""
+    got: list[NotifyMessage] = []
+    listener = NotifyListener(tmp_path / "notify.sock", got.append)
+    listener.open()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        for _ in range(10):
+            sender.sendto(b"WATCHDOG=1", os.fspath(tmp_path / "notify.sock"))
+    assert listener.drain(4) == 4 and len(got) == 4
+    assert listener.drain() == 6
+    listener.close()
