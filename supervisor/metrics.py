@@ -197,7 +197,21 @@ class RuntimeCollector(Collector):
         failing = health.problems()
         for file in RECORD_FILES:
             writable.add_metric([file], float(file not in failing))
-        yield from (nvml, actions, postmortems, errors, writable)
+        ok, at = rt.last_reload
+        reload_ok = _gauge(
+            "config_last_reload_successful",
+            "1 when the last reload of the config file was applied in full (not rejected, no "
+            "roll-out halted); the start counts as one.",
+            [],
+        )
+        reload_ok.add_metric([], float(ok))
+        reload_at = _gauge(
+            "config_last_reload_success_timestamp_seconds",
+            "When the config file was last applied in full (Unix time).",
+            [],
+        )
+        reload_at.add_metric([], at)
+        yield from (nvml, actions, postmortems, errors, writable, reload_ok, reload_at)
 
 
 def _put(family: GaugeMetricFamily, labels: list[str], value: float | None) -> None:

@@ -269,6 +269,9 @@ class Runtime:
         self.samples_of: dict[str, deque[SamplePoint]] = {}
         self.restarts_total: dict[tuple[str, str], int] = {}
         self._orphans_unlogged = 0
+        #: the last reload's result and when a load last succeeded (the start counts), as
+        #: Prometheus reports its own: config_last_reload_successful / ..._timestamp_seconds
+        self.last_reload: tuple[bool, float] = (True, self.clock.wall())
         self._orphan_logged_at = -math.inf
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
@@ -1502,16 +1505,19 @@ class Runtime:
         try:
             while True:
                 self._reload_again = False
-                await self._reload()
+                ok = await self._reload()
+                self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
                 if not self._reload_again or self._shutting_down:
                     return
         finally:
             self._reloading = False
 
-    async def _reload(self) -> None:
+    async def _reload(self) -> bool:
+        """Apply the config file again; True when all of it is in force (not rejected, no
+        roll-out halted)."""
         if self.config_path is None:
             self.log.error("supervisor.reload_failed", reason="no config file to reload")
-            return
+            return False
         path = self.config_path
         try:
             # groups with automatic ports keep theirs where they still fit
@@ -1525,7 +1531,7 @@ class Runtime:
             self.log.error(  # noqa: TRY400 - a bad config is reported in one line, no traceback
                 "supervisor.reload_rejected", reason="bad config", error=str(exc)
             )
-            return
+            return False
         self.systemd.send("RELOADING=1")
         old = self.settings
         diff = diff_groups(old.workers, new.workers, dirty=self._halted)
@@ -1553,12 +1559,12 @@ class Runtime:
                 "supervisor.reload_rejected", reason="placement", error=str(exc)
             )
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
-            return
+            return False
         except Exception:  # a bug must not take the running workers down with the supervisor
             self.settings = old
             self.log.exception("supervisor.reload_rejected", reason="internal error")
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")
-            return
+            return False
         self._set_host_interval()
         await self._reload_alerts()
         if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
@@ -1577,7 +1583,7 @@ class Runtime:
         self._halted.difference_update(diff.removed)
         for name in diff.changed:
             if self._shutting_down:
-                return
+                return False
             group = self.settings.group(name)
             assert group is not None
             # a scaled group's workers that run what the new plan says are left alone
@@ -1603,6 +1609,7 @@ class Runtime:
         self._changed_now()
         if self._ready_sent:
             self.systemd.send("READY=1")
+        return not halted
 
     async def _stop_group(self, name: str) -> None:
         runners = self._targets(name)

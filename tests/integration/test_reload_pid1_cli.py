@@ -201,6 +201,27 @@ def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactor
     rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
     assert "workers[0].command" in rejected["error"]
     assert not sup.find(event="worker.state", worker="keep-0", new="stopping")
+
+    def reload_metrics() -> tuple[float, float]:
+        with sup.api() as http:
+            text = http.get("/metrics").text
+        values = dict(
+            line.split(" ")
+            for line in text.splitlines()
+            if line.startswith("gpu_supervisor_config_last_reload")
+        )
+        return (
+            float(values["gpu_supervisor_config_last_reload_successful"]),
+            float(values["gpu_supervisor_config_last_reload_success_timestamp_seconds"]),
+        )
+
+    # the outcome can be watched (as Prometheus' own prometheus_config_last_reload_*)
+    sup.wait_until(lambda: reload_metrics()[0] == 0.0, "reload failure in /metrics")
+    started_at = reload_metrics()[1]
+    sup.write_config({"workers": [g("keep")]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_until(lambda: reload_metrics()[0] == 1.0, "reload success in /metrics")
+    assert reload_metrics()[1] > started_at
     assert sup.stop() == 0
 
 
