@@ -1285,7 +1285,10 @@ class Runtime:
             ),
             status=outcome.status,
             reason=found.reason,
-            evidence=found.evidence,
+            # the death after which the worker is given up on says so
+            evidence={**found.evidence, "fatal": True}
+            if runner.record.state is WorkerState.FATAL
+            else found.evidence,
             samples=dead.samples,
             devices=devices,
             log_tail=dead.lines,

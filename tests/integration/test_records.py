@@ -115,6 +115,10 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
     assert sup.stop() == 0
     docs = postmortems(sup)
     assert docs and all(d["reason"] == "cuda_oom" for d in docs)
+    # the last death (after which it was given up on) says so, the others do not
+    last = max(docs, key=lambda d: d["worker"]["ended_at"])
+    assert [d["evidence"].get("fatal", False) for d in docs].count(True) == 1
+    assert last["evidence"]["fatal"] is True
     assert "CUDA out of memory" in docs[0]["evidence"]["log_line"]
 
 
