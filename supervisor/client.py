@@ -269,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
         if args.command in ("cordon", "uncordon"):
             body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
             verb = "cordoned" if body["cordoned"] else "uncordoned"
+            devices = client.request("GET", f"{API}/gpu/status").json()["devices"]
+            if any(d["uuid"] == body["uuid"] and d.get("quarantined") for d in devices):
+                # a cordon is lifted, a quarantine (a device-fatal XID) is not: say so
+                verb += ", but still quarantined (a device-fatal XID or lost: nothing is placed"
+                verb += " on it until the supervisor restarts)"
             print(f"GPU {body['id']} ({body['uuid']}) {verb}")
             return 0
         if args.command == "restart" and args.rolling:

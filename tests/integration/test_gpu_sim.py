@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -322,4 +323,13 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
             event="worker.state", worker="g-0", reason="spawn_failed", after=mark
         )
         assert backoff["pid"] is None
+    # uncordon lifts the cordon, not the quarantine: the CLI says so
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "uncordon", "0", "--url", sup.api_url()],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert out.startswith(f"GPU 0 ({UUID0}) uncordoned, but still quarantined")
     assert sup.stop() == 0
