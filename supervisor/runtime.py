@@ -881,7 +881,7 @@ class Runtime:
         runner.post(lc.Stop(reason))
         await self.wait_until(lambda: is_idle(runner), self._stop_budget(runner))
         if not is_idle(runner):
-            runner.post(lc.Kill())
+            runner.post(lc.Kill("not stopped in time"))
             await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
         runner.cancel()
         self.cgroups.remove(runner.name)
@@ -1459,7 +1459,7 @@ class Runtime:
         if not await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), timeout):
             self.log.warning("supervisor.shutdown_timeout", reason="shutdown_timeout_s passed")
             for runner in self.workers():
-                runner.post(lc.Kill())
+                runner.post(lc.Kill("shutdown timeout"))
             await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), KILL_WAIT_S)
         await self._kill_leftover_children()
         await self._remove_cgroups()

@@ -297,7 +297,7 @@ class WorkerRunner:
             self._signal(action.signal)
         elif isinstance(action, lc.KillTree):
             if self.record.pid is not None:
-                self._log.warning("worker.kill", pid=self.record.pid, reason="stop timeout")
+                self._log.warning("worker.kill", pid=self.record.pid, reason=action.reason)
                 kill_tree(self.record.pid, self._tree)
         elif isinstance(action, lc.Transitioned):
             self._log.log(

@@ -132,7 +132,9 @@ class Drain:
 
 @dataclass(frozen=True, slots=True)
 class Kill:
-    """SIGKILL the whole tree now (second shutdown signal)."""
+    """SIGKILL the whole tree now (second shutdown signal, shutdown timeout)."""
+
+    reason: str = "second signal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +212,8 @@ class SendSignal:
 @dataclass(frozen=True, slots=True)
 class KillTree:
     """SIGKILL the worker's process group and every known descendant."""
+
+    reason: str = "stop timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +368,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 rec, acts = _begin_stop(rec, now, t, AfterExit.STOP, ExitReason.SHUTDOWN)
             else:
                 rec, acts = replace(rec, after_exit=AfterExit.STOP), []
-            return replace(rec, killed=True, deadline=None), [*acts, KillTree()]
+            return replace(rec, killed=True, deadline=None), [*acts, KillTree(ev.reason)]
         if state is S.BACKOFF or (state is S.STARTING and rec.pid is None):
             return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None)
         return rec, []

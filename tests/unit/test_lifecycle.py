@@ -284,8 +284,9 @@ def test_a_healing_restart_does_not_undo_a_stop() -> None:
 
 
 def test_kill_event_kills_at_once_and_stays_stopped() -> None:
-    rec, acts = lc.step(ready(), lc.Kill(), 101, T)
-    assert lc.KillTree() in acts and rec.after_exit is lc.AfterExit.STOP
+    rec, acts = lc.step(ready(), lc.Kill("shutdown timeout"), 101, T)
+    # the kill says why (regression: always "stop timeout", after a second SIGTERM too)
+    assert lc.KillTree("shutdown timeout") in acts and rec.after_exit is lc.AfterExit.STOP
     rec = at(rec, lc.Exited(10, ExitStatus(None, 9)), 101.1)
     assert rec.state is S.STOPPED
 
