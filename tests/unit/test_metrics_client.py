@@ -47,6 +47,7 @@ class FakeRuntime:
     restarts_total: dict[tuple[str, str], int] = field(default_factory=dict)
     actions_total: dict[tuple[str, str], int] = field(default_factory=dict)
     postmortems_total: dict[str, int] = field(default_factory=dict)
+    last_reload: tuple[bool, float] = (True, 1_700_000_000.0)
     write_health: WriteHealth = field(default_factory=WriteHealth)
     journal: Journal = field(default_factory=Journal)
     runners: dict[str, object] = field(default_factory=dict)
