@@ -37,7 +37,12 @@ from supervisor.logs import configure_logging
 from supervisor.model import DeviceSample
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
-from supervisor.processes import raise_open_files_limit, release_held_signals, resolve_program
+from supervisor.processes import (
+    protect_from_oom_killer,
+    raise_open_files_limit,
+    release_held_signals,
+    resolve_program,
+)
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
@@ -381,6 +386,15 @@ def _run(args: argparse.Namespace) -> int:
     before, after = raise_open_files_limit()
     if after != before:
         structlog.get_logger().debug("supervisor.open_files_limit", before=before, now=after)
+    # before any worker is spawned: the OOM killer takes a worker, not the supervisor
+    oom = protect_from_oom_killer()
+    structlog.get_logger().info(
+        "supervisor.oom_score_adj",
+        before=oom.before,
+        now=oom.now,
+        workers=oom.workers,
+        error=oom.error,
+    )
     services: list[Service] = []
     # Bound before anything starts, so a port in use fails here; FastAPI is imported later.
     bound = open_api(settings.api) if settings.api.listen else None

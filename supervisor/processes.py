@@ -4,6 +4,9 @@
   descendant leaves it with ``setsid()``; ``kill_tree`` also walks the descendants it can see.
 - ``PR_SET_PDEATHSIG`` (SIGKILL) is set in the child, so a killed supervisor takes its workers
   with it. Spawning happens on the event loop thread, which is the main thread.
+- The kernel's OOM killer should pick the supervisor last (its death ends every worker):
+  ``protect_from_oom_killer`` lowers its own ``oom_score_adj`` at start, and ``spawn`` gives each
+  worker the score the supervisor started with (never below 0), not the lowered one.
 - ``Reaper`` is the only code that calls ``waitpid``: one ``waitpid(-1, WNOHANG)`` loop driven by
   SIGCHLD, dispatching each status by pid. Statuses of pids nobody registered (orphaned
   grandchildren re-parented to us as PID 1 or child subreaper) are reaped and reported.
@@ -73,13 +76,26 @@ def set_child_subreaper() -> bool:
 
 
 def _child_setup(
-    parent_pid: int, prctl: Callable[..., int], cgroup_procs: str | None = None
+    parent_pid: int,
+    prctl: Callable[..., int],
+    cgroup_procs: str | None = None,
+    oom_score_adj: bytes | None = None,
 ) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died between fork and prctl
             os._exit(1)
+        if oom_score_adj is not None:
+            # Raising it is always allowed; a failure leaves the supervisor's (lower) score.
+            try:
+                fd = os.open(OOM_SCORE_ADJ_SELF, os.O_WRONLY)
+                try:
+                    os.write(fd, oom_score_adj)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
         if cgroup_procs is not None:
             # Join the worker's cgroup before exec, so nothing it forks can start outside it.
             # A failure leaves it where it is; the supervisor moves it after the spawn.
@@ -134,9 +150,114 @@ def _setpriv() -> str | None:
     return path if _PDEATHSIG_HELP.search(out.stdout.encode()) else None
 
 
+@functools.cache
+def _choom() -> str | None:
+    """util-linux ``choom`` (>= 2.33, like ``setpriv --pdeathsig``): sets a worker's
+    ``oom_score_adj`` in the worker itself, before its program runs (see ``spawn``)."""
+    return shutil.which("choom")
+
+
 def probe_spawn_helper() -> str | None:
-    """Find ``setpriv`` now (see ``spawn``); returns its path or None."""
+    """Find ``setpriv`` (and ``choom``) now (see ``spawn``); returns setpriv's path or None."""
+    _choom()
     return _setpriv()
+
+
+# --- the OOM killer ----------------------------------------------------------------------
+
+#: The supervisor's own ``oom_score_adj``. The kernel's OOM killer (for a cgroup at its memory
+#: limit, or the whole machine) kills the process with the highest badness: its memory plus
+#: ``oom_score_adj`` thousandths of the memory it may use. At -900 the supervisor is the last
+#: choice in its cgroup, yet killable when nothing else is left (-1000 would exempt it, and a
+#: leaking supervisor would take the rest of the machine with it). Killing it kills every worker
+#: (PR_SET_PDEATHSIG) and can orphan their children; killing a worker is a restart.
+SUPERVISOR_OOM_SCORE_ADJ = -900
+#: The lowest ``oom_score_adj`` a worker is given: the kernel's default.
+WORKER_OOM_SCORE_ADJ_MIN = 0
+OOM_SCORE_ADJ_SELF = "/proc/self/oom_score_adj"
+
+#: What workers get: the supervisor's score as first seen (before it lowered it), at least
+#: WORKER_OOM_SCORE_ADJ_MIN. Set by ``protect_from_oom_killer`` or by the first ``spawn``.
+_worker_oom_score_adj: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OomProtection:
+    """What ``protect_from_oom_killer`` found and did (None: ``/proc`` could not be read)."""
+
+    before: int | None  # the supervisor's oom_score_adj as found
+    now: int | None  # and after the call
+    workers: int | None  # what workers spawned from now on get
+    error: str | None  # why it could not be lowered (then now == before)
+
+    @property
+    def changed(self) -> bool:
+        return self.now != self.before
+
+
+def _read_oom_score_adj(path: str = OOM_SCORE_ADJ_SELF) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return int(os.read(fd, 32))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_oom_score_adj(path: str, value: int) -> str | None:
+    """Write ``value``; None on success, else why not."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, str(value).encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _remember_worker_score(found: int) -> int:
+    global _worker_oom_score_adj
+    if _worker_oom_score_adj is None:
+        _worker_oom_score_adj = max(found, WORKER_OOM_SCORE_ADJ_MIN)
+    return _worker_oom_score_adj
+
+
+def protect_from_oom_killer(score: int = SUPERVISOR_OOM_SCORE_ADJ) -> OomProtection:
+    """Lower this process's ``oom_score_adj`` to ``score`` unless it is that low already (set by
+    systemd's ``OOMScoreAdjust=``, ``docker run --oom-score-adj``, Kubernetes' Guaranteed QoS).
+    Call it once at start, before any worker is spawned. Never raises.
+
+    Lowering needs ``CAP_SYS_RESOURCE`` (root outside a container; in one, only where granted):
+    without it ``error`` says so and nothing changes. Workers spawned afterwards get the score
+    found here (not below 0) instead of inheriting the lowered one (see ``spawn``).
+    """
+    before = _read_oom_score_adj()
+    if before is None:
+        return OomProtection(None, None, None, f"cannot read {OOM_SCORE_ADJ_SELF}")
+    workers = _remember_worker_score(before)
+    if before <= score:
+        return OomProtection(before, before, workers, None)
+    error = _write_oom_score_adj(OOM_SCORE_ADJ_SELF, score)
+    if error is not None:
+        if "denied" in error or "not permitted" in error:
+            error += " (lowering it needs CAP_SYS_RESOURCE)"
+        return OomProtection(before, before, workers, error)
+    return OomProtection(before, _read_oom_score_adj(), workers, None)
+
+
+def _oom_score_for_worker() -> int | None:
+    """The ``oom_score_adj`` a new worker must be given, or None where it may inherit ours.
+
+    Only ever above the supervisor's current score: raising it needs no privilege."""
+    current = _read_oom_score_adj()
+    if current is None:
+        return None
+    wanted = _remember_worker_score(current)
+    return wanted if wanted > current else None
 
 
 def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> str:
@@ -190,17 +311,34 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     can then vfork: ~0.2 ms instead of ~3 ms for a full fork of the supervisor), else in a
     ``preexec_fn``. ``cgroup``: the worker's cgroup directory, joined in the ``preexec_fn``
     before exec (so a full fork then: the child must run code of ours before exec).
+
+    A supervisor that lowered its ``oom_score_adj`` (``protect_from_oom_killer``, systemd's
+    ``OOMScoreAdjust=``) gives the worker its original score back before the worker's program
+    runs, so nothing the worker forks inherits the protection: ``choom -n N --`` after setpriv
+    (one more exec in the child, ~0.6 ms of the worker's start; none in the supervisor), or a
+    write in the ``preexec_fn``. Without choom, the supervisor writes it right after Popen, while
+    setpriv is still starting (a child the program forks before that would keep the low score).
     """
     env = dict(spec.env)
     program = resolve_program(spec.argv[0], env, spec.cwd)
     setpriv = _setpriv() if cgroup is None else None
+    oom = _oom_score_for_worker()
+    oom_after: int | None = None  # written to /proc/<pid>/oom_score_adj once Popen returns
     if setpriv is not None:
-        argv = [setpriv, "--pdeathsig", "KILL", "--", program, *spec.argv[1:]]
+        argv = [setpriv, "--pdeathsig", "KILL", "--"]
+        if oom is not None:
+            choom = _choom()
+            if choom is not None:
+                argv += [choom, "-n", str(oom), "--"]
+            else:
+                oom_after = oom
+        argv += [program, *spec.argv[1:]]
         preexec = None
     else:
         argv = [program, *spec.argv[1:]]
         procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
-        preexec = _child_setup(os.getpid(), _prctl(), procs)
+        adj = None if oom is None else str(oom).encode()
+        preexec = _child_setup(os.getpid(), _prctl(), procs, adj)
     try:
         read_fd, write_fd = os.pipe()
     except OSError as exc:  # EMFILE/ENFILE: out of file descriptors
@@ -227,6 +365,8 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         os.close(write_fd)
         raise SpawnError(f"cannot start {spec.argv[0]!r}: {exc}") from exc
     os.close(write_fd)
+    if oom_after is not None:
+        _write_oom_score_adj(f"/proc/{popen.pid}/oom_score_adj", oom_after)
     os.set_blocking(read_fd, False)
     return Child(pid=popen.pid, output_fd=read_fd, popen=popen)
 

@@ -25,6 +25,7 @@ import pytest
 
 from supervisor.cli import EXIT_USAGE
 from supervisor.config import Settings, SupervisorSection, WorkerGroup, load_settings
+from supervisor.processes import SUPERVISOR_OOM_SCORE_ADJ, WORKER_OOM_SCORE_ADJ_MIN
 from supervisor.runtime import KILL_WAIT_S
 from supervisor.sdnotify import SystemdNotifier
 from tests.conftest import SupervisorFactory
@@ -178,6 +179,9 @@ def test_unit_matches_the_supervisor() -> None:
     assert timespan_s(one("TimeoutStartSec")) > WorkerGroup.model_fields["start_timeout_s"].default
     # a worker's OOM kill must not stop the whole service
     assert one("OOMPolicy") == "continue"
+    # the OOM killer takes the supervisor last (not never), and its workers run at 0 again
+    assert int(one("OOMScoreAdjust")) == SUPERVISOR_OOM_SCORE_ADJ
+    assert -1000 < SUPERVISOR_OOM_SCORE_ADJ < 0 <= WORKER_OOM_SCORE_ADJ_MIN
     assert one("Delegate") == "yes"
     # state_dir's default is the unit's StateDirectory
     assert Path("/var/lib") / one("StateDirectory") == SupervisorSection().state_dir
