@@ -15,13 +15,16 @@ import fcntl
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import structlog
 
 from supervisor.errors import StateDirBusy
@@ -47,11 +50,56 @@ _KINDS = {
     errno.EPERM: "permission",
 }
 
-WRITE_FAILURE_KINDS = ("disk_full", "read_only", "missing", "permission", "other")
+WRITE_FAILURE_KINDS = ("disk_full", "read_only", "missing", "permission", "no_thread", "other")
+
+T = TypeVar("T")
+
+
+class ThreadUnavailable(OSError):
+    """No thread could be started for a blocking call: the pids cgroup (systemd ``TasksMax``)
+    is full. An ``OSError`` (``EAGAIN``, what ``clone()`` failed with), so that it is handled
+    like the other resource shortages: the call is skipped or retried, supervision goes on."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(errno.EAGAIN, f"cannot start a thread: {cause}")
+
+
+async def in_thread(
+    fn: Callable[..., T],
+    *args: Any,
+    limiter: anyio.CapacityLimiter | None = None,
+    abandon_on_cancel: bool = False,
+    inline: bool = False,
+) -> T:
+    """``anyio.to_thread.run_sync(fn, *args)``, but a thread that cannot be started raises
+    ``ThreadUnavailable`` instead of ``RuntimeError: can't start new thread``, or, with
+    ``inline``, ``fn`` runs right here on the event loop (for clean-up that must not need a
+    new thread to finish). anyio's idle threads exit after 10 s, so a call may need a new
+    thread at any time; a ``RuntimeError`` that ``fn`` itself raises passes through as it is.
+    """
+    started = False
+
+    def call() -> T:
+        nonlocal started
+        started = True
+        return fn(*args)
+
+    try:
+        return await anyio.to_thread.run_sync(
+            call, limiter=limiter, abandon_on_cancel=abandon_on_cancel
+        )
+    except RuntimeError as exc:
+        if started or "thread" not in str(exc):
+            raise
+        if inline:
+            return fn(*args)
+        raise ThreadUnavailable(exc) from exc
 
 
 def failure_kind(exc: OSError) -> str:
-    """``disk_full``, ``read_only``, ``missing``, ``permission`` or ``other``."""
+    """``disk_full``, ``read_only``, ``missing``, ``permission``, ``no_thread`` or ``other``."""
+    if isinstance(exc, ThreadUnavailable):
+        return "no_thread"
     return _KINDS.get(exc.errno or 0, "other")
 
 
@@ -221,11 +269,21 @@ class WriteHealth:
 
 
 class PostmortemStore:
-    """``state_dir/postmortems/<id>.json``: written atomically, the newest ``keep`` kept."""
+    """``state_dir/postmortems/<id>.json``: written atomically, the newest ``keep`` kept.
+
+    "Newest" is in the order the files were written, not by the wall-clock time in their ids:
+    the clock can be stepped (NTP, ``date -s``), and a post-mortem written after a step back
+    would sort before older ones and be the first to be pruned. The files this store wrote
+    rank in the order it wrote them; files it found (written by an earlier supervisor) rank
+    below all of those, by their ids among themselves. Safe to use from several threads.
+    """
 
     def __init__(self, directory: Path, keep: int) -> None:
         self.directory = directory
         self.keep = keep
+        self._order: dict[str, int] = {}  # id -> write sequence, for the files written here
+        self._seq = 0
+        self._order_lock = threading.Lock()
 
     def path_of(self, id_: str) -> Path:
         """The file of post-mortem ``id_`` (raises ValueError for a malformed id)."""
@@ -247,28 +305,38 @@ class PostmortemStore:
             id_ = f"{base}-{n}"
         doc = {**doc, "id": id_}
         atomic_write(self.path_of(id_), dump_json(doc))
-        self.prune(spare=id_)
+        with self._order_lock:
+            self._seq += 1
+            self._order[id_] = self._seq
+        self.prune()
         return id_
 
     def ids(self) -> list[str]:
-        """Every post-mortem id, newest first."""
+        """Every post-mortem id, newest first (in write order: see the class)."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
         ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.match(n[:-5])]
-        return sorted(ids, reverse=True)
+        with self._order_lock:
+            order = dict(self._order)
+        ours = sorted((i for i in ids if i in order), key=order.__getitem__, reverse=True)
+        found = sorted((i for i in ids if i not in order), reverse=True)
+        return ours + found
 
-    def prune(self, spare: str | None = None) -> int:
-        """Delete all but the newest ``keep`` (by the time in their ids), never ``spare`` (the
-        one just written: files dated later, from before the clock was set back, must not
-        take its place); return how many were deleted."""
+    def prune(self) -> int:
+        """Delete all but the newest ``keep`` (``ids``: a file is never deleted while one
+        written after it is kept); return how many were deleted. Called by the writer after
+        each write (not at the same time as ``write``)."""
         removed = 0
-        ids = [i for i in self.ids() if i != spare]
-        for id_ in ids[max(self.keep - (spare is not None), 0) :]:
+        ids = self.ids()
+        for id_ in ids[max(self.keep, 1) :]:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / f"{id_}.json").unlink()
                 removed += 1
+        with self._order_lock:  # forget the pruned, and files removed by hand
+            for id_ in self._order.keys() - set(ids[: max(self.keep, 1)]):
+                del self._order[id_]
         return removed
 
     def read(self, id_: str) -> dict[str, Any]:
@@ -342,8 +410,6 @@ class Recorder:
         on_dir_recreated: Callable[[], None] = lambda: None,
         create_time: Callable[[int], float | None] | None = None,
     ) -> None:
-        import anyio  # the recorder is the only async part of this module
-
         self.state_dir = state_dir
         self.state_path = state_dir / STATE_FILE
         self.store = PostmortemStore(state_dir / POSTMORTEM_DIR, keep)
@@ -351,7 +417,6 @@ class Recorder:
         self._snapshot = snapshot
         self._on_dir_recreated = on_dir_recreated
         self._create_time = create_time or (lambda _pid: None)
-        self._anyio = anyio
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._lock = anyio.Lock()  # the serving loop and flush() never write at the same time
@@ -387,7 +452,6 @@ class Recorder:
 
     async def serve(self, *, task_status: Any = None) -> None:
         """Write until cancelled."""
-        anyio = self._anyio
         if task_status is not None:
             task_status.started()
         while True:
@@ -408,13 +472,14 @@ class Recorder:
             await self._step()
 
     async def _step(self) -> None:
-        now = self._anyio.current_time()
+        now = anyio.current_time()
         checked = False
         if now >= self._next_check:
             self._next_check = now + CHECK_EVERY_S
             checked = True
-            if await self._anyio.to_thread.run_sync(self._check_dir, limiter=self._limiter):
-                self._dirty = self._urgent = True
+            with contextlib.suppress(ThreadUnavailable):  # checked again in CHECK_EVERY_S
+                if await in_thread(self._check_dir, limiter=self._limiter):
+                    self._dirty = self._urgent = True
         if self._pending and ("postmortem" not in self.health.failing or checked):
             await self._write_postmortems()
         since = now - self._last_at
@@ -431,18 +496,30 @@ class Recorder:
             self._on_dir_recreated()
 
     async def flush(self) -> None:
-        """Write every queued post-mortem and the current state now (at shutdown)."""
-        await self._write_postmortems()
+        """Write every queued post-mortem and the current state now (at shutdown: where no
+        thread can be started, the writes are made on the event loop)."""
+        await self._write_postmortems(inline=True)
         self._dirty = True
-        await self.write_state()
+        await self.write_state(inline=True)
         self._after_thread()
 
-    async def write_state(self) -> None:
+    async def write_state(self, inline: bool = False) -> None:
         """Write ``state.json`` now (if it differs from the last written)."""
         async with self._lock:
-            await self._write_state_locked()
+            await self._write_state_locked(inline)
 
-    async def _write_state_locked(self) -> None:
+    async def _in_thread(
+        self, file: str, write: Callable[[dict[str, Any]], bool], doc: dict[str, Any], inline: bool
+    ) -> bool:
+        """``write(doc)`` in the writer thread; a thread that cannot be started is a failed
+        write of ``file`` (logged, counted, retried like one)."""
+        try:
+            return await in_thread(write, doc, limiter=self._limiter, inline=inline)
+        except ThreadUnavailable as exc:
+            self.health.failed(file, exc)
+            return False
+
+    async def _write_state_locked(self, inline: bool) -> None:
         self._dirty = self._urgent = False
         doc = self._snapshot()
         # Compared, not written: compact JSON goes through the C encoder (indent= does not), so
@@ -450,20 +527,18 @@ class Recorder:
         body = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, allow_nan=False)
         if body == self._last_body and "state" not in self.health.failing:
             return
-        self._last_at = self._anyio.current_time()
-        ok = await self._anyio.to_thread.run_sync(self._write_state, doc, limiter=self._limiter)
+        self._last_at = anyio.current_time()
+        ok = await self._in_thread("state", self._write_state, doc, inline)
         if ok:
             self._last_body = body
         else:
             self._dirty = True  # retried after STATE_MIN_INTERVAL_S
 
-    async def _write_postmortems(self) -> None:
+    async def _write_postmortems(self, inline: bool = False) -> None:
         async with self._lock:
             while self._pending:
                 doc = self._pending[0]
-                ok = await self._anyio.to_thread.run_sync(
-                    self._write_postmortem, doc, limiter=self._limiter
-                )
+                ok = await self._in_thread("postmortem", self._write_postmortem, doc, inline)
                 if not ok:
                     return
                 self._pending.pop(0)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.abc
-import anyio.to_thread
 import structlog
 
 from supervisor import procfs
@@ -24,6 +23,7 @@ from supervisor.backends.base import GpuBackend
 from supervisor.errors import BackendError, BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, XidEvent
 from supervisor.policy.attribution import attribute
+from supervisor.records import ThreadUnavailable, in_thread
 
 XID_WAIT_S = 1.0
 #: The error of a GPU seen before that the driver no longer lists.
@@ -39,6 +39,8 @@ HOST_EVERY_S = 2.0
 FULL_SCAN_EVERY_S = 5.0
 #: The next full scan after one that found a new main process comes this soon (seconds).
 YOUNG_RESCAN_S = 1.0
+#: A tick or XID wait that keeps failing (no file descriptor, no thread) is logged this often.
+FAILURE_LOG_EVERY_S = 60.0
 
 
 def host_interval(leak_windows_s: Iterable[float]) -> float:
@@ -237,8 +239,11 @@ class Sampler:
         self._wake = anyio.Event()
         self.last: Sample | None = None
         self._log = structlog.get_logger()
-        self.tick_errors = 0  # ticks lost to an OSError (out of file descriptors)
-        self._tick_error_logged_at: float | None = None
+        #: ticks lost to an OSError: out of file descriptors, or no thread to be had
+        #: (``ThreadUnavailable``: the pids cgroup, systemd's ``TasksMax``, is full)
+        self.tick_errors = 0
+        self.xid_wait_errors = 0  # XID waits that found no thread (the events wait in NVML)
+        self._logged_at: dict[str, float] = {}
 
     @property
     def host_every_s(self) -> float:
@@ -271,7 +276,7 @@ class Sampler:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
         backend = self._factory()
         try:
-            self.identities = await anyio.to_thread.run_sync(backend.open, limiter=self._limiter)
+            self.identities = await in_thread(backend.open, limiter=self._limiter)
         except BackendUnavailable as exc:
             self.available = False
             self.error = str(exc)
@@ -359,9 +364,9 @@ class Sampler:
         """Take one sample now."""
         if not self.available and self.backend is not None and time.monotonic() >= self._reopen_at:
             with contextlib.suppress(BackendError):
-                await anyio.to_thread.run_sync(self.backend.close, limiter=self._limiter)
+                await in_thread(self.backend.close, limiter=self._limiter)
             await self.open()
-        sample = await anyio.to_thread.run_sync(
+        sample = await in_thread(
             self._tick_blocking, self._workers(), self.available, limiter=self._limiter
         )
         if self.available and not sample.nvml_available:
@@ -387,7 +392,8 @@ class Sampler:
                     try:
                         await self.tick()
                     except OSError as exc:
-                        # out of file descriptors (EMFILE), /proc unreadable: this tick is
+                        # out of file descriptors (EMFILE), /proc unreadable, no thread to
+                        # be had (ThreadUnavailable: the pids cgroup is full): this tick is
                         # lost, supervision goes on (crashes are seen by the reaper)
                         self._tick_failed(exc)
                     gpu = self.available and bool(self.identities)
@@ -405,15 +411,22 @@ class Sampler:
                         await self._wake.wait()  # or sooner, when someone needs a fresh sample
         finally:
             if self.backend is not None:
+                # inline where no thread can be started: clean-up must finish regardless
                 with anyio.CancelScope(shield=True), contextlib.suppress(BackendError):
-                    await anyio.to_thread.run_sync(self.backend.close, limiter=self._limiter)
+                    await in_thread(self.backend.close, limiter=self._limiter, inline=True)
 
     def _tick_failed(self, exc: OSError) -> None:
         self.tick_errors += 1
+        self._warn_now_and_then("sampler.tick_failed", error=str(exc), errors=self.tick_errors)
+
+    def _warn_now_and_then(self, event: str, **fields: object) -> None:
+        """Log ``event`` at most every ``FAILURE_LOG_EVERY_S`` (a failure that lasts would
+        log at every tick)."""
         now = time.monotonic()
-        if self._tick_error_logged_at is None or now - self._tick_error_logged_at >= 60.0:
-            self._tick_error_logged_at = now
-            self._log.warning("sampler.tick_failed", error=str(exc), errors=self.tick_errors)
+        at = self._logged_at.get(event)
+        if at is None or now - at >= FAILURE_LOG_EVERY_S:
+            self._logged_at[event] = now
+            self._log.warning(event, **fields)
 
     def request(self) -> None:
         """Take the next sample now instead of at the next tick."""
@@ -434,9 +447,17 @@ class Sampler:
                 await anyio.sleep(XID_WAIT_S)  # none yet: NVML may come up later (retried)
                 continue
             try:
-                events = await anyio.to_thread.run_sync(
+                events = await in_thread(
                     backend.wait_xid, XID_WAIT_S, limiter=self._xid_limiter, abandon_on_cancel=True
                 )
+            except ThreadUnavailable as exc:
+                # the events wait in NVML's event set: they are read at the next wait
+                self.xid_wait_errors += 1
+                self._warn_now_and_then(
+                    "gpu.xid_wait_failed", error=str(exc), errors=self.xid_wait_errors
+                )
+                await anyio.sleep(XID_WAIT_S)
+                continue
             except BackendError as exc:
                 self._log.warning("gpu.xid_wait_failed", error=str(exc))
                 await anyio.sleep(XID_WAIT_S)

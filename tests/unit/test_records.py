@@ -135,6 +135,50 @@ def test_pruning_never_deletes_the_post_mortem_just_written(tmp_path: Path) -> N
     assert set(store.ids()) == {new, *later[1:]}
 
 
+HOUR = 3600.0
+
+
+def _files(store: PostmortemStore) -> set[str]:
+    return {p.name[: -len(".json")] for p in store.directory.glob("*.json")}
+
+
+def test_a_clock_stepped_back_does_not_make_pruning_delete_the_newest(tmp_path: Path) -> None:
+    """Regression: pruning went by the wall-clock time in the ids, so with the clock set back
+    an hour the post-mortems written since sorted oldest and were deleted (all but the one
+    just written) while older ones stayed."""
+    store = PostmortemStore(tmp_path, keep=3)
+    before = [store.write(_pm(T0 + i)) for i in range(3)]
+    after = [store.write(_pm(T0 - HOUR + i, worker=f"w-{i}")) for i in range(3)]  # stepped
+    assert store.ids() == list(reversed(after))  # newest first, in the order written
+    assert _files(store) == set(after) and not _files(store) & set(before)
+    assert [s["id"] for s in store.summaries()] == store.ids()  # the API's listing
+
+
+def test_a_clock_stepped_forward_does_not_outrank_later_post_mortems(tmp_path: Path) -> None:
+    """Regression: files written while the clock was an hour ahead outranked every later
+    one for an hour after the clock was corrected, and the later ones were deleted."""
+    store = PostmortemStore(tmp_path, keep=3)
+    ahead = [store.write(_pm(T0 + HOUR + i)) for i in range(2)]
+    corrected = [store.write(_pm(T0 + i, worker=f"w-{i}")) for i in range(4)]
+    assert store.ids() == list(reversed(corrected[1:]))
+    assert _files(store) == set(corrected[1:]) and not _files(store) & set(ahead)
+    assert store.summaries(limit=1)[0]["id"] == corrected[-1]
+
+
+def test_post_mortems_of_an_earlier_run_rank_below_this_runs(tmp_path: Path) -> None:
+    """Files found on disk (an earlier supervisor's) are older than any this store wrote,
+    ordered by their ids among themselves, and are the first to be pruned."""
+    earlier = PostmortemStore(tmp_path, keep=10)
+    old = [earlier.write(_pm(t)) for t in (T0 + HOUR, T0 - HOUR, T0 + 2 * HOUR)]
+    store = PostmortemStore(tmp_path, keep=4)  # the next supervisor, its clock set back
+    assert store.ids() == sorted(old, reverse=True)  # by name: no write order known
+    new = [store.write(_pm(T0 - 2 * HOUR + i, worker="n")) for i in range(2)]
+    assert store.ids() == [*reversed(new), old[2], old[0]]  # old[1] (named oldest) pruned
+    new.append(store.write(_pm(T0 - 3 * HOUR, worker="n")))
+    assert store.ids() == [*reversed(new), old[2]]
+    assert _files(store) == {*new, old[2]}
+
+
 def test_store_never_overwrites_a_same_named_post_mortem(tmp_path: Path) -> None:
     store = PostmortemStore(tmp_path, keep=10)
     first, second = store.write(_pm(T0)), store.write(_pm(T0))
