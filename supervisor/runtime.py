@@ -75,7 +75,9 @@ from supervisor.records import (
     POSTMORTEM_DIR,
     STATE_FILE,
     Recorder,
+    ThreadUnavailable,
     WriteHealth,
+    in_thread,
     instance_id,
     lock_state_dir,
     read_cordons,
@@ -464,12 +466,13 @@ class Runtime:
                 error=self.sampler.error,
             )
             self.sampler.use(NoBackend())
-        await self.sampler.tick()
+        with contextlib.suppress(OSError):  # no thread now (a full pids cgroup): the next tick
+            await self.sampler.tick()
 
     async def _close_gpus(self) -> None:
         backend = self.sampler.backend
         if backend is not None:
-            await anyio.to_thread.run_sync(backend.close)
+            await in_thread(backend.close, inline=True)
 
     def slots(self) -> list[GpuSlot]:
         """The devices as placement sees them now (empty without GPU telemetry)."""
@@ -947,7 +950,7 @@ class Runtime:
         previous = read_json(state_dir / STATE_FILE)
         # by the environment marker only while we hold state_dir's lock (else another
         # supervisor may run with the same state_dir, and its workers carry the same id)
-        results = await anyio.to_thread.run_sync(reclaim, previous or {}, self._instance)
+        results = await in_thread(reclaim, previous or {}, self._instance, inline=True)
         self.reclaimed = results
         for r in results:
             if r["verdict"] == "end":
@@ -1529,7 +1532,10 @@ class Runtime:
                 for g in self.settings.workers
                 if g.port_base is not None
             }
-            new = await anyio.to_thread.run_sync(load_settings, path, running)
+            new = await in_thread(load_settings, path, running)
+        except ThreadUnavailable as exc:
+            self.log.error("supervisor.reload_rejected", reason="no thread", error=str(exc))  # noqa: TRY400
+            return False
         except ConfigError as exc:
             self.log.error(  # noqa: TRY400 - a bad config is reported in one line, no traceback
                 "supervisor.reload_rejected", reason="bad config", error=str(exc)
