@@ -459,9 +459,13 @@ def keep_port_bases(data: Mapping[str, Any], running: Mapping[str, range]) -> di
         if g.get("port_base") is None and now is not None and isinstance(replicas, int):
             wanted[i] = range(now.start, now.start + max(replicas, 0))
     grows = {i for i, ports in wanted.items() if ports.stop > running[groups[i]["name"]].stop}
+    names = {str(g.get("name")) for g in groups}
     kept: dict[int, int] = {}
     for i in sorted(wanted, key=lambda i: (i in grows, i)):
-        if not any(_overlaps(wanted[i], r) for r in taken):
+        # a group that grows must not take ports another group still listens on (its own
+        # may have moved, but its workers hold the old ones until they are restarted)
+        busy = [r for n, r in running.items() if n in names and n != groups[i]["name"]]
+        if not any(_overlaps(wanted[i], r) for r in [*taken, *(busy if i in grows else ())]):
             taken.append(wanted[i])
             kept[i] = wanted[i].start
     # The others get free ranges now, outside every range in use (a group that moves holds

@@ -1361,6 +1361,7 @@ class Runtime:
 
     def _cordon(self, cmd: Cordon) -> None:
         was = cmd.uuid in self.cordoned
+        operator_before = self.cordoned - self.healer.state.thermal_cordoned
         # the operator's word wins over a cordon for heat: cooling no longer lifts it
         self.healer.state.thermal_cordoned.discard(cmd.uuid)
         if cmd.cordon:
@@ -1374,7 +1375,8 @@ class Runtime:
             key = ("cordon" if cmd.cordon else "uncordon", "operator")
             self.actions_total[key] = self.actions_total.get(key, 0) + 1
             self.recorder.mark(urgent=True)
-            operator = self.cordoned - self.healer.state.thermal_cordoned
+        operator = self.cordoned - self.healer.state.thermal_cordoned
+        if operator != operator_before:  # a heat cordon the operator makes theirs counts too
             try:  # a cordon outlives a restart of the supervisor
                 write_cordons(self.settings.supervisor.state_dir, operator)
             except OSError as exc:
@@ -1561,7 +1563,8 @@ class Runtime:
             )
         self.settings = applied_by_reload(old, new)
         try:
-            plan = self._build_plan(self.settings, keep=diff.unchanged)
+            # a scaled group's workers stay where they are; only the added ones are placed
+            plan = self._build_plan(self.settings, keep=(*diff.unchanged, *diff.scaled))
         except PlacementError as exc:
             self.settings = old
             self.log.error(  # noqa: TRY400 - one line, no traceback
@@ -1595,9 +1598,8 @@ class Runtime:
                 return False
             group = self.settings.group(name)
             assert group is not None
-            # a scaled group's workers that run what the new plan says are left alone
-            resume = name in resumed or name in diff.scaled
-            if await self._roll_group(group, plan, resume=resume):
+            scaled = name in diff.scaled
+            if await self._roll_group(group, plan, resume=name in resumed, scaled=scaled):
                 self._halted.discard(name)
             else:
                 before = old.group(name)
@@ -1627,12 +1629,16 @@ class Runtime:
                 tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
         self.groups.pop(name, None)
 
-    async def _roll_group(self, group: WorkerGroup, plan: Plan, *, resume: bool = False) -> bool:
+    async def _roll_group(
+        self, group: WorkerGroup, plan: Plan, *, resume: bool = False, scaled: bool = False
+    ) -> bool:
         """Restart a changed group one worker at a time, each waiting for readiness.
 
         ``resume``: the group's last rollout halted part-way; a worker that already runs, ready,
         exactly what this one rolls out is left alone (rolling back restarts only those the
-        halted rollout reached)."""
+        halted rollout reached). ``scaled``: only ``replicas`` changed; a worker planned as
+        before is left alone in whatever state it is (loading, in backoff): only the workers
+        added are started and those removed stopped."""
         old_names = list(self.groups.get(group.name, []))
         timing = lc.timing_for(group)
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
@@ -1645,6 +1651,9 @@ class Runtime:
                 attempts = 0
                 await self._start_runner(runner)
             else:
+                if scaled and runner.planned(spec, timing):
+                    runner.reconfigure(spec, timing, group.log_passthrough)  # as it runs
+                    continue
                 if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
                     continue
                 runner.reconfigure(spec, timing, group.log_passthrough)

@@ -138,6 +138,11 @@ class WorkerRunner:
         self.output.passthrough = passthrough
         self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
 
+    def planned(self, spec: LaunchSpec, timing: lc.Timing) -> bool:
+        """True when this worker is configured from exactly this plan (reload), or runs it
+        (placed elsewhere at a restart since, as the new plan keeps it)."""
+        return (spec, timing) in (self._configured, (self.spec, self.timing))
+
     def runs(self, spec: LaunchSpec, timing: lc.Timing) -> bool:
         """True when the current process was started from exactly this plan (reload)."""
         return self.record.pid is not None and self._started_as == (spec, timing)

@@ -263,6 +263,29 @@ def test_an_http_ready_worker_on_a_gpu_is_ready_again_after_a_restart(
     assert sup.stop() == 0
 
 
+def test_scaling_an_auto_group_leaves_its_workers_where_they_are(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """replicas 1 -> 2 of a ``gpus = "auto"`` group: the running worker keeps its process and
+    its GPU, the new one is placed around it. Regression: the group was placed afresh, the
+    running worker's own memory made its GPU look full, and it was moved (restarted)."""
+    group = {"name": "c", "command": worker_cmd("gpu_user", "2000"), "restart": {"stable_s": 0.2}}
+    sup = supervisor(config(tmp_path, group), log_level="debug")  # gpu.sample is debug
+    pid = sup.ready("c-0")["pid"]
+    worker_mb(sup, "c-0", 2000)  # its memory is in the sample the next placement sees
+    with sup.api() as http:
+        gpus = http.get("/api/v1/workers/c-0").json()["gpus"]
+        mark = sup.mark()
+        sup.write_config(config(tmp_path, {**group, "replicas": 2}))
+        sup.signal(signal.SIGHUP)
+        sup.ready("c-1", after=mark)
+        assert sup.wait_event(event="supervisor.reload", after=mark)["scaled"] == ["c"]
+        assert http.get("/api/v1/workers/c-0").json()["gpus"] == gpus
+    assert not sup.find(event="worker.spawned", worker="c-0", after=mark)
+    assert sup.find(event="worker.spawned", worker="c-0")[-1]["pid"] == pid
+    assert sup.stop() == 0
+
+
 def test_an_operator_cordon_outlives_a_restart_of_the_supervisor(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

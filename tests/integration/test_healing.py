@@ -546,4 +546,7 @@ def test_an_operator_cordon_outlives_the_heat_cordon(
         cool = sup.wait_api("/api/v1/gpu/status", lambda s: not s["devices"][0]["hot"])
         assert cool["devices"][0]["cordoned"] is True
     assert not sup.find(event="heal.action", action="uncordon")
+    # and it is the operator's now, kept across a restart (regression: not written, as the GPU
+    # was cordoned already)
+    assert (sup.state_dir / "cordons").read_text() == f"{UUID0}\n"
     assert sup.stop() == 0

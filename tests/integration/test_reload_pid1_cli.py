@@ -122,6 +122,31 @@ def test_scaling_a_group_touches_only_the_workers_added_or_removed(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("script", ["notify_ready_late", "crash_after"])
+def test_scaling_leaves_workers_that_are_not_ready_alone(
+    supervisor: SupervisorFactory, script: str
+) -> None:
+    """A scale (replicas only) while the running worker is still loading, or crash-looping in
+    backoff: only the new worker is started. Regression: the loading one was restarted, and a
+    crash-looping one halted the roll-out so the new replica never started."""
+    args = ("5",) if script == "notify_ready_late" else ("0.05",)
+    restart = {"stable_s": 0.2, "backoff_initial_s": 30}
+    group = g("c", script, *args, port_base=9490, restart=restart)
+    sup = supervisor({"workers": [group]})
+    first = sup.wait_event(event="worker.spawned", worker="c-0")
+    if script == "crash_after":
+        sup.wait_event(event="worker.state", worker="c-0", new="backoff")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "replicas": 2}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.spawned", worker="c-1", after=mark)
+    assert not sup.find(event="worker.spawned", worker="c-0", after=mark)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    assert not sup.find(event="worker.state", worker="c-0", reason="reload")
+    assert sup.find(event="worker.spawned", worker="c-0")[0]["pid"] == first["pid"]
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("how", ["reload", "rolling-restart"])
 def test_a_version_that_crashes_just_after_ready_is_not_rolled_onto_the_group(
     supervisor: SupervisorFactory, tmp_path: Path, how: str

@@ -106,5 +106,15 @@ def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     assert bases(data) == {"a": 8001, "b": 8004, "c": 9500, "d": 8005}  # from scratch
     # a moves past every port in use (its own too, until its workers have moved), d as well
     assert bases(keep_port_bases(data, running)) == {"a": 8004, "b": 8003, "c": 9500, "d": 8007}
+    # a group that grows into the ports another group ran on moves, even when that group
+    # itself moves (its workers hold the old ports until they are restarted)
+    moved: dict[str, Any] = {
+        "workers": [
+            {"name": "z", "command": ["x"], "replicas": 4},
+            {"name": "a", "command": ["x"], "replicas": 3},
+        ]
+    }
+    held = {"z": range(8001, 8003), "a": range(8003, 8005)}
+    assert bases(keep_port_bases(moved, held)) == {"z": 8006, "a": 8003}
     data["workers"][0]["replicas"] = 1
     assert bases(keep_port_bases(data, running))["a"] == 8001
