@@ -66,7 +66,7 @@ def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
     for _ in range(limit):
         try:
             parent = psutil.Process(current).ppid()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (psutil.Error, OSError):  # gone, or /proc unreadable (out of descriptors)
             return
         if parent <= 1 or parent in seen:
             return
