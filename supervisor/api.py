@@ -8,10 +8,15 @@ answer, including the errors.
 
 Auth: with ``api.token_file`` set, mutating endpoints need ``Authorization: Bearer <token>``
 (compared in constant time); ``api.auth_read`` extends that to every GET except ``/healthz``.
+
+Connections (``Connections``): at most ``connection_limit()`` are held open (256, less with a
+low open-files limit), and a request must arrive whole within ``REQUEST_TIMEOUT_S``: idle and
+slow clients cannot use up the descriptors the supervisor needs to restart workers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import email.utils
@@ -22,6 +27,8 @@ import json
 import logging
 import math
 import re
+import resource
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,10 +45,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from supervisor._version import __version__
 from supervisor.journal import JOURNAL_SIZE, rfc3339
-from supervisor.listen import BoundApi
+from supervisor.listen import BACKLOG, BoundApi
+from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
 from supervisor.metrics import Metrics, state_key
 from supervisor.model import WorkerState
 from supervisor.policy import lifecycle as lc
@@ -64,6 +73,18 @@ LOOP_SHARE = 0.75
 LOOP_PERIOD_S = 0.01
 #: ... and this share while a worker is being replaced.
 URGENT_SHARE = 0.1
+#: Open API connections at most (``connection_limit``) ...
+MAX_CONNECTIONS = 256
+#: ... and at most this share of the open-files limit: the rest is for the workers' pipes,
+#: the records and /proc.
+CONNECTIONS_SHARE_OF_FILES = 0.125
+#: ... and at least this many, whatever the limit.
+MIN_CONNECTIONS = 16
+#: A request must have arrived whole (headers and body) this long after its connection opened
+#: or the answer before it was sent, else the connection is closed (slowloris).
+REQUEST_TIMEOUT_S = 10.0
+#: An idle keep-alive connection is closed after this long (uvicorn's ``timeout_keep_alive``).
+KEEP_ALIVE_S = 5
 
 # --- response models (the OpenAPI document is generated from these) ------------------------
 
@@ -971,6 +992,255 @@ class Front:
         await send({"type": "http.response.body", "body": body})
 
 
+# --- connections ----------------------------------------------------------------------------
+
+#: The answer to a connection over the limit while every open one is busy.
+_REFUSAL_BODY = json.dumps({"error": "too many API connections, try again"}).encode()
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n%s"
+    % (len(_REFUSAL_BODY), _REFUSAL_BODY)
+)
+#: The event of shed connections (at most once a minute, with running totals).
+SHED_EVENT = "api.connections_shed"
+
+
+def connection_limit(open_files: int | None = None) -> int:
+    """How many API connections may be open: ``MAX_CONNECTIONS``, but no more than
+    ``CONNECTIONS_SHARE_OF_FILES`` of the open-files soft limit (default: this process's)."""
+    if open_files is None:
+        open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if open_files == resource.RLIM_INFINITY or open_files < 0:
+        return MAX_CONNECTIONS
+    share = int(open_files * CONNECTIONS_SHARE_OF_FILES)
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, share))
+
+
+class Connections:
+    """The API's open connections: a limit on their number, and a deadline for each request.
+
+    uvicorn has neither: a connection that never completes its request headers is held for
+    ever (its ``timeout_keep_alive`` runs only between requests, and any byte resets it), and
+    ``limit_concurrency`` is checked only once a request's headers are complete (so it does
+    nothing about such connections, and its 503s would also refuse ``/healthz`` while idle
+    connections fill the quota). Clients that open connections and send nothing, or a byte now
+    and then, used up every descriptor: workers could not be restarted any more.
+
+    * The limit is enforced as each connection is accepted. At ``limit`` open, the new one takes
+      the place of the one that has waited longest for a request (idle keep-alive, headers or
+      body still arriving, or an answer its client has not read for ``request_timeout_s``),
+      which is closed. So a well-behaved client (a liveness probe sends its request at once)
+      gets its answer however many idle connections there are. Only when every open connection
+      is busy with a request is the new one refused: a 503, closed at once.
+    * A request must arrive whole within ``request_timeout_s`` of its connection's opening or of
+      the answer before it on the connection; an answer whose client stops reading is dropped
+      ``request_timeout_s`` after the writes stalled. Either way the connection is closed at
+      once (``abort``: its descriptor is released even with unsent data).
+    * asyncio accepts at most ``accept_per_turn`` connections in one loop turn (uvicorn would
+      let it take 2048), so at most ``limit`` plus a few turns of accepts are open at any time.
+
+    Shed connections are counted (``evicted``, ``refused``, ``timed_out``) and logged as
+    ``api.connections_shed`` at most once a minute.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        limiter: RepeatLimiter | None = None,
+    ) -> None:
+        self.limit = limit
+        self.request_timeout_s = request_timeout_s
+        self.open: dict[_GuardedHttp, None] = {}  # the longest-waiting first
+        self.evicted = 0
+        self.refused = 0
+        self.timed_out = 0
+        self._limiter = limiter if limiter is not None else RepeatLimiter()
+
+    @property
+    def accept_per_turn(self) -> int:
+        """Connections accepted in one loop turn at most. A connection's first bytes are read
+        a few loop turns after its accept; the connections accepted meanwhile (two turns' worth:
+        half the limit) each close the longest-waiting one, which leaves a client that sent its
+        request at once (it is younger than the other three quarters) open until it is read."""
+        return max(1, min(BACKLOG, self.limit // 4))
+
+    def protocol(self) -> type[HttpToolsProtocol]:
+        """The uvicorn HTTP protocol class whose connections this counts (``Config.http``)."""
+        connections = self
+
+        class Guarded(_GuardedHttp):
+            gate = connections
+
+        return Guarded
+
+    def admit(self, conn: _GuardedHttp) -> bool:
+        """A connection accepted: keep it (making room if need be) or refuse it."""
+        if len(self.open) >= self.limit:
+            now = conn.loop.time()
+            victim = next((c for c in self.open if c.sheddable(now)), None)
+            if victim is None:
+                self.refused += 1
+                self._shed("refused", conn.loop)
+                return False
+            del self.open[victim]
+            victim.transport.abort()
+            self.evicted += 1
+            self._shed("evicted", conn.loop)
+        self.open[conn] = None
+        return True
+
+    def waiting(self, conn: _GuardedHttp) -> None:
+        """``conn`` answered its request: it waits for the next one from now (last in line)."""
+        if conn in self.open:
+            del self.open[conn]
+            self.open[conn] = None
+
+    def expire(self, conn: _GuardedHttp) -> None:
+        """``conn`` is being closed: its request did not arrive in time, or its client stopped
+        reading."""
+        self.open.pop(conn, None)
+        self.timed_out += 1
+        self._shed("timed_out", conn.loop)
+
+    def forget(self, conn: _GuardedHttp) -> None:
+        self.open.pop(conn, None)
+
+    def _shed(self, why: str, loop: asyncio.AbstractEventLoop) -> None:
+        """One line per reason a minute at most, with the totals so far: a warning when the
+        limit was reached, info for a timeout (a browser's unused preconnection does that)."""
+        fields = {
+            "reason": why,
+            "limit": self.limit,
+            "open": len(self.open),
+            "evicted": self.evicted,
+            "refused": self.refused,
+            "timed_out": self.timed_out,
+        }
+        level = "info" if why == "timed_out" else "warning"
+        self._limiter.log(f"{SHED_EVENT}|{why}", level, SHED_EVENT, fields, loop.call_later)
+
+
+class _GuardedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol, counted and timed by ``gate`` (see ``Connections``)."""
+
+    gate: Connections
+
+    def connection_made(  # type: ignore[override]
+        self, transport: asyncio.Transport
+    ) -> None:
+        super().connection_made(transport)
+        self._since = self.loop.time()  # when the wait for the current request began
+        self._stalled_at: float | None = None  # when writing to the client got stuck
+        self._timer: asyncio.TimerHandle | None = None
+        if self.gate.admit(self):
+            self._arm()
+        else:
+            transport.write(_REFUSAL)
+            if transport.get_write_buffer_size():
+                transport.abort()
+            else:
+                transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gate.forget(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._since = self.loop.time()
+        self.gate.waiting(self)
+        self._arm()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stalled_at = self.loop.time()
+        self._arm()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stalled_at = None
+
+    def _waiting(self) -> bool:
+        """No request is being served: none yet, the last one answered, or one still arriving."""
+        cycle = self.cycle
+        return cycle is None or cycle.response_complete or cycle.more_body
+
+    def _due(self) -> float | None:
+        """When this connection is to be shed (None: it is busy, and not stuck)."""
+        if self._waiting():
+            return self._since + self.gate.request_timeout_s
+        if self._stalled_at is not None:
+            return self._stalled_at + self.gate.request_timeout_s
+        return None
+
+    def sheddable(self, now: float) -> bool:
+        """It may make room for a new connection: waiting for a request, or stuck writing."""
+        if self._waiting():
+            return True
+        return self._stalled_at is not None and now >= self._stalled_at + (
+            self.gate.request_timeout_s
+        )
+
+    def _arm(self) -> None:
+        """A timer for when this connection is due to be shed (none while it is busy).
+
+        Lazy: a timer already set stays (a due time only ever moves later); when it fires
+        early, ``_check`` sets the next one.
+        """
+        if self._timer is None:
+            due = self._due()
+            if due is not None:
+                self._timer = self.loop.call_at(due, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        due = self._due()
+        if due is None:
+            return  # busy: armed again when it answers or its writes stall
+        if self.loop.time() >= due:
+            self.gate.expire(self)
+            self.transport.abort()
+        else:
+            self._timer = self.loop.call_at(due, self._check)
+
+
+def server_for(app: Any, connections: Connections) -> uvicorn.Server:
+    """A uvicorn server for ``app`` whose connections ``connections`` limits and times."""
+    config = uvicorn.Config(
+        app,
+        http=connections.protocol(),
+        lifespan="off",
+        ws="none",  # no WebSocket routes: wsproto/websockets are never imported
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        date_header=False,  # Front adds it: no 1 s timer while idle
+        proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        # how many connections asyncio accepts in one loop turn (and the listen backlog, set
+        # back to BACKLOG by start_server): uvicorn's default, 2048, would let a burst hold
+        # that many descriptors at once
+        backlog=connections.accept_per_turn,
+    )
+    config.load()
+    server = _QuietServer(config)
+    server.lifespan = config.lifespan_class(config)
+    return server
+
+
+async def start_server(server: uvicorn.Server, sock: socket.socket) -> None:
+    """Start ``server`` (from ``server_for``) on the listening socket ``sock``."""
+    await server.startup(sockets=[sock])
+    # asyncio listen()s again with the accepts per turn; the kernel's queue may hold more
+    sock.listen(BACKLOG)
+
+
 async def _shutdown(server: uvicorn.Server) -> None:
     """Stop serving; uvicorn's own shutdown sleeps 0.1 s even with no connection open."""
     state = server.server_state
@@ -1003,23 +1273,15 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-class _ToStructlog(logging.Handler):
-    """uvicorn's warnings and errors as structlog events (``api.server``)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        fields: dict[str, Any] = {"message": record.getMessage()}
-        if record.exc_info and record.exc_info[1] is not None:
-            fields["error"] = repr(record.exc_info[1])
-        level = "error" if record.levelno >= logging.ERROR else "warning"
-        getattr(structlog.get_logger(), level)("api.server", **fields)
-
-
 def _quiet_uvicorn_logging() -> None:
+    """uvicorn's warnings and errors as ``api.server`` events, a message repeated (``Invalid
+    HTTP request received.`` for each bad request) at most once a minute."""
+    handler = RepeatLimitedHandler("api.server", RepeatLimiter())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.asgi"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)
         logger.propagate = False
-        logger.handlers = [_ToStructlog()]
+        logger.handlers = [handler]
     access = logging.getLogger("uvicorn.access")
     access.handlers = []
     access.propagate = False
@@ -1042,33 +1304,21 @@ async def serve(
     metrics = Metrics(runtime)
     app = create_app(runtime, metrics, token)
     _quiet_uvicorn_logging()
-    config = uvicorn.Config(
-        Front(
-            app,
-            app.state.fast_routes,
-            token,
-            share=LOOP_SHARE,
-            period_s=LOOP_PERIOD_S,
-            exempt=(f"{API_PREFIX}/postmortems", f"{API_PREFIX}/gpus/"),
-            urgent=lambda: _replacing(runtime),
-            urgent_share=URGENT_SHARE,
-        ),
-        lifespan="off",
-        ws="none",  # no WebSocket routes: wsproto/websockets are never imported
-        log_config=None,
-        log_level="warning",
-        access_log=False,
-        server_header=False,
-        date_header=False,  # Front adds it: no 1 s timer while idle
-        proxy_headers=False,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    install_loop_exception_handler()  # runtime.run installs it too; this is a no-op then
+    front = Front(
+        app,
+        app.state.fast_routes,
+        token,
+        share=LOOP_SHARE,
+        period_s=LOOP_PERIOD_S,
+        exempt=(f"{API_PREFIX}/postmortems", f"{API_PREFIX}/gpus/"),
+        urgent=lambda: _replacing(runtime),
+        urgent_share=URGENT_SHARE,
     )
-    config.load()
-    server = _QuietServer(config)
-    server.lifespan = config.lifespan_class(config)
+    server = server_for(front, Connections(connection_limit()))
     metrics.attach()
     try:
-        await server.startup(sockets=[sock])
+        await start_server(server, sock)
         structlog.get_logger().info(
             "api.listening", url=url, auth=token is not None, auth_read=api.auth_read
         )
@@ -1083,4 +1333,11 @@ async def serve(
         bound.close()
 
 
-__all__: Sequence[str] = ("create_app", "serve")
+__all__: Sequence[str] = (
+    "Connections",
+    "connection_limit",
+    "create_app",
+    "serve",
+    "server_for",
+    "start_server",
+)

@@ -21,18 +21,28 @@ supervisor, or leave its workers without a stop signal.
 start of each run of failures, and with ``None`` when lines get through again: where the stream
 is gone for good, it is the one place left to tell (an exception from it is ignored).
 ``LogSink.dropped`` counts the lost lines, ``LogSink.broken`` says the stream is gone.
+
+Errors that repeat (the event loop failing every ``accept()`` once the descriptors are used up,
+a server warning for every bad request) must not flood the stream either: ``RepeatLimiter``
+logs one line per distinct message per minute and counts the rest, and
+``install_loop_exception_handler`` puts the event loop's exception handler (asyncio's default
+prints a plain-text traceback per call) and the ``asyncio`` logger behind one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import json
 import logging
 import os
+import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
 import structlog
@@ -299,3 +309,237 @@ def configure_logging(
     )
     _sink = sink
     return sink
+
+
+# --- repeated lines -------------------------------------------------------------------------
+
+#: A message that repeats is logged at most once in this long; the repeats are counted.
+REPEAT_WINDOW_S = 60.0
+#: Distinct messages remembered at most (past that, the longest-unseen one is forgotten).
+REPEAT_KEYS = 256
+#: The event of the loop's exception handler (``install_loop_exception_handler``).
+LOOP_EXCEPTION_EVENT = "loop.exception"
+#: The event of the ``asyncio`` logger's own warnings and errors.
+ASYNCIO_LOG_EVENT = "loop.log"
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_KEY_CHARS = 200
+_REPR_CHARS = 300
+
+#: ``call_later(delay, callback)`` of an event loop.
+CallLater = Callable[[float, Callable[[], None]], object]
+#: What a limiter writes through: ``emit(level, event, fields)``.
+Emit = Callable[[str, str, dict[str, Any]], None]
+
+
+def repeat_key(text: str) -> str:
+    """``text`` as a key of ``RepeatLimiter``: object addresses (``0x7f...``) masked, so that the
+    same error from another object is the same message, and cut short."""
+    return _ADDRESS.sub("0x?", text)[:_KEY_CHARS]
+
+
+def _structlog_emit(level: str, event: str, fields: dict[str, Any]) -> None:
+    getattr(structlog.get_logger(), level)(event, **fields)
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float
+    held: int = 0  # occurrences since the last line, without a line of their own
+    last: tuple[str, str, dict[str, Any]] | None = None  # the last of them
+    flush_due: bool = False
+
+
+class RepeatLimiter:
+    """At most one line per key every ``every_s`` seconds; what it holds back is counted.
+
+    The first occurrence of a key is logged at once and opens a window of ``every_s``; the
+    occurrences within it are held back. When the window ends (with ``call_later``: a timer on
+    the event loop; without: at the key's next occurrence), the last of them is logged, and a
+    new window opens. Every line carries ``suppressed``: the occurrences of its key since the
+    line before that got no line of their own. So ``occurrences = lines + sum(suppressed)``, and
+    a flood of half a million identical errors is two lines a minute at most.
+
+    Thread-safe; ``emit`` is called outside the lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        every_s: float = REPEAT_WINDOW_S,
+        max_keys: int = REPEAT_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+        emit: Emit = _structlog_emit,
+    ) -> None:
+        self.every_s = every_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = {}  # oldest window first
+
+    def log(
+        self,
+        key: str,
+        level: str,
+        event: str,
+        fields: dict[str, Any],
+        call_later: CallLater | None = None,
+    ) -> bool:
+        """Log ``event`` now, or count it; True if a line was written now."""
+        now = self._clock()
+        lines: list[tuple[str, str, dict[str, Any]]] = []
+        schedule: _Window | None = None
+        with self._lock:
+            window = self._windows.get(key)
+            if window is not None and now - window.start < self.every_s:
+                window.held += 1
+                window.last = (level, event, fields)
+                if call_later is not None and not window.flush_due:
+                    window.flush_due = True
+                    schedule = window
+            else:
+                held = window.held if window is not None else 0
+                self._windows.pop(key, None)
+                self._windows[key] = _Window(now)
+                lines.append((level, event, {**fields, "suppressed": held}))
+                while len(self._windows) > self.max_keys:
+                    oldest = next(iter(self._windows))
+                    dropped = self._windows.pop(oldest)
+                    if dropped.held and dropped.last is not None:
+                        lines.append(_held_line(dropped))
+        if schedule is not None and call_later is not None:
+            delay = max(0.0, schedule.start + self.every_s - now)
+            try:
+                call_later(delay, lambda: self._flush(key, schedule))
+            except Exception:  # a closed loop: told with the next occurrence instead
+                schedule.flush_due = False
+        for line in lines:
+            self._emit(*line)
+        return bool(lines)
+
+    def _flush(self, key: str, window: _Window) -> None:
+        """The end of ``window``: the last occurrence it held back, with the count of the rest."""
+        with self._lock:
+            window.flush_due = False
+            if self._windows.get(key) is not window or not window.held or window.last is None:
+                return
+            line = _held_line(window)
+            window.start = self._clock()
+            window.held = 0
+            window.last = None
+        self._emit(*line)
+
+
+def _held_line(window: _Window) -> tuple[str, str, dict[str, Any]]:
+    assert window.last is not None
+    level, event, fields = window.last
+    return level, event, {**fields, "suppressed": window.held - 1}
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a repr that fails must not lose the error being reported
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _REPR_CHARS else text[: _REPR_CHARS - 3] + "..."
+
+
+def _error_kind(exc: BaseException) -> str:
+    kind = type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        kind += f"[{errno.errorcode.get(exc.errno, exc.errno)}]"
+    return kind
+
+
+def _loop_call_later() -> CallLater | None:
+    """The running event loop's ``call_later`` (None off the loop's thread)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop.call_later
+
+
+class LoopExceptionHandler:
+    """An asyncio exception handler that logs ``loop.exception`` through structlog.
+
+    asyncio's default handler prints a plain-text traceback to stderr for every call: with the
+    descriptors used up, the loop calls it on every failed ``accept()``, hundreds of thousands
+    of times a minute. This one writes one JSON line per distinct message (and error type) per
+    ``REPEAT_WINDOW_S``, with ``suppressed`` counting the repeats (``RepeatLimiter``); the
+    traceback, when there is one, is a field of that line. It never raises.
+    """
+
+    def __init__(self, limiter: RepeatLimiter | None = None) -> None:
+        self.limiter = limiter if limiter is not None else RepeatLimiter()
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):
+            message = str(context.get("message") or "unhandled exception in event loop")
+            fields: dict[str, Any] = {"message": message}
+            kind = ""
+            exc = context.get("exception")
+            if isinstance(exc, BaseException):
+                kind = _error_kind(exc)
+                fields["error"] = _short(exc)
+                fields["error_type"] = kind
+                if exc.__traceback__ is not None:
+                    fields["exc_info"] = exc
+            for name in ("task", "future", "handle", "protocol", "transport", "socket"):
+                if name in context:
+                    fields[name] = _short(context[name])
+            call_later = None if loop.is_closed() else loop.call_later
+            key = repeat_key(f"{message}|{kind}")
+            self.limiter.log(key, "error", LOOP_EXCEPTION_EVENT, fields, call_later)
+
+
+class RepeatLimitedHandler(logging.Handler):
+    """A stdlib logger's records as structlog events named ``event`` (``message``, ``logger``,
+    ``error``), each message at most once per window (``RepeatLimiter``)."""
+
+    def __init__(self, event: str, limiter: RepeatLimiter | None = None) -> None:
+        super().__init__()
+        self.event = event
+        self.limiter = limiter if limiter is not None else RepeatLimiter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            fields: dict[str, Any] = {"message": record.getMessage(), "logger": record.name}
+            if record.exc_info and record.exc_info[1] is not None:
+                fields["error"] = _short(record.exc_info[1])
+            level = "error" if record.levelno >= logging.ERROR else "warning"
+            key = repeat_key(f"{record.name}|{record.msg}")
+            self.limiter.log(key, level, self.event, fields, _loop_call_later())
+
+
+def route_stdlib_logger(name: str, event: str, level: int = logging.WARNING) -> logging.Logger:
+    """Send the stdlib logger ``name`` (from ``level`` up) to structlog as ``event``, repeats
+    limited, instead of to the root logger's handlers (plain text on stderr)."""
+    logger = logging.getLogger(name)
+    logger.setLevel(level)
+    logger.propagate = False
+    logger.handlers = [RepeatLimitedHandler(event)]
+    return logger
+
+
+def install_loop_exception_handler(
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> LoopExceptionHandler | None:
+    """Make ``loop`` (default: the running asyncio loop) report its unhandled errors through
+    ``LoopExceptionHandler``, and the ``asyncio`` logger's own warnings through structlog
+    (``loop.log``), both with repeats limited. Once per loop: a second call returns the
+    handler in place. None where there is no asyncio loop (under trio): nothing to do.
+    """
+    if loop is None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+    current = loop.get_exception_handler()
+    if isinstance(current, LoopExceptionHandler):
+        return current
+    handler = LoopExceptionHandler()
+    loop.set_exception_handler(handler)
+    route_stdlib_logger("asyncio", ASYNCIO_LOG_EVENT)
+    return handler

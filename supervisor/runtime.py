@@ -39,6 +39,7 @@ from supervisor.config import Settings, WorkerGroup, load_settings
 from supervisor.errors import ConfigError, PlacementError, StateDirBusy
 from supervisor.healing import Healer
 from supervisor.journal import Journal
+from supervisor.logs import install_loop_exception_handler
 from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
 from supervisor.output import WorkerOutput
@@ -330,6 +331,7 @@ class Runtime:
         Signal handling and the reaper come first, so a SIGTERM during start-up (while NVML
         initialises, say) is a graceful stop, not a kill.
         """
+        install_loop_exception_handler()  # the loop's errors as rate-limited JSON lines
         sup = self.settings.supervisor
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
