@@ -376,6 +376,7 @@ def _event(command: Command) -> lc.Start | lc.Stop | lc.Restart | lc.Drain:
 def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> FastAPI:
     """The ASGI app for ``runtime`` (``token``: the bearer token, None for no auth)."""
     rt = runtime
+    route_turns: dict[str, int] = {}  # per group: requests routed so far (ties take turns)
     log = structlog.get_logger()
     auth_read = rt.settings.api.auth_read and token is not None
     write_deps = _auth_dependencies(token)
@@ -605,7 +606,9 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
                     derated=bool(obj.get("derated", False)),
                 )
             )
-        verdict = choose(candidates, loads, need_mb)
+        turn = route_turns.get(group, 0)
+        route_turns[group] = turn + 1
+        verdict = choose(candidates, loads, need_mb, turn)
         retry = str(max(1, math.ceil(rt.settings.supervisor.sample_interval_s)))
         if isinstance(verdict, NoneReady):
             raise _problem(503, f"group {group}: {verdict.reason}", {"Retry-After": retry})

@@ -4,10 +4,10 @@
 derated, and none of its GPUs is unhealthy. A cordon only stops placing workers on a GPU (DESIGN.md
 sections 3 and 6, as ``kubectl cordon``): the ones already there keep serving. Candidates are
 ranked by the free memory of their GPUs (most first; for a multi-GPU worker the GPU with the least
-free memory counts), then by utilization (lowest first; the busiest of its GPUs counts), then by
-config order. A GPU the supervisor has no reading for (no telemetry) is not held against a worker:
-its free memory is unknown, it ranks after every worker whose free memory is known, and
-``need_mb`` cannot refuse it.
+free memory counts), then by utilization (lowest first; the busiest of its GPUs counts); workers
+that tie on both take turns (round robin over the caller's requests). A GPU the supervisor has
+no reading for (no telemetry) is not held against a worker: its free memory is unknown, it
+ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it.
 """
 
 from __future__ import annotations
@@ -111,9 +111,16 @@ def _rank(order: int, w: Candidate, gpus: Mapping[str, GpuLoad]) -> _Ranked | st
 
 
 def choose(
-    workers: Sequence[Candidate], gpus: Mapping[str, GpuLoad], need_mb: float | None = None
+    workers: Sequence[Candidate],
+    gpus: Mapping[str, GpuLoad],
+    need_mb: float | None = None,
+    turn: int = 0,
 ) -> Verdict:
-    """The best candidate for the next request (see the module docstring for the rules)."""
+    """The best candidate for the next request (see the module docstring for the rules).
+
+    ``turn``: how many times the caller asked before; candidates that tie on free memory and
+    utilization (identical workers on identical GPUs, or no telemetry at all) take turns
+    instead of the first in config order taking every request until the next sample."""
     ranked: list[_Ranked] = []
     why: list[str] = []
     for order, w in enumerate(workers):
@@ -132,5 +139,6 @@ def choose(
             best = max(r.free_mb or 0.0 for r in ranked)
             return NoRoom(need_mb, best)
         ranked = fitting
-    best_r = ranked[0]
+    ties = [r for r in ranked if r.key()[:4] == ranked[0].key()[:4]]
+    best_r = ties[turn % len(ties)]
     return Routed(best_r.worker.name, best_r.worker.port, best_r.gpu, best_r.free_mb)

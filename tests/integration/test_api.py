@@ -344,6 +344,29 @@ def test_readyz_flips_to_503_when_a_group_has_no_ready_worker(
     assert sup.stop() == 0
 
 
+def test_route_takes_turns_between_workers_that_tie(supervisor: SupervisorFactory) -> None:
+    """Two identical workers without GPUs: the route answer alternates between them (regression:
+    the first in config order took every request)."""
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "t",
+                    "replicas": 2,
+                    "gpus": "none",
+                    "command": worker_cmd("ready_then_sleep"),
+                }
+            ]
+        }
+    )
+    sup.ready("t-0")
+    sup.ready("t-1")
+    with sup.api() as http:
+        names = [http.get("/api/v1/route", params={"group": "t"}).json()["name"] for _ in range(4)]
+    assert names == ["t-0", "t-1", "t-0", "t-1"]
+    assert sup.stop() == 0
+
+
 def test_route_by_free_memory_429_and_503(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     """The route answer follows free memory; 429 + Retry-After when nothing fits; 503 when none
     is ready."""

@@ -187,3 +187,17 @@ def test_none_ready_says_why(workers: list[Candidate], words: str) -> None:
     verdict = choose(workers, LOADS)
     assert isinstance(verdict, NoneReady)
     assert words in verdict.reason
+
+
+def test_workers_that_tie_take_turns() -> None:
+    """Identical workers on identical GPUs (or with no telemetry) take turns request after
+    request; a better one still takes every request. Regression: the first in config order
+    took every request until the next sample."""
+    tied = [w("a-0", (G1,)), w("a-1", (G1,)), w("a-2", (G0,))]  # a-2: less free memory
+    picks = [choose(tied, LOADS, turn=t) for t in range(4)]
+    assert [p.name for p in picks if isinstance(p, Routed)] == ["a-0", "a-1", "a-0", "a-1"]
+    blind = [w("b-0", ()), w("b-1", ()), w("b-2", ())]  # no GPUs: all tie
+    names = [choose(blind, {}, turn=t) for t in range(3)]
+    assert [p.name for p in names if isinstance(p, Routed)] == ["b-0", "b-1", "b-2"]
+    best = [w("c-0", (G0,)), w("c-2", (G2,))]  # c-2 has more free memory: always it
+    assert {choose(best, LOADS, turn=t).name for t in range(3)} == {"c-2"}  # type: ignore[union-attr]
