@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,11 @@ def add_commands(sub: Any) -> None:
                     "--rolling",
                     action="store_true",
                     help="NAME is a group: restart one worker at a time, waiting for readiness",
+                )
+                p.add_argument(
+                    "--wait",
+                    action="store_true",
+                    help="with --rolling: wait until it is done (exit 0) or halted (exit 1)",
                 )
 
 
@@ -255,6 +261,33 @@ def _error_text(response: httpx.Response) -> str:
 
 # --- commands ---------------------------------------------------------------------------------
 
+#: How often ``restart --rolling --wait`` asks for new events.
+ROLLOUT_POLL_S = 0.5
+
+
+def _last_seq(client: Client) -> int:
+    events = client.request("GET", f"{API}/events").json()
+    return int(events[-1]["seq"]) if events else 0
+
+
+def _wait_rollout(client: Client, group: str, seen: int) -> int:
+    """Wait for the journal's ``rollout.done`` / ``rollout.halted`` of ``group``'s rolling
+    restart (after event ``seen``); 0 when done, 1 when halted."""
+    while True:
+        events = client.request("GET", f"{API}/events?since={seen}").json()
+        for e in events:
+            seen = max(seen, int(e["seq"]))
+            if e.get("group") == group and e.get("kind") == "rolling_restart":
+                if e["type"] == "rollout.done":
+                    print(f"{group}: rolling restart done")
+                    return 0
+                if e["type"] == "rollout.halted":
+                    print(
+                        f"{group}: rolling restart halted (see the log: supervisor.rollout_halted)"
+                    )
+                    return 1
+        time.sleep(ROLLOUT_POLL_S)
+
 
 def main(args: argparse.Namespace) -> int:
     """Run one client command; return the exit code (errors are raised)."""
@@ -277,9 +310,14 @@ def main(args: argparse.Namespace) -> int:
             print(f"GPU {body['id']} ({body['uuid']}) {verb}")
             return 0
         if args.command == "restart" and args.rolling:
+            seen = _last_seq(client) if args.wait else 0
             client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))
-            print(f"{args.name}: rolling restart started (one worker at a time)")
+            print(f"{args.name}: rolling restart started (one worker at a time)", flush=True)
+            if args.wait:
+                return _wait_rollout(client, args.name, seen)
             return 0
+        if getattr(args, "wait", False):
+            raise UsageError("gpu-supervisor restart: --wait goes with --rolling")
         return command(client, args.command, args.name)
 
 

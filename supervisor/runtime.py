@@ -1393,41 +1393,60 @@ class Runtime:
         return None
 
     async def _rolling_restart(self, group: str) -> None:
+        done = False
         try:
-            self.log.info("supervisor.rolling_restart", group=group, reason="operator")
-            self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
-            key = ("rolling_restart", "operator")
-            self.actions_total[key] = self.actions_total.get(key, 0) + 1
-            replaced: list[WorkerRunner] = []
-            for name in list(self.groups.get(group, [])):
-                runner = self.runners.get(name)
-                if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
-                    continue
-                attempts = runner.spawn_attempts
-                runner.post(lc.Restart())
-                settled = await self.wait_until(
-                    _settled_after(runner, attempts),
-                    self._stop_budget(runner) + runner.timing.start_timeout_s,
-                )
-                if self._shutting_down:
-                    return
-                if not settled or runner.state is not WorkerState.READY:
-                    self.log.error(
-                        "supervisor.rollout_halted",
-                        group=group,
-                        worker=name,
-                        state=runner.state.value,
-                        reason="restarted worker did not become ready; the rest keep running",
-                    )
-                    return
-                replaced.append(runner)
-                if not await self._rollout_holds(
-                    group, replaced, runner.timing.restart.stable_s, "the rest keep running"
-                ):
-                    return
-            self.log.info("supervisor.rolling_restart_done", group=group)
+            done = await self._roll_restart(group)
         finally:
             self.rolling.discard(group)
+            if not self._shutting_down:
+                self._journal_rollout(group, "rolling_restart", done)
+
+    def _journal_rollout(self, group: str, kind: str, done: bool) -> None:
+        """``rollout.done`` or ``rollout.halted`` in the journal (``/api/v1/events``): what
+        ``restart --rolling --wait`` and deploy scripts wait for."""
+        self.journal.append(
+            self.clock.wall(),
+            "rollout.done" if done else "rollout.halted",
+            None,
+            group=group,
+            kind=kind,
+        )
+
+    async def _roll_restart(self, group: str) -> bool:
+        """Restart ``group`` one worker at a time; True when every worker was restarted."""
+        self.log.info("supervisor.rolling_restart", group=group, reason="operator")
+        self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
+        key = ("rolling_restart", "operator")
+        self.actions_total[key] = self.actions_total.get(key, 0) + 1
+        replaced: list[WorkerRunner] = []
+        for name in list(self.groups.get(group, [])):
+            runner = self.runners.get(name)
+            if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
+                continue
+            attempts = runner.spawn_attempts
+            runner.post(lc.Restart())
+            settled = await self.wait_until(
+                _settled_after(runner, attempts),
+                self._stop_budget(runner) + runner.timing.start_timeout_s,
+            )
+            if self._shutting_down:
+                return False
+            if not settled or runner.state is not WorkerState.READY:
+                self.log.error(
+                    "supervisor.rollout_halted",
+                    group=group,
+                    worker=name,
+                    state=runner.state.value,
+                    reason="restarted worker did not become ready; the rest keep running",
+                )
+                return False
+            replaced.append(runner)
+            if not await self._rollout_holds(
+                group, replaced, runner.timing.restart.stable_s, "the rest keep running"
+            ):
+                return False
+        self.log.info("supervisor.rolling_restart_done", group=group)
+        return True
 
     async def _rollout_holds(
         self, group: str, replaced: list[WorkerRunner], stable_s: float, rest: str
@@ -1601,7 +1620,10 @@ class Runtime:
             group = self.settings.group(name)
             assert group is not None
             scaled = name in diff.scaled
-            if await self._roll_group(group, plan, resume=name in resumed, scaled=scaled):
+            rolled = await self._roll_group(group, plan, resume=name in resumed, scaled=scaled)
+            if not self._shutting_down:
+                self._journal_rollout(name, "reload", rolled)
+            if rolled:
                 self._halted.discard(name)
             else:
                 before = old.group(name)

@@ -140,6 +140,12 @@ def test_client_commands(
     code, text, _ = run(capsys, "restart", "--rolling", "g", "-c", cfg)
     assert code == 0 and "rolling restart started" in text
     sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark)
+    # --wait returns when it is done (the journal's rollout.done), for deploy scripts
+    mark = sup.mark()
+    code, text, _ = run(capsys, "restart", "--rolling", "--wait", "g", "-c", cfg)
+    assert code == 0 and text.strip().endswith("g: rolling restart done"), text
+    assert sup.find(event="supervisor.rolling_restart_done", group="g", after=mark)
+    assert run(capsys, "restart", "--wait", "g-0", "-c", cfg)[0] == 2  # --wait needs --rolling
     assert run(capsys, "restart", "--rolling", "nope", "-c", cfg)[0] == 2
 
     # GPUs

@@ -177,6 +177,16 @@ def test_a_version_that_crashes_just_after_ready_is_not_rolled_onto_the_group(
             assert http.post("/api/v1/groups/v/rolling-restart").status_code == 202
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
     assert halted["worker"] == "v-0" and "did not stay ready" in halted["reason"]
+    kind = "reload" if how == "reload" else "rolling_restart"
+
+    def journaled() -> list[dict[str, Any]]:
+        with sup.api() as http:
+            events = http.get("/api/v1/events").json()
+        return [e for e in events if e["type"].startswith("rollout.") and e["group"] == "v"]
+
+    # the outcome is in the journal too (/api/v1/events: restart --rolling --wait reads it)
+    found = sup.wait_until(journaled, "rollout.halted in /api/v1/events")
+    assert [(e["type"], e["kind"]) for e in found] == [("rollout.halted", kind)]
     for w in ("v-1", "v-2"):  # never touched
         assert not sup.find(event="worker.spawned", worker=w, after=mark)
         assert sup.find(event="worker.spawned", worker=w)[-1]["pid"] == pids[w]
