@@ -1644,6 +1644,8 @@ class Runtime:
         self._changed_now()
         if self._ready_sent:
             self.systemd.send("READY=1")
+        # the end of the reload's roll-outs (supervisor.reload said what it would do)
+        self.log.info("supervisor.reload_done", halted=[g.name for g in halted])
         return not halted
 
     async def _stop_group(self, name: str) -> None:

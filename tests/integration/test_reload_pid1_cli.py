@@ -71,6 +71,7 @@ def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
     assert sup.events.index(r1) > sup.events.index(stop1)
     gone = sup.wait_event(event="worker.state", worker="gone-0", new="stopped", after=mark)
     assert gone["reason"] == "reload"
+    assert sup.wait_event(event="supervisor.reload_done", after=mark)["halted"] == []
     assert not sup.find(event="worker.state", worker="same-0", new="stopping")
     assert sup.wait_event(event="worker.spawned", worker="same-0")["pid"] == same_pid
     assert sup.stop() == 0
