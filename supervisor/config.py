@@ -380,7 +380,7 @@ class WorkerGroup(_Strict):
     def _ready_shape(cls, value: str) -> str:
         if value in ("notify", "none") or re.match(r"^https?://[^/\s]+", value):
             return value
-        raise ValueError('expected "notify", "none" or an http:// health URL')
+        raise ValueError('expected "notify", "none" or an http:// (or https://) health URL')
 
     @field_validator("metrics_path")
     @classmethod

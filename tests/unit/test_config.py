@@ -107,7 +107,7 @@ def bad(data: dict[str, object]) -> str:
         ({"workers": [{**W, "gpus": [0, 0]}]}, "workers[0].gpus: duplicate GPU"),
         (
             {"workers": [{**W, "ready": "tcp://x"}]},
-            'workers[0].ready: expected "notify", "none" or an http:// health URL',
+            'workers[0].ready: expected "notify", "none" or an http:// (or https://) health URL',
         ),
         (
             {"workers": [{**W, "restart": {"backoff_initial_s": 10, "backoff_max_s": 1}}]},
