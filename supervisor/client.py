@@ -426,6 +426,14 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
             )
         )
     lines += _table(rows)
+    # why a worker is not serving: the table has no room for it, an operator needs it first
+    not_serving = [
+        f"  {w['name']} {w['state']}: {w['reason']}"
+        for w in workers
+        if w["state"] in ("fatal", "backoff", "stopped", "draining") and w.get("reason")
+    ]
+    if not_serving:
+        lines += ["", "not serving:", *not_serving]
     modes = {str(m) for w in workers if (m := w.get("host_memory_enforcement")) is not None}
     if modes:
         text = {

@@ -236,6 +236,14 @@ def test_status_table() -> None:
             "host_memory_enforcement": "rss_watch",
         },
         {"name": "b-0", "state": "stopped", "pid": None, "gpus": None, "restarts": 0},
+        {
+            "name": "c-0",
+            "state": "fatal",
+            "pid": None,
+            "gpus": None,
+            "restarts": 4,
+            "reason": "4 failed starts within 60s (burst 3); last: exit code 3",
+        },
     ]
     lines = format_status(gpu, workers).splitlines()
     assert lines[1].split() == [
@@ -267,7 +275,13 @@ def test_status_table() -> None:
         "!",
     ]
     assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "-", "0", "-"]
-    assert lines[7] == (
+    # why a worker does not serve, under the table (regression: only in --json)
+    assert lines[7:10] == [
+        "",
+        "not serving:",
+        "  c-0 fatal: 4 failed starts within 60s (burst 3); last: exit code 3",
+    ]
+    assert lines[11] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
     assert format_status({"devices": [], "error": "NVML missing"}, []).splitlines() == [
