@@ -291,6 +291,25 @@ def _store(args: argparse.Namespace) -> PostmortemStore:
     return PostmortemStore(state_dir / POSTMORTEM_DIR, keep=1)
 
 
+def _postmortem_id(store: PostmortemStore, given: str) -> str:
+    """The id ``given`` names: an id, the file's path (as ``list`` or a shell completes it),
+    or the start of exactly one id (``20261205T1903``)."""
+    name = Path(given).name
+    ident = name[: -len(".json")] if name.endswith(".json") else name
+    if not ident:
+        return given
+    ids = store.ids()
+    if ident in ids:
+        return ident
+    starting = [i for i in ids if i.startswith(ident)]
+    if len(starting) > 1:
+        raise UsageError(
+            f"gpu-supervisor postmortem show: {given!r} is the start of {len(starting)} "
+            f"post-mortems ({', '.join(starting[:3])}{', ...' if len(starting) > 3 else ''})"
+        )
+    return starting[0] if starting else ident
+
+
 def postmortem_table(rows: Sequence[dict[str, Any]]) -> str:
     """The ``postmortem list`` table."""
     if not rows:
@@ -368,7 +387,7 @@ def _postmortem(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2) if args.json else postmortem_table(rows))
         return EXIT_OK
     try:
-        doc = store.read(args.id)
+        doc = store.read(_postmortem_id(store, args.id))
     except ValueError as exc:
         raise UsageError(f"gpu-supervisor postmortem show: {exc}") from None
     except FileNotFoundError:

@@ -679,6 +679,23 @@ def test_postmortem_cli_lists_newest_first_and_shows_one(
         check=True,
     )
     assert "reason    exit" in shown.stdout and "crashing" in shown.stdout
+    # the file's path, or the start of one id, name it too; the start of several is an error
+    path = sup.state_dir / "postmortems" / f"{rows[0]['id']}.json"
+    for given in (str(path), rows[0]["id"][:-6]):
+        named = subprocess.run(
+            [*cli, "show", given, "--state-dir", str(sup.state_dir), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(named.stdout)["id"] == rows[0]["id"]
+    several = subprocess.run(
+        [*cli, "show", rows[0]["id"][:4], "--state-dir", str(sup.state_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert several.returncode == 2 and "is the start of" in several.stderr
     missing = subprocess.run(
         [*cli, "show", "20000101T000000.000000Z-x-exit", "--state-dir", str(sup.state_dir)],
         capture_output=True,
