@@ -83,6 +83,9 @@ MIN_CONNECTIONS = 16
 #: A request must have arrived whole (headers and body) this long after its connection opened
 #: or the answer before it was sent, else the connection is closed (slowloris).
 REQUEST_TIMEOUT_S = 10.0
+#: A connection waiting this long for its next request may be closed to make room at the
+#: limit (a younger one only if it never sent a request: see ``_GuardedHttp.sheddable``).
+EVICT_IDLE_S = 1.0
 #: An idle keep-alive connection is closed after this long (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE_S = 5
 
@@ -1051,8 +1054,10 @@ class Connections:
         limit: int,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         limiter: RepeatLimiter | None = None,
+        evict_idle_s: float = EVICT_IDLE_S,
     ) -> None:
         self.limit = limit
+        self.evict_idle_s = evict_idle_s
         self.request_timeout_s = request_timeout_s
         self.open: dict[_GuardedHttp, None] = {}  # the longest-waiting first
         self.evicted = 0
@@ -1081,7 +1086,9 @@ class Connections:
         """A connection accepted: keep it (making room if need be) or refuse it."""
         if len(self.open) >= self.limit:
             now = conn.loop.time()
-            victim = next((c for c in self.open if c.sheddable(now)), None)
+            victim = next((c for c in self.open if c.sheddable(now)), None) or next(
+                (c for c in self.open if c.sheddable(now, pressed=True)), None
+            )
             if victim is None:
                 self.refused += 1
                 self._shed("refused", conn.loop)
@@ -1134,6 +1141,7 @@ class _GuardedHttp(HttpToolsProtocol):
     ) -> None:
         super().connection_made(transport)
         self._since = self.loop.time()  # when the wait for the current request began
+        self._served = 0  # requests answered on this connection
         self._stalled_at: float | None = None  # when writing to the client got stuck
         self._timer: asyncio.TimerHandle | None = None
         if self.gate.admit(self):
@@ -1154,6 +1162,7 @@ class _GuardedHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._served += 1
         self._since = self.loop.time()
         self.gate.waiting(self)
         self._arm()
@@ -1180,13 +1189,19 @@ class _GuardedHttp(HttpToolsProtocol):
             return self._stalled_at + self.gate.request_timeout_s
         return None
 
-    def sheddable(self, now: float) -> bool:
-        """It may make room for a new connection: waiting for a request, or stuck writing."""
-        if self._waiting():
+    def sheddable(self, now: float, pressed: bool = False) -> bool:
+        """It may make room for a new connection: stuck writing, or waiting for a request
+        with nothing of one unread in its socket, and either idle for ``EVICT_IDLE_S`` or,
+        when no such one is left (``pressed``), never served a request (a connection opened
+        and left empty). A keep-alive client between two requests of a burst is never cut:
+        its next request may be on the way (closing it then resets a request it sent)."""
+        if self._stalled_at is not None and now >= self._stalled_at + self.gate.request_timeout_s:
             return True
-        return self._stalled_at is not None and now >= self._stalled_at + (
-            self.gate.request_timeout_s
-        )
+        if not self._waiting() or _unread(self.transport):
+            return False
+        if now - self._since >= self.gate.evict_idle_s:
+            return True
+        return pressed and self._served == 0
 
     def _arm(self) -> None:
         """A timer for when this connection is due to be shed (none while it is busy).
@@ -1209,6 +1224,23 @@ class _GuardedHttp(HttpToolsProtocol):
             self.transport.abort()
         else:
             self._timer = self.loop.call_at(due, self._check)
+
+
+def _unread(transport: asyncio.BaseTransport) -> bool:
+    """Bytes wait unread in the connection's socket (a request on its way to us)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        peek = socket.socket(fileno=sock.fileno())
+    except OSError:
+        return False
+    try:
+        return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing there (EAGAIN), or the socket is gone
+        return False
+    finally:
+        peek.detach()  # the descriptor stays the transport's
 
 
 def server_for(app: Any, connections: Connections) -> uvicorn.Server:

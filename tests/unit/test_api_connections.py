@@ -220,11 +220,13 @@ async def test_at_the_limit_a_new_connection_replaces_the_longest_waiting() -> N
         assert await closed(idle[2], 1)
         assert [await still_open(s) for s in (idle[1], idle[3], probe)] == [True] * 3
 
+        # the connections that were served a request are between two requests of a client:
+        # kept (closing one could reset a request on its way); the empty ones make room
         more = [await connect() for _ in range(20)]
         await until(lambda: connections.evicted == 22)
         assert len(connections.open) == 4
-        assert [await closed(s, 1) for s in (idle[1], idle[3], probe, another)] == [True] * 4
-        assert [await still_open(s) for s in more[-4:]] == [True] * 4
+        assert [await closed(s, 1) for s in (idle[3], another)] == [True] * 2
+        assert [await still_open(s) for s in (idle[1], probe, *more[-2:])] == [True] * 4
 
 
 async def test_when_every_connection_is_busy_a_new_one_is_refused_with_503() -> None:
@@ -289,3 +291,34 @@ def structlog_to() -> Iterator[Callable[[], io.StringIO]]:
 
     yield configure
     structlog.configure(**saved)
+
+
+async def test_keep_alive_clients_past_the_limit_see_answers_or_503_never_a_reset() -> None:
+    """Twice the limit of keep-alive clients, each sending request after request: every
+    request gets an answer, 200, or the client's connection is refused with a 503 before it
+    sent anything. Regression: a connection between two requests of its client counted as
+    the longest waiting and was closed with its next request already sent (a reset the client
+    cannot tell from a lost request)."""
+    async with serving(App(), limit=4) as (_connections, connect):
+        outcomes: list[str] = []
+
+        async def client() -> None:
+            stream = await connect()
+            for i in range(15):
+                try:
+                    await stream.send(GET_OK)
+                    status = (await answer(stream))[0]
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    outcomes.append(f"reset after {i} answers")
+                    return
+                if status == 503 and i == 0:
+                    outcomes.append("refused")
+                    return
+                assert status == 200
+            outcomes.append("served")
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(client)
+    assert not [o for o in outcomes if o.startswith("reset")], outcomes
+    assert "served" in outcomes
