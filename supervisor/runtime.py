@@ -1330,7 +1330,7 @@ class Runtime:
                     self._forced = True
                     self.log.warning("supervisor.force_stop", reason="second signal")
                     for runner in self.workers():
-                        runner.post(lc.Kill())
+                        runner.post(lc.Kill("second signal"))
             elif isinstance(intent, Reload):
                 if self._reloading:
                     self._reload_again = True

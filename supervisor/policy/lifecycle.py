@@ -134,7 +134,7 @@ class Drain:
 class Kill:
     """SIGKILL the whole tree now (second shutdown signal, shutdown timeout)."""
 
-    reason: str = "second signal"
+    reason: str  # what the log's worker.kill says: second signal, shutdown timeout...
 
 
 @dataclass(frozen=True, slots=True)
