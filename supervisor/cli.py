@@ -118,8 +118,12 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
 
 
 def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None]:
-    """One reading of the configured GPU backend (opened and closed again): devices, error."""
-    backend = make_backend(gpu)
+    """One reading of the configured GPU backend (opened and closed again): devices, error.
+
+    Nothing is written: a sim world that does not exist yet reads as the devices ``run`` would
+    create in it.
+    """
+    backend = make_backend(gpu, create=False)
     try:
         backend.open()
         return backend.sample(), None
@@ -245,10 +249,14 @@ def _gpus(args: argparse.Namespace) -> int:
         gpu = gpu.model_copy(update={"backend": args.backend})
     if args.sim_dir:
         gpu = gpu.model_copy(update={"sim_dir": Path(args.sim_dir)})
-    backend = make_backend(gpu)
+    backend = make_backend(gpu, create=False)
     error: str | None = None
     devices: tuple[DeviceSample, ...] = ()
     try:
+        if gpu.backend == "sim" and not (gpu.sim_dir / "gpus").is_dir():
+            raise BackendError(
+                f"no sim world at {gpu.sim_dir} (`run` creates one with {gpu.sim_devices} devices)"
+            )
         backend.open()
         devices = backend.sample()
     except BackendError as exc:

@@ -7,10 +7,14 @@ from supervisor.backends.sim import SimBackend
 from supervisor.config import GpuSection
 
 
-def make_backend(gpu: GpuSection) -> GpuBackend:
-    """``sim``, ``none``, or NVML for ``nvml`` and ``auto`` (the caller handles the fallback)."""
+def make_backend(gpu: GpuSection, *, create: bool = True) -> GpuBackend:
+    """``sim``, ``none``, or NVML for ``nvml`` and ``auto`` (the caller handles the fallback).
+
+    ``create=False``: a sim world is only read, never created (a missing one reads as the
+    devices ``run`` would create in it).
+    """
     if gpu.backend == "sim":
-        return SimBackend(gpu.sim_dir, gpu.sim_devices)
+        return SimBackend(gpu.sim_dir, gpu.sim_devices, create=create)
     if gpu.backend == "none":
         return NoBackend()
     from supervisor.backends.nvml import NvmlBackend  # imports pynvml: only when asked for

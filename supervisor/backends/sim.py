@@ -134,9 +134,14 @@ class SimBackend:
         create_devices: int = 2,
         clock: Callable[[], float] = time.monotonic,
         pid_alive: Callable[[int], bool] = _pid_alive,
+        *,
+        create: bool = True,
     ) -> None:
         self.world = world
         self.create_devices = create_devices
+        #: False: never write to the world; a world that does not exist yet reads as the
+        #: ``create_devices`` default devices ``open`` would create (``check-config``).
+        self.create = create
         self._clock = clock
         self._pid_alive = pid_alive
         self._events_offset = 0
@@ -186,7 +191,13 @@ class SimBackend:
             cache[path] = (signature, keys)
             devices.append(_Device(index, keys))
         self._device_cache = cache
+        if not devices and not self.create and not (self.world / "gpus").exists():
+            return self.preview()
         return devices
+
+    def preview(self) -> list[_Device]:
+        """The devices ``open`` creates in a new world."""
+        return [_Device(i, parse_kv(default_device_text(i))) for i in range(self.create_devices)]
 
     def _read_procs(self) -> dict[str, list[GpuProcess]]:
         """Live processes by device key (UUID or index as written)."""
@@ -226,11 +237,16 @@ class SimBackend:
     # --- GpuBackend ------------------------------------------------------------------------
 
     def open(self) -> tuple[DeviceIdentity, ...]:
-        """Create the world (and ``create_devices`` devices if it has none); read identities."""
+        """Create the world (and ``create_devices`` devices if it has none); read identities.
+
+        With ``create=False`` nothing is written: a world without devices reads as the devices
+        a ``create=True`` open would write (:meth:`_read_devices`).
+        """
         try:
-            (self.world / "gpus").mkdir(parents=True, exist_ok=True)
-            (self.world / "procs").mkdir(parents=True, exist_ok=True)
-            if not self._device_files():
+            if self.create:
+                (self.world / "gpus").mkdir(parents=True, exist_ok=True)
+                (self.world / "procs").mkdir(parents=True, exist_ok=True)
+            if self.create and not self._device_files():
                 for i in range(self.create_devices):
                     write_atomic(self.world / "gpus" / str(i), default_device_text(i))
             events = self.world / "events"

@@ -544,6 +544,15 @@ def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
     uuids = [g["uuid"] for g in plan["gpus"]]
     assert len(uuids) == 2 and plan["warnings"] == []
     assert all(w["gpus"] and set(w["gpus"]) <= set(uuids) for w in plan["workers"])
+    # checking writes nothing: the world that does not exist yet is read as run would make it
+    assert not (tmp_path / "sim").exists()
+    # `gpus` neither creates one; it says there is none
+    result = cli("gpus", "-c", str(ok), "--json")
+    assert result.returncode == 1, result.stderr  # as for any backend that does not open
+    assert json.loads(result.stdout)["error"] == (
+        f"no sim world at {tmp_path}/sim (`run` creates one with 2 devices)"
+    )
+    assert not (tmp_path / "sim").exists()
 
     api = "[api]\nlisten='127.0.0.1:0'\n"  # run binds it before it plans
     for extra, message in [
