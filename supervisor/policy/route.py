@@ -5,7 +5,10 @@ derated, and none of its GPUs is unhealthy. A cordon only stops placing workers 
 sections 3 and 6, as ``kubectl cordon``): the ones already there keep serving. Candidates are
 ranked by the free memory of their GPUs (most first; for a multi-GPU worker the GPU with the least
 free memory counts), then by utilization (lowest first; the busiest of its GPUs counts); workers
-that tie on both take turns (round robin over the caller's requests). A GPU the supervisor has
+that tie on both take turns (round robin over the caller's requests). Figures a sample apart
+tie when they are close: free memory within :data:`FREE_TIE_MB` or :data:`FREE_TIE_FRACTION` of
+the best (an allocator's cache step is not a reason to send one worker every request until the
+next sample), utilization within :data:`UTIL_TIE_PERCENT` points. A GPU the supervisor has
 no reading for (no telemetry) is not held against a worker: its free memory is unknown, it
 ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it.
 """
@@ -16,6 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from supervisor.model import WorkerState
+
+#: Free memory this close to the best worker's (MiB, or this fraction of it, whichever is more)
+#: ties with it.
+FREE_TIE_MB = 256.0
+FREE_TIE_FRACTION = 0.02
+#: Utilization this close to the lowest of the workers that tie on memory (percentage points)
+#: ties with it.
+UTIL_TIE_PERCENT = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +150,28 @@ def choose(
             best = max(r.free_mb or 0.0 for r in ranked)
             return NoRoom(need_mb, best)
         ranked = fitting
-    ties = [r for r in ranked if r.key()[:4] == ranked[0].key()[:4]]
+    ties = _ties(ranked)
     best_r = ties[turn % len(ties)]
     return Routed(best_r.worker.name, best_r.worker.port, best_r.gpu, best_r.free_mb)
+
+
+def _ties(ranked: Sequence[_Ranked]) -> list[_Ranked]:
+    """The candidates that tie with the best of ``ranked`` (sorted by :meth:`_Ranked.key`)."""
+    top = ranked[0]
+    if top.free_mb is None:  # no free memory known for any: utilization alone
+        on_memory = list(ranked)
+    else:
+        floor = top.free_mb - max(FREE_TIE_MB, FREE_TIE_FRACTION * top.free_mb)
+        on_memory = [r for r in ranked if r.free_mb is not None and r.free_mb >= floor]
+    known = [r.utilization for r in on_memory if r.utilization is not None]
+    if not known:
+        return on_memory
+    low = min(known)
+    return sorted(
+        (
+            r
+            for r in on_memory
+            if r.utilization is not None and r.utilization <= low + UTIL_TIE_PERCENT
+        ),
+        key=lambda r: r.order,
+    )

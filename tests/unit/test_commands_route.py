@@ -201,3 +201,23 @@ def test_workers_that_tie_take_turns() -> None:
     assert [p.name for p in names if isinstance(p, Routed)] == ["b-0", "b-1", "b-2"]
     best = [w("c-0", (G0,)), w("c-2", (G2,))]  # c-2 has more free memory: always it
     assert {choose(best, LOADS, turn=t).name for t in range(3)} == {"c-2"}  # type: ignore[union-attr]
+
+
+def test_workers_that_nearly_tie_take_turns() -> None:
+    """Figures a sample apart that differ by an allocator step tie too (regression: the worker
+    with 20 MiB more free memory took every request until the next sample), and among workers
+    that tie on memory, utilization decides at the granularity of a few points."""
+    loads = {
+        G0: GpuLoad(free_mb=40_000, utilization_percent=50),
+        G1: GpuLoad(free_mb=39_980, utilization_percent=52),  # a cache step less: ties
+        G2: GpuLoad(free_mb=30_000, utilization_percent=0),  # far less free: never
+    }
+    near = [w("d-0", (G0,)), w("d-1", (G1,)), w("d-2", (G2,))]
+    names = [choose(near, loads, turn=t).name for t in range(4)]  # type: ignore[union-attr]
+    assert names == ["d-0", "d-1", "d-0", "d-1"]
+    # memory ties (within 2 %), utilization does not: the idle one takes every request
+    busy = {**loads, G1: GpuLoad(free_mb=39_500, utilization_percent=10)}
+    assert {choose(near, busy, turn=t).name for t in range(3)} == {"d-1"}  # type: ignore[union-attr]
+    # small GPUs: 256 MiB is the least that ties
+    small = {G0: GpuLoad(1000, 0), G1: GpuLoad(800, 0), G2: GpuLoad(700, 0)}
+    assert {choose(near, small, turn=t).name for t in range(4)} == {"d-0", "d-1"}  # type: ignore[union-attr]
