@@ -184,6 +184,11 @@ class GroupAccepted(BaseModel):
     workers: list[Worker]
 
 
+class ReloadAccepted(BaseModel):
+    command: str
+    request: int
+
+
 class GpuCordon(BaseModel):
     id: int
     uuid: str
@@ -564,6 +569,19 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             "command": "rolling-restart",
             "workers": [rt.worker_object(rt.runners[n]) for n in names],
         }
+
+    @post(f"{API_PREFIX}/reload", ReloadAccepted, 202, 409)
+    async def reload(request: Request) -> dict[str, Any]:
+        """Re-read the config file and apply it, as SIGHUP does. The outcome is in the journal
+        (``/api/v1/events``): the first ``reload.done`` or ``reload.rejected`` whose
+        ``request`` is at least the one returned here."""
+        if rt.config_path is None:
+            raise _problem(409, "the supervisor was not started from a config file")
+        if rt.shutting_down:
+            raise _problem(409, "the supervisor is stopping")
+        n = rt.request_reload()
+        log.info("api.command", command="reload", target="", client=client_of(request))
+        return {"command": "reload", "request": n}
 
     # --- routing, targets ---
 

@@ -50,6 +50,7 @@ COMMANDS: Mapping[str, str] = {
     "start": "start a worker or a group (also clears fatal)",
     "cordon": "place no more workers on a GPU (index or UUID)",
     "uncordon": "allow placing workers on a GPU again",
+    "reload": "re-read the supervisor's config file (as SIGHUP) and say whether it took it",
 }
 
 
@@ -65,6 +66,12 @@ def add_commands(sub: Any) -> None:
         p = sub.add_parser(name, help=text, description=text, parents=[common])
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw JSON")
+        elif name == "reload":
+            p.add_argument(
+                "--wait",
+                action="store_true",
+                help="also wait for the roll-outs it starts: exit 0 done, 1 one halted",
+            )
         elif name in ("cordon", "uncordon"):
             p.add_argument("gpu", help="GPU index or UUID")
         else:
@@ -131,21 +138,26 @@ def read_token_file(path: Path) -> str:
     return token
 
 
-def client_settings(config: str) -> Settings:
+def client_settings(config: str, *, warn: bool = True) -> Settings:
     """``config``'s settings for a client command: a mistake outside the sections it reads is
-    a warning on stderr (``config.load_client_settings``), not an error."""
+    a warning on stderr (``config.load_client_settings``), not an error (``warn=False``: not
+    even that, for ``reload``, whose answer names the mistake)."""
     settings, warning = load_client_settings(config)
-    if warning is not None:
+    if warning is not None and warn:
         print(f"gpu-supervisor: warning: {warning}", file=sys.stderr)
     return settings
 
 
 def resolve(
-    url: str | None, config: str | None, environ: Mapping[str, str] | None = None
+    url: str | None,
+    config: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    warn: bool = True,
 ) -> tuple[str, str | None]:
     """``(url, token)`` from ``--url``, ``-c FILE`` and the environment."""
     environ = os.environ if environ is None else environ
-    api = client_settings(config).api if config else ApiSection()
+    api = client_settings(config, warn=warn).api if config else ApiSection()
     if url is None:
         url = url_for(api.listen)
         if url is None:
@@ -289,13 +301,58 @@ def _wait_rollout(client: Client, group: str, seen: int) -> int:
         time.sleep(ROLLOUT_POLL_S)
 
 
+def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int:
+    """Follow the journal (after event ``seen``) to the verdict on reload ``request``: 0 when
+    the file was taken (and, with ``rollouts``, every roll-out it started completed), 1 when a
+    roll-out halted or it was rejected for something else, 2 for a bad config file."""
+    while True:
+        events = client.request("GET", f"{API}/events?since={seen}").json()
+        for e in events:
+            seen = max(seen, int(e["seq"]))
+            if not str(e["type"]).startswith("reload.") or int(e.get("request", 0)) < request:
+                continue
+            if e["type"] == "reload.rejected":
+                why = f"{e['reason']}: {e['error']}" if e.get("error") else e["reason"]
+                print(f"gpu-supervisor: reload rejected ({why}); nothing changed", file=sys.stderr)
+                return 2 if e["reason"] in ("bad config", "placement") else 1
+            if e["type"] == "reload.accepted":
+                print(_reload_summary(e), flush=True)
+                if not rollouts:
+                    return 0
+            if e["type"] == "reload.done":
+                if e.get("halted"):
+                    print(
+                        f"roll-out halted for {', '.join(e['halted'])} (see the log: "
+                        "supervisor.rollout_halted)"
+                    )
+                    return 1
+                print("reload done: every roll-out completed")
+                return 0
+        time.sleep(ROLLOUT_POLL_S)
+
+
+def _reload_summary(e: Mapping[str, Any]) -> str:
+    scaled = list(e.get("scaled") or ())
+    groups = {
+        "added": list(e.get("added") or ()),
+        "removed": list(e.get("removed") or ()),
+        "changed": [g for g in e.get("changed") or () if g not in scaled],  # scaled: changed too
+        "scaled": scaled,
+    }
+    parts = [f"{what} {', '.join(names)}" for what, names in groups.items() if names]
+    line = "reload accepted: " + ("; ".join(parts) if parts else "no group changed")
+    if e.get("start_only_keys"):
+        line += f" (read at start only, restart to apply: {', '.join(e['start_only_keys'])})"
+    return line
+
+
 def main(args: argparse.Namespace) -> int:
     """Run one client command; return the exit code (errors are raised)."""
     if args.command in ("cordon", "uncordon"):
         _check_name("GPU", args.gpu)
-    elif args.command != "status":
+    elif args.command not in ("status", "reload"):
         _check_name("worker or group", args.name)
-    url, token = resolve(args.url, args.config)
+    url, token = resolve(args.url, args.config, warn=args.command != "reload")
     with Client(url, token, args.timeout) as client:
         if args.command == "status":
             return status(client, args.json)
@@ -309,6 +366,10 @@ def main(args: argparse.Namespace) -> int:
                 verb += " on it until the supervisor restarts)"
             print(f"GPU {body['id']} ({body['uuid']}) {verb}")
             return 0
+        if args.command == "reload":
+            seen = _last_seq(client)
+            request = client.request("POST", f"{API}/reload", ok=(202,)).json()["request"]
+            return _wait_reload(client, int(request), seen, args.wait)
         if args.command == "restart" and args.rolling:
             seen = _last_seq(client) if args.wait else 0
             client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))

@@ -134,7 +134,13 @@ class Shutdown:
 
 @dataclass(frozen=True, slots=True)
 class Reload:
-    """Re-read the config file and apply the difference."""
+    """Re-read the config file and apply the difference.
+
+    ``request``: the number :meth:`Runtime.request_reload` gave it (0: a signal's); the
+    journal's ``reload.done`` / ``reload.rejected`` say up to which request a reload covers.
+    """
+
+    request: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +237,8 @@ class Runtime:
         self._done = anyio.Event()
         self._reloading = False
         self._reload_again = False
+        #: reload requests numbered so far (signals and the API)
+        self.reload_requests = 0
         self._ready_sent = False
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
@@ -289,6 +297,23 @@ class Runtime:
         self.healer.oom_events_of = self.cgroups.events_file
 
     # --- public -------------------------------------------------------------------------
+
+    @property
+    def shutting_down(self) -> bool:
+        """True once a stop of the supervisor has begun."""
+        return self._shutting_down
+
+    def _next_reload_request(self) -> int:
+        self.reload_requests += 1
+        return self.reload_requests
+
+    def request_reload(self) -> int:
+        """Queue a reload of the config file (as SIGHUP does); return its request number: the
+        first ``reload.done`` / ``reload.rejected`` in the journal whose ``request`` is at
+        least this one read the file after this call."""
+        n = self._next_reload_request()
+        self.submit(Reload(n))
+        return n
 
     def submit(self, intent: Intent) -> None:
         """Queue an intent for the single writer."""
@@ -1315,6 +1340,8 @@ class Runtime:
             task_status.started()
             async for signum in signals:
                 intent = signal_intent(signum, self._shutting_down)
+                if isinstance(intent, Reload):
+                    intent = Reload(self._next_reload_request())
                 self.log.info("supervisor.signal", signal=signal.Signals(signum).name)
                 if intent is not None:
                     self.submit(intent)
@@ -1534,18 +1561,28 @@ class Runtime:
         try:
             while True:
                 self._reload_again = False
-                ok = await self._reload()
+                ok = await self._reload(self.reload_requests)
                 self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
                 if not self._reload_again or self._shutting_down:
                     return
         finally:
             self._reloading = False
 
-    async def _reload(self) -> bool:
+    def _journal_reload(self, request: int, done: bool, **fields: Any) -> None:
+        """``reload.done`` (the end of its roll-outs: ``halted`` lists groups whose roll-out
+        halted) or ``reload.rejected`` (nothing changed: ``reason``, ``error``) in the journal,
+        after ``reload.accepted`` (the new file is in force, its roll-outs begin): what
+        ``gpu-supervisor reload`` waits for. ``request``: the last reload request this reload
+        covers (it read the file after that request was made)."""
+        kind = "reload.done" if done else "reload.rejected"
+        self.journal.append(self.clock.wall(), kind, None, request=request, **fields)
+
+    async def _reload(self, request: int = 0) -> bool:
         """Apply the config file again; True when all of it is in force (not rejected, no
-        roll-out halted)."""
+        roll-out halted). ``request``: the last reload request this covers (the journal)."""
         if self.config_path is None:
             self.log.error("supervisor.reload_failed", reason="no config file to reload")
+            self._journal_reload(request, False, reason="no config file", error="")
             return False
         path = self.config_path
         try:
@@ -1558,11 +1595,13 @@ class Runtime:
             new = await in_thread(load_settings, path, running)
         except ThreadUnavailable as exc:
             self.log.error("supervisor.reload_rejected", reason="no thread", error=str(exc))  # noqa: TRY400
+            self._journal_reload(request, False, reason="no thread", error=str(exc))
             return False
         except ConfigError as exc:
             self.log.error(  # noqa: TRY400 - a bad config is reported in one line, no traceback
                 "supervisor.reload_rejected", reason="bad config", error=str(exc)
             )
+            self._journal_reload(request, False, reason="bad config", error=str(exc))
             return False
         self.systemd.send("RELOADING=1")
         old = self.settings
@@ -1591,13 +1630,26 @@ class Runtime:
             self.log.error(  # noqa: TRY400 - one line, no traceback
                 "supervisor.reload_rejected", reason="placement", error=str(exc)
             )
+            self._journal_reload(request, False, reason="placement", error=str(exc))
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
             return False
-        except Exception:  # a bug must not take the running workers down with the supervisor
+        except Exception as exc:  # a bug must not take the running workers down with us
             self.settings = old
             self.log.exception("supervisor.reload_rejected", reason="internal error")
+            self._journal_reload(request, False, reason="internal error", error=repr(exc))
             self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")
             return False
+        self.journal.append(
+            self.clock.wall(),
+            "reload.accepted",
+            None,
+            request=request,
+            changed=list(diff.changed),
+            scaled=list(diff.scaled),
+            added=list(diff.added),
+            removed=list(diff.removed),
+            start_only_keys=list(kept),
+        )
         self._set_host_interval()
         await self._reload_alerts()
         if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
@@ -1646,6 +1698,7 @@ class Runtime:
             self.systemd.send("READY=1")
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
         self.log.info("supervisor.reload_done", halted=[g.name for g in halted])
+        self._journal_reload(request, True, halted=[g.name for g in halted])
         return not halted
 
     async def _stop_group(self, name: str) -> None:

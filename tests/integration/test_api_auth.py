@@ -29,6 +29,7 @@ ENDPOINTS = [
     ("POST", "/api/v1/workers/nope/stop", True, True),  # 401 before 404: no name probing
     ("POST", "/api/v1/gpus/0/cordon", True, True),
     ("POST", "/api/v1/groups/a/rolling-restart", True, True),
+    ("POST", "/api/v1/reload", True, True),
 ]
 
 # (header sent, accepted when a token is needed)

@@ -224,3 +224,47 @@ def test_bad_client_arguments_are_one_line_and_exit_2(
     url = () if "--url" in args else ("--url", "http://127.0.0.1:1")  # never asked
     code, _, err = run(capsys, *args, *url)
     assert code == 2 and said in err and err.count("\n") <= 1, err
+
+
+def test_reload_command_says_what_became_of_the_file(
+    supervisor: SupervisorFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``reload`` asks for what SIGHUP does and answers with the verdict from the journal:
+    exit 0 and what changed, exit 2 and the config's error when the file was rejected (nothing
+    changed); ``--wait`` also waits for the roll-outs it started."""
+    socket_path = tmp_path / "api.sock"
+    api = {"listen": f"unix:{socket_path}"}
+
+    def config(*groups: dict[str, Any]) -> dict[str, Any]:
+        return {"supervisor": {"sample_interval_s": 0.1}, "api": api, "workers": list(groups)}
+
+    keep = {"name": "keep", "gpus": "none", "command": worker_cmd("ready_then_sleep")}
+    sup = supervisor(config(keep))
+    cfg = str(sup.config_path)
+    sup.ready("keep-0")
+
+    extra = {**keep, "name": "extra", "restart": {"stable_s": 0.1}}
+    sup.write_config(config(keep, extra))
+    code, text, err = run(capsys, "reload", "-c", cfg)
+    assert (code, text.strip()) == (0, "reload accepted: added extra"), err
+    sup.ready("extra-0")
+
+    mark = sup.mark()
+    good = Path(cfg).read_text()
+    Path(cfg).write_text(good.replace('name = "extra"', 'name = "extra"\nreplicas = -1'))
+    code, text, err = run(capsys, "reload", "-c", cfg)
+    assert code == 2 and text == "", (text, err)
+    assert err.startswith("gpu-supervisor: reload rejected (bad config: "), err
+    assert "replicas" in err and err.count("\n") == 1, err
+    assert err.strip().endswith("nothing changed"), err
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+
+    sup.write_config(config(keep, {**extra, "replicas": 2}))
+    code, text, err = run(capsys, "reload", "--wait", "-c", cfg)
+    assert code == 0, err
+    assert text.splitlines() == [
+        "reload accepted: scaled extra",
+        "reload done: every roll-out completed",
+    ]
+    assert sup.find(event="worker.state", worker="extra-1", new="ready")
+    assert sup.stop() == 0
