@@ -74,6 +74,26 @@ def boot_time() -> float:
     return _boot_time
 
 
+def ticks_per_second() -> int:
+    """Clock ticks per second of ``/proc/<pid>/stat`` times (``SC_CLK_TCK``)."""
+    return int(_TICKS)
+
+
+_boot_id: str | None = None
+
+
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``; "" where unreadable)."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+                _boot_id = fh.read().strip()
+        except OSError:
+            _boot_id = ""
+    return _boot_id
+
+
 def create_time(pid: int) -> float | None:
     """The process's create time as psutil reports it (None if it is gone)."""
     st = read_stat(pid)

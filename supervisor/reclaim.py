@@ -23,24 +23,30 @@ TERM_WAIT_S = 3.0
 KILL_WAIT_S = 3.0
 
 
-def _live(pid: int) -> tuple[Live | None, psutil.Process | None]:
+def _live(pid: int, marked_at: int | None) -> tuple[Live | None, psutil.Process | None]:
+    """What runs under ``pid`` now; ``marked_at``: the start (ticks) of the process found
+    there carrying our marker, if one was (the same process only if it started then)."""
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None, None
-        return Live(pid, proc.create_time(), proc.ppid()), proc
+        st = procfs.read_stat(pid)
+        ticks = st.start_ticks if st is not None else None
+        marked_now = ticks is not None and ticks == marked_at
+        return Live(pid, proc.create_time(), proc.ppid(), ticks, marked_now), proc
     except psutil.Error:
         return None, None
 
 
-def _carrying(marker: str) -> dict[int, tuple[str, float, int]]:
-    """pid -> (worker, create time, parent) of every process with ``marker`` as its
-    ``INSTANCE_VAR``."""
-    out: dict[int, tuple[str, float, int]] = {}
+def _carrying(marker: str) -> dict[int, tuple[str, float, int, int]]:
+    """pid -> (worker, create time, parent, start in ticks) of every process with ``marker``
+    as its ``INSTANCE_VAR``."""
+    out: dict[int, tuple[str, float, int, int]] = {}
     for pid, env in procfs.carrying(INSTANCE_VAR, marker).items():
         st = procfs.read_stat(pid)
         if st is not None and not st.zombie:
-            out[pid] = (env.get(WORKER_VAR, ""), procfs.ticks_to_time(st.start_ticks), st.ppid)
+            worker = env.get(WORKER_VAR, "")
+            out[pid] = (worker, procfs.ticks_to_time(st.start_ticks), st.ppid, st.start_ticks)
     return out
 
 
@@ -57,10 +63,11 @@ def reclaim(
     own = os.getpid() if own_pid is None else own_pid
     results: list[dict[str, Any]] = []
     doomed: list[tuple[Candidate, psutil.Process]] = []
-    recorded = candidates(doc)
-    found = marked(_carrying(marker), recorded, own) if marker else []
+    recorded = candidates(doc, procfs.boot_id(), procfs.ticks_per_second())
+    carrying = _carrying(marker) if marker else {}
+    found = marked({pid: c[:3] for pid, c in carrying.items()}, recorded, own)
     for cand in [*recorded, *found]:
-        live, proc = _live(cand.pid)
+        live, proc = _live(cand.pid, carrying[cand.pid][3] if cand.pid in carrying else None)
         verdict = judge(cand, live, own)
         results.append(
             {

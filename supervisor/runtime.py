@@ -1038,6 +1038,8 @@ class Runtime:
             nvml_available=bool(sample and sample.nvml_available) and bool(self.sampler.identities),
             reclaimed=self.reclaimed,
             stopped=self.stopped,
+            boot_time=procfs.boot_time(),
+            boot_id=procfs.boot_id(),
         )
         for w, r in zip(doc["workers"], self.workers(), strict=True):
             usage = sample.workers.get(r.name) if sample is not None else None

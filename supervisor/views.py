@@ -119,8 +119,15 @@ def state_doc(
     nvml_available: bool,
     reclaimed: Sequence[Mapping[str, Any]] = (),
     stopped: bool = False,
+    boot_time: float | None = None,
+    boot_id: str = "",
 ) -> dict[str, Any]:
-    """The ``state.json`` document (DESIGN.md section 8)."""
+    """The ``state.json`` document (DESIGN.md section 8).
+
+    ``boot_time``/``boot_id``: the boot time the create times were computed with (``btime``,
+    read once) and the kernel's boot id, so the next supervisor can compare start times in
+    kernel ticks however the wall clock was stepped meanwhile.
+    """
     return {
         "schema_version": STATE_SCHEMA_VERSION,
         "written_at": rfc3339(written_at),
@@ -130,6 +137,8 @@ def state_doc(
             "started_at": rfc3339(started_at),
             "stopped": stopped,
             "reclaimed": list(reclaimed),
+            "boot_time": boot_time,
+            "boot_id": boot_id,
         },
         "workers": [
             {

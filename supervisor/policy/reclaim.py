@@ -3,6 +3,14 @@
 The previous ``state.json`` lists every worker's main pid and process tree with create times. A
 pid that is alive with the *same* create time is the same process: an orphan, ended. A live pid
 with another create time was reused by an unrelated process and is never touched.
+
+Create times are compared as the kernel keeps them, in clock ticks since boot, when the previous
+``state.json`` says which boot time it computed them with (``supervisor.boot_time``, and
+``boot_id``): a create time in seconds since the epoch is ``btime + ticks / HZ``, and ``btime``
+moves whenever the wall clock is stepped (NTP's step at boot, a leap second, ``date -s``), so two
+readings of one process differ by the step. Processes recorded in another boot are gone.
+Whatever the times say, a live process that carries this ``state_dir``'s marker in its
+environment was started by a supervisor of this ``state_dir``: it is ended.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from typing import Any
 
 #: Create times are kernel ticks (10 ms) since boot: equal within this, or a different process.
 CREATE_TIME_TOLERANCE_S = 0.015
+#: Start times recovered in ticks (from a float create time) are equal within this many ticks.
+TICKS_TOLERANCE = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +34,8 @@ class Candidate:
     pid: int
     create_time: float
     leader: bool
+    start_ticks: int | None = None  # when the record says its boot time: ticks since boot
+    other_boot: bool = False  # recorded during another boot: cannot be running now
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +45,8 @@ class Live:
     pid: int
     create_time: float
     ppid: int
+    start_ticks: int | None = None
+    marked: bool = False  # carries this state_dir's marker in its environment
 
 
 class Verdict(enum.StrEnum):
@@ -44,10 +58,28 @@ class Verdict(enum.StrEnum):
     OURS = "ours"  # our own process or child: never touched
 
 
-def candidates(doc: Mapping[str, Any]) -> list[Candidate]:
-    """Every recorded (pid, create time) in a previous ``state.json``; malformed entries skipped."""
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def candidates(doc: Mapping[str, Any], boot_id: str = "", hz: int = 100) -> list[Candidate]:
+    """Every recorded (pid, create time) in a previous ``state.json``; malformed entries skipped.
+
+    ``boot_id``: this boot's (``procfs.boot_id``); ``hz``: clock ticks per second. With the
+    record's ``boot_time`` and a matching ``boot_id``, each candidate also gets its start in
+    ticks; with another ``boot_id`` every candidate is ``other_boot``.
+    """
     out: list[Candidate] = []
     seen: set[int] = set()
+    sup = doc.get("supervisor")
+    sup = sup if isinstance(sup, dict) else {}
+    recorded_boot = sup.get("boot_id")
+    other_boot = bool(boot_id and isinstance(recorded_boot, str) and recorded_boot)
+    other_boot = other_boot and recorded_boot != boot_id
+    btime = _number(sup.get("boot_time"))
+    same_boot = bool(boot_id) and recorded_boot == boot_id and btime is not None
     workers = doc.get("workers")
     if not isinstance(workers, list):
         return out
@@ -73,7 +105,8 @@ def candidates(doc: Mapping[str, Any]) -> list[Candidate]:
                 and pid not in seen
             ):
                 seen.add(pid)
-                out.append(Candidate(name, pid, float(ct), leader))
+                ticks = round((float(ct) - btime) * hz) if same_boot and btime is not None else None
+                out.append(Candidate(name, pid, float(ct), leader, ticks, other_boot))
     return out
 
 
@@ -98,6 +131,12 @@ def judge(candidate: Candidate, live: Live | None, own_pid: int) -> Verdict:
         return Verdict.GONE
     if live.pid == own_pid or live.ppid == own_pid:
         return Verdict.OURS
-    if abs(live.create_time - candidate.create_time) > CREATE_TIME_TOLERANCE_S:
-        return Verdict.REUSED
-    return Verdict.END
+    if live.marked:  # started by a supervisor of this state_dir, whatever the clocks say
+        return Verdict.END
+    if candidate.other_boot:
+        return Verdict.GONE
+    if candidate.start_ticks is not None and live.start_ticks is not None:
+        same = abs(live.start_ticks - candidate.start_ticks) <= TICKS_TOLERANCE
+    else:
+        same = abs(live.create_time - candidate.create_time) <= CREATE_TIME_TOLERANCE_S
+    return Verdict.END if same else Verdict.REUSED

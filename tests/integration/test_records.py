@@ -253,6 +253,51 @@ def test_restarted_supervisor_reclaims_orphans(
     assert reclaimed[grandchild]["verdict"] == "end"
 
 
+@pytest.mark.parametrize("record", ["with_boot_time", "without_boot_time"])
+def test_orphans_are_reclaimed_after_a_clock_step(
+    supervisor: SupervisorFactory, tmp_path: Path, record: str
+) -> None:
+    """The wall clock was stepped 3 s while the killed supervisor ran (NTP's step, a leap
+    second): its create times (boot time read once) and the next one's (read again) differ.
+    Regression: every recorded orphan was judged "reused" and left running with its GPU memory
+    and port. With the record's boot time the start ticks decide; without it (a state.json of
+    an older version), the state_dir's marker in the orphan's environment does."""
+    config = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "workers": [group("f", "fork_grandchild", gpus="none")],
+    }
+    first = supervisor(config, log_level="debug")
+    first.ready("f-0")
+    grandchild = int(first.wait_line("[f-0] ", contains="forked").split()[-1])
+    first.wait_event(event="records.state_written", pids=lambda p: grandchild in p)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait_exit()
+    try:
+        path = first.state_dir / "state.json"
+        doc = json.loads(path.read_text())
+        sup = doc["supervisor"]
+        assert isinstance(sup["boot_time"], float) and sup["boot_id"]
+        if record == "with_boot_time":
+            sup["boot_time"] -= 3.0  # as the killed one read it before the step
+        else:
+            del sup["boot_time"], sup["boot_id"]
+        for w in doc["workers"]:
+            if w["pid_create_time"] is not None:
+                w["pid_create_time"] -= 3.0
+            for t in w["tree"]:
+                t["create_time"] -= 3.0
+        path.write_text(json.dumps(doc))
+        second = supervisor(config)
+        event = second.wait_event(event="supervisor.reclaimed_orphan", pid=grandchild, timeout=15)
+        assert event["ended"] is True
+        assert not wait_dead([grandchild])
+        second.ready("f-0")
+        assert second.stop() == 0
+    finally:
+        if alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
+
+
 def test_what_a_killed_supervisor_never_recorded_is_reclaimed_by_its_environment(
     supervisor: SupervisorFactory,
 ) -> None:

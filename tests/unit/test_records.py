@@ -345,6 +345,41 @@ def test_reclaim_verdicts(live: Live | None, verdict: Verdict) -> None:
     assert judge(Candidate("w-0", 10, 100.0, True), live, own_pid=777) is verdict
 
 
+@pytest.mark.parametrize(
+    ("cand", "live", "verdict"),
+    [
+        # the wall clock was stepped 3 s between the two readings: the ticks decide
+        (Candidate("w-0", 10, 100.0, True, start_ticks=5000), Live(10, 103.0, 1, 5000), "end"),
+        (Candidate("w-0", 10, 100.0, True, start_ticks=5000), Live(10, 100.0, 1, 5300), "reused"),
+        (Candidate("w-0", 10, 100.0, True, start_ticks=5000), Live(10, 100.0, 1, 5001), "end"),
+        # our marker in its environment: one of ours whatever the times say
+        (Candidate("w-0", 10, 100.0, True), Live(10, 103.0, 1, None, marked=True), "end"),
+        (Candidate("w-0", 10, 100.0, True, other_boot=True), Live(10, 100.0, 1), "gone"),
+        (
+            Candidate("w-0", 10, 100.0, True, other_boot=True),
+            Live(10, 100.0, 1, marked=True),
+            "end",
+        ),
+        (Candidate("w-0", 10, 100.0, True), Live(10, 100.0, 777, marked=True), "ours"),
+    ],
+)
+def test_reclaim_verdicts_survive_clock_steps(cand: Candidate, live: Live, verdict: str) -> None:
+    """Regression: a clock step while the killed supervisor ran (its boot time read once,
+    psutil's read again) made every recorded orphan "reused", left running with its GPU memory
+    and port, and the marker in its environment was not looked at for recorded pids."""
+    assert judge(cand, live, own_pid=777).value == verdict
+
+
+def test_reclaim_candidates_carry_ticks_from_the_records_boot_time() -> None:
+    doc = {
+        "supervisor": {"boot_time": 1000.0, "boot_id": "b1"},
+        "workers": [{"name": "a-0", "pid": 10, "pid_create_time": 1050.25}],
+    }
+    assert candidates(doc, "b1", hz=100) == [Candidate("a-0", 10, 1050.25, True, 5025)]
+    assert candidates(doc, "b2", hz=100) == [Candidate("a-0", 10, 1050.25, True, None, True)]
+    assert candidates(doc, "", hz=100) == [Candidate("a-0", 10, 1050.25, True)]  # unknown now
+
+
 def test_procfs_create_time_is_psutils() -> None:
     assert procfs.create_time(os.getpid()) == psutil.Process().create_time()
     assert procfs.create_time(2**22 + 12345) is None
