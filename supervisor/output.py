@@ -14,13 +14,17 @@ import contextlib
 import os
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import anyio
 
 TAIL_LINES = 200
+#: The tail also holds at most this many characters (the newest lines that fit, and always the
+#: newest one): 200 lines cut at 16 KiB are 3.2 M characters, and undecodable bytes (a worker
+#: writing binary data) each become a U+FFFD, which costs 2 bytes held and 3 in a post-mortem.
+TAIL_CHARS = 256 * 1024
 _READ_SIZE = 65536
 #: A line longer than this (in bytes, without its newline) is passed through in pieces of at most
 #: this size and kept cut to its start for the tail and ``on_line``; it bounds the bytes held.
@@ -99,6 +103,31 @@ class RotatingFile:
             self._fh = None
 
 
+class Tail:
+    """The last lines: at most ``lines`` of them and ``chars`` characters (the newest line is
+    always kept)."""
+
+    def __init__(self, lines: int = TAIL_LINES, chars: int = TAIL_CHARS) -> None:
+        self._lines: deque[str] = deque()
+        self._chars = 0
+        self.max_lines = lines
+        self.max_chars = chars
+
+    def append(self, text: str) -> None:
+        """Keep ``text`` as the newest line, dropping the oldest ones that no longer fit."""
+        lines = self._lines
+        lines.append(text)
+        self._chars += len(text)
+        while len(lines) > self.max_lines or (self._chars > self.max_chars and len(lines) > 1):
+            self._chars -= len(lines.popleft())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lines)
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+
 class WorkerOutput:
     """One worker's output sink, kept across its restarts."""
 
@@ -113,7 +142,7 @@ class WorkerOutput:
     ) -> None:
         self.name = name
         self.file = RotatingFile(log_path, max_bytes, backups)
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.tail = Tail()
         self.passthrough = passthrough
         #: The current line's bytes not passed through yet (at most ``MAX_LINE``).
         self._partial = b""
@@ -220,6 +249,19 @@ class WorkerOutput:
         finally:
             self.flush_partial()
             os.close(fd)
+
+
+#: How a process's first line in the tail starts (``WorkerOutput.mark("started pid N")``).
+RUN_START = "--- gpu-supervisor: started pid "
+
+
+def this_run(lines: Sequence[str]) -> list[str]:
+    """The lines of ``lines`` (a tail) since the last process of the worker started: what an
+    exit may be judged by (an earlier process's "CUDA out of memory" is not this one's)."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(RUN_START):
+            return list(lines[i:])
+    return list(lines)
 
 
 def _write_stdout(data: bytes) -> None:

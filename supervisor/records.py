@@ -136,8 +136,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def dump_json(doc: Any) -> bytes:
-    """Pretty, stable JSON with a trailing newline."""
-    return (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode()
+    """Pretty, stable JSON with a trailing newline, in UTF-8 (not ``\\uXXXX`` escapes: a log
+    line of undecodable bytes would take 6 bytes for each)."""
+    text = json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    return text.encode("utf-8", "replace")  # a lone surrogate (never from a log line) -> "?"
 
 
 def lock_state_dir(state_dir: Path) -> int | None:

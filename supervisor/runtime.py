@@ -42,7 +42,7 @@ from supervisor.journal import Journal
 from supervisor.logs import install_loop_exception_handler
 from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
 from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
-from supervisor.output import WorkerOutput
+from supervisor.output import WorkerOutput, this_run
 from supervisor.plan import (
     CORDONED,
     INSTANCE_VAR,
@@ -1257,6 +1257,9 @@ class Runtime:
             pid=runner.last_exit_pid,
             started_wall=runner.started_wall,
             ended_wall=runner.last_exit_wall or self.clock.wall(),
+            uptime_s=None
+            if before.started_at is None or runner.last_exit_at is None
+            else max(0.0, runner.last_exit_at - before.started_at),
             lines=runner.output.lines(),
             samples=list(self.samples_of.pop(runner.name, ())),
             healing=self.healer.exit_evidence(runner.name),
@@ -1276,7 +1279,7 @@ class Runtime:
         found = classify(
             outcome.reason,
             outcome.status,
-            dead.lines,
+            this_run(dead.lines),  # the tail goes further back, to earlier processes
             failure=dead.action.failure,
             detail=outcome.detail,
             timing={
@@ -1314,6 +1317,7 @@ class Runtime:
                 started_at=dead.started_wall,
                 ended_at=dead.ended_wall,
                 restarts=before.restarts,
+                uptime_s=dead.uptime_s,
             ),
             status=outcome.status,
             reason=found.reason,
@@ -1807,6 +1811,7 @@ class _Death:
     pid: int | None
     started_wall: float | None
     ended_wall: float
+    uptime_s: float | None  # monotonic
     lines: list[str]
     samples: list[SamplePoint]
     healing: dict[str, Any] | None

@@ -173,6 +173,9 @@ class WorkerFacts:
     started_at: float | None  # wall clock
     ended_at: float  # wall clock
     restarts: int
+    #: how long the process ran, from the monotonic clock (the wall clock may have been
+    #: stepped meanwhile); None: from the wall-clock times
+    uptime_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +215,9 @@ def postmortem_doc(
     """The post-mortem document (DESIGN.md section 8)."""
     if reason not in POSTMORTEM_REASONS:
         raise ValueError(f"unknown post-mortem reason {reason!r}")
-    uptime = None if worker.started_at is None else max(0.0, worker.ended_at - worker.started_at)
+    uptime = worker.uptime_s
+    if uptime is None and worker.started_at is not None:
+        uptime = max(0.0, worker.ended_at - worker.started_at)
     return {
         "schema_version": POSTMORTEM_SCHEMA_VERSION,
         "id": id_,

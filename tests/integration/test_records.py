@@ -122,6 +122,45 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
     assert "CUDA out of memory" in docs[0]["evidence"]["log_line"]
 
 
+def test_an_earlier_processs_cuda_oom_is_not_the_next_ones_reason(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the tail holds earlier processes' lines too, and every later death (a
+    SIGSEGV, an exit 3) was classified cuda_oom with the first process's line as evidence."""
+    script = tmp_path / "seq.py"
+    runs = tmp_path / "runs"
+    script.write_text(
+        "import os, pathlib, sys\n"
+        f"p = pathlib.Path({str(runs)!r})\n"
+        "n = int(p.read_text()) + 1 if p.exists() else 1\n"
+        "p.write_text(str(n))\n"
+        "if n == 1:\n"
+        "    print('torch.OutOfMemoryError: CUDA out of memory', flush=True)\n"
+        "    sys.exit(1)\n"
+        "print('run', n, flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "s",
+                    "command": [sys.executable, str(script)],
+                    "ready": "none",
+                    "restart": {"burst": 2, "backoff_initial_s": 0.01},
+                }
+            ]
+        }
+    )
+    sup.wait_event(event="worker.state", worker="s-0", new="fatal")
+    assert sup.stop() == 0
+    docs = sorted(postmortems(sup), key=lambda d: d["worker"]["ended_at"])
+    assert [d["reason"] for d in docs] == ["cuda_oom", "exit", "exit"]
+    assert all("log_line" not in d["evidence"] for d in docs[1:])
+    # the tail still shows what came before, as context
+    assert any("CUDA out of memory" in line for line in docs[1]["log_tail"])
+
+
 def test_hang_gives_a_postmortem_with_evidence(supervisor: SupervisorFactory) -> None:
     sup = supervisor(
         {

@@ -16,7 +16,8 @@ import pytest
 
 from supervisor import processes, procfs
 from supervisor.notify import parse_datagram, socket_path_for
-from supervisor.output import TAIL_LINES, WorkerOutput
+from supervisor.output import TAIL_CHARS, TAIL_LINES, WorkerOutput
+from supervisor.records import dump_json
 from supervisor.runtime import Reload, Shutdown, signal_intent
 
 PR_GET_PDEATHSIG = 2
@@ -44,6 +45,23 @@ def test_output_keeps_the_last_lines_and_partial_lines(tmp_path: Path) -> None:
     assert len(lines) == TAIL_LINES
     assert lines[-1] == "no newline"
     assert lines[-2] == str(TAIL_LINES + 49)
+
+
+def test_the_tail_holds_a_bounded_number_of_characters(tmp_path: Path) -> None:
+    """Regression: 200 lines of 16 KiB of undecodable bytes (a worker writing binary data) were
+    held as 3.2 M U+FFFD characters and written as 19 MB post-mortems (``\\ufffd`` each)."""
+    out = WorkerOutput("w-0", tmp_path / "w.log", max_bytes=0, backups=0)
+    for _ in range(TAIL_LINES):
+        out.feed(b"\x80" * 16000 + b"\n")
+    out.feed(b"last\n")
+    lines = out.lines()
+    assert lines[-1] == "last"
+    assert sum(map(len, lines)) <= TAIL_CHARS
+    assert len(lines) == 1 + TAIL_CHARS // 16000
+    assert len(dump_json({"log_tail": lines})) < 1_000_000  # UTF-8, not \\ufffd escapes
+    out.feed(b"\x80" * 40000 + b"\n")  # one line longer than it all: still the newest
+    assert out.lines()[-1].startswith("\ufffd" * 100)
+    out.close()
 
 
 def test_passthrough_prefixes_each_line(tmp_path: Path) -> None:

@@ -91,6 +91,24 @@ def test_postmortem_document_matches_its_schema() -> None:
     assert doc["exit"] == {"code": None, "signal": 11, "signal_name": "SIGSEGV"}
 
 
+def test_postmortem_uptime_is_the_monotonic_one() -> None:
+    """Regression: uptime_s was ended_at - started_at on the wall clock: 0 after a step back
+    of the clock while the process ran, hours after a step forward."""
+    stepped = WorkerFacts("w-0", "w", 0, 42, ("x",), None, None, T0, T0 - 3600, 0, uptime_s=6.0)
+    doc = postmortem_doc(
+        id_=postmortem_id(T0, "w-0", "exit"),
+        worker=stepped,
+        status=ExitStatus(code=4, signal=None),
+        reason="exit",
+        evidence={},
+        samples=[],
+        devices=[],
+        log_tail=[],
+        events=Journal().since(0),
+    )
+    assert doc["worker"]["uptime_s"] == 6.0
+
+
 def test_postmortem_rejects_unknown_reason() -> None:
     with pytest.raises(ValueError, match="unknown post-mortem reason"):
         _pm(T0, reason="stop")
