@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from supervisor._version import __version__
+from supervisor.config import is_loopback, parse_listen
 from supervisor.journal import JOURNAL_SIZE, rfc3339
 from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
@@ -303,6 +304,60 @@ def bearer_refusal(header: str, expected: bytes) -> str | None:
         return "missing bearer token (Authorization: Bearer <token>)"
     if not hmac.compare_digest(credentials.encode(), expected):
         return "invalid bearer token"
+    return None
+
+
+#: Methods a browser may send cross-site without asking first are refused from other origins
+#: (these change things; GET and HEAD do not, and their answers are not readable cross-site).
+_UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _host_name(host: str) -> str:
+    """``127.0.0.1:9811`` -> ``127.0.0.1``; ``[::1]:9811`` -> ``::1`` (lower case)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host[1:]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def browser_refusal(
+    method: str, headers: Sequence[tuple[bytes, bytes]], loopback_only: bool
+) -> str | None:
+    """Why a request a web page made the browser send is refused (None: it is not).
+
+    - Cross-site requests: a page on another origin can make the browser POST here without
+      asking (a "simple" request needs no preflight), so a tokenless API on the operator's own
+      machine could be driven by any web page open there. Unsafe methods are refused when
+      their ``Origin`` is not this server (``Host``), or ``Sec-Fetch-Site`` says cross-site.
+    - DNS rebinding: a page whose name is made to resolve to 127.0.0.1 is same-origin with
+      itself, but its requests carry its own name as ``Host``. On a loopback listener
+      (``loopback_only``) any ``Host`` that is not a loopback name or address is refused.
+
+    Clients that are not browsers (curl, the CLI, Prometheus) send neither header, or a
+    loopback ``Host``: they are not affected.
+    """
+    host = origin = fetch_site = None
+    for key, value in headers:
+        if key == b"host":
+            host = value.decode("latin-1")
+        elif key == b"origin":
+            origin = value.decode("latin-1")
+        elif key == b"sec-fetch-site":
+            fetch_site = value.decode("latin-1").strip().lower()
+    if loopback_only and host is not None:
+        name = _host_name(host)
+        if not (is_loopback(name) or name.endswith(".localhost")):
+            return (
+                f"Host {host!r} is not a loopback name: this API listens on loopback only "
+                "(a request through a name made to resolve to it is refused)"
+            )
+    if method in _UNSAFE_METHODS:
+        if origin is not None:
+            parts = origin.strip().lower().split("://", 1)
+            if len(parts) != 2 or host is None or parts[1].rstrip("/") != host.strip().lower():
+                return f"cross-origin request refused (Origin {origin!r})"
+        elif fetch_site in ("cross-site", "same-site"):
+            return f"cross-origin request refused (Sec-Fetch-Site {fetch_site})"
     return None
 
 
@@ -913,6 +968,7 @@ class Front:
         fast: Mapping[str, FastRoute],
         token: str | None,
         *,
+        loopback_only: bool = False,
         share: float = 0.5,
         period_s: float = 0.02,
         exempt: Sequence[str] = (),
@@ -928,6 +984,8 @@ class Front:
         self.urgent_share = urgent_share
         self.fast = dict(fast)
         self._expected = (token or "").encode()
+        #: the listener is a loopback address: refuse Host names that are not (browser_refusal)
+        self.loopback_only = loopback_only
         self.share = share
         self.period_s = period_s
         self.exempt = tuple(exempt)
@@ -939,6 +997,10 @@ class Front:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             send = self._dated(send)
+            why = browser_refusal(scope["method"], scope["headers"], self.loopback_only)
+            if why is not None:
+                await _refuse(send, 403, why)
+                return
         if scope["type"] != "http" or scope["path"].startswith(self.exempt):
             await self.app(scope, receive, send)
             return
@@ -1024,6 +1086,17 @@ _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\nconnection: close\r\nretry-after: 1\r\n\r\n%s"
     % (len(_REFUSAL_BODY), _REFUSAL_BODY)
+)
+#: A request line and headers longer than this (bytes) are refused with 431 and the connection
+#: closed: the parser gathers a header's pieces by copying, so one endless header line (before
+#: any token is checked) would keep the loop busy until the request deadline.
+MAX_HEAD_BYTES = 64 * 1024
+_HEAD_BODY = json.dumps(
+    {"error": f"request line and headers over {MAX_HEAD_BYTES // 1024} KiB"}
+).encode()
+_HEAD_REFUSAL = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY)
 )
 #: The event of shed connections (at most once a minute, with running totals).
 SHED_EVENT = "api.connections_shed"
@@ -1157,6 +1230,10 @@ class _GuardedHttp(HttpToolsProtocol):
     def connection_made(  # type: ignore[override]
         self, transport: asyncio.Transport
     ) -> None:
+        self._in_head = True  # the bytes coming in are a request line or headers
+        self._head_bytes = 0  # of the current request's head, so far
+        self._heads = 0  # request heads parsed on this connection
+        self._head_refused = False
         super().connection_made(transport)
         self._since = self.loop.time()  # when the wait for the current request began
         self._served = 0  # requests answered on this connection
@@ -1170,6 +1247,28 @@ class _GuardedHttp(HttpToolsProtocol):
                 transport.abort()
             else:
                 transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        """Parse ``data``; refuse a request head over :data:`MAX_HEAD_BYTES` (431)."""
+        if self._head_refused:
+            return
+        counting, heads = self._in_head, self._heads
+        super().data_received(data)
+        if counting and self._in_head and heads == self._heads:  # all of it was head
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._head_refused = True
+                self.transport.write(_HEAD_REFUSAL)
+                self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        self._heads += 1
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes = True, 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gate.forget(self)
@@ -1341,6 +1440,28 @@ def _quiet_uvicorn_logging() -> None:
     access.disabled = True
 
 
+def _loopback_listener(listen: str) -> bool:
+    """``api.listen`` is a loopback TCP address (not a unix socket, not another interface)."""
+    kind, host, _ = parse_listen(listen)
+    return kind == "tcp" and is_loopback(host)
+
+
+async def _refuse(send: Any, status: int, why: str) -> None:
+    """Answer a request with ``{"error": why}`` without reading it."""
+    body = json.dumps({"error": why}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 async def serve(
     runtime: Runtime,
     *,
@@ -1362,6 +1483,7 @@ async def serve(
         app,
         app.state.fast_routes,
         token,
+        loopback_only=_loopback_listener(api.listen),
         share=LOOP_SHARE,
         period_s=LOOP_PERIOD_S,
         exempt=(f"{API_PREFIX}/postmortems", f"{API_PREFIX}/gpus/"),

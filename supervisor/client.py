@@ -30,6 +30,7 @@ from supervisor.config import (
     is_loopback,
     load_client_settings,
     parse_listen,
+    token_problem,
 )
 from supervisor.errors import ApiClientError, ConfigError, UsageError
 
@@ -133,8 +134,9 @@ def read_token_file(path: Path) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"api.token_file {path}: cannot read: {why}") from None
-    if not token:
-        raise ConfigError(f"api.token_file {path}: empty")
+    problem = token_problem(token)
+    if problem is not None:
+        raise ConfigError(f"api.token_file {path}: {problem}")
     return token
 
 
@@ -176,7 +178,10 @@ def resolve(
             httpx.URL(url)
         except httpx.InvalidURL as exc:
             raise UsageError(f"gpu-supervisor: --url {url!r}: {exc}") from None
-    token = environ.get(TOKEN_ENV) or None
+    # stripped as the file is: a secret put into the environment often ends with a newline
+    token = environ.get(TOKEN_ENV, "").strip() or None
+    if token is not None and (problem := token_problem(token)) is not None:
+        raise UsageError(f"gpu-supervisor: {TOKEN_ENV}: {problem}")
     if token is None and api.token_file is not None:
         token = read_token_file(api.token_file)
     return url, token
@@ -232,6 +237,11 @@ class Client:
 
         try:
             response = self._http.request(method, path)
+        except httpx.LocalProtocolError:  # its text holds the header, which may be the token
+            raise UsageError(
+                "gpu-supervisor: the request could not be sent (a header value, such as the "
+                "token, is not valid in HTTP)"
+            ) from None
         except httpx.TimeoutException:
             raise ApiClientError(
                 f"no answer from the supervisor at {self.url} (timed out)"

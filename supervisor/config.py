@@ -246,6 +246,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def token_problem(token: str) -> str | None:
+    """What is wrong with a bearer token as a value (None: nothing). A token is sent in an HTTP
+    header: printable ASCII without spaces (RFC 6750's characters and a few more); anything else
+    could never be sent or matched. The message never contains the token."""
+    if not token:
+        return "empty"
+    if not all("!" <= c <= "~" for c in token):
+        return "must be one token of printable ASCII characters (no spaces, no non-ASCII)"
+    return None
+
+
 def redact_url(url: str) -> str:
     """``scheme://host[:port]`` of a URL, for logs and messages: userinfo, path and query may
     hold tokens (a webhook's secret is often its path)."""

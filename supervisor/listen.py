@@ -24,7 +24,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from supervisor.config import ApiSection, parse_listen
+from supervisor.config import ApiSection, parse_listen, token_problem
 from supervisor.errors import ConfigError, ListenError
 
 if TYPE_CHECKING:
@@ -105,8 +105,9 @@ def load_token(api: ApiSection) -> str | None:
         raise ConfigError(f"api.token_file {path}: not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(f"api.token_file {path}: cannot read: {exc.strerror or exc}") from None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"api.token_file {path}: must hold one token without spaces")
+    problem = token_problem(token)
+    if problem is not None:
+        raise ConfigError(f"api.token_file {path}: {problem}")
     return token
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.api import FastRoute, Front
+from supervisor.api import FastRoute, Front, browser_refusal
+from supervisor.config import token_problem
 
 
 async def call(
@@ -177,3 +178,67 @@ async def test_a_client_that_stops_reading_holds_no_one_back() -> None:
             assert (await call(front, "/other"))["body"] == b"slow"
             tg.cancel_scope.cancel()
     assert sorted(stuck_at) == ["http.response.start", "http.response.start", "receive"]
+
+
+H = list[tuple[bytes, bytes]]
+
+
+@pytest.mark.parametrize(
+    ("method", "headers", "loopback", "refused"),
+    [
+        # programs (curl, the CLI, Prometheus): no Origin, a loopback Host
+        ("POST", [(b"host", b"127.0.0.1:9811")], True, None),
+        ("GET", [(b"host", b"localhost:9811")], True, None),
+        ("GET", [(b"host", b"[::1]:9811")], True, None),
+        ("GET", [(b"host", b"app.localhost")], True, None),
+        ("GET", [], True, None),  # HTTP/1.0 without Host
+        # the status page: same origin
+        ("POST", [(b"host", b"127.0.0.1:9811"), (b"origin", b"http://127.0.0.1:9811")], True, None),
+        # a page elsewhere: cross-site POST ("simple" request, no preflight)
+        (
+            "POST",
+            [(b"host", b"127.0.0.1:9811"), (b"origin", b"http://evil.example")],
+            True,
+            "Origin",
+        ),
+        ("POST", [(b"host", b"127.0.0.1:9811"), (b"origin", b"null")], True, "Origin"),
+        ("POST", [(b"host", b"127.0.0.1:9811"), (b"sec-fetch-site", b"cross-site")], True, "Sec"),
+        # reading cross-site is the browser's to refuse (no CORS headers): GET goes through
+        ("GET", [(b"host", b"127.0.0.1:9811"), (b"origin", b"http://evil.example")], True, None),
+        # DNS rebinding: a foreign name resolved to 127.0.0.1 is same-origin with itself
+        ("GET", [(b"host", b"evil.example:9811")], True, "loopback"),
+        ("POST", [(b"host", b"evil.example"), (b"origin", b"http://evil.example")], True, "Host"),
+        # a listener on another interface is reached by any name; cross-site POSTs still not
+        ("GET", [(b"host", b"sup.internal:9811")], False, None),
+        (
+            "POST",
+            [(b"host", b"sup.internal"), (b"origin", b"http://evil.example")],
+            False,
+            "Origin",
+        ),
+    ],
+)
+def test_browser_refusal(method: str, headers: H, loopback: bool, refused: str | None) -> None:
+    """Regression: with no token (the default), any web page open on the operator's machine
+    could stop workers through a cross-site POST, and read the API through DNS rebinding."""
+    why = browser_refusal(method, headers, loopback)
+    assert (why is None) == (refused is None), why
+    assert refused is None or refused in str(why)
+
+
+@pytest.mark.parametrize(
+    ("token", "ok"),
+    [
+        ("s3cr3t-TOKEN_~+/=", True),
+        ("", False),
+        ("two words", False),
+        ("tökén", False),
+        ("a\n", False),
+    ],
+)
+def test_token_problem(token: str, ok: bool) -> None:
+    """Regression: a non-ASCII token was accepted but could never match (headers are latin-1)
+    and the client failed on it with a traceback."""
+    problem = token_problem(token)
+    assert (problem is None) == ok
+    assert problem is None or token not in problem or not token
