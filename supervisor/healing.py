@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import socket
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -61,6 +62,13 @@ DEFAULT_WINDOW_S = 600.0
 HOST_FREE_EVERY_S = 5.0
 #: the system-wide OOM-kill count (/proc/vmstat) is re-read at most this often at spawns
 OOM_COUNT_REUSE_S = 0.25
+#: A worker without a cgroup count of its own is judged on the system-wide one, which counts
+#: every OOM kill of the machine: it is read at samples (at most this often, while such a worker
+#: runs), and a death is compared with the last reading at least ``OOM_GUARD_S`` older than it
+#: (a reading between the kernel's kill and the reap would hide the kill), not with the count
+#: at its spawn, hours before.
+OOM_READ_EVERY_S = 1.0
+OOM_GUARD_S = 1.0
 #: Reasons of findings about one process: a new process of the worker is judged afresh.
 PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
@@ -125,6 +133,8 @@ class _Watch:
     judged_at: float = float("-inf")
     pattern_hit: bool = False
     oom_kills_at_start: int | None = None
+    oom_system: bool = False  # the count is the system-wide one (no cgroup count of its own)
+    spawned_at: float = 0.0
     gpu_mb: float | None = None  # at the last sample (what a migration target must have free)
 
 
@@ -170,6 +180,7 @@ class Healer:
         #: worker -> its cgroup's memory.events (its own OOM-kill count), when it has one
         self.oom_events_of: Callable[[str], Path | None] = lambda _name: None
         self._oom_count: tuple[float, int | None] | None = None  # (read at, system-wide count)
+        self._oom_readings: deque[tuple[float, int]] = deque(maxlen=8)  # at samples
 
     # --- read model ---------------------------------------------------------------------
 
@@ -203,9 +214,22 @@ class Healer:
         return self._exit_evidence.pop(name, None)
 
     def oom_baseline(self, name: str) -> int | None:
-        """The OOM-kill count when ``name``'s current process started (None when unknown)."""
+        """The OOM-kill count ``name``'s process, dying now, is compared with: its cgroup's at
+        its start, or the system-wide one shortly before now (None when unknown)."""
         w = self._watch.get(name)
-        return None if w is None else w.oom_kills_at_start
+        if w is None:
+            return None
+        if w.oom_system:
+            before = self.host.clock.now() - OOM_GUARD_S
+            for t, count in reversed(self._oom_readings):
+                if t <= before:
+                    return count if t >= w.spawned_at else w.oom_kills_at_start
+        return w.oom_kills_at_start
+
+    def oom_scope(self, name: str) -> str:
+        """Whose OOM kills ``oom_kills_since`` counts for ``name``: ``cgroup`` or ``host``."""
+        w = self._watch.get(name)
+        return "host" if w is None or w.oom_system else "cgroup"
 
     def oom_kills_since(self, name: str, baseline: int | None) -> int:
         """OOM kills the kernel counted since ``baseline`` (0 when unknown)."""
@@ -325,6 +349,8 @@ class Healer:
         interval = self.host.settings.supervisor.sample_interval_s
         share = math.ceil(len(self._watch) * interval / FLOOR_BUCKET_S) if self._watch else 0
         judged = {name for _, name in due[: max(1, share)]}
+        if any(w.oom_system and w.pid is not None for w in self._watch.values()):
+            self._read_oom(now)
         host_free = self._host_free(now) if judged else None
         for runner in self.host.workers():
             self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
@@ -339,6 +365,14 @@ class Healer:
         return self._host_free_mb
 
     # --- detectors ----------------------------------------------------------------------
+
+    def _read_oom(self, now: float) -> None:
+        """Note the system-wide OOM-kill count (at most every ``OOM_READ_EVERY_S``)."""
+        if self._oom_readings and now - self._oom_readings[-1][0] < OOM_READ_EVERY_S:
+            return
+        count = procfs.oom_kills()
+        if count is not None:
+            self._oom_readings.append((now, count))
 
     def _oom_kills_at_start(self, name: str) -> int | None:
         """The OOM-kill count a new process of ``name`` is compared with when it dies.
@@ -363,6 +397,8 @@ class Healer:
             host_floor=FloorSeries(window, bucket),
             in_use_floor=FloorSeries(window, bucket),
             oom_kills_at_start=self._oom_kills_at_start(runner.name) if pid else None,
+            oom_system=self.oom_events_of(runner.name) is None,
+            spawned_at=self.host.clock.now(),
         )
         self._watch[runner.name] = w
         for key in [k for k in self._pending if k[1] == runner.name]:

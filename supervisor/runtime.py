@@ -1290,6 +1290,7 @@ class Runtime:
             silent_for_s=silent,
             healing=dead.healing,
             oom_kills=self.healer.oom_kills_since(runner.name, dead.oom_baseline),
+            oom_scope=self.healer.oom_scope(runner.name),
         )
         # The restart is counted under what the death was found to be (a CUDA OOM, not
         # "exit"), as the post-mortem and the worker object's last_exit say.

@@ -66,11 +66,13 @@ def classify(
     silent_for_s: float | None = None,
     healing: Mapping[str, Any] | None = None,
     oom_kills: int = 0,
+    oom_scope: str = "cgroup",
 ) -> Classified | None:
     """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
 
     ``healing``: the evidence of the healing action that stopped the worker (for a healing
-    reason); ``oom_kills``: how many OOM kills the kernel counted while the process ran.
+    reason); ``oom_kills``: how many OOM kills the kernel counted while the process ran (in its
+    cgroup, or on the whole host shortly before its death: ``oom_scope``).
     """
     if reason not in POSTMORTEM_EXITS:
         return None
@@ -86,7 +88,9 @@ def classify(
         if oom is not None:
             return Classified("cuda_oom", {**base, "log_line": oom[:2000]})
         if status is not None and status.signal == SIGKILL and oom_kills > 0:
-            return Classified("host_oom", {**base, "oom_kills": oom_kills})
+            return Classified(
+                "host_oom", {**base, "oom_kills": oom_kills, "oom_kills_scope": oom_scope}
+            )
         return Classified(reason.value, base)
     if reason is ExitReason.HANG:
         return Classified(

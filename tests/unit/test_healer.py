@@ -296,3 +296,36 @@ def test_a_worker_without_a_process_does_not_starve_the_leak_judgements_of_the_o
         healer.on_sample(Sample(now, tuple(host.devices.values()), {"leak-0": usage}, True))
     assert lc.Restart(reason=ExitReason.LEAK) in leak.posted
     assert dead.posted == []
+
+
+def test_an_oom_kill_elsewhere_long_before_a_death_is_not_blamed_on_it(
+    monkeypatch: Any,
+) -> None:
+    """Without a cgroup count of its own, a worker's SIGKILL was host_oom whenever the machine
+    had had any OOM kill since the worker started (hours before, in another container): the
+    system-wide count is now read at samples and a death compared with the count of a second
+    or two before it."""
+    from supervisor import procfs
+
+    count = [5]
+    monkeypatch.setattr(procfs, "oom_kills", lambda events=None: count[0])
+    g0 = Runner("g-0", GPUS[0])
+    host, healer = setup("none", g0)
+    healer.on_spawned(g0, 100)  # type: ignore[arg-type]
+    for _ in range(5):
+        host.tick(healer)
+    count[0] = 6  # an OOM kill elsewhere on the machine
+    for _ in range(60):
+        host.tick(healer)
+    # the worker is SIGKILLed a minute later: not by that OOM kill
+    assert healer.oom_kills_since("g-0", healer.oom_baseline("g-0")) == 0
+    # the kernel's kill of the worker itself, just before the reap, counts
+    count[0] = 7
+    host.clock.advance(0.3)
+    assert healer.oom_kills_since("g-0", healer.oom_baseline("g-0")) == 1
+    assert healer.oom_scope("g-0") == "host"
+    # a process younger than the guard is compared with the count at its spawn
+    healer.on_spawned(g0, 101)  # type: ignore[arg-type]
+    count[0] = 8
+    host.clock.advance(0.2)
+    assert healer.oom_kills_since("g-0", healer.oom_baseline("g-0")) == 1
