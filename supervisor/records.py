@@ -166,10 +166,19 @@ def lock_state_dir(state_dir: Path) -> int | None:
             f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor "
             f"(pid {holder}): give each supervisor a state_dir of its own"
         ) from None
-    with contextlib.suppress(OSError):
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    write_lock_pid(fd)
     return fd
+
+
+def write_lock_pid(fd: int) -> bool:
+    """Write our pid into the held lock file (what a refused second supervisor names); False
+    when it could not be written (a full disk: try again later)."""
+    try:
+        os.ftruncate(fd, 0)
+        data = f"{os.getpid()}\n".encode()
+        return os.pwrite(fd, data, 0) == len(data)
+    except OSError:
+        return False
 
 
 def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
@@ -411,8 +420,12 @@ class Recorder:
         snapshot: Callable[[], dict[str, Any]],
         on_dir_recreated: Callable[[], None] = lambda: None,
         create_time: Callable[[int], float | None] | None = None,
+        after_state_written: Callable[[], None] = lambda: None,
     ) -> None:
         self.state_dir = state_dir
+        #: called in the writer thread after each ``state.json`` written (the disk takes
+        #: writes again: what could not be saved at start is saved then)
+        self._after_state_written = after_state_written
         self.state_path = state_dir / STATE_FILE
         self.store = PostmortemStore(state_dir / POSTMORTEM_DIR, keep)
         self.health = health
@@ -573,6 +586,7 @@ class Recorder:
         data = dump_json(doc)
         ok = self._retrying("state", lambda: atomic_write(self.state_path, data))
         if ok:
+            self._after_state_written()
             self.state_writes += 1
             self._log.debug(
                 "records.state_written",

@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequen
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import anyio
 import anyio.abc
@@ -72,6 +73,7 @@ from supervisor.processes import (
 from supervisor.reclaim import KILL_WAIT_S as RECLAIM_KILL_WAIT_S
 from supervisor.reclaim import TERM_WAIT_S, reclaim
 from supervisor.records import (
+    INSTANCE_FILE,
     LOCK_FILE,
     POSTMORTEM_DIR,
     STATE_FILE,
@@ -85,6 +87,7 @@ from supervisor.records import (
     read_json,
     remove_temp_files,
     write_cordons,
+    write_lock_pid,
 )
 from supervisor.sampler import Sampler, WorkerRef, host_interval
 from supervisor.sdnotify import SystemdNotifier
@@ -222,6 +225,8 @@ class Runtime:
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
         self._instance: str | None = None  # state_dir's id, in the workers' environment
+        self._instance_unsaved = False  # made in memory: state_dir/instance not written yet
+        self._lock_pid_unsaved = False  # the lock file does not name us yet
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -272,6 +277,7 @@ class Runtime:
             self._state_snapshot,
             on_dir_recreated=self._on_state_dir_recreated,
             create_time=self.sampler.member_create_time,
+            after_state_written=self._save_unsaved_ids,
         )
         self.postmortems = self.recorder.store
         self.reclaimed: list[dict[str, Any]] = []
@@ -946,6 +952,16 @@ class Runtime:
         self._state_lock = lock_state_dir(state_dir)
         if self._state_lock is not None:
             self._instance = instance_id(state_dir)
+            self._lock_pid_unsaved = not write_lock_pid(self._state_lock)
+            if self._instance is None:
+                # A full state_dir: the workers still get a marker (their leftovers are found
+                # by it after a SIGKILL), saved once the disk takes writes again.
+                self._instance, self._instance_unsaved = uuid4().hex, True
+                self.log.warning(
+                    "records.instance_unsaved",
+                    path=os.fspath(state_dir / INSTANCE_FILE),
+                    reason="cannot write state_dir's id yet: retried after each state write",
+                )
             self.cordoned |= read_cordons(state_dir)  # the operator's, before a restart
             if self.cordoned:
                 self.log.info("gpu.cordons_kept", gpus=sorted(self.cordoned), reason="operator")
@@ -1100,6 +1116,18 @@ class Runtime:
                 self.log.warning("notify.rebound", path=os.fspath(self.notify_path))
         for runner in self.workers():
             runner.output.file.close()
+
+    def _save_unsaved_ids(self) -> None:
+        """After a state write (in the writer thread): save what a full disk kept from being
+        written at start, ``state_dir/instance`` and our pid in the lock file."""
+        state_dir = self.settings.supervisor.state_dir
+        lock = self._state_lock
+        if self._lock_pid_unsaved and lock is not None and write_lock_pid(lock):
+            self._lock_pid_unsaved = False
+        keep = self._instance
+        if self._instance_unsaved and keep and instance_id(state_dir, keep=keep) is not None:
+            self._instance_unsaved = False
+            self.log.info("records.instance_saved", path=os.fspath(state_dir / INSTANCE_FILE))
 
     def _relock_state_dir(self) -> None:
         state_dir = self.settings.supervisor.state_dir

@@ -672,6 +672,27 @@ def test_full_disk_does_not_stop_supervision(supervisor: SupervisorFactory, smal
     validate_file(small_fs / "state.json")
 
 
+def test_a_full_state_dir_at_start_still_marks_the_workers(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """Regression: with state_dir full at the first start, state_dir/instance could not be
+    written and the workers got no GPU_SUPERVISOR_INSTANCE for the whole run (their leftovers
+    could not be found after a SIGKILL), nor did the lock file name the holder. The marker is
+    made in memory and saved, with the lock's pid, once the disk takes writes again."""
+    filler = _fill(small_fs)
+    sup = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    sup.ready("w-0")
+    sup.wait_event(event="records.instance_unsaved")
+    pid = sup.wait_event(event="worker.spawned", worker="w-0")["pid"]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    marker = next(v for v in environ if v.startswith(b"GPU_SUPERVISOR_INSTANCE="))
+    filler.unlink()
+    sup.wait_event(event="records.instance_saved", timeout=15)
+    assert (small_fs / "instance").read_text().strip() == marker.split(b"=", 1)[1].decode()
+    assert (small_fs / "lock").read_text().strip() == str(sup.pid)
+    assert sup.stop() == 0
+
+
 def test_read_only_state_dir_does_not_stop_supervision(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:
