@@ -991,6 +991,12 @@ class Runtime:
         for d in (state_dir, state_dir / "postmortems"):
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
+        if previous is None and (state_dir / STATE_FILE).exists():
+            self.log.warning(
+                "records.previous_state_unreadable",
+                path=os.fspath(state_dir / STATE_FILE),
+                reason="not a JSON object: leftovers are found by their environment only",
+            )
         # by the environment marker only while we hold state_dir's lock (else another
         # supervisor may run with the same state_dir, and its workers carry the same id)
         results = await in_thread(reclaim, previous or {}, self._instance, inline=True)

@@ -292,7 +292,7 @@ def test_restarted_supervisor_reclaims_orphans(
     assert reclaimed[grandchild]["verdict"] == "end"
 
 
-@pytest.mark.parametrize("record", ["with_boot_time", "without_boot_time"])
+@pytest.mark.parametrize("record", ["with_boot_time", "without_boot_time", "unreadable"])
 def test_orphans_are_reclaimed_after_a_clock_step(
     supervisor: SupervisorFactory, tmp_path: Path, record: str
 ) -> None:
@@ -300,7 +300,7 @@ def test_orphans_are_reclaimed_after_a_clock_step(
     second): its create times (boot time read once) and the next one's (read again) differ.
     Regression: every recorded orphan was judged "reused" and left running with its GPU memory
     and port. With the record's boot time the start ticks decide; without it (a state.json of
-    an older version), the state_dir's marker in the orphan's environment does."""
+    an older version, or a torn one), the state_dir's marker in the orphan's environment does."""
     config = {
         "supervisor": {"sample_interval_s": 0.1},
         "workers": [group("f", "fork_grandchild", gpus="none")],
@@ -325,8 +325,10 @@ def test_orphans_are_reclaimed_after_a_clock_step(
                 w["pid_create_time"] -= 3.0
             for t in w["tree"]:
                 t["create_time"] -= 3.0
-        path.write_text(json.dumps(doc))
+        path.write_text(json.dumps(doc) if record != "unreadable" else json.dumps(doc)[:100])
         second = supervisor(config)
+        if record == "unreadable":  # said, and the marker still finds the orphan
+            second.wait_event(event="records.previous_state_unreadable")
         event = second.wait_event(event="supervisor.reclaimed_orphan", pid=grandchild, timeout=15)
         assert event["ended"] is True
         assert not wait_dead([grandchild])
