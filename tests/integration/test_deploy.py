@@ -349,7 +349,13 @@ def test_dockerfile_matches_its_config() -> None:
     argv = json.loads(entrypoint)  # the exec form: the supervisor is PID 1 and gets signals
     assert argv[:3] == ["gpu-supervisor", "run", "-c"] and len(argv) == 4
     assert image_path_of(argv[3]) == "examples/docker/config.toml"
-    assert any("/opt/gpu-supervisor/venv/bin" in env for env in instructions("ENV"))
+    # the command is on PATH, the venv is not (a derived image's python3/pip stay its own)
+    assert not any("/opt/gpu-supervisor/venv" in env for env in instructions("ENV"))
+    assert any(
+        "ln -s /opt/gpu-supervisor/venv/bin/gpu-supervisor /usr/local/bin/gpu-supervisor" in run
+        for run in instructions("RUN")
+    )
+    assert any("--create-home" in run for run in instructions("RUN"))  # ~/.cache for engines
     assert instructions("STOPSIGNAL") == ["SIGTERM"]
     (volume,) = instructions("VOLUME")
     assert str(settings.supervisor.state_dir) in json.loads(volume)
