@@ -186,8 +186,9 @@ def test_resolve_token_from_env_then_file(tmp_path: Path) -> None:
         (0o400, "tok", None),
         (0o640, "tok", "mode 0640 lets group or others access the token"),
         (0o604, "tok", "mode 0604"),
-        (0o600, "\n", "must hold one token"),
-        (0o600, "two words", "must hold one token"),
+        (0o600, "\n", "empty"),
+        (0o600, "two words", "must be one token of printable ASCII"),
+        (0o600, "tökén", "must be one token of printable ASCII"),
     ],
 )
 def test_token_file_checks(tmp_path: Path, mode: int, text: str, error: str | None) -> None:
