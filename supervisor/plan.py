@@ -209,7 +209,9 @@ def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
     )
 
 
-def _resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) -> tuple[str, ...]:
+def resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) -> tuple[str, ...]:
+    """The UUIDs of ``group``'s explicit GPU list (indexes or UUIDs) on ``devices``, the
+    ``gi``-th group of the config (``PlacementError`` naming the entry when one is missing)."""
     assert isinstance(group.gpus, tuple)
     by_index: dict[int, str] = {}
     for d in devices:  # the first wins: listed devices come before lost ones no longer listed
@@ -237,8 +239,13 @@ def place(
     reserve_mb: float,
     fixed: Assignment | None = None,
     only: set[str] | None = None,
+    unplaced: dict[str, str] | None = None,
 ) -> dict[str, tuple[str, ...] | None]:
     """Assign GPUs to every worker (or to the workers in ``only``, keeping ``fixed`` ones).
+
+    ``unplaced``: when given, a worker that cannot be placed does not raise: why is recorded
+    there and the worker gets what it would get without telemetry (:func:`gpu_assignment`: an
+    explicit list as written, ``auto`` nothing), to be placed at its start.
 
     ``gpus = "auto"`` picks, per worker, the usable GPUs with the fewest workers, then the most
     free memory, then the lowest temperature; at most ``max_workers_per_gpu`` workers per GPU;
@@ -273,14 +280,22 @@ def place(
             if name in result or (only is not None and name not in only):
                 continue
             chosen: tuple[str, ...] | None
-            if group.gpus == "none":
-                chosen = ()
-            elif group.gpus != "auto":
-                chosen = _resolve_explicit(group, gi, devices) if devices else gpu_assignment(group)
-            elif not devices:
-                chosen = None
-            else:
-                chosen = _pick(group, name, devices, counts, committed, free, reserve_mb)
+            try:
+                if group.gpus == "none":
+                    chosen = ()
+                elif group.gpus != "auto":
+                    chosen = (
+                        resolve_explicit(group, gi, devices) if devices else gpu_assignment(group)
+                    )
+                elif not devices:
+                    chosen = None
+                else:
+                    chosen = _pick(group, name, devices, counts, committed, free, reserve_mb)
+            except PlacementError as exc:
+                if unplaced is None:
+                    raise
+                unplaced[name] = str(exc)
+                chosen = gpu_assignment(group)
             result[name] = chosen
             take(chosen, group.health.gpu_memory_limit_mb)
     return result
@@ -337,10 +352,16 @@ def build_plan(
     notify_socket: str | None,
     devices: Sequence[GpuSlot] | None = None,
     fixed: Assignment | None = None,
+    unplaced: dict[str, str] | None = None,
 ) -> Plan:
-    """Plan every worker of every group; ``devices`` None means no GPU telemetry."""
+    """Plan every worker of every group; ``devices`` None means no GPU telemetry.
+
+    ``unplaced``: see :func:`place` (without it a worker that cannot be placed raises
+    ``PlacementError``)."""
     warnings: list[str] = []
-    assignment = place(settings.workers, devices or (), settings.gpu.reserve_mb, fixed)
+    assignment = place(
+        settings.workers, devices or (), settings.gpu.reserve_mb, fixed, unplaced=unplaced
+    )
     auto = [g.name for g in settings.workers if g.gpus == "auto" and g.replicas]
     if auto and not devices:
         warnings.append(

@@ -17,7 +17,7 @@ import signal
 import tempfile
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -54,6 +54,7 @@ from supervisor.plan import (
     launch_spec,
     only_cordoned,
     place,
+    resolve_explicit,
     slot_for,
 )
 from supervisor.policy import lifecycle as lc
@@ -259,6 +260,10 @@ class Runtime:
         )
         self._set_host_interval()
         self.suspect: dict[str, frozenset[int]] = {}  # GPU UUID -> old pids still holding memory
+        self._suspect_of: dict[str, str] = {}  # GPU UUID -> the worker whose old pids those are
+        #: workers that could not be placed at start (a GPU lost or missing, none fitting):
+        #: placed at each start until they are; why not
+        self._unplaced: dict[str, str] = {}
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
@@ -387,13 +392,22 @@ class Runtime:
                     await tg.start(self.alerter.serve)
                 await self._open_gpus()
                 try:
-                    plan = self._build_plan(self.settings)
+                    # A worker that cannot be placed (its GPU lost or missing, none fitting)
+                    # does not keep the others from starting: it is placed at its start.
+                    plan = self._build_plan(self.settings, unplaced=self._unplaced)
                 except PlacementError as exc:
                     startup_error = exc
                     tg.cancel_scope.cancel()
                     plan = Plan((), ())
                 for warning in plan.warnings:
                     self.log.warning("plan.warning", message=warning)
+                for name, why in self._unplaced.items():
+                    self.log.error(
+                        "worker.unplaced",
+                        worker=name,
+                        error=why,
+                        reason="placed when it starts; the other workers start now",
+                    )
                 self.log.info(
                     "supervisor.start",
                     pid=os.getpid(),
@@ -529,12 +543,23 @@ class Runtime:
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
         return {r.name: r.spec.gpus for r in self.workers()}
 
-    def _build_plan(self, settings: Settings, keep: tuple[str, ...] = ()) -> Plan:
-        """Plan ``settings``; workers of the groups in ``keep`` stay on their GPUs."""
+    def _build_plan(
+        self,
+        settings: Settings,
+        keep: tuple[str, ...] = (),
+        unplaced: dict[str, str] | None = None,
+    ) -> Plan:
+        """Plan ``settings``; workers of the groups in ``keep`` stay on their GPUs;
+        ``unplaced``: see ``plan.place`` (None: a worker that cannot be placed raises)."""
         slots = self.slots()
         fixed = {r.name: r.spec.gpus for r in self.workers() if r.spec.group in keep}
         return build_plan(
-            settings, self._worker_environ(), os.fspath(self.notify_path), slots or None, fixed
+            settings,
+            self._worker_environ(),
+            os.fspath(self.notify_path),
+            slots or None,
+            fixed,
+            unplaced=unplaced,
         )
 
     def _worker_refs(self) -> dict[str, WorkerRef]:
@@ -561,6 +586,7 @@ class Runtime:
             for uuid, pids in list(self.suspect.items()):
                 if not pids & listed:
                     del self.suspect[uuid]
+                    self._suspect_of.pop(uuid, None)
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
         # state.json shows the devices (with their flags) and each worker's tree (for orphan
         # reclaim): only a sample that changes one of them needs a new snapshot.
@@ -704,11 +730,21 @@ class Runtime:
             return self._place_late(runner)
         if not gpus or not self.sampler.identities:
             return spec
+        group = self.settings.group(spec.group)
+        known = {i.uuid for i in self.sampler.identities}
+        if group is not None and isinstance(group.gpus, tuple) and not set(gpus) <= known:
+            # an explicit list planned without telemetry, or naming a GPU missing at start:
+            # resolved to UUIDs now (what XIDs, the barrier and quarantines go by)
+            resolved = self._resolve_late(runner, group)
+            if isinstance(resolved, str):
+                return resolved
+            spec, gpus = resolved, resolved.gpus or ()
         old = self._trees.pop(runner.name, frozenset())
         if old and runner.last_exit_at is not None:
             held = await self._await_release(old, gpus, self.settings.gpu.release_timeout_s)
             for uuid, pids in held.items():
                 self.suspect[uuid] = pids
+                self._suspect_of[uuid] = runner.name
                 self.log.warning(
                     "gpu.suspect",
                     worker=runner.name,
@@ -723,7 +759,6 @@ class Runtime:
         usable = {s.uuid for s in slots if s.usable}
         if all(u in usable for u in gpus):
             return spec
-        group = self.settings.group(spec.group)
         if group is None or group.gpus != "auto":
             self.log.warning(
                 "worker.gpu_unusable",
@@ -743,6 +778,25 @@ class Runtime:
                     reason="no other GPU fits: restarting on its cordoned GPU",
                 )
                 return spec
+            # Its own previous process still holds memory there (stuck in the driver past
+            # release_timeout_s) and no other GPU fits: restart in place rather than fail
+            # every start until the worker is given up on (a single-GPU machine).
+            own = {u for u in gpus if self._suspect_of.get(u) == runner.name}
+            if (
+                not avoid
+                and own
+                and only_cordoned(
+                    gpus, [s if s.uuid not in own else replace(s, why_not="") for s in slots]
+                )
+            ):
+                self.log.warning(
+                    "worker.gpu_suspect_own",
+                    worker=runner.name,
+                    gpus=sorted(own),
+                    reason="no other GPU fits: restarting on its GPU, where its previous process "
+                    "still holds memory",
+                )
+                return spec
             return f"no GPU to place on: {exc}"
         new = self._spec_on(group, spec.index, chosen)
         self.log.info(
@@ -753,6 +807,25 @@ class Runtime:
             reason="migrated off a hot GPU" if avoid & set(gpus) else "previous GPU unusable",
         )
         return new
+
+    def _resolve_late(self, runner: WorkerRunner, group: WorkerGroup) -> LaunchSpec | str:
+        """``runner``'s explicit GPU list resolved on the GPUs known now (a spec), or why not."""
+        gi = next(i for i, g in enumerate(self.settings.workers) if g.name == group.name)
+        slots = self.slots() or [
+            GpuSlot(i.index, i.uuid, i.memory_total_mb, None, None) for i in self.sampler.identities
+        ]
+        try:
+            chosen = resolve_explicit(group, gi, slots)
+        except PlacementError as exc:
+            return f"no GPU to place on: {exc}"
+        self._unplaced.pop(runner.name, None)
+        self.log.info(
+            "worker.gpus_resolved",
+            worker=runner.name,
+            gpus=list(runner.spec.gpus or ()),
+            uuids=list(chosen),
+        )
+        return self._spec_on(group, runner.spec.index, chosen)
 
     def _place_late(self, runner: WorkerRunner) -> LaunchSpec | str:
         """A ``gpus = "auto"`` worker that started without GPU telemetry (nothing placed,
@@ -765,6 +838,7 @@ class Runtime:
             chosen = self._place_one(runner, self.slots())
         except PlacementError as exc:
             return f"no GPU to place on: {exc}"
+        self._unplaced.pop(runner.name, None)
         self.log.info(
             "worker.moved",
             worker=runner.name,

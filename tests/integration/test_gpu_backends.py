@@ -147,6 +147,66 @@ def test_barrier_marks_suspect_and_moves(
     assert sup.stop() == 0
 
 
+def test_a_gpu_lost_at_start_keeps_only_its_workers_from_starting(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """GPU 1 is lost when the supervisor starts. Regression: a worker that could not be
+    placed (pinned to it, or one more than the healthy GPU takes) made `run` exit 2 and no
+    worker ran at all (and systemd does not restart on exit 2). Now the others start, and the
+    unplaced ones are placed at their start, which fails with the reason until a GPU fits."""
+    with open(tmp_path / "sim" / "gpus" / "1", "a") as fh:
+        fh.write("lost 1\n")
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {
+            "name": "inf",
+            "replicas": 3,
+            "max_workers_per_gpu": 2,
+            "command": worker_cmd("gpu_user", "100"),
+            "restart": {"backoff_initial_s": 0.05},
+        },
+    )
+    unplaced = sup.wait_event(event="worker.unplaced", worker="inf-2")
+    assert "GPU 1 is unhealthy" in unplaced["error"]
+    sup.ready("inf-0")
+    sup.ready("inf-1")
+    failed = sup.wait_event(event="worker.spawn_failed", worker="inf-2")
+    assert "no GPU to place on" in failed["error"]
+    assert sup.stop() == 0
+
+
+def test_a_stuck_release_with_nowhere_else_to_go_restarts_in_place(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """Its own previous process still holds memory on its GPU past release_timeout_s (stuck in
+    the kernel) and no other GPU may take it: it restarts there. Regression: every start
+    failed ("no GPU to place on: GPU 0 is suspect") until the worker went fatal, for good
+    (a single-GPU machine, whenever a CUDA teardown takes longer than release_timeout_s)."""
+    one_each = {"max_workers_per_gpu": 1, "restart": {"stable_s": 0.1}}
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "b", **one_each, "command": worker_cmd("gpu_user", "500", "--holder", "30")},
+        {"name": "o", **one_each, "command": worker_cmd("gpu_user", "100")},  # GPU 1 is full
+    )
+    leader = sup.ready("b-0")["pid"]
+    sup.ready("o-0")
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        mark = sup.mark()
+        os.kill(leader, signal.SIGKILL)
+        assert sup.wait_event(event="gpu.suspect", worker="b-0")["gpu"] == UUID0
+        assert sup.wait_event(event="worker.gpu_suspect_own", worker="b-0")["gpus"] == [UUID0]
+        sup.ready("b-0", after=mark)
+        assert not sup.find(event="worker.spawn_failed", after=mark)
+    assert wait_dead([holder]) == []
+    assert sup.stop() == 0
+
+
 def test_nvml_missing_then_appearing(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
@@ -159,7 +219,8 @@ def test_nvml_missing_then_appearing(
         "supervisor": {"sample_interval_s": 0.1},
         "gpu": {"backend": "nvml"},
         "workers": [
-            {"name": "g", "command": worker_cmd("ready_then_sleep"), "log_passthrough": True}
+            {"name": "g", "command": worker_cmd("ready_then_sleep"), "log_passthrough": True},
+            {"name": "p", "gpus": [1], "command": worker_cmd("ready_then_sleep")},
         ],
     }
     sup = supervisor(
@@ -187,6 +248,15 @@ def test_nvml_missing_then_appearing(
         assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
     env = sup.wait_line("[g-0] ", after=lines, contains=" env ")
     assert f'"CUDA_VISIBLE_DEVICES": "{UUID0}"' in env
+    # an explicit list planned without telemetry ("1" as written) is resolved to its UUID at
+    # the next start (regression: it stayed "1", so XIDs and quarantines of GPU 1 missed it)
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/p-0").json()["gpus"] == ["1"]
+        assert http.post("/api/v1/workers/p-0/restart").status_code == 202
+        resolved = sup.wait_event(event="worker.gpus_resolved", worker="p-0", after=mark)
+        assert resolved["uuids"] == [UUID1]
+        sup.ready("p-0", after=mark)
+        assert http.get("/api/v1/workers/p-0").json()["gpus"] == [UUID1]
     with open(world / "events", "a") as fh:
         fh.write("1 31\n")  # informational: counted, nothing restarted
     assert sup.wait_event(event="gpu.xid", xid=31, after=mark)["uuid"] == UUID1
