@@ -504,13 +504,17 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     async def gpu_status() -> dict[str, Any]:
         """Every GPU at the last sample; 200 with ``devices: []`` and ``error`` if NVML is down."""
         sample = rt.sampler.last
+        stuck = rt.sampler.stuck()
         available = bool(sample and sample.nvml_available) and bool(rt.sampler.identities)
+        available = available and stuck is None
         error: str | None
         if sample is None:
             at, error = rt.clock.wall(), "no sample taken yet"
         else:
             at = rt.clock.wall() - max(0.0, rt.clock.now() - sample.t)
             error = sample.error or rt.sampler.error
+            if stuck is not None:
+                error = f"an NVML call has not returned for {stuck:.0f} s (the driver may be hung)"
             if not available and error is None:
                 error = f"no GPU telemetry (backend {rt.sampler.backend_name})"
         return {

@@ -176,9 +176,8 @@ class RuntimeCollector(Collector):
         nvml = GaugeMetricFamily(
             PREFIX + "nvml_up", "1 while GPU telemetry (NVML or sim) answers.", labels=[]
         )
-        nvml.add_metric(
-            [], float(sample is not None and sample.nvml_available and bool(rt.sampler.identities))
-        )
+        up = sample is not None and sample.nvml_available and bool(rt.sampler.identities)
+        nvml.add_metric([], float(up and rt.sampler.stuck() is None))
         actions = _counter(
             "actions", "Actions taken (operator and healing), by kind.", ["action", "reason"]
         )

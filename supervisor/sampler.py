@@ -41,6 +41,11 @@ FULL_SCAN_EVERY_S = 5.0
 YOUNG_RESCAN_S = 1.0
 #: A tick or XID wait that keeps failing (no file descriptor, no thread) is logged this often.
 FAILURE_LOG_EVERY_S = 60.0
+#: A backend call in flight for longer than this (seconds, or this many sampling intervals if
+#: that is longer) is stuck: said in the log (``gpu.call_stuck``), and telemetry counts as down
+#: (the last sample only grows older).
+STUCK_AFTER_S = 5.0
+STUCK_AFTER_INTERVALS = 10
 
 
 def host_interval(leak_windows_s: Iterable[float]) -> float:
@@ -234,6 +239,8 @@ class Sampler:
         self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
         self._xid_limiter = anyio.CapacityLimiter(1)
+        #: when the backend call now in flight began (None: none is): a hung driver
+        self._call_since: float | None = None
         self._reopen_delay = REOPEN_INITIAL_S
         self._reopen_at = 0.0
         self._wake = anyio.Event()
@@ -326,12 +333,15 @@ class Sampler:
         error = self.error
         ok = available
         if available and self.backend is not None:
+            self._call_since = t0
             try:
                 devices = self._with_missing(self.backend.sample())
             except BackendUnavailable as exc:
                 ok, error = False, str(exc)
             except BackendError as exc:
                 error = str(exc)
+            finally:
+                self._call_since = None
         gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
         trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
         gpu = attribute(
@@ -366,8 +376,13 @@ class Sampler:
             with contextlib.suppress(BackendError):
                 await in_thread(self.backend.close, limiter=self._limiter)
             await self.open()
+        # abandoned on cancel: a call that hangs in the driver must not hold up the stop
         sample = await in_thread(
-            self._tick_blocking, self._workers(), self.available, limiter=self._limiter
+            self._tick_blocking,
+            self._workers(),
+            self.available,
+            limiter=self._limiter,
+            abandon_on_cancel=True,
         )
         if self.available and not sample.nvml_available:
             self.available = False
@@ -385,6 +400,7 @@ class Sampler:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._xid_loop)  # idle until a backend with GPUs is open
+                tg.start_soon(self._watch_calls)
                 task_status.started()
                 next_at = anyio.current_time()
                 while True:
@@ -410,10 +426,50 @@ class Sampler:
                     with anyio.move_on_after(max(0.0, next_at - now)):
                         await self._wake.wait()  # or sooner, when someone needs a fresh sample
         finally:
-            if self.backend is not None:
+            stuck = self.stuck_for_s()
+            if stuck is not None:
+                # closing would wait behind the call that does not return (and NVML's
+                # shutdown would likely hang the same way): the process exits without it
+                self._log.warning(
+                    "gpu.close_skipped",
+                    backend=self.backend_name,
+                    stuck_for_s=round(stuck, 3),
+                    reason="an NVML call has not returned: the driver may be hung",
+                )
+            elif self.backend is not None:
                 # inline where no thread can be started: clean-up must finish regardless
                 with anyio.CancelScope(shield=True), contextlib.suppress(BackendError):
                     await in_thread(self.backend.close, limiter=self._limiter, inline=True)
+
+    def stuck(self) -> float | None:
+        """How long the call in flight has taken, once it counts as stuck (else None)."""
+        took = self.stuck_for_s()
+        limit = max(STUCK_AFTER_S, STUCK_AFTER_INTERVALS * self.interval_s)
+        return took if took is not None and took >= limit else None
+
+    async def _watch_calls(self) -> None:
+        """Say when a backend call gets stuck, and when it returns."""
+        said = False
+        while True:
+            await anyio.sleep(1.0)
+            took = self.stuck()
+            if took is not None and not said:
+                said = True
+                self._log.warning(
+                    "gpu.call_stuck",
+                    backend=self.backend_name,
+                    stuck_for_s=round(took, 3),
+                    reason="an NVML call has not returned: the driver may be hung; GPU "
+                    "telemetry counts as down until it does",
+                )
+            elif took is None and said:
+                said = False
+                self._log.info("gpu.call_returned", backend=self.backend_name)
+
+    def stuck_for_s(self) -> float | None:
+        """How long the backend call now in flight has taken (None: none is in flight)."""
+        since = self._call_since
+        return None if since is None else time.monotonic() - since
 
     def _tick_failed(self, exc: OSError) -> None:
         self.tick_errors += 1

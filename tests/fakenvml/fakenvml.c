@@ -6,7 +6,8 @@
  * is when the call begins; the parsed world is cached and revalidated cheaply by each call
  * (see "The world cache" below):
  *
- *   gpus/<index>   one device, "key value" lines; missing keys take defaults
+ *   gpus/<index>   one device, "key value" lines; missing keys take defaults ("hang_ms N":
+ *                  every call about the device takes N ms, as with a hung driver)
  *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; dead pids are ignored
  *   events         appended "<gpu index or uuid> <xid>" lines, delivered once each
  *   init_rc        optional: an NVML return code that nvmlInitWithFlags returns
@@ -464,6 +465,7 @@ struct device_info {
     unsigned long long ecc_corrected;
     unsigned long long ecc_uncorrected;
     unsigned int lost;
+    unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
     struct rc_table rc;
 };
 
@@ -492,6 +494,7 @@ static const struct kv_field DEVICE_FIELDS[] = {
     KV_FIELD("ecc_corrected", KV_U64, struct device_info, ecc_corrected),
     KV_FIELD("ecc_uncorrected", KV_U64, struct device_info, ecc_uncorrected),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
+    KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
 };
 
 static void device_defaults(struct device_info *d, unsigned int index)
@@ -1413,6 +1416,11 @@ static nvmlReturn_t device_begin(nvmlDevice_t device, const char *function,
     if (present)
         *info = *d;
     world_end();
+    if (present && info->hang_ms > 0) { /* outside the world lock, as a driver call blocks */
+        struct timespec ts = {info->hang_ms / 1000, (long)(info->hang_ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
+    }
     if (!present || info->lost)
         return NVML_ERROR_GPU_IS_LOST;
     int rc = rc_lookup(&info->rc, function);

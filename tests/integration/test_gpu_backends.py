@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,34 @@ def test_nvml_init_failure_is_degraded_and_auto_falls_back(
     assert "Driver Not Loaded" in fallback["error"]
     sup.ready("g-0")
     assert sup.stop() == 0
+
+
+def test_a_hung_nvml_call_does_not_hold_up_the_stop(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A driver call that does not return (a GPU fallen off the bus: nvidia-smi hangs too).
+    Regression: the stop waited for it (and then for NVML's shutdown behind it): 53 s past
+    the last worker's exit with calls of 30 s, well over shutdown_timeout_s."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+    sup.ready("g-0")
+    sup.wait_event(event="gpu.sample", nvml_available=True)
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("hang_ms 60000\n")
+    # the next sample is stuck in the driver: said, and telemetry counts as down
+    sup.wait_event(event="gpu.call_stuck", timeout=15)
+    with sup.api() as http:
+        status = http.get("/api/v1/gpu/status").json()
+        assert status["nvml_available"] is False and "has not returned" in status["error"]
+        assert "gpu_supervisor_nvml_up 0.0" in http.get("/metrics").text
+    started = time.monotonic()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit(20) == 0
+    assert time.monotonic() - started < 10
+    assert sup.find(event="gpu.close_skipped")

@@ -35,6 +35,10 @@ class FakeSampler:
         DeviceIdentity(0, UUID0, "Sim"),
         DeviceIdentity(1, UUID1, "Sim"),
     )
+    stuck_s: float | None = None  # a backend call in flight that long, once it counts as stuck
+
+    def stuck(self) -> float | None:
+        return self.stuck_s
 
 
 @dataclass
