@@ -80,7 +80,9 @@ COOLDOWN_S = 60.0
 COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
 #: Findings about workers that serve nothing useful any more (on a GPU with a device-fatal XID
 #: or lost; printing a sticky CUDA error): acting on them does not wait for ``max_unavailable``.
-#: A worker-fatal XID is not one: it is one process's fault, and its siblings on the GPU wait.
+#: A worker-fatal XID is not one when several workers share the GPU (it is one process's fault,
+#: NVML does not say whose: its siblings wait), but it is for the one worker running on the GPU
+#: (:func:`_sole_on`): its CUDA context is gone.
 BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "log_pattern"})
 #: Findings whose restart cuts a drain short: a worker with a sticky error or a worker-fatal
 #: XID serves nothing, so waiting out ``drain_timeout_s`` only holds its GPU memory.
@@ -236,6 +238,12 @@ def candidate_acts(
     return acts
 
 
+def _sole_on(gpu: str | None, workers: Mapping[str, WorkerView]) -> bool:
+    """Exactly one worker with a process runs on ``gpu``: an XID there is its own."""
+    idle = (WorkerState.STOPPED, WorkerState.FATAL)
+    return sum(1 for v in workers.values() if gpu in v.gpus and v.state not in idle) == 1
+
+
 def decide(
     findings: Sequence[Finding],
     workers: Mapping[str, WorkerView],
@@ -293,7 +301,8 @@ def decide(
                 act = replace(act, redirect_only=True)
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
-                if f.kind not in BROKEN and down.get(view.group, 0) >= policy.max_unavailable:
+                broken = f.kind in BROKEN or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
+                if not broken and down.get(view.group, 0) >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (
                         f"group {view.group} has {down.get(view.group, 0)} of its workers not "

@@ -208,6 +208,20 @@ def test_a_worker_fatal_xid_restarts_within_max_unavailable() -> None:
     assert acts_of(d) == [("restart", "w-0", G0, "xid")] and len(d.deferred) == 1
 
 
+def test_a_worker_fatal_xid_of_the_only_worker_on_the_gpu_is_not_held_back() -> None:
+    """The XID is that worker's own (its CUDA context is gone): it is restarted even with the
+    group at max_unavailable. Regression: a sibling gone fatal (on another GPU) held it back
+    for as long as the sibling stayed fatal, serving nothing on a dead context."""
+    workers = views(w_0=R, w_1=WorkerState.FATAL, w_3=WorkerState.STOPPED)
+    xid = Finding("xid_worker", "XID 13", gpu=G0)
+    d = decide([xid], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")] and d.deferred == ()
+    # two workers on the GPU: NVML does not say whose it is; they go one at a time as before
+    shared = views(w_0=R, w_2=R, w_1=WorkerState.FATAL)
+    d = decide([xid], shared, {"w": GroupPolicy()}, 0.0, {})
+    assert d.acts == () and len(d.deferred) == 1
+
+
 def test_a_sticky_error_restarts_even_with_the_group_at_max_unavailable() -> None:
     workers = views(w_0=R, w_1=WorkerState.STOPPED)
     pattern = Finding("log_pattern", "CUDA error", worker="w-0")
