@@ -24,6 +24,7 @@ import structlog
 from supervisor import client
 from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
+from supervisor.backends.sim import SimBackend
 from supervisor.config import GpuSection, Settings, load_settings
 from supervisor.errors import (
     BackendError,
@@ -151,9 +152,11 @@ def _unrunnable(plan: Plan) -> list[str]:
 def check_config(settings: Settings, as_json: bool) -> str:
     """The resolved plan as text or JSON, placed on the GPUs the configured backend sees now.
 
-    What ``run`` would refuse is refused here too (``ConfigError``: exit 2): an explicit GPU
-    index the backend does not have, an unusable ``api.token_file``. A backend that cannot be
-    opened is a warning, as at ``run`` (which starts without GPU telemetry and retries).
+    Refused (``ConfigError``: exit 2): what ``run`` refuses (an unusable ``api.token_file``),
+    and a plan that cannot be placed on the GPUs seen now (an explicit GPU index or UUID the
+    backend does not have, no GPU with room): ``run`` starts the other workers then and fails
+    those at their start, a check is for catching it before. A backend that cannot be opened is
+    a warning, as at ``run`` (which starts without GPU telemetry and retries).
     """
     sup = settings.supervisor
     if settings.api.listen:
@@ -253,7 +256,7 @@ def _gpus(args: argparse.Namespace) -> int:
     error: str | None = None
     devices: tuple[DeviceSample, ...] = ()
     try:
-        if gpu.backend == "sim" and not (gpu.sim_dir / "gpus").is_dir():
+        if isinstance(backend, SimBackend) and not backend.has_devices():
             raise BackendError(
                 f"no sim world at {gpu.sim_dir} (`run` creates one with {gpu.sim_devices} devices)"
             )

@@ -191,9 +191,13 @@ class SimBackend:
             cache[path] = (signature, keys)
             devices.append(_Device(index, keys))
         self._device_cache = cache
-        if not devices and not self.create and not (self.world / "gpus").exists():
+        if not devices and not self.create and not self._device_files():
             return self.preview()
         return devices
+
+    def has_devices(self) -> bool:
+        """The world has device files (``run`` creates them in a world without)."""
+        return bool(self._device_files())
 
     def preview(self) -> list[_Device]:
         """The devices ``open`` creates in a new world."""

@@ -525,11 +525,12 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
     assert [w["port"] for w in plan["workers"]] == [8001, 8002]
 
 
-def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
+def test_check_config_places_on_the_backends_gpus_and_refuses_what_it_cannot_place(
     tmp_path: Path,
 ) -> None:
     """check-config reads the configured backend (here two simulated GPUs) as run does: auto
-    placement gets real UUIDs, and a GPU index or token file that run would refuse is refused."""
+    placement gets real UUIDs, and a GPU index it cannot place, or a token file that run would
+    refuse, is refused."""
     import json
 
     base = (
@@ -553,15 +554,32 @@ def test_check_config_places_on_the_backends_gpus_and_refuses_what_run_refuses(
         f"no sim world at {tmp_path}/sim (`run` creates one with 2 devices)"
     )
     assert not (tmp_path / "sim").exists()
+    # nor does an empty world directory (run creates the devices there too)
+    (tmp_path / "sim" / "gpus").mkdir(parents=True)
+    result = cli("check-config", "-c", str(ok), "--json")
+    assert [g["uuid"] for g in json.loads(result.stdout)["gpus"]] == uuids
+    assert not any((tmp_path / "sim" / "gpus").iterdir())
+    assert cli("gpus", "-c", str(ok), "--json").returncode == 1
+    shutil.rmtree(tmp_path / "sim")
 
     api = "[api]\nlisten='127.0.0.1:0'\n"  # run binds it before it plans
-    for extra, message in [
-        (api + "[[workers]]\nname='g'\ncommand=['app']\ngpus=[5]\n", "no GPU with index 5"),
-        (api + "token_file='nope'\n[[workers]]\nname='g'\ncommand=['app']\n", "api.token_file"),
+    for extra, message, verbs in [
+        # a GPU missing at run (lost, fallen off the bus) keeps only its workers from starting
+        # (test_gpu_backends.py): check-config, which CI runs, refuses it
+        (
+            api + "[[workers]]\nname='g'\ncommand=['app']\ngpus=[5]\n",
+            "no GPU with index 5",
+            ("check-config",),
+        ),
+        (
+            api + "token_file='nope'\n[[workers]]\nname='g'\ncommand=['app']\n",
+            "api.token_file",
+            ("check-config", "run"),
+        ),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(base + extra)
-        for verb in ("check-config", "run"):
+        for verb in verbs:
             result = cli(verb, "-c", str(bad))
             assert result.returncode == 2, (verb, result)
             lines = result.stderr.strip().splitlines()  # run logs its start before this
