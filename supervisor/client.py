@@ -315,8 +315,18 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
     """Follow the journal (after event ``seen``) to the verdict on reload ``request``: 0 when
     the file was taken (and, with ``rollouts``, every roll-out it started completed), 1 when a
     roll-out halted or it was rejected for something else, 2 for a bad config file."""
+    accepted = False
     while True:
-        events = client.request("GET", f"{API}/events?since={seen}").json()
+        try:
+            events = client.request("GET", f"{API}/events?since={seen}").json()
+        except ApiClientError:
+            if not accepted:
+                raise
+            print(
+                "gpu-supervisor: the supervisor stopped before the reload's roll-outs finished",
+                file=sys.stderr,
+            )
+            return 1
         for e in events:
             seen = max(seen, int(e["seq"]))
             if not str(e["type"]).startswith("reload.") or int(e.get("request", 0)) < request:
@@ -324,11 +334,18 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
             if e["type"] == "reload.rejected":
                 why = f"{e['reason']}: {e['error']}" if e.get("error") else e["reason"]
                 print(f"gpu-supervisor: reload rejected ({why}); nothing changed", file=sys.stderr)
-                return 2 if e["reason"] in ("bad config", "placement") else 1
+                return 2 if e["reason"] == "bad config" else 1
             if e["type"] == "reload.accepted":
+                accepted = True
                 print(_reload_summary(e), flush=True)
                 if not rollouts:
                     return 0
+            if e["type"] == "reload.done" and e.get("interrupted"):
+                print(
+                    "gpu-supervisor: the supervisor stopped before the reload's roll-outs finished",
+                    file=sys.stderr,
+                )
+                return 1
             if e["type"] == "reload.done":
                 if e.get("halted"):
                     print(

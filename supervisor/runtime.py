@@ -1676,9 +1676,13 @@ class Runtime:
         try:
             while True:
                 self._reload_again = False
-                ok = await self._reload(self.reload_requests)
+                covered = self.reload_requests
+                ok = await self._reload(covered)
                 self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
+                # again only for a request made after this reload read the file
                 if not self._reload_again or self._shutting_down:
+                    return
+                if self.reload_requests == covered:
                     return
         finally:
             self._reloading = False
@@ -1783,6 +1787,7 @@ class Runtime:
         self._halted.difference_update(diff.removed)
         for name in diff.changed:
             if self._shutting_down:
+                self._journal_reload(request, True, halted=[], interrupted="stopping")
                 return False
             group = self.settings.group(name)
             assert group is not None
@@ -1813,7 +1818,10 @@ class Runtime:
             self.systemd.send("READY=1")
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
         self.log.info("supervisor.reload_done", halted=[g.name for g in halted])
-        self._journal_reload(request, True, halted=[g.name for g in halted])
+        if self._shutting_down:  # a roll-out cut short by the stop did not halt
+            self._journal_reload(request, True, halted=[], interrupted="stopping")
+        else:
+            self._journal_reload(request, True, halted=[g.name for g in halted])
         return not halted
 
     async def _stop_group(self, name: str) -> None:

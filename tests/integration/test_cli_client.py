@@ -268,3 +268,43 @@ def test_reload_command_says_what_became_of_the_file(
     ]
     assert sup.find(event="worker.state", worker="extra-1", new="ready")
     assert sup.stop() == 0
+
+
+def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the client said "cannot reach the supervisor ... is it running?" about a
+    supervisor that had accepted the reload and was stopping."""
+    socket_path = tmp_path / "api.sock"
+    group = {
+        "name": "a",
+        "replicas": 2,
+        "gpus": "none",
+        "command": worker_cmd("ready_then_sleep"),
+        "restart": {"stable_s": 30},  # each replaced worker must stay ready this long
+    }
+    config = {"api": {"listen": f"unix:{socket_path}"}, "workers": [group]}
+    sup = supervisor(config)
+    sup.ready("a-0")
+    sup.ready("a-1")
+    sup.write_config({**config, "workers": [{**group, "env": {"X": "1"}}]})
+    client = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "reload", "--wait", "-c", str(sup.config_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        first = client.stdout.readline()  # the client has the verdict: the roll-out goes on
+        assert sup.stop() == 0
+        out, err = client.communicate(timeout=30)
+        out = first + out
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode == 1, (out, err)
+    assert out.startswith("reload accepted: changed a"), out
+    assert "stopped before the reload's roll-outs finished" in err and "is it running" not in err
