@@ -321,7 +321,10 @@ def _host_name(host: str) -> str:
 
 
 def browser_refusal(
-    method: str, headers: Sequence[tuple[bytes, bytes]], loopback_only: bool
+    method: str,
+    headers: Sequence[tuple[bytes, bytes]],
+    loopback_only: bool,
+    allowed_hosts: Sequence[str] = (),
 ) -> str | None:
     """Why a request a web page made the browser send is refused (None: it is not).
 
@@ -331,7 +334,8 @@ def browser_refusal(
       their ``Origin`` is not this server (``Host``), or ``Sec-Fetch-Site`` says cross-site.
     - DNS rebinding: a page whose name is made to resolve to 127.0.0.1 is same-origin with
       itself, but its requests carry its own name as ``Host``. On a loopback listener
-      (``loopback_only``) any ``Host`` that is not a loopback name or address is refused.
+      (``loopback_only``) any ``Host`` that is not a loopback name or address, or one of
+      ``allowed_hosts`` (``api.allowed_hosts``: a local reverse proxy's name), is refused.
 
     Clients that are not browsers (curl, the CLI, Prometheus) send neither header, or a
     loopback ``Host``: they are not affected.
@@ -344,12 +348,13 @@ def browser_refusal(
             origin = value.decode("latin-1")
         elif key == b"sec-fetch-site":
             fetch_site = value.decode("latin-1").strip().lower()
-    if loopback_only and host is not None:
-        name = _host_name(host)
-        if not (is_loopback(name) or name.endswith(".localhost")):
+    if loopback_only and host:
+        name = _host_name(host).rstrip(".")
+        if not (is_loopback(name) or name in allowed_hosts):
             return (
                 f"Host {host!r} is not a loopback name: this API listens on loopback only "
-                "(a request through a name made to resolve to it is refused)"
+                "(a request through a name made to resolve to it is refused; a reverse proxy's "
+                "name goes in api.allowed_hosts)"
             )
     if method in _UNSAFE_METHODS:
         if origin is not None:
@@ -973,6 +978,7 @@ class Front:
         token: str | None,
         *,
         loopback_only: bool = False,
+        allowed_hosts: Sequence[str] = (),
         share: float = 0.5,
         period_s: float = 0.02,
         exempt: Sequence[str] = (),
@@ -990,6 +996,7 @@ class Front:
         self._expected = (token or "").encode()
         #: the listener is a loopback address: refuse Host names that are not (browser_refusal)
         self.loopback_only = loopback_only
+        self.allowed_hosts = tuple(allowed_hosts)
         self.share = share
         self.period_s = period_s
         self.exempt = tuple(exempt)
@@ -1001,7 +1008,9 @@ class Front:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             send = self._dated(send)
-            why = browser_refusal(scope["method"], scope["headers"], self.loopback_only)
+            why = browser_refusal(
+                scope["method"], scope["headers"], self.loopback_only, self.allowed_hosts
+            )
             if why is not None:
                 await _refuse(send, 403, why)
                 return
@@ -1488,6 +1497,7 @@ async def serve(
         app.state.fast_routes,
         token,
         loopback_only=_loopback_listener(api.listen),
+        allowed_hosts=api.allowed_hosts,
         share=LOOP_SHARE,
         period_s=LOOP_PERIOD_S,
         exempt=(f"{API_PREFIX}/postmortems", f"{API_PREFIX}/gpus/"),

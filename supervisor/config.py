@@ -186,6 +186,17 @@ class ApiSection(_Strict):
     listen: str = _DEFAULT_LISTEN
     token_file: Path | None = None
     auth_read: bool = False
+    #: ``Host`` names (without port) a loopback listener accepts besides loopback names and
+    #: addresses: a reverse proxy on this machine that forwards its own ``Host``
+    allowed_hosts: tuple[str, ...] = ()
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name or any(c.isspace() or c in "/:@" for c in name):
+                raise ValueError(f"not a host name without port: {name!r}")
+        return tuple(n.lower().rstrip(".") for n in value)
 
     @field_validator("token_file", mode="before")
     @classmethod
@@ -236,14 +247,34 @@ def parse_listen(value: str) -> tuple[Literal["tcp", "unix", "off"], str, int]:
     return ("tcp", host, int(port))
 
 
+#: Names for the loopback interface in common ``/etc/hosts`` files (besides ``localhost`` and
+#: ``*.localhost``, RFC 6761).
+LOOPBACK_NAMES = frozenset(
+    {
+        "localhost",
+        "localhost.localdomain",
+        "localhost4",
+        "localhost4.localdomain4",
+        "localhost6",
+        "localhost6.localdomain6",
+        "ip6-localhost",
+        "ip6-loopback",
+    }
+)
+
+
 def is_loopback(host: str) -> bool:
-    """``localhost`` or a loopback address (``127.x``, ``::1``)."""
-    if host == "localhost":
+    """``localhost`` (and its usual aliases) or a loopback address (``127.x``, ``::1``,
+    ``::ffff:127.x``); case and a trailing dot do not matter."""
+    host = host.lower().rstrip(".")
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def token_problem(token: str) -> str | None:

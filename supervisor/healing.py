@@ -68,7 +68,9 @@ OOM_COUNT_REUSE_S = 0.25
 #: (a reading between the kernel's kill and the reap would hide the kill), not with the count
 #: at its spawn, hours before.
 OOM_READ_EVERY_S = 1.0
-OOM_GUARD_S = 1.0
+#: (the kernel's kill of a process with a large memory takes seconds to reap: unmapping it,
+#: tearing down its GPU context)
+OOM_GUARD_S = 5.0
 #: Reasons of findings about one process: a new process of the worker is judged afresh.
 PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its

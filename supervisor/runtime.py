@@ -15,6 +15,7 @@ import os
 import resource
 import signal
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
@@ -225,6 +226,8 @@ class Runtime:
         self.groups: dict[str, list[str]] = {}
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
+        #: held while the lock fd is written to (writer thread) or replaced (the loop)
+        self._state_lock_guard = threading.Lock()
         self._instance: str | None = None  # state_dir's id, in the workers' environment
         self._instance_unsaved = False  # made in memory: state_dir/instance not written yet
         self._lock_pid_unsaved = False  # the lock file does not name us yet
@@ -1201,9 +1204,10 @@ class Runtime:
         """After a state write (in the writer thread): save what a full disk kept from being
         written at start, ``state_dir/instance`` and our pid in the lock file."""
         state_dir = self.settings.supervisor.state_dir
-        lock = self._state_lock
-        if self._lock_pid_unsaved and lock is not None and write_lock_pid(lock):
-            self._lock_pid_unsaved = False
+        with self._state_lock_guard:  # the loop may be replacing the fd (state_dir recreated)
+            lock = self._state_lock
+            if self._lock_pid_unsaved and lock is not None and write_lock_pid(lock):
+                self._lock_pid_unsaved = False
         keep = self._instance
         if self._instance_unsaved and keep and instance_id(state_dir, keep=keep) is not None:
             self._instance_unsaved = False
@@ -1225,9 +1229,11 @@ class Runtime:
             )
             fd = None
         if fd is not None:
-            old, self._state_lock = self._state_lock, fd
-            if old is not None:
-                os.close(old)  # the lock of the removed file: held by no one else's name
+            with self._state_lock_guard:
+                old, self._state_lock = self._state_lock, fd
+                self._lock_pid_unsaved = not write_lock_pid(fd)  # a full disk: later
+                if old is not None:
+                    os.close(old)  # the lock of the removed file: held by no one else's name
             if self._instance is not None:
                 instance_id(state_dir, keep=self._instance)  # what our workers carry
 

@@ -242,3 +242,31 @@ def test_token_problem(token: str, ok: bool) -> None:
     problem = token_problem(token)
     assert (problem is None) == ok
     assert problem is None or token not in problem or not token
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        b"localhost.localdomain:9811",
+        b"LOCALHOST:9811",
+        b"localhost.:9811",
+        b"ip6-localhost",
+        b"localhost4",
+        b"[::ffff:127.0.0.1]:9811",
+        b"127.1.2.3",
+        b"",  # RFC 9112 allows an empty Host
+    ],
+)
+def test_loopback_names_pass_the_host_check(host: bytes) -> None:
+    """Regression: the usual /etc/hosts aliases of the loopback interface, a trailing dot, an
+    IPv4-mapped loopback address and an empty Host were refused."""
+    assert browser_refusal("GET", [(b"host", host)], True) is None
+
+
+def test_allowed_hosts_let_a_local_reverse_proxy_through() -> None:
+    """A proxy on this machine forwarding its own name (nginx ``proxy_set_header Host $host``)
+    to a loopback listener: refused unless the name is in api.allowed_hosts."""
+    headers = [(b"host", b"Sup.Example.com")]
+    assert "api.allowed_hosts" in str(browser_refusal("GET", headers, True))
+    assert browser_refusal("GET", headers, True, ("sup.example.com",)) is None
+    assert browser_refusal("GET", [(b"host", b"other.example.com")], True, ("sup.example.com",))

@@ -232,6 +232,8 @@ def test_defaults_match_the_design() -> None:
         ({"listen": "unix:relative.sock"}, "api.listen: unix socket path must be absolute"),
         ({"auth_read": True}, "auth_read: needs api.token_file"),
         ({"lisen": "x"}, "api.lisen: unknown key"),
+        ({"allowed_hosts": ["sup.example.com:443"]}, "api.allowed_hosts"),
+        ({"allowed_hosts": [""]}, "not a host name without port"),
     ],
 )
 def test_bad_api_section(api: dict[str, object], expected: str) -> None:
