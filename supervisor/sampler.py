@@ -515,7 +515,14 @@ class Sampler:
                 await anyio.sleep(XID_WAIT_S)
                 continue
             except BackendError as exc:
-                self._log.warning("gpu.xid_wait_failed", error=str(exc))
+                # a wait that keeps failing is said once a minute, not every second
+                self.xid_wait_errors += 1
+                self._warn_now_and_then(
+                    "gpu.xid_wait_failed",
+                    error=str(exc),
+                    errors=self.xid_wait_errors,
+                    reason="XIDs are not watched while this lasts",
+                )
                 await anyio.sleep(XID_WAIT_S)
                 continue
             for event in events:

@@ -312,3 +312,23 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     assert sup.wait_exit(20) == 0
     assert time.monotonic() - started < 10
     assert sup.find(event="gpu.close_skipped")
+
+
+def test_a_failing_xid_wait_is_said_once_not_every_second(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: an event wait that keeps failing logged a warning every second."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    (world / "nvml").write_text("rc_nvmlEventSetWait_v2 999\n")
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+    first = sup.wait_event(event="gpu.xid_wait_failed")
+    assert "XIDs are not watched" in first["reason"]
+    sup.wait_events(40, after=sup.events.index(first), event="gpu.sample")  # 4 s: 4 waits
+    assert len(sup.find(event="gpu.xid_wait_failed")) == 1
+    assert sup.stop() == 0
