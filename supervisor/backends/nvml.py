@@ -51,6 +51,10 @@ def _describe(exc: BaseException) -> str:
         return f"NVML error {_code(exc)}"
 
 
+_SLOWDOWN = pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+_SHUTDOWN = pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
+
+
 def _field_number(fv: Any) -> float | None:
     if fv.nvmlReturn != 0:
         return None
@@ -290,33 +294,29 @@ class NvmlBackend:
         )
 
     def _thresholds(self, i: int, h: Any) -> tuple[float | None, float | None]:
-        if self._threshold_fields:
+        """Slowdown and shutdown temperatures: from field values where the driver has them,
+        else (older GPUs answer those fields NOT_SUPPORTED) from the threshold queries."""
+        slowdown: float | None = None
+        shutdown: float | None = None
+        if self._threshold_fields and (i, "threshold_fields") not in self._unsupported:
             values = self._query(
                 i,
-                "thresholds",
+                "threshold_fields",
                 lambda: pynvml.nvmlDeviceGetFieldValues(h, [_FI_SLOWDOWN, _FI_SHUTDOWN]),
             )
-            if values is None:
-                return None, None
-            return _field_number(values[0]), _field_number(values[1])
-        slowdown = self._query(
-            i,
-            "thresholds",
-            lambda: pynvml.nvmlDeviceGetTemperatureThreshold(
-                h, pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
-            ),
-        )
-        shutdown = self._query(
-            i,
-            "thresholds_shutdown",
-            lambda: pynvml.nvmlDeviceGetTemperatureThreshold(
-                h, pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
-            ),
-        )
-        return (
-            None if slowdown is None else float(slowdown),
-            None if shutdown is None else float(shutdown),
-        )
+            if values is not None:
+                slowdown, shutdown = _field_number(values[0]), _field_number(values[1])
+                if all(int(v.nvmlReturn) in UNSUPPORTED_CODES for v in values):
+                    self._unsupported.add((i, "threshold_fields"))  # the queries from now on
+        if slowdown is None:
+            slowdown = self._threshold(i, h, "threshold_slowdown", _SLOWDOWN)
+        if shutdown is None:
+            shutdown = self._threshold(i, h, "threshold_shutdown", _SHUTDOWN)
+        return slowdown, shutdown
+
+    def _threshold(self, i: int, h: Any, field: str, which: int) -> float | None:
+        value = self._query(i, field, lambda: pynvml.nvmlDeviceGetTemperatureThreshold(h, which))
+        return None if value is None else float(value)
 
     # --- events ----------------------------------------------------------------------------
 

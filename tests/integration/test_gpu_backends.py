@@ -332,3 +332,34 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     sup.wait_events(40, after=sup.events.index(first), event="gpu.sample")  # 4 s: 4 waits
     assert len(sup.find(event="gpu.xid_wait_failed")) == 1
     assert sup.stop() == 0
+
+
+def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Older GPUs answer the threshold field values NOT_SUPPORTED (the call itself succeeds).
+    Regression: the thresholds were null, and the thermal check within a margin of slowdown
+    was lost there; nvmlDeviceGetTemperatureThreshold answers them."""
+    import json
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("rc_field_194 3\nrc_field_193 3\n")  # NVML_FI_DEV_TEMPERATURE_SLOWDOWN/SHUTDOWN
+    env = {
+        **os.environ,
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=True,
+    )
+    (dev,) = json.loads(out.stdout)["devices"]
+    assert (dev["temperature_slowdown_celsius"], dev["temperature_shutdown_celsius"]) == (87, 92)
