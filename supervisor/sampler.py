@@ -12,14 +12,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 import anyio.abc
 import structlog
 
 from supervisor import procfs
-from supervisor.backends.base import GpuBackend
+from supervisor.backends.base import PLACEHOLDER, GpuBackend
 from supervisor.errors import BackendError, BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, XidEvent
 from supervisor.policy.attribution import attribute
@@ -283,7 +283,8 @@ class Sampler:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
         backend = self._factory()
         try:
-            self.identities = await in_thread(backend.open, limiter=self._limiter)
+            opened = await in_thread(backend.open, limiter=self._limiter)
+            self.identities = tuple(self._named(i) for i in opened)
         except BackendUnavailable as exc:
             self.available = False
             self.error = str(exc)
@@ -312,12 +313,29 @@ class Sampler:
 
     def _remember(self, identities: Iterable[DeviceIdentity]) -> None:
         for ident in identities:
-            self._seen[ident.uuid] = ident
+            if not ident.uuid.startswith(PLACEHOLDER):
+                self._seen[ident.uuid] = ident
+
+    def _known(self, index: int, uuid: str) -> DeviceIdentity | None:
+        """The GPU seen before at ``index`` when ``uuid`` is the placeholder of one whose UUID
+        cannot be read now (lost at a re-init): the same GPU, not a second one."""
+        if not uuid.startswith(PLACEHOLDER):
+            return None
+        return next((i for i in self._seen.values() if i.index == index), None)
+
+    def _named(self, ident: DeviceIdentity) -> DeviceIdentity:
+        known = self._known(ident.index, ident.uuid)
+        return ident if known is None else replace(ident, uuid=known.uuid, name=known.name)
 
     def _with_missing(self, devices: tuple[DeviceSample, ...]) -> tuple[DeviceSample, ...]:
         """``devices`` plus every GPU seen before that the driver no longer lists, as lost (a
         GPU that fell off the bus vanishes from the enumeration after a re-init: forgotten, its
         workers would have stayed ready and no alert would have fired)."""
+        named = []
+        for d in devices:
+            known = self._known(d.index, d.uuid)
+            named.append(d if known is None else replace(d, uuid=known.uuid, name=known.name))
+        devices = tuple(named)
         self._remember(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
         listed = {d.uuid for d in devices}
         lost = tuple(

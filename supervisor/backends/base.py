@@ -31,6 +31,9 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_UNKNOWN = 999
 
+#: The UUID a backend gives a GPU whose UUID it cannot read (``unknown-<index>``).
+PLACEHOLDER = "unknown-"
+
 #: Codes that mean the device is broken: mark it unhealthy (NVML.md section 2).
 DEVICE_LOST_CODES = frozenset(
     {

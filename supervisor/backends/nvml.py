@@ -27,6 +27,7 @@ from supervisor.backends.base import (
     DEVICE_LOST_CODES,
     NVML_ERROR_TIMEOUT,
     NVML_ERROR_UNINITIALIZED,
+    PLACEHOLDER,
     UNSUPPORTED_CODES,
 )
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
@@ -108,7 +109,7 @@ class NvmlBackend:
                 name = pynvml.nvmlDeviceGetName(handle)
             except pynvml.NVMLError as exc:
                 handles.append(None)
-                identities.append(DeviceIdentity(index, f"unknown-{index}", _describe(exc)))
+                identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
                 continue
             total: float | None = None
             try:

@@ -363,3 +363,38 @@ def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
     )
     (dev,) = json.loads(out.stdout)["devices"]
     assert (dev["temperature_slowdown_celsius"], dev["temperature_shutdown_celsius"]) == (87, 92)
+
+
+def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 1 is lost, then NVML is initialised again (its UUID cannot be read any more: the
+    driver gives a placeholder). Regression: it was reported twice, as unknown-1 and as its
+    UUID, in the API, /readyz and the metrics (alerts fired twice)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+    sup.ready("g-0")
+    first = sup.wait_event(event="gpu.backend")
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("lost 1\n")
+    sup.wait_event(event="gpu.sample", devices=lambda d: d[UUID1]["healthy"] is False)
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
+    sup.wait_event(event="gpu.unavailable")
+    (world / "gpus" / "0").write_text(gpu0)
+    again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+    assert again["uuids"] == [UUID0, UUID1]
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(again))
+    with sup.api() as http:
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+        assert [(d["id"], d["uuid"], d["healthy"]) for d in devices] == [
+            (0, UUID0, True),
+            (1, UUID1, False),
+        ]
+    assert sup.stop() == 0
