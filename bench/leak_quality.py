@@ -265,6 +265,17 @@ def leak_case(job: tuple[int, float]) -> dict[str, Any]:
     return out
 
 
+def _bound(
+    summary: dict[str, Any], key: str, label: str, at: list[float | None], target: float
+) -> str:
+    """A bound's line (``label``: p90 of ``at``, how many later than ``target`` minutes);
+    its figures go into ``summary[key]``."""
+    st = _delays(at)
+    over = sum(1 for x in at if x is None or x > target * 60)
+    summary[key] = {**st, "over_target": over}
+    return f"{label}: p90 {_min(st['p90_s'])} min ({over} of {len(at)} later than {target:g} min)"
+
+
 def exhaust_params(seed: int) -> Any:
     rng = random.Random(f"exhaust-{seed}")
     params = draw_params(
@@ -491,13 +502,8 @@ def main() -> int:
                     else r["visible_after_s"] + extra / rate * 60
                     for r in runs
                 ]
-                b_st = _delays(at)
-                over = sum(1 for x in at if x is None or x > target * 60)
-                summary[f"{rate}/visible+{extra:g}MiB"] = {**b_st, "over_target": over}
-                parts.append(
-                    f"{'when visible' if not extra else f'{extra:g} MiB later'}: p90 "
-                    f"{_min(b_st['p90_s'])} min ({over} of {len(at)} later than {target:g} min)"
-                )
+                label = "when visible" if not extra else f"{extra:g} MiB later"
+                parts.append(_bound(summary, f"{rate}/visible+{extra:g}MiB", label, at, target))
             early = sum(
                 1
                 for r in runs
@@ -518,13 +524,8 @@ def main() -> int:
                     r["grown_after_s"][f"{20.0 * k if r['leak_pool'] == 'large' else 20.0:g}"]
                     for r in runs
                 ]
-                k_st = _delays(at_k)
-                over_k = sum(1 for x in at_k if x is None or x > target * 60)
-                summary[f"{rate}/at_large_segment_{k}"] = {**k_st, "over_target": over_k}
-                parts.append(
-                    f"at its {'2nd' if k == 2 else '3rd'} extra large segment: p90 "
-                    f"{_min(k_st['p90_s'])} min ({over_k} of {len(at_k)} later than {target:g} min)"
-                )
+                label = f"at its {'2nd' if k == 2 else '3rd'} extra large segment"
+                parts.append(_bound(summary, f"{rate}/at_large_segment_{k}", label, at_k, target))
             s_st = _delays(since)
             late_s = sum(1 for x in since if x > target * 60)
             summary[f"{rate}/from_visible"] = {**s_st, "over_target": late_s}

@@ -46,6 +46,18 @@ def start(
     return supervisor(cfg, env=env, log_level="debug")
 
 
+def start_on_nvml(supervisor: SupervisorFactory, tmp_path: Path, libdir: Path) -> Supervisor:
+    """The nvml backend on the world ``tmp_path/sim`` (made by the test), one worker without
+    GPUs."""
+    world = tmp_path / "sim"
+    return start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}),
+        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+
+
 def test_backend_is_the_one_asked_for(
     supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
 ) -> None:
@@ -291,12 +303,7 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     the last worker's exit with calls of 30 s, well over shutdown_timeout_s."""
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
-    sup = start(
-        supervisor,
-        tmp_path,
-        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
-        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
-    )
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     sup.ready("g-0")
     sup.wait_event(event="gpu.sample", nvml_available=True)
     with open(world / "gpus" / "0", "a") as fh:
@@ -321,12 +328,7 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
     (world / "nvml").write_text("rc_nvmlEventSetWait_v2 999\n")
-    sup = start(
-        supervisor,
-        tmp_path,
-        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
-        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
-    )
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     first = sup.wait_event(event="gpu.xid_wait_failed")
     assert "XIDs are not watched" in first["reason"]
     sup.wait_events(40, after=sup.events.index(first), event="gpu.sample")  # 4 s: 4 waits
@@ -373,12 +375,7 @@ def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
     UUID, in the API, /readyz and the metrics (alerts fired twice)."""
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
-    sup = start(
-        supervisor,
-        tmp_path,
-        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
-        {"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
-    )
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     sup.ready("g-0")
     first = sup.wait_event(event="gpu.backend")
     with open(world / "gpus" / "1", "a") as fh:
