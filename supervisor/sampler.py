@@ -301,7 +301,8 @@ class Sampler:
         self.backend = backend
         self.available = True
         self.error = None
-        self._reopen_delay = REOPEN_INITIAL_S
+        # the backoff starts over after a good sample, not here: a backend that opens but
+        # fails every sample (UNINITIALIZED on every call) would otherwise reopen every 2 s
         self._remember(self.identities)
         self._log.info(
             "gpu.backend",
@@ -406,7 +407,15 @@ class Sampler:
             self.available = False
             self.error = sample.error
             self._reopen_at = time.monotonic() + self._reopen_delay
-            self._log.warning("gpu.unavailable", backend=self.backend_name, error=sample.error)
+            self._log.warning(
+                "gpu.unavailable",
+                backend=self.backend_name,
+                error=sample.error,
+                retry_in_s=self._reopen_delay,
+            )
+            self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
+        elif sample.nvml_available:
+            self._reopen_delay = REOPEN_INITIAL_S
         self.last = sample
         self._on_sample(sample)
         return sample

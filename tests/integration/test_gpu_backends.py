@@ -395,3 +395,18 @@ def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
             (1, UUID1, False),
         ]
     assert sup.stop() == 0
+
+
+def test_a_backend_that_opens_but_never_samples_backs_off(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML opens, then every sample fails UNINITIALIZED. Regression: the backoff started
+    over at each open, so it was re-opened every second or two for ever."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("rc_nvmlDeviceGetMemoryInfo 1\n")  # NVML_ERROR_UNINITIALIZED
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    downs = sup.wait_events(3, event="gpu.unavailable", timeout=20)
+    assert [d["retry_in_s"] for d in downs] == [1.0, 2.0, 4.0]
+    assert sup.stop() == 0
