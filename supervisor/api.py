@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from supervisor._version import __version__
-from supervisor.config import is_loopback, parse_listen
+from supervisor.config import is_loopback, is_loopback_name, parse_listen
 from supervisor.journal import JOURNAL_SIZE, rfc3339
 from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
@@ -350,7 +350,7 @@ def browser_refusal(
             fetch_site = value.decode("latin-1").strip().lower()
     if loopback_only and host:
         name = _host_name(host).rstrip(".")
-        if not (is_loopback(name) or name in allowed_hosts):
+        if not (is_loopback_name(name) or name in allowed_hosts):
             return (
                 f"Host {host!r} is not a loopback name: this API listens on loopback only "
                 "(a request through a name made to resolve to it is refused; a reverse proxy's "

@@ -195,7 +195,7 @@ class ApiSection(_Strict):
     def _host_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
             if not name or any(c.isspace() or c in "/:@" for c in name):
-                raise ValueError(f"not a host name without port: {name!r}")
+                raise ValueError(f"allowed_hosts: not a host name without port: {name!r}")
         return tuple(n.lower().rstrip(".") for n in value)
 
     @field_validator("token_file", mode="before")
@@ -264,8 +264,20 @@ LOOPBACK_NAMES = frozenset(
 
 
 def is_loopback(host: str) -> bool:
-    """``localhost`` (and its usual aliases) or a loopback address (``127.x``, ``::1``,
-    ``::ffff:127.x``); case and a trailing dot do not matter."""
+    """``localhost`` or a loopback address (``127.x``, ``::1``): what may be listened on
+    without a token (names other than ``localhost`` are resolved at bind time)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_name(host: str) -> bool:
+    """A ``Host`` header naming the loopback interface: ``localhost`` and its usual aliases,
+    ``*.localhost`` (RFC 6761), a loopback address or an IPv4-mapped one; case and a trailing
+    dot do not matter."""
     host = host.lower().rstrip(".")
     if host in LOOPBACK_NAMES or host.endswith(".localhost"):
         return True

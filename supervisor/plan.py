@@ -184,6 +184,8 @@ class GpuSlot:
 
 #: ``GpuSlot.why_not`` of a GPU that nothing else keeps placements off.
 CORDONED = "is cordoned"
+#: ``GpuSlot.why_not`` of a GPU where a dead worker's memory is still held (and nothing worse).
+SUSPECT = "is suspect (memory of a dead worker still held)"
 
 
 def only_cordoned(gpus: Sequence[str], slots: Sequence[GpuSlot]) -> bool:

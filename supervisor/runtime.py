@@ -48,10 +48,12 @@ from supervisor.output import WorkerOutput, this_run
 from supervisor.plan import (
     CORDONED,
     INSTANCE_VAR,
+    SUSPECT,
     WORKER_VAR,
     GpuSlot,
     Plan,
     build_plan,
+    gpu_assignment,
     launch_spec,
     only_cordoned,
     place,
@@ -537,7 +539,7 @@ class Runtime:
             elif d.uuid in self.healer.state.quarantined:
                 why = f"is quarantined ({self.healer.state.quarantined[d.uuid]})"
             elif d.uuid in self.suspect:
-                why = "is suspect (memory of a dead worker still held)"
+                why = SUSPECT
             elif d.uuid in self.cordoned:
                 why = CORDONED
             out.append(slot_for(d, why))
@@ -734,10 +736,15 @@ class Runtime:
         if not gpus or not self.sampler.identities:
             return spec
         group = self.settings.group(spec.group)
-        known = {i.uuid for i in self.sampler.identities}
-        if group is not None and isinstance(group.gpus, tuple) and not set(gpus) <= known:
-            # an explicit list planned without telemetry, or naming a GPU missing at start:
-            # resolved to UUIDs now (what XIDs, the barrier and quarantines go by)
+        if (
+            group is not None
+            and isinstance(group.gpus, tuple)
+            and (spec.gpus == gpu_assignment(group) or runner.name in self._unplaced)
+        ):
+            # an explicit list as written (planned without telemetry, or naming a GPU missing
+            # at start): resolved to UUIDs now (what XIDs, the barrier and quarantines go by);
+            # a worker already on UUIDs keeps them (a GPU gone from the enumeration does not
+            # move it onto whatever GPU has its index now)
             resolved = self._resolve_late(runner, group)
             if isinstance(resolved, str):
                 return resolved
@@ -755,6 +762,8 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
+        if not self.slots():  # NVML down just now: nothing to place by, it stays where it is
+            return spec
         avoid = self.healer.avoid.get(runner.name, set())
         # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full
         slots = self.healer.migration_slots(runner.name, self.slots()) if avoid else self.slots()
@@ -789,7 +798,11 @@ class Runtime:
                 not avoid
                 and own
                 and only_cordoned(
-                    gpus, [s if s.uuid not in own else replace(s, why_not="") for s in slots]
+                    gpus,
+                    [
+                        replace(s, why_not="") if s.uuid in own and s.why_not == SUSPECT else s
+                        for s in slots
+                    ],
                 )
             ):
                 self.log.warning(
@@ -837,8 +850,13 @@ class Runtime:
         group = self.settings.group(spec.group)
         if group is None or group.gpus != "auto":
             return spec
+        slots = self.slots()
+        if not slots:  # NVML down just now
+            if runner.name in self._unplaced:  # never onto every GPU (nothing set)
+                return f"no GPU to place on: no GPU telemetry ({self._unplaced[runner.name]})"
+            return spec
         try:
-            chosen = self._place_one(runner, self.slots())
+            chosen = self._place_one(runner, slots)
         except PlacementError as exc:
             return f"no GPU to place on: {exc}"
         self._unplaced.pop(runner.name, None)

@@ -10,9 +10,11 @@ backoff; the supervisor never stops for NVML.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import anyio
 import anyio.abc
@@ -24,6 +26,8 @@ from supervisor.errors import BackendError, BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, XidEvent
 from supervisor.policy.attribution import attribute
 from supervisor.records import ThreadUnavailable, in_thread
+
+T = TypeVar("T")
 
 XID_WAIT_S = 1.0
 #: The error of a GPU seen before that the driver no longer lists.
@@ -46,6 +50,9 @@ FAILURE_LOG_EVERY_S = 60.0
 #: (the last sample only grows older).
 STUCK_AFTER_S = 5.0
 STUCK_AFTER_INTERVALS = 10
+#: At the stop, the backend is closed once the call in flight returns, waiting this long at
+#: most (seconds): a hung driver's call is left behind, and NVML is not shut down.
+CLOSE_WAIT_S = 2.0
 
 
 def host_interval(leak_windows_s: Iterable[float]) -> float:
@@ -241,6 +248,8 @@ class Sampler:
         self._xid_limiter = anyio.CapacityLimiter(1)
         #: when the backend call now in flight began (None: none is): a hung driver
         self._call_since: float | None = None
+        self._no_call = threading.Event()  # set while no backend call is in flight
+        self._no_call.set()
         self._reopen_delay = REOPEN_INITIAL_S
         self._reopen_at = 0.0
         self._wake = anyio.Event()
@@ -283,8 +292,10 @@ class Sampler:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
         backend = self._factory()
         try:
-            opened = await in_thread(backend.open, limiter=self._limiter)
-            self.identities = tuple(self._named(i) for i in opened)
+            opened = await in_thread(
+                self._tracked(backend.open), limiter=self._limiter, abandon_on_cancel=True
+            )
+            self.identities = self._named_all(opened)
         except BackendUnavailable as exc:
             self.available = False
             self.error = str(exc)
@@ -317,24 +328,33 @@ class Sampler:
             if not ident.uuid.startswith(PLACEHOLDER):
                 self._seen[ident.uuid] = ident
 
-    def _known(self, index: int, uuid: str) -> DeviceIdentity | None:
+    def _known(self, index: int, uuid: str, listed: set[str]) -> DeviceIdentity | None:
         """The GPU seen before at ``index`` when ``uuid`` is the placeholder of one whose UUID
-        cannot be read now (lost at a re-init): the same GPU, not a second one."""
+        cannot be read now (lost at a re-init): the same GPU, not a second one. Only a GPU not
+        ``listed`` in this enumeration, and only when exactly one such was last seen at that
+        index (GPUs renumbered by a removal: left a placeholder rather than named wrongly)."""
         if not uuid.startswith(PLACEHOLDER):
             return None
-        return next((i for i in self._seen.values() if i.index == index), None)
+        found = [i for i in self._seen.values() if i.index == index and i.uuid not in listed]
+        return found[0] if len(found) == 1 else None
 
-    def _named(self, ident: DeviceIdentity) -> DeviceIdentity:
-        known = self._known(ident.index, ident.uuid)
-        return ident if known is None else replace(ident, uuid=known.uuid, name=known.name)
+    def _named_all(self, identities: Iterable[DeviceIdentity]) -> tuple[DeviceIdentity, ...]:
+        idents = tuple(identities)
+        listed = {i.uuid for i in idents}
+        out = []
+        for ident in idents:
+            known = self._known(ident.index, ident.uuid, listed)
+            out.append(ident if known is None else replace(ident, uuid=known.uuid, name=known.name))
+        return tuple(out)
 
     def _with_missing(self, devices: tuple[DeviceSample, ...]) -> tuple[DeviceSample, ...]:
         """``devices`` plus every GPU seen before that the driver no longer lists, as lost (a
         GPU that fell off the bus vanishes from the enumeration after a re-init: forgotten, its
         workers would have stayed ready and no alert would have fired)."""
+        listed_now = {d.uuid for d in devices}
         named = []
         for d in devices:
-            known = self._known(d.index, d.uuid)
+            known = self._known(d.index, d.uuid, listed_now)
             named.append(d if known is None else replace(d, uuid=known.uuid, name=known.name))
         devices = tuple(named)
         self._remember(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
@@ -352,15 +372,12 @@ class Sampler:
         error = self.error
         ok = available
         if available and self.backend is not None:
-            self._call_since = t0
             try:
-                devices = self._with_missing(self.backend.sample())
+                devices = self._with_missing(self._tracked(self.backend.sample)())
             except BackendUnavailable as exc:
                 ok, error = False, str(exc)
             except BackendError as exc:
                 error = str(exc)
-            finally:
-                self._call_since = None
         gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
         trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
         gpu = attribute(
@@ -393,7 +410,11 @@ class Sampler:
         """Take one sample now."""
         if not self.available and self.backend is not None and time.monotonic() >= self._reopen_at:
             with contextlib.suppress(BackendError):
-                await in_thread(self.backend.close, limiter=self._limiter)
+                await in_thread(
+                    self._tracked(self.backend.close),
+                    limiter=self._limiter,
+                    abandon_on_cancel=True,
+                )
             await self.open()
         # abandoned on cancel: a call that hangs in the driver must not hold up the stop
         sample = await in_thread(
@@ -453,20 +474,49 @@ class Sampler:
                     with anyio.move_on_after(max(0.0, next_at - now)):
                         await self._wake.wait()  # or sooner, when someone needs a fresh sample
         finally:
+            if self.backend is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._close_at_stop(self.backend)
+
+    async def _close_at_stop(self, backend: GpuBackend) -> None:
+        """Close ``backend`` once the call in flight (abandoned by the stop) has returned,
+        waiting ``CLOSE_WAIT_S`` at most: one that does not return (a hung driver; NVML's
+        shutdown under it would hang or worse) is left behind, and the process exits without
+        closing. Inline where no thread can be started: clean-up must finish regardless."""
+        returned = self._no_call.is_set()
+        if not returned:
+            with contextlib.suppress(ThreadUnavailable):
+                returned = await in_thread(self._no_call.wait, CLOSE_WAIT_S, abandon_on_cancel=True)
+        if not returned:
             stuck = self.stuck_for_s()
-            if stuck is not None:
-                # closing would wait behind the call that does not return (and NVML's
-                # shutdown would likely hang the same way): the process exits without it
-                self._log.warning(
-                    "gpu.close_skipped",
-                    backend=self.backend_name,
-                    stuck_for_s=round(stuck, 3),
-                    reason="an NVML call has not returned: the driver may be hung",
-                )
-            elif self.backend is not None:
-                # inline where no thread can be started: clean-up must finish regardless
-                with anyio.CancelScope(shield=True), contextlib.suppress(BackendError):
-                    await in_thread(self.backend.close, limiter=self._limiter, inline=True)
+            self._log.warning(
+                "gpu.close_skipped",
+                backend=self.backend_name,
+                stuck_for_s=None if stuck is None else round(stuck, 3),
+                reason="an NVML call has not returned: the driver may be hung",
+            )
+            return
+        with anyio.move_on_after(CLOSE_WAIT_S), contextlib.suppress(BackendError):
+            await in_thread(
+                self._tracked(backend.close),
+                limiter=self._limiter,
+                inline=True,
+                abandon_on_cancel=True,
+            )
+
+    def _tracked(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` that marks a backend call in flight while it runs (``stuck_for_s``)."""
+
+        def call() -> T:
+            self._no_call.clear()
+            self._call_since = time.monotonic()
+            try:
+                return fn()
+            finally:
+                self._call_since = None
+                self._no_call.set()
+
+        return call
 
     def stuck(self) -> float | None:
         """How long the call in flight has taken, once it counts as stuck (else None)."""

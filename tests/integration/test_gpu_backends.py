@@ -334,6 +334,9 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     sup.wait_events(40, after=sup.events.index(first), event="gpu.sample")  # 4 s: 4 waits
     assert len(sup.find(event="gpu.xid_wait_failed")) == 1
     assert sup.stop() == 0
+    # an ordinary stop closes NVML (regression: any sample in flight skipped it, with a
+    # warning that the driver may be hung)
+    assert not sup.find(event="gpu.close_skipped")
 
 
 def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
@@ -409,4 +412,131 @@ def test_a_backend_that_opens_but_never_samples_backs_off(
     sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     downs = sup.wait_events(3, event="gpu.unavailable", timeout=20)
     assert [d["retry_in_s"] for d in downs] == [1.0, 2.0, 4.0]
+    assert sup.stop() == 0
+
+
+def test_a_hung_reopen_does_not_hold_up_the_stop_either(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML goes away, and the driver hangs by the time it is opened again (a re-open after
+    an outage is when a driver is likely hung). Regression: the stop waited 263 s for the
+    open, and nothing said it was stuck."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    sup.wait_event(event="gpu.sample", nvml_available=True)
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
+    sup.wait_event(event="gpu.unavailable")
+    (world / "gpus" / "0").write_text(gpu0 + "hang_ms 60000\n")
+    sup.wait_event(event="gpu.call_stuck", timeout=20)
+    started = time.monotonic()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit(20) == 0
+    assert time.monotonic() - started < 10
+    assert sup.find(event="gpu.close_skipped")
+
+
+def test_a_stuck_release_on_a_quarantined_gpu_does_not_restart_there(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """The restart in place after a stuck release is for a GPU that is only suspect: one that
+    is quarantined (a device-fatal XID, likely why the process is stuck) is not restarted on.
+    Regression (of the restart in place): it was."""
+    one_each = {"max_workers_per_gpu": 1, "restart": {"stable_s": 0.1}}
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "b", **one_each, "command": worker_cmd("gpu_user", "500", "--holder", "30")},
+        {"name": "o", **one_each, "command": worker_cmd("gpu_user", "100")},
+    )
+    leader = sup.ready("b-0")["pid"]
+    sup.ready("o-0")
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        mark = sup.mark()
+        with open(tmp_path / "sim" / "events", "a") as fh:
+            fh.write("0 79\n")  # device-fatal: GPU 0 quarantined
+        sup.wait_event(event="heal.action", action="quarantine", after=mark)
+        os.kill(leader, signal.SIGKILL)
+        failed = sup.wait_event(event="worker.spawn_failed", worker="b-0", after=mark)
+        assert "quarantined" in failed["error"]
+        assert not sup.find(event="worker.gpu_suspect_own", after=mark)
+    assert wait_dead([holder]) == []
+    assert sup.stop() == 0
+
+
+def test_an_explicit_list_on_uuids_is_not_moved_when_gpus_are_renumbered(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 1 disappears across an NVML re-init and GPU 2 becomes index 1. A worker pinned to
+    `gpus = [1]` was placed on GPU 1's UUID and stays there (it is lost: started there anyway).
+    Regression: it was resolved again by index, onto the other group's GPU."""
+    world = tmp_path / "sim"
+    SimBackend(world, 3).open()
+    uuid2 = "GPU-00000000-0000-0000-0000-000000000002"
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {"name": "p", "gpus": [1], "command": worker_cmd("ready_then_sleep")},
+        {"name": "q", "gpus": [2], "command": worker_cmd("ready_then_sleep")},
+    )
+    sup.ready("p-0")
+    sup.ready("q-0")
+    first = sup.wait_event(event="gpu.backend")
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
+    sup.wait_event(event="gpu.unavailable")
+    (world / "gpus" / "2").rename(world / "gpus" / "1")  # GPU 1 gone, GPU 2 is index 1 now
+    (world / "gpus" / "0").write_text(gpu0)
+    again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+    assert again["uuids"] == [UUID0, uuid2]
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(again))
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/p-0/restart").status_code == 202
+        sup.ready("p-0", after=mark)
+        assert http.get("/api/v1/workers/p-0").json()["gpus"] == [UUID1]
+    assert not sup.find(event="worker.gpus_resolved", after=mark)
+    assert sup.stop() == 0
+
+
+def test_an_unplaced_worker_is_not_started_on_every_gpu_while_nvml_is_down(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A worker that could not be placed at start keeps failing its starts while NVML is
+    down. Regression: with no GPUs to place by, it was "placed" on nothing and started with
+    CUDA_VISIBLE_DEVICES unset: on every GPU of the machine."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("lost 1\n")
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {
+            "name": "inf",
+            "replicas": 2,
+            "max_workers_per_gpu": 1,
+            "command": worker_cmd("gpu_user", "100"),
+            "restart": {"backoff_initial_s": 0.05, "backoff_max_s": 0.2, "burst": 100},
+        },
+    )
+    sup.wait_event(event="worker.unplaced", worker="inf-1")
+    sup.ready("inf-0")
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
+    down = sup.wait_event(event="gpu.unavailable")
+    mark = sup.events.index(down)
+    failed = sup.wait_event(
+        event="worker.spawn_failed", worker="inf-1", after=mark, error=lambda e: "telemetry" in e
+    )
+    assert "no GPU to place on" in failed["error"]
+    assert not sup.find(event="worker.moved", worker="inf-1")
+    assert not sup.find(event="worker.spawned", worker="inf-1")
     assert sup.stop() == 0

@@ -10,7 +10,7 @@ import pytest
 from supervisor import sampler as sampler_module
 from supervisor.backends.sim import SimBackend
 from supervisor.errors import BackendUnavailable
-from supervisor.model import DeviceIdentity, Sample, XidEvent
+from supervisor.model import DeviceIdentity, DeviceSample, Sample, XidEvent
 from supervisor.sampler import Sampler
 
 
@@ -92,3 +92,61 @@ async def test_xids_are_read_when_the_backend_comes_up_after_the_start(
             await xid.wait()
         tg.cancel_scope.cancel()
     assert [e.xid for e in xids] == [79]
+
+
+class _Enumerations:
+    """A backend whose every open enumerates the next of ``worlds`` ((index, UUID) pairs;
+    ``unknown-<i>`` is a GPU whose UUID cannot be read, lost)."""
+
+    name = "stub"
+
+    def __init__(self, worlds: list[list[tuple[int, str]]]) -> None:
+        self.worlds = worlds
+        self.at = -1
+
+    def open(self) -> tuple[DeviceIdentity, ...]:
+        self.at += 1
+        return tuple(DeviceIdentity(i, u, "n") for i, u in self.worlds[self.at])
+
+    def sample(self) -> tuple[DeviceSample, ...]:
+        return tuple(
+            DeviceSample(i, u, "n", healthy=not u.startswith("unknown-"))
+            for i, u in self.worlds[self.at]
+        )
+
+    def close(self) -> None:
+        pass
+
+    def wait_xid(self, timeout_s: float) -> list[XidEvent]:
+        return []
+
+
+async def _names_after(worlds: list[list[tuple[int, str]]]) -> list[tuple[int, str, bool]]:
+    stub = _Enumerations(worlds)
+    sampler = Sampler(lambda: stub, 1.0, dict, lambda s: None, lambda e: None)
+    sample = None
+    for _ in worlds:
+        assert await sampler.open()
+        sample = await sampler.tick()
+    assert sample is not None
+    return sorted((d.index, d.uuid, d.healthy) for d in sample.devices)
+
+
+async def test_a_gpu_lost_across_a_reinit_keeps_its_uuid_only_when_that_is_unambiguous() -> None:
+    """A placeholder is the GPU last seen at its index and not listed now; when GPUs were
+    renumbered (one removed), it stays a placeholder. Regression: a healthy GPU's UUID was
+    given to the placeholder, and that GPU was reported lost (and quarantined)."""
+    a, b, c = "GPU-A", "GPU-B", "GPU-C"
+    assert await _names_after([[(0, a), (1, b)], [(0, a), (1, "unknown-1")]]) == [
+        (0, a, True),
+        (1, b, False),
+    ]
+    # b gone, c renumbered to 1, and a GPU at 2 whose UUID cannot be read: c was last seen at
+    # index 2, but it is listed at 1 now: the placeholder is not c
+    renumbered = [[(0, a), (1, b), (2, c)], [(0, a), (1, c), (2, "unknown-2")]]
+    got = await _names_after(renumbered)
+    assert (1, c, True) in got and [u for _, u, _ in got].count(c) == 1
+    assert (2, "unknown-2", False) in got and (1, b, False) in got  # b: lost, not listed
+    # the same, in two re-inits
+    twice = [[(0, a), (1, b), (2, c)], [(0, a), (1, c)], [(0, a), (1, c), (2, "unknown-2")]]
+    assert await _names_after(twice) == got
