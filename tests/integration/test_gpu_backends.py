@@ -58,6 +58,44 @@ def start_on_nvml(supervisor: SupervisorFactory, tmp_path: Path, libdir: Path) -
     )
 
 
+def nvml_down(sup: Supervisor, world: Path) -> str:
+    """Make NVML answer UNINITIALIZED (as after a driver reload) until GPU 0's file is written
+    back with what this returns; wait until the supervisor has seen it."""
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")
+    sup.wait_event(event="gpu.unavailable")
+    return gpu0
+
+
+def assert_stops_at_once(sup: Supervisor) -> None:
+    """SIGTERM while an NVML call hangs: exit 0 within seconds, NVML left unclosed."""
+    started = time.monotonic()
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit(20) == 0
+    assert time.monotonic() - started < 10
+    assert sup.find(event="gpu.close_skipped")
+
+
+def start_beside_a_full_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> tuple[Supervisor, int, int]:
+    """Worker b-0 on GPU 0 with a holder child (500 MiB), o-0 filling GPU 1 (one worker a
+    GPU): the supervisor, b-0's leader and its holder, sampled in its tree."""
+    one_each = {"max_workers_per_gpu": 1, "restart": {"stable_s": 0.1}}
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "b", **one_each, "command": worker_cmd("gpu_user", "500", "--holder", "30")},
+        {"name": "o", **one_each, "command": worker_cmd("gpu_user", "100")},
+    )
+    leader = sup.ready("b-0")["pid"]
+    sup.ready("o-0")
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    return sup, leader, holder
+
+
 def test_backend_is_the_one_asked_for(
     supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
 ) -> None:
@@ -197,18 +235,7 @@ def test_a_stuck_release_with_nowhere_else_to_go_restarts_in_place(
     the kernel) and no other GPU may take it: it restarts there. Regression: every start
     failed ("no GPU to place on: GPU 0 is suspect") until the worker went fatal, for good
     (a single-GPU machine, whenever a CUDA teardown takes longer than release_timeout_s)."""
-    one_each = {"max_workers_per_gpu": 1, "restart": {"stable_s": 0.1}}
-    sup = start(
-        supervisor,
-        tmp_path,
-        backend,
-        {"name": "b", **one_each, "command": worker_cmd("gpu_user", "500", "--holder", "30")},
-        {"name": "o", **one_each, "command": worker_cmd("gpu_user", "100")},  # GPU 1 is full
-    )
-    leader = sup.ready("b-0")["pid"]
-    sup.ready("o-0")
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
+    sup, leader, holder = start_beside_a_full_gpu(supervisor, tmp_path, backend)
     with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
         mark = sup.mark()
         os.kill(leader, signal.SIGKILL)
@@ -314,11 +341,7 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
         status = http.get("/api/v1/gpu/status").json()
         assert status["nvml_available"] is False and "has not returned" in status["error"]
         assert "gpu_supervisor_nvml_up 0.0" in http.get("/metrics").text
-    started = time.monotonic()
-    sup.signal(signal.SIGTERM)
-    assert sup.wait_exit(20) == 0
-    assert time.monotonic() - started < 10
-    assert sup.find(event="gpu.close_skipped")
+    assert_stops_at_once(sup)
 
 
 def test_a_failing_xid_wait_is_said_once_not_every_second(
@@ -384,9 +407,7 @@ def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
     with open(world / "gpus" / "1", "a") as fh:
         fh.write("lost 1\n")
     sup.wait_event(event="gpu.sample", devices=lambda d: d[UUID1]["healthy"] is False)
-    gpu0 = (world / "gpus" / "0").read_text()
-    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
-    sup.wait_event(event="gpu.unavailable")
+    gpu0 = nvml_down(sup, world)
     (world / "gpus" / "0").write_text(gpu0)
     again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
     assert again["uuids"] == [UUID0, UUID1]
@@ -426,16 +447,10 @@ def test_a_hung_reopen_does_not_hold_up_the_stop_either(
     sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     sup.ready("g-0")
     sup.wait_event(event="gpu.sample", nvml_available=True)
-    gpu0 = (world / "gpus" / "0").read_text()
-    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
-    sup.wait_event(event="gpu.unavailable")
+    gpu0 = nvml_down(sup, world)
     (world / "gpus" / "0").write_text(gpu0 + "hang_ms 60000\n")
     sup.wait_event(event="gpu.call_stuck", timeout=20)
-    started = time.monotonic()
-    sup.signal(signal.SIGTERM)
-    assert sup.wait_exit(20) == 0
-    assert time.monotonic() - started < 10
-    assert sup.find(event="gpu.close_skipped")
+    assert_stops_at_once(sup)
 
 
 def test_a_stuck_release_on_a_quarantined_gpu_does_not_restart_there(
@@ -444,18 +459,7 @@ def test_a_stuck_release_on_a_quarantined_gpu_does_not_restart_there(
     """The restart in place after a stuck release is for a GPU that is only suspect: one that
     is quarantined (a device-fatal XID, likely why the process is stuck) is not restarted on.
     Regression (of the restart in place): it was."""
-    one_each = {"max_workers_per_gpu": 1, "restart": {"stable_s": 0.1}}
-    sup = start(
-        supervisor,
-        tmp_path,
-        backend,
-        {"name": "b", **one_each, "command": worker_cmd("gpu_user", "500", "--holder", "30")},
-        {"name": "o", **one_each, "command": worker_cmd("gpu_user", "100")},
-    )
-    leader = sup.ready("b-0")["pid"]
-    sup.ready("o-0")
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
+    sup, leader, holder = start_beside_a_full_gpu(supervisor, tmp_path, backend)
     with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
         mark = sup.mark()
         with open(tmp_path / "sim" / "events", "a") as fh:
@@ -488,9 +492,7 @@ def test_an_explicit_list_on_uuids_is_not_moved_when_gpus_are_renumbered(
     sup.ready("p-0")
     sup.ready("q-0")
     first = sup.wait_event(event="gpu.backend")
-    gpu0 = (world / "gpus" / "0").read_text()
-    (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
-    sup.wait_event(event="gpu.unavailable")
+    gpu0 = nvml_down(sup, world)
     (world / "gpus" / "2").rename(world / "gpus" / "1")  # GPU 1 gone, GPU 2 is index 1 now
     (world / "gpus" / "0").write_text(gpu0)
     again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)

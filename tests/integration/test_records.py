@@ -84,6 +84,26 @@ def test_crash_gives_exactly_one_postmortem_with_reason_and_log_tail(
     assert [w["state"] for w in state["workers"]] == ["stopped"]
 
 
+def run_until_fatal(
+    supervisor: SupervisorFactory, group: str, script: Path, burst: int
+) -> Supervisor:
+    """One worker running ``script`` (no readiness), restarted until it is given up on."""
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": group,
+                    "command": [sys.executable, str(script)],
+                    "ready": "none",
+                    "restart": {"burst": burst, "backoff_initial_s": 0.01},
+                }
+            ]
+        }
+    )
+    sup.wait_event(event="worker.state", worker=f"{group}-0", new="fatal")
+    return sup
+
+
 def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     script = tmp_path / "oom.py"
     script.write_text(
@@ -91,19 +111,7 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
         "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB', flush=True)\n"
         "sys.exit(1)\n"
     )
-    sup = supervisor(
-        {
-            "workers": [
-                {
-                    "name": "o",
-                    "command": [sys.executable, str(script)],
-                    "ready": "none",
-                    "restart": {"burst": 1, "backoff_initial_s": 0.01},
-                }
-            ]
-        }
-    )
-    sup.wait_event(event="worker.state", worker="o-0", new="fatal")
+    sup = run_until_fatal(supervisor, "o", script, burst=1)
     with sup.api() as api:
         # The API and the metrics say what the post-mortems say (regression: "exit").
         assert api.get("/api/v1/workers/o-0").json()["last_exit"]["reason"] == "cuda_oom"
@@ -140,19 +148,7 @@ def test_an_earlier_processs_cuda_oom_is_not_the_next_ones_reason(
         "print('run', n, flush=True)\n"
         "sys.exit(3)\n"
     )
-    sup = supervisor(
-        {
-            "workers": [
-                {
-                    "name": "s",
-                    "command": [sys.executable, str(script)],
-                    "ready": "none",
-                    "restart": {"burst": 2, "backoff_initial_s": 0.01},
-                }
-            ]
-        }
-    )
-    sup.wait_event(event="worker.state", worker="s-0", new="fatal")
+    sup = run_until_fatal(supervisor, "s", script, burst=2)
     assert sup.stop() == 0
     docs = sorted(postmortems(sup), key=lambda d: d["worker"]["ended_at"])
     assert [d["reason"] for d in docs] == ["cuda_oom", "exit", "exit"]
