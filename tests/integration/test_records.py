@@ -260,6 +260,20 @@ def orphans(tmp_path: Path) -> Iterator[list[psutil.Process]]:
             p.kill()
 
 
+def killed_with_an_orphan(
+    supervisor: SupervisorFactory, config: dict[str, Any]
+) -> tuple[Supervisor, int]:
+    """Run ``config`` (a ``fork_grandchild`` worker f-0) until state.json records the
+    grandchild, then SIGKILL the supervisor: it and the grandchild it left running."""
+    first = supervisor(config, log_level="debug")
+    first.ready("f-0")
+    grandchild = int(first.wait_line("[f-0] ", contains="forked").split()[-1])
+    first.wait_event(event="records.state_written", pids=lambda p: grandchild in p)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait_exit()
+    return first, grandchild
+
+
 def test_restarted_supervisor_reclaims_orphans(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -270,12 +284,7 @@ def test_restarted_supervisor_reclaims_orphans(
         "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
         "workers": [group("f", "fork_grandchild", gpus="none")],
     }
-    first = supervisor(config, log_level="debug")
-    first.ready("f-0")
-    grandchild = int(first.wait_line("[f-0] ", contains="forked").split()[-1])
-    first.wait_event(event="records.state_written", pids=lambda p: grandchild in p)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait_exit()
+    _, grandchild = killed_with_an_orphan(supervisor, config)
     assert alive(grandchild), "the grandchild should outlive a SIGKILLed supervisor"
     second = supervisor(config)
     event = second.wait_event(event="supervisor.reclaimed_orphan", pid=grandchild, timeout=15)
@@ -301,12 +310,7 @@ def test_orphans_are_reclaimed_after_a_clock_step(
         "supervisor": {"sample_interval_s": 0.1},
         "workers": [group("f", "fork_grandchild", gpus="none")],
     }
-    first = supervisor(config, log_level="debug")
-    first.ready("f-0")
-    grandchild = int(first.wait_line("[f-0] ", contains="forked").split()[-1])
-    first.wait_event(event="records.state_written", pids=lambda p: grandchild in p)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait_exit()
+    first, grandchild = killed_with_an_orphan(supervisor, config)
     try:
         path = first.state_dir / "state.json"
         doc = json.loads(path.read_text())
