@@ -20,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import email.utils
+import functools
 import hashlib
 import hmac
 import importlib.resources
@@ -320,6 +321,14 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
+@functools.lru_cache(maxsize=64)
+def _host_allowed(host: str, allowed_hosts: tuple[str, ...]) -> bool:
+    """``host`` (a ``Host`` header) names the loopback interface or one of ``allowed_hosts``
+    (cached: clients send the same few values on every request)."""
+    name = _host_name(host).rstrip(".")
+    return is_loopback_name(name) or name in allowed_hosts
+
+
 def browser_refusal(
     method: str,
     headers: Sequence[tuple[bytes, bytes]],
@@ -348,14 +357,12 @@ def browser_refusal(
             origin = value.decode("latin-1")
         elif key == b"sec-fetch-site":
             fetch_site = value.decode("latin-1").strip().lower()
-    if loopback_only and host:
-        name = _host_name(host).rstrip(".")
-        if not (is_loopback_name(name) or name in allowed_hosts):
-            return (
-                f"Host {host!r} is not a loopback name: this API listens on loopback only "
-                "(a request through a name made to resolve to it is refused; a reverse proxy's "
-                "name goes in api.allowed_hosts)"
-            )
+    if loopback_only and host and not _host_allowed(host, tuple(allowed_hosts)):
+        return (
+            f"Host {host!r} is not a loopback name: this API listens on loopback only "
+            "(a request through a name made to resolve to it is refused; a reverse proxy's "
+            "name goes in api.allowed_hosts)"
+        )
     if method in _UNSAFE_METHODS:
         if origin is not None:
             parts = origin.strip().lower().split("://", 1)
