@@ -510,6 +510,18 @@ class Recorder:
             self._recreated = False
             self._on_dir_recreated()
 
+    def report_unwritten(self) -> int:
+        """Log the post-mortems still waiting to be written (at exit: a full or read-only
+        ``state_dir``, or the flush cut short); return how many."""
+        if self._pending:
+            self._log.error(
+                "records.postmortems_unwritten",
+                count=len(self._pending),
+                ids=[d.get("id") for d in self._pending],
+                reason="state_dir did not take them before the supervisor exited",
+            )
+        return len(self._pending)
+
     async def flush(self) -> None:
         """Write every queued post-mortem and the current state now (at shutdown: where no
         thread can be started, the writes are made on the event loop)."""

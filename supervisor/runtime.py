@@ -1662,6 +1662,7 @@ class Runtime:
         self.stopped = True
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()
+        self.recorder.report_unwritten()
         self._done.set()
 
     async def _remove_cgroups(self) -> None:

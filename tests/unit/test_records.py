@@ -248,6 +248,23 @@ def test_write_failures_are_logged_once_per_kind_and_recover() -> None:
     assert health.problems() == {}
 
 
+async def test_post_mortems_left_unwritten_at_exit_are_said(tmp_path: Path) -> None:
+    """A state_dir that takes no post-mortem by the time the supervisor exits (full, read-only):
+    what is still queued is logged with its ids, not lost silently."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "postmortems").write_text("not a directory")  # every post-mortem write fails
+    recorder = Recorder(state, 10, WriteHealth(), snapshot=dict)
+    ids = [postmortem_id(T0, "w-0", "exit"), postmortem_id(T0 + 1, "w-0", "exit")]
+    for id_ in ids:
+        recorder.postmortem({"id": id_})
+    with capture_logs() as logs:
+        await recorder.flush()
+        assert recorder.report_unwritten() == 2
+    said = [e for e in logs if e["event"] == "records.postmortems_unwritten"]
+    assert said and said[0]["count"] == 2 and said[0]["ids"] == ids
+
+
 def test_a_state_dir_made_again_behind_the_recorders_back_counts_as_recreated(
     tmp_path: Path,
 ) -> None:
