@@ -6,7 +6,7 @@ No I/O: the inherited environment and the notify socket path are arguments.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,11 +188,18 @@ CORDONED = "is cordoned"
 SUSPECT = "is suspect (memory of a dead worker still held)"
 
 
-def only_cordoned(gpus: Sequence[str], slots: Sequence[GpuSlot]) -> bool:
-    """True when none of ``gpus`` is unusable for any reason but a cordon: a cordon stops new
-    placements only, so a worker already there may start there again when nothing else fits."""
+def may_restart_in_place(
+    gpus: Sequence[str], slots: Sequence[GpuSlot], own_suspect: Collection[str] = ()
+) -> bool:
+    """True when a worker on ``gpus`` may start there again when nothing else fits: none of
+    them is unusable for any reason but a cordon (which stops new placements only) or, for the
+    GPUs in ``own_suspect``, being suspect because of the worker's own previous process (its
+    memory held past ``release_timeout_s``: the worker would otherwise fail every start)."""
     why_not = {s.uuid: s.why_not for s in slots}
-    return all(why_not.get(u) in ("", CORDONED) for u in gpus)
+    return all(
+        why_not.get(u) in ("", CORDONED) or (u in own_suspect and why_not.get(u) == SUSPECT)
+        for u in gpus
+    )
 
 
 def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:

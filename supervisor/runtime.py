@@ -18,7 +18,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -55,7 +55,7 @@ from supervisor.plan import (
     build_plan,
     gpu_assignment,
     launch_spec,
-    only_cordoned,
+    may_restart_in_place,
     place,
     resolve_explicit,
     slot_for,
@@ -782,36 +782,24 @@ class Runtime:
         try:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
-            if not avoid and only_cordoned(gpus, slots):  # restart where it was, not fail
-                self.log.info(
-                    "worker.gpu_cordoned",
-                    worker=runner.name,
-                    gpus=list(gpus),
-                    reason="no other GPU fits: restarting on its cordoned GPU",
-                )
-                return spec
-            # Its own previous process still holds memory there (stuck in the driver past
-            # release_timeout_s) and no other GPU fits: restart in place rather than fail
-            # every start until the worker is given up on (a single-GPU machine).
             own = {u for u in gpus if self._suspect_of.get(u) == runner.name}
-            if (
-                not avoid
-                and own
-                and only_cordoned(
-                    gpus,
-                    [
-                        replace(s, why_not="") if s.uuid in own and s.why_not == SUSPECT else s
-                        for s in slots
-                    ],
-                )
-            ):
-                self.log.warning(
-                    "worker.gpu_suspect_own",
-                    worker=runner.name,
-                    gpus=sorted(own),
-                    reason="no other GPU fits: restarting on its GPU, where its previous process "
-                    "still holds memory",
-                )
+            if not avoid and may_restart_in_place(gpus, slots, own):  # rather than fail
+                stuck_on = sorted(s.uuid for s in slots if s.uuid in own and s.why_not == SUSPECT)
+                if stuck_on:
+                    self.log.warning(
+                        "worker.gpu_suspect_own",
+                        worker=runner.name,
+                        gpus=stuck_on,
+                        reason="no other GPU fits: restarting on its GPU, where its previous "
+                        "process still holds memory",
+                    )
+                else:
+                    self.log.info(
+                        "worker.gpu_cordoned",
+                        worker=runner.name,
+                        gpus=list(gpus),
+                        reason="no other GPU fits: restarting on its cordoned GPU",
+                    )
                 return spec
             return f"no GPU to place on: {exc}"
         new = self._spec_on(group, spec.index, chosen)
@@ -834,14 +822,14 @@ class Runtime:
             chosen = resolve_explicit(group, gi, slots)
         except PlacementError as exc:
             return f"no GPU to place on: {exc}"
-        self._unplaced.pop(runner.name, None)
-        self.log.info(
+        return self._placed(
+            runner,
+            group,
+            chosen,
             "worker.gpus_resolved",
-            worker=runner.name,
             gpus=list(runner.spec.gpus or ()),
             uuids=list(chosen),
         )
-        return self._spec_on(group, runner.spec.index, chosen)
 
     def _place_late(self, runner: WorkerRunner) -> LaunchSpec | str:
         """A ``gpus = "auto"`` worker that started without GPU telemetry (nothing placed,
@@ -859,15 +847,29 @@ class Runtime:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
             return f"no GPU to place on: {exc}"
-        self._unplaced.pop(runner.name, None)
-        self.log.info(
+        return self._placed(
+            runner,
+            group,
+            chosen,
             "worker.moved",
-            worker=runner.name,
             old_gpus=None,
             new_gpus=list(chosen or ()),
             reason="placed now that GPU telemetry is up",
         )
-        return self._spec_on(group, spec.index, chosen)
+
+    def _placed(
+        self,
+        runner: WorkerRunner,
+        group: WorkerGroup,
+        chosen: tuple[str, ...] | None,
+        event: str,
+        **fields: Any,
+    ) -> LaunchSpec:
+        """``runner`` planned again on ``chosen`` (placed at last: no longer unplaced), said
+        with ``event`` and ``fields``."""
+        self._unplaced.pop(runner.name, None)
+        self.log.info(event, worker=runner.name, **fields)
+        return self._spec_on(group, runner.spec.index, chosen)
 
     def _place_one(self, runner: WorkerRunner, slots: list[GpuSlot]) -> tuple[str, ...] | None:
         """GPUs for ``runner`` alone on ``slots``, the others where they are (PlacementError)."""

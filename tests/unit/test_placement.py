@@ -101,7 +101,7 @@ def test_plan_puts_uuids_in_cuda_visible_devices() -> None:
 
 
 def test_only_a_cordon_lets_a_worker_restart_where_it_was() -> None:
-    from supervisor.plan import CORDONED, GpuSlot, only_cordoned
+    from supervisor.plan import CORDONED, SUSPECT, GpuSlot, may_restart_in_place
 
     def slot(uuid: str, why: str = "") -> GpuSlot:
         return GpuSlot(
@@ -111,8 +111,12 @@ def test_only_a_cordon_lets_a_worker_restart_where_it_was() -> None:
     slots = [
         slot("A", CORDONED),
         slot("B"),
-        slot("C", "is suspect (memory of a dead worker still held)"),
+        slot("C", SUSPECT),
+        slot("D", "is quarantined (XID 79)"),
     ]
-    assert only_cordoned(["A"], slots) and only_cordoned(["A", "B"], slots)
-    assert not only_cordoned(["A", "C"], slots)
-    assert not only_cordoned(["Z"], slots)  # a GPU no longer listed
+    assert may_restart_in_place(["A"], slots) and may_restart_in_place(["A", "B"], slots)
+    assert not may_restart_in_place(["A", "C"], slots)
+    assert not may_restart_in_place(["Z"], slots)  # a GPU no longer listed
+    # suspect because of the worker's own previous process: it may, nothing worse may
+    assert may_restart_in_place(["A", "C"], slots, own_suspect={"C"})
+    assert not may_restart_in_place(["C", "D"], slots, own_suspect={"C", "D"})
