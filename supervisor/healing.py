@@ -781,13 +781,23 @@ class Healer:
 
     def on_fatal(self, runner: WorkerRunner, why: str) -> None:
         """A worker gave up (fatal): alert."""
+        self._worker_alert(runner, "fatal", "fatal", f"{runner.name} is fatal: {why}", why)
+
+    def on_waiting_gpu(self, runner: WorkerRunner, why: str) -> None:
+        """A worker has no GPU to start on (it waits for one): alert."""
+        message = f"{runner.name} is waiting for a GPU: {why}"
+        self._worker_alert(runner, "alert", "no_gpu", message, why)
+
+    def _worker_alert(
+        self, runner: WorkerRunner, kind: str, reason: str, message: str, why: str
+    ) -> None:
         if self.alerter is None:
             return
         self.alerter.send(
             alert_doc(
-                kind="fatal",
-                reason="fatal",
-                message=f"{runner.name} is fatal: {why}",
+                kind=kind,
+                reason=reason,
+                message=message,
                 at=self.host.clock.wall(),
                 worker=runner.name,
                 group=runner.spec.group,
@@ -796,7 +806,7 @@ class Healer:
                 host=_hostname(),
                 supervisor_pid=_pid(),
             ),
-            key=("fatal", runner.name),
+            key=(reason, runner.name),
         )
 
     def _prune_recent(self, now: float) -> None:

@@ -274,6 +274,8 @@ class Runtime:
         self._trees: dict[str, frozenset[int]] = {}
         self._sampled = anyio.Event()
         self._recorded: object = None  # what the last sample showed that state.json records
+        #: what placement had to go by at the last sample (usable GPUs, workers on each)
+        self._room: tuple[frozenset[str], dict[str, int]] = (frozenset(), {})
         self._summary_at = 0.0
         self._trace_samples = trace_samples
         self.services = tuple(services)
@@ -545,6 +547,24 @@ class Runtime:
             out.append(slot_for(d, why))
         return out
 
+    def _wake_gpu_waiters(self) -> None:
+        """Workers waiting for a GPU try again as soon as there may be room: a GPU became
+        usable (back, healthy, released, uncordoned, out of quarantine) or one holds fewer
+        worker processes than at the last sample."""
+        usable = frozenset(s.uuid for s in self.slots() if s.usable)
+        held: dict[str, int] = {}
+        for r in self.workers():
+            if r.record.pid is not None:  # a process that holds its place
+                for uuid in r.spec.gpus or ():
+                    held[uuid] = held.get(uuid, 0) + 1
+        before_usable, before_held = self._room
+        self._room = (usable, held)
+        if usable <= before_usable and all(held.get(u, 0) >= n for u, n in before_held.items()):
+            return
+        for r in self.workers():
+            if r.record.waiting_for_gpu:
+                r.post(lc.GpuFreed())
+
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
         return {r.name: r.spec.gpus for r in self.workers()}
 
@@ -593,6 +613,7 @@ class Runtime:
                     del self.suspect[uuid]
                     self._suspect_of.pop(uuid, None)
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
+        self._wake_gpu_waiters()
         # state.json shows the devices (with their flags) and each worker's tree (for orphan
         # reclaim): only a sample that changes one of them needs a new snapshot.
         recorded = (
@@ -727,7 +748,8 @@ class Runtime:
 
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
-        then re-place off unusable GPUs."""
+        then re-place off unusable GPUs. A string: why there is no GPU to start on now (the
+        worker waits for one)."""
         await self._await_cgroup_empty(runner)
         spec = runner.spec
         gpus = spec.gpus or ()
@@ -801,7 +823,7 @@ class Runtime:
                         reason="no other GPU fits: restarting on its cordoned GPU",
                     )
                 return spec
-            return f"no GPU to place on: {exc}"
+            return str(exc)
         new = self._spec_on(group, spec.index, chosen)
         self.log.info(
             "worker.moved",
@@ -821,7 +843,7 @@ class Runtime:
         try:
             chosen = resolve_explicit(group, gi, slots)
         except PlacementError as exc:
-            return f"no GPU to place on: {exc}"
+            return str(exc)
         return self._placed(
             runner,
             group,
@@ -841,12 +863,12 @@ class Runtime:
         slots = self.slots()
         if not slots:  # NVML down just now
             if runner.name in self._unplaced:  # never onto every GPU (nothing set)
-                return f"no GPU to place on: no GPU telemetry ({self._unplaced[runner.name]})"
+                return f"no GPU telemetry ({self._unplaced[runner.name]})"
             return spec
         try:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
-            return f"no GPU to place on: {exc}"
+            return str(exc)
         return self._placed(
             runner,
             group,
@@ -1271,6 +1293,8 @@ class Runtime:
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
             self.healer.on_fatal(runner, str(fields.get("reason", "")))
+        elif kind == "worker.waiting_gpu":
+            self.healer.on_waiting_gpu(runner, str(fields.get("error", "")))
 
     def _cgroup_for(self, runner: WorkerRunner) -> Path | None:
         """The cgroup ``runner``'s next process joins before exec (None: none)."""

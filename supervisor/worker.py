@@ -84,6 +84,7 @@ class WorkerRunner:
         self.last_exit_pid: int | None = None
         self._exit_reason: str | None = None  # the last exit as classified (cuda_oom, ...)
         self._spawn_token = 0
+        self._gpu_wait_reason = ""  # the last "no GPU to place on" said (said again on change)
         self._after_step: list[Callable[[], None]] = []
         self.last_exit_at: float | None = None
         self._child: Child | None = None
@@ -359,7 +360,8 @@ class WorkerRunner:
         return lc.Spawned(child.pid)
 
     async def _prepare_and_spawn(self, token: int) -> None:
-        """Run the pre-start hook (GPU-release barrier, re-placement), then spawn."""
+        """Run the pre-start hook (GPU-release barrier, re-placement), then spawn; a string
+        from the hook says why no GPU can be had now: the worker waits for one (``NoGpu``)."""
         assert self._prepare is not None
         result = await self._prepare(self)
         rec = self.record
@@ -367,12 +369,26 @@ class WorkerRunner:
             return  # stopped (or restarted) while we waited
         if isinstance(result, str):
             self._last_pid = None
-            self._log.error("worker.spawn_failed", reason="spawn_failed", error=result)
-            self.output.mark(f"spawn failed: {result}")
-            self.post(lc.SpawnFailed(result))
+            self._waiting_for_gpu(result)
+            self.post(lc.NoGpu(result))
             return
         self.spec = result
         self.post(self._spawn())
+
+    def _waiting_for_gpu(self, why: str) -> None:
+        """Say (once a wait, and again when the reason changes) that no GPU can be had."""
+        if self.record.gpu_waits and why == self._gpu_wait_reason:
+            self._log.debug("worker.waiting_gpu", reason="no_gpu", error=why)
+            return
+        self._gpu_wait_reason = why
+        self._log.warning(
+            "worker.waiting_gpu",
+            reason="no_gpu",
+            error=why,
+            hint="it starts once a GPU fits (not counted as a failed start)",
+        )
+        self.output.mark(f"waiting for a GPU: {why}")
+        self._on_event(self, "worker.waiting_gpu", {"reason": "no_gpu", "error": why})
 
     def _on_reaped(self, reaped: Reaped) -> None:
         if self._child is not None and reaped.pid == self._child.pid:

@@ -98,6 +98,12 @@ class WorkerRecord:
     history: FailureHistory = field(default_factory=FailureHistory)
     last_exit: Outcome | None = None
     reason: str = ""  # why the worker is in its current state
+    gpu_waits: int = 0  # consecutive starts that found no GPU to place on (BACKOFF: waiting)
+
+    @property
+    def waiting_for_gpu(self) -> bool:
+        """In BACKOFF because no GPU could be had, not because of a failure."""
+        return self.state is S.BACKOFF and self.gpu_waits > 0
 
 
 # --- events -------------------------------------------------------------------------------
@@ -152,6 +158,19 @@ class SpawnFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class NoGpu:
+    """No GPU to place the process on now (all unusable, full, or gone): the worker waits
+    for one, in BACKOFF, without counting a failure (the machine's state, not the worker's)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFreed:
+    """A GPU became usable: a worker waiting for one tries again now."""
+
+
+@dataclass(frozen=True, slots=True)
 class Exited:
     """The worker's main process was reaped."""
 
@@ -188,6 +207,8 @@ Event = (
     | Kill
     | Spawned
     | SpawnFailed
+    | NoGpu
+    | GpuFreed
     | Exited
     | Ready
     | Heartbeat
@@ -370,7 +391,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 rec, acts = replace(rec, after_exit=AfterExit.STOP), []
             return replace(rec, killed=True, deadline=None), [*acts, KillTree(ev.reason)]
         if state is S.BACKOFF or (state is S.STARTING and rec.pid is None):
-            return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None)
+            return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None, gpu_waits=0)
         return rec, []
 
     if isinstance(ev, Restart) and ev.reason in HEALING_REASONS and state in _AT_REST:
@@ -388,16 +409,20 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
     if state is S.BACKOFF:
         if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
             return _start(rec, "backoff elapsed")
+        if isinstance(ev, GpuFreed) and rec.gpu_waits:
+            return _start(rec, "a GPU became usable")
         if isinstance(ev, Start | Restart):
             return _start(rec, "start")
         if isinstance(ev, Stop):
-            return _move(rec, S.STOPPED, ev.reason.value, deadline=None)
+            return _move(rec, S.STOPPED, ev.reason.value, deadline=None, gpu_waits=0)
         return rec, []
 
     if state is S.STARTING and rec.pid is None:
         # Waiting for the answer to Spawn.
         if isinstance(ev, Spawned):
-            rec = replace(rec, pid=ev.pid, started_at=now, deadline=now + t.start_timeout_s)
+            rec = replace(
+                rec, pid=ev.pid, started_at=now, deadline=now + t.start_timeout_s, gpu_waits=0
+            )
             if t.ready_at_spawn:
                 return _move(
                     rec,
@@ -411,9 +436,20 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, SpawnFailed):
             outcome = Outcome(None, ExitReason.SPAWN_FAILED, now, ev.message)
             return _after_failure_or_stable(rec, now, t, outcome, [])
+        if isinstance(ev, NoGpu):
+            waits = rec.gpu_waits + 1
+            return _move(
+                rec,
+                S.BACKOFF,
+                f"waiting for a GPU: {ev.message}",
+                deadline=now + gpu_wait_s(t.restart, waits),
+                gpu_waits=waits,
+            )
         if isinstance(ev, Stop):
             # Still preparing (GPU-release barrier): nothing runs yet, so just stay stopped.
-            return _move(rec, S.STOPPED, ev.reason.value, deadline=None, after_exit=None)
+            return _move(
+                rec, S.STOPPED, ev.reason.value, deadline=None, after_exit=None, gpu_waits=0
+            )
         return rec, []
 
     # From here on there is a live process (pid is set).
@@ -509,6 +545,20 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         return rec, []
 
     return rec, []
+
+
+#: The longest a worker waiting for a GPU goes without looking again (a GPU that comes back
+#: also wakes it at once: ``GpuFreed``).
+GPU_WAIT_MAX_S = 60.0
+
+
+def gpu_wait_s(policy: RestartPolicy, waits: int) -> float:
+    """How long to wait after the ``waits``-th start in a row found no GPU: the backoff's
+    doubling from ``backoff_initial_s`` (at least 1 s: never a busy loop), capped at
+    ``backoff_max_s`` and at ``GPU_WAIT_MAX_S``."""
+    first = max(policy.backoff_initial_s, 1.0)
+    cap = max(min(policy.backoff_max_s, GPU_WAIT_MAX_S), first)
+    return min(cap, first * 2.0 ** min(waits - 1, 30))
 
 
 def _restart_after(reason: ExitReason) -> AfterExit:

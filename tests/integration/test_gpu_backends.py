@@ -204,7 +204,7 @@ def test_a_gpu_lost_at_start_keeps_only_its_workers_from_starting(
     """GPU 1 is lost when the supervisor starts. Regression: a worker that could not be
     placed (pinned to it, or one more than the healthy GPU takes) made `run` exit 2 and no
     worker ran at all (and systemd does not restart on exit 2). Now the others start, and the
-    unplaced ones are placed at their start, which fails with the reason until a GPU fits."""
+    unplaced ones are placed at their start, and wait (with the reason) until a GPU fits."""
     with open(tmp_path / "sim" / "gpus" / "1", "a") as fh:
         fh.write("lost 1\n")
     sup = start(
@@ -223,8 +223,8 @@ def test_a_gpu_lost_at_start_keeps_only_its_workers_from_starting(
     assert "GPU 1 is unhealthy" in unplaced["error"]
     sup.ready("inf-0")
     sup.ready("inf-1")
-    failed = sup.wait_event(event="worker.spawn_failed", worker="inf-2")
-    assert "no GPU to place on" in failed["error"]
+    waiting = sup.wait_event(event="worker.waiting_gpu", worker="inf-2")
+    assert "cannot place inf-2" in waiting["error"]
     assert sup.stop() == 0
 
 
@@ -466,8 +466,8 @@ def test_a_stuck_release_on_a_quarantined_gpu_does_not_restart_there(
             fh.write("0 79\n")  # device-fatal: GPU 0 quarantined
         sup.wait_event(event="heal.action", action="quarantine", after=mark)
         os.kill(leader, signal.SIGKILL)
-        failed = sup.wait_event(event="worker.spawn_failed", worker="b-0", after=mark)
-        assert "quarantined" in failed["error"]
+        waiting = sup.wait_event(event="worker.waiting_gpu", worker="b-0", after=mark)
+        assert "quarantined" in waiting["error"]
         assert not sup.find(event="worker.gpu_suspect_own", after=mark)
     assert wait_dead([holder]) == []
     assert sup.stop() == 0
@@ -510,7 +510,7 @@ def test_an_explicit_list_on_uuids_is_not_moved_when_gpus_are_renumbered(
 def test_an_unplaced_worker_is_not_started_on_every_gpu_while_nvml_is_down(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
-    """A worker that could not be placed at start keeps failing its starts while NVML is
+    """A worker that could not be placed at start keeps waiting for a GPU while NVML is
     down. Regression: with no GPUs to place by, it was "placed" on nothing and started with
     CUDA_VISIBLE_DEVICES unset: on every GPU of the machine."""
     world = tmp_path / "sim"
@@ -535,10 +535,10 @@ def test_an_unplaced_worker_is_not_started_on_every_gpu_while_nvml_is_down(
     (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")  # UNINITIALIZED
     down = sup.wait_event(event="gpu.unavailable")
     mark = sup.events.index(down)
-    failed = sup.wait_event(
-        event="worker.spawn_failed", worker="inf-1", after=mark, error=lambda e: "telemetry" in e
+    waiting = sup.wait_event(
+        event="worker.waiting_gpu", worker="inf-1", after=mark, error=lambda e: "telemetry" in e
     )
-    assert "no GPU to place on" in failed["error"]
+    assert waiting["error"].startswith("no GPU telemetry")
     assert not sup.find(event="worker.moved", worker="inf-1")
     assert not sup.find(event="worker.spawned", worker="inf-1")
     assert sup.stop() == 0

@@ -319,7 +319,7 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
 ) -> None:
     """A cordon stops new placements only: a worker restarted on its cordoned GPU moves if
     another GPU fits, else starts there again (it failed to start, and went fatal). A GPU it
-    cannot use at all (quarantined) makes its start fail, and the log says why."""
+    cannot use at all (quarantined) makes it wait for a GPU, and the log says why."""
     sup = supervisor(
         config(
             tmp_path,
@@ -339,13 +339,18 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
         mark = sup.mark()
         with open(tmp_path / "sim" / "events", "a") as fh:
             fh.write("0 79\n")  # device-fatal: quarantined, its worker has nowhere to go
-        failed = sup.wait_event(event="worker.spawn_failed", worker="g-0", after=mark)
-        assert failed["error"].startswith("no GPU to place on") and "quarantined" in failed["error"]
+        waiting = sup.wait_event(event="worker.waiting_gpu", worker="g-0", after=mark)
+        assert "GPU 0 is quarantined" in waiting["error"]
         # no process was started: the state change names none (regression: the last one's pid)
         backoff = sup.wait_event(
-            event="worker.state", worker="g-0", reason="spawn_failed", after=mark
+            event="worker.state",
+            worker="g-0",
+            new="backoff",
+            reason=lambda r: r.startswith("waiting for a GPU: "),
+            after=mark,
         )
         assert backoff["pid"] is None
+        assert not sup.find(event="worker.spawn_failed", after=mark)
     # uncordon lifts the cordon, not the quarantine: the CLI says so
     out = subprocess.run(
         [sys.executable, "-m", "supervisor", "uncordon", "0", "--url", sup.api_url()],
@@ -355,4 +360,49 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
         timeout=30,
     ).stdout
     assert out.startswith(f"GPU 0 ({UUID0}) uncordoned, but still quarantined")
+    assert sup.stop() == 0
+
+
+def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """One GPU that takes one worker, held by o-0: g-0 waits (state backoff, "waiting for a
+    GPU"), is never failed nor fatal however long that takes (burst 1 here), and starts as
+    soon as a reload removes group o. Regression: every look for a GPU counted as a failed
+    start and the worker went fatal after `burst` of them (for good: until an operator start)."""
+    one = {"max_workers_per_gpu": 1, "command": worker_cmd("gpu_user", "100")}
+    held = {"name": "o", **one}
+    waiter = {
+        "name": "g",
+        **one,
+        "restart": {"backoff_initial_s": 3, "backoff_max_s": 3, "burst": 1},
+    }
+    cfg = config(tmp_path, held, waiter, sim_devices=1)
+    sup = supervisor(cfg)
+    sup.ready("o-0")
+    sup.wait_event(event="worker.unplaced", worker="g-0")
+    first = sup.wait_event(event="worker.waiting_gpu", worker="g-0")
+    assert "cannot place g-0" in first["error"]
+    # it looks again 3 s later (backoff_max_s), and says so once
+    looked = sup.wait_event(
+        event="worker.state", worker="g-0", reason="backoff elapsed", new="starting"
+    )
+    sup.wait_event(
+        event="worker.state", worker="g-0", new="backoff", after=sup.events.index(looked)
+    )
+    assert len(sup.find(event="worker.waiting_gpu", worker="g-0")) == 1
+    with sup.api() as http:
+        shown = http.get("/api/v1/workers/g-0").json()
+        assert shown["state"] == "backoff", shown
+        assert shown["reason"].startswith("waiting for a GPU: cannot place g-0"), shown
+        mark = sup.mark()
+        sup.write_config({**cfg, "workers": [cfg["workers"][1]]})
+        assert http.post("/api/v1/reload").status_code == 202
+        woken = sup.wait_event(event="worker.state", worker="g-0", new="starting", after=mark)
+        assert woken["reason"] == "a GPU became usable"  # not its next look, 3 s away
+        sup.ready("g-0", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+    assert not sup.find(event="worker.state", new="fatal")
+    assert not sup.find(event="worker.spawn_failed")
+    assert not sup.find(event="records.postmortem", worker="g-0")
     assert sup.stop() == 0

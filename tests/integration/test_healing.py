@@ -507,6 +507,29 @@ def test_webhook_receives_the_action(
     assert sup.stop() == 0
 
 
+def test_a_worker_waiting_for_a_gpu_is_alerted_once(
+    supervisor: SupervisorFactory, tmp_path: Path, webhook: type[_Hook]
+) -> None:
+    """A worker that finds no GPU to start on waits for one: the webhook hears of it once,
+    with the reason placement gave."""
+    cfg = config(
+        tmp_path,
+        {"name": "w", "replicas": 2, "max_workers_per_gpu": 1, "command": sim("100")},
+        sim_devices=1,
+    )
+    cfg["alerts"] = {"webhook_url": webhook.url}  # type: ignore[attr-defined]
+    sup = supervisor(cfg)
+    sup.ready("w-0")
+    sup.wait_event(event="worker.waiting_gpu", worker="w-1")
+    assert webhook.got.wait(10)
+    doc = webhook.received[0]
+    assert (doc["kind"], doc["action"], doc["reason"]) == ("alert", None, "no_gpu")
+    assert doc["worker"] == "w-1" and doc["message"].startswith("w-1 is waiting for a GPU: ")
+    assert "max_workers_per_gpu" in doc["evidence"]["why"]
+    assert sup.stop() == 0
+    assert len(webhook.received) == 1
+
+
 def test_a_webhook_url_set_by_a_reload_is_used(
     supervisor: SupervisorFactory, tmp_path: Path, webhook: type[_Hook]
 ) -> None:

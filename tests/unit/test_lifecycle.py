@@ -226,6 +226,69 @@ def test_spawn_failure_counts_as_failure() -> None:
     assert rec.last_exit is not None and rec.last_exit.reason is ExitReason.SPAWN_FAILED
 
 
+def no_gpu(rec: lc.WorkerRecord, now: float) -> tuple[lc.WorkerRecord, list[lc.Action]]:
+    """A start (from ``rec`` in BACKOFF or STOPPED) that found no GPU to place on."""
+    rec = at(rec, lc.Timer() if rec.state is S.BACKOFF else lc.Start(), now)
+    assert rec.state is S.STARTING and rec.pid is None
+    return lc.step(rec, lc.NoGpu("GPU 0 is quarantined (xid 79)"), now, T)
+
+
+def test_no_gpu_waits_in_backoff_without_counting_a_failure() -> None:
+    """No GPU to place on is the machine's state, not the worker's: it waits (the backoff's
+    doubling, capped) for as long as it takes, and never goes fatal for it (burst is 2)."""
+    rec, acts = no_gpu(lc.WorkerRecord(), 0.0)
+    assert rec.state is S.BACKOFF and rec.waiting_for_gpu
+    assert rec.reason == "waiting for a GPU: GPU 0 is quarantined (xid 79)"
+    assert not [a for a in acts if isinstance(a, lc.Exit)]  # no process ended: no post-mortem
+    assert rec.history == FailureHistory() and rec.last_exit is None
+    now, delays = 0.0, []
+    for _ in range(40):
+        assert rec.deadline is not None
+        delays.append(rec.deadline - now)
+        now = rec.deadline
+        rec, _ = no_gpu(rec, now)
+        assert rec.state is S.BACKOFF
+    assert delays[:5] == [1, 2, 4, 8, 8] and delays[-1] == 8  # backoff_max_s = 8
+    assert rec.restarts == 0
+
+
+def test_a_gpu_freed_wakes_only_a_worker_waiting_for_one() -> None:
+    rec, _ = no_gpu(lc.WorkerRecord(), 0.0)
+    rec, acts = lc.step(rec, lc.GpuFreed(), 0.5, T)
+    assert rec.state is S.STARTING and lc.Spawn() in acts and rec.reason == "a GPU became usable"
+    rec = at(rec, lc.Spawned(7), 0.5)
+    assert rec.gpu_waits == 0  # placed at last: the next wait starts from backoff_initial_s
+    crashed = at(rec, lc.Exited(7, CRASH), 1.0)
+    assert crashed.state is S.BACKOFF and not crashed.waiting_for_gpu
+    assert lc.step(crashed, lc.GpuFreed(), 1.1, T) == (crashed, [])  # a failure's backoff
+    assert lc.step(ready(), lc.GpuFreed(), 101, T) == (ready(), [])
+
+
+def test_stop_while_waiting_for_a_gpu_forgets_the_wait() -> None:
+    rec, _ = no_gpu(lc.WorkerRecord(), 0.0)
+    rec, _ = no_gpu(rec, 1.0)
+    assert rec.gpu_waits == 2
+    stopped = at(rec, lc.Stop(), 2.0)
+    assert stopped.state is S.STOPPED and stopped.gpu_waits == 0
+    rec, _ = no_gpu(stopped, 3.0)
+    assert rec.deadline == 4.0  # from the first delay again
+    assert at(rec, lc.Kill("second signal"), 3.5).gpu_waits == 0
+
+
+@pytest.mark.parametrize(
+    ("initial", "cap", "expected"),
+    [
+        (0.0, 60.0, [1, 2, 4, 8, 16, 32, 60, 60]),  # never a busy loop
+        (0.05, 0.2, [1, 1, 1, 1, 1, 1, 1, 1]),  # a fast crash backoff: still 1 s between looks
+        (5.0, 600.0, [5, 10, 20, 40, 60, 60, 60, 60]),  # at most a minute between looks
+    ],
+)
+def test_gpu_wait_bounds(initial: float, cap: float, expected: list[float]) -> None:
+    policy = RestartPolicy(backoff_initial_s=initial, backoff_max_s=cap)
+    assert [lc.gpu_wait_s(policy, n) for n in range(1, 9)] == expected
+    assert lc.gpu_wait_s(policy, 10_000) == expected[-1]
+
+
 def test_stale_events_are_ignored() -> None:
     rec = ready(pid=10)
     assert lc.step(rec, lc.Exited(99, CRASH), 101, T) == (rec, [])
