@@ -470,8 +470,10 @@ def _first_supervisor_error(group: BaseExceptionGroup[Any]) -> SupervisorError |
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     config: str | None = None
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((w for w in words if not w.startswith("-")), None)  # also for a bad flag
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(words)
         config = getattr(args, "config", None)
         if args.command != "run":
             gc.enable()  # held off by the entry point; `run` turns it on after start-up
@@ -493,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, ConfigError) and config and not line.startswith(f"{config}: "):
             line = f"{config}: {line}"  # found on the GPUs or in the token file, not the text
         print(f"gpu-supervisor: {line}" if isinstance(exc, ConfigError) else line, file=sys.stderr)
-        return EXIT_USAGE
+        # a HEALTHCHECK's 2 is reserved (Docker): unhealthy is 1, whatever the cause
+        return EXIT_FAILURE if command == "health" else EXIT_USAGE
     except SupervisorError as exc:
         print(f"gpu-supervisor: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -52,6 +52,8 @@ COMMANDS: Mapping[str, str] = {
     "cordon": "place no more workers on a GPU (index or UUID)",
     "uncordon": "allow placing workers on a GPU again",
     "reload": "re-read the supervisor's config file (as SIGHUP) and say whether it took it",
+    "health": "exit 0 while the supervisor answers /healthz (--ready: /readyz), else 1 "
+    "(a container HEALTHCHECK that follows api.listen)",
 }
 
 
@@ -72,6 +74,12 @@ def add_commands(sub: Any) -> None:
                 "--wait",
                 action="store_true",
                 help="also wait for the roll-outs it starts: exit 0 done, 1 one halted",
+            )
+        elif name == "health":
+            p.add_argument(
+                "--ready",
+                action="store_true",
+                help="ask /readyz: also 1 while a group has no ready worker (the reasons printed)",
             )
         elif name in ("cordon", "uncordon"):
             p.add_argument("gpu", help="GPU index or UUID")
@@ -377,12 +385,14 @@ def main(args: argparse.Namespace) -> int:
     """Run one client command; return the exit code (errors are raised)."""
     if args.command in ("cordon", "uncordon"):
         _check_name("GPU", args.gpu)
-    elif args.command not in ("status", "reload"):
+    elif args.command not in ("status", "reload", "health"):
         _check_name("worker or group", args.name)
-    url, token = resolve(args.url, args.config, warn=args.command != "reload")
+    url, token = resolve(args.url, args.config, warn=args.command not in ("reload", "health"))
     with Client(url, token, args.timeout) as client:
         if args.command == "status":
             return status(client, args.json)
+        if args.command == "health":
+            return health(client, args.ready)
         if args.command in ("cordon", "uncordon"):
             body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
             verb = "cordoned" if body["cordoned"] else "uncordoned"
@@ -431,6 +441,24 @@ def command(client: Client, verb: str, name: str) -> int:
         return 0
     print(f"{name}: {verb} requested (was {body['state']})")
     return 0
+
+
+def health(client: Client, ready: bool) -> int:
+    """``health [--ready]``: 0 when the supervisor answers (and with ``ready``, when every
+    group has a ready worker), else 1 with the reason; a one-line answer either way."""
+    if not ready:
+        body = client.request("GET", "/healthz").json()
+        print(f"ok: gpu-supervisor {body['version']}, up {body['uptime_s']:.0f} s")
+        return 0
+    answer = client.request("GET", "/readyz", ok=(200, 503))
+    body = answer.json()
+    if answer.status_code == 200 and body["ready"]:
+        groups = body["groups"]
+        ready_n = sum(g["ready"] for g in groups.values())
+        print(f"ready: {ready_n}/{sum(g['workers'] for g in groups.values())} workers ready")
+        return 0
+    print(f"not ready: {body.get('error') or answer.status_code}")
+    return 1
 
 
 def status(client: Client, as_json: bool) -> int:

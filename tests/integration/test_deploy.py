@@ -361,7 +361,7 @@ def test_dockerfile_matches_its_config() -> None:
     assert str(settings.supervisor.state_dir) in json.loads(volume)
     (health,) = instructions("HEALTHCHECK")
     _, _, cmd = health.partition(" CMD ")
-    assert f"http://{settings.api.listen}/healthz" in " ".join(json.loads(cmd))
+    assert json.loads(cmd)[:4] == ["gpu-supervisor", "health", "-c", argv[3]]
     # every COPY source exists and passes the build-context filter
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
     for sources, _ in copies():
@@ -430,11 +430,20 @@ def test_docker_config_runs_and_its_healthcheck_works(supervisor: SupervisorFact
         group["port_base"] = _free_port()
     sup = supervisor(config)
     sup.ready("infer-0", timeout=20)
-    url = sup.api_url().removeprefix("http://")
     (health,) = instructions("HEALTHCHECK")
     argv = json.loads(health.partition(" CMD ")[2])
-    assert argv[0] == "python3"
-    argv = [sys.executable, *(a.replace("127.0.0.1:9811", url) for a in argv[1:])]
-    assert subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode == 0
+    assert argv[0] == "gpu-supervisor" and image_path_of(argv[3]) == "examples/docker/config.toml"
+    # the image's config file itself, with the listen address as `docker run -e` would set it
+    argv = [sys.executable, "-m", "supervisor", *argv[1:3], str(DOCKER_CONFIG), *argv[4:]]
+    env = {**os.environ, "GPU_SUPERVISOR_API__LISTEN": sup.api_url().removeprefix("http://")}
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            argv, capture_output=True, text=True, timeout=10, check=False, env=env, cwd=ROOT
+        )
+
+    ok = check()
+    assert ok.returncode == 0 and ok.stdout.startswith("ok: gpu-supervisor"), ok.stderr
     assert sup.stop() == 0
-    assert subprocess.run(argv, capture_output=True, timeout=10, check=False).returncode != 0
+    down = check()
+    assert down.returncode == 1 and "is it running?" in down.stderr
