@@ -629,7 +629,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         """Restart the group one worker at a time, each waiting for readiness."""
         names = group_names(group)
         if group in rt.rolling:
-            raise _problem(409, f"a rolling restart of group {group} is already running")
+            raise _problem(409, f"a {rt.rolling[group]} of group {group} is already running")
         running = [n for n in names if rt.runners[n].state not in _IDLE]
         if not running:
             raise _problem(409, f"group {group} has no running worker to restart")

@@ -500,6 +500,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SupervisorError as exc:
         print(f"gpu-supervisor: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        # Ctrl-C in a client's wait (`reload --wait`, `restart --rolling --wait`) or a slow
+        # answer: one line, not a traceback; what the supervisor was asked goes on there
+        goes_on = (
+            " (the supervisor goes on with what it was asked)" if command in client.COMMANDS else ""
+        )
+        print(f"gpu-supervisor: interrupted{goes_on}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:
         # The reader went away (`gpu-supervisor status | head -3`): no traceback, and none from
         # the interpreter's final flush either (stdout points at /dev/null from here on).

@@ -305,7 +305,8 @@ class Runtime:
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
         self.sample_listeners: list[Callable[[Sample], None]] = []
-        self.rolling: set[str] = set()
+        #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
+        self.rolling: dict[str, str] = {}
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         # self-healing: detectors and actions; webhook alerts
         url = settings.alerts.webhook_url
@@ -1532,9 +1533,18 @@ class Runtime:
             elif self._shutting_down:
                 continue
             elif isinstance(intent, RollingRestart):
-                if intent.group in self.groups and intent.group not in self.rolling:
-                    self.rolling.add(intent.group)
-                    self._tg.start_soon(self._rolling_restart, intent.group)
+                if intent.group not in self.groups:
+                    continue
+                if intent.group in self.rolling:  # asked for while the API said it was free
+                    self.log.warning(
+                        "supervisor.rolling_restart_refused",
+                        group=intent.group,
+                        reason=f"a {self.rolling[intent.group]} of the group is running",
+                    )
+                    self._journal_rollout(intent.group, "rolling_restart", False)
+                    continue
+                self.rolling[intent.group] = "rolling restart"
+                self._tg.start_soon(self._rolling_restart, intent.group)
             elif isinstance(intent, Cordon):
                 self._cordon(intent)
             else:
@@ -1589,7 +1599,8 @@ class Runtime:
         try:
             done = await self._roll_restart(group)
         finally:
-            self.rolling.discard(group)
+            self.rolling.pop(group, None)
+            self._changed_now()  # a reload's roll-out of the group may wait for this one
             if not self._shutting_down:
                 self._journal_rollout(group, "rolling_restart", done)
 
@@ -1614,6 +1625,8 @@ class Runtime:
         for name in list(self.groups.get(group, [])):
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
+                continue
+            if _stopping_for_good(runner):  # an operator's drain or stop stays in force
                 continue
             attempts = runner.spawn_attempts
             runner.post(lc.Restart())
@@ -1725,6 +1738,11 @@ class Runtime:
 
     async def _reload_loop(self) -> None:
         try:
+            # a reload asked for during start-up runs once every group has its workers
+            # (regression: it made runners the start-up then replaced: untracked processes)
+            await self.wait_until(lambda: self._all_added or self._shutting_down, math.inf)
+            if self._shutting_down:
+                return
             while True:
                 self._reload_again = False
                 covered = self.reload_requests
@@ -1891,7 +1909,28 @@ class Runtime:
         exactly what this one rolls out is left alone (rolling back restarts only those the
         halted rollout reached). ``scaled``: only ``replicas`` changed; a worker planned as
         before is left alone in whatever state it is (loading, in backoff): only the workers
-        added are started and those removed stopped."""
+        added are started and those removed stopped.
+
+        A rolling restart of the group that is running is waited for (two roll-outs at once
+        took the whole group down), and one asked for meanwhile is refused (409)."""
+        if group.name in self.rolling:
+            self.log.info(
+                "supervisor.rollout_waits",
+                group=group.name,
+                reason=f"a {self.rolling[group.name]} of the group is running",
+            )
+            await self.wait_until(lambda: group.name not in self.rolling, math.inf)
+        if self._shutting_down:
+            return False
+        self.rolling[group.name] = "reload"
+        try:
+            return await self._roll_group_now(group, plan, resume=resume, scaled=scaled)
+        finally:
+            self.rolling.pop(group.name, None)
+
+    async def _roll_group_now(
+        self, group: WorkerGroup, plan: Plan, *, resume: bool, scaled: bool
+    ) -> bool:
         old_names = list(self.groups.get(group.name, []))
         timing = lc.timing_for(group)
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
@@ -1906,12 +1945,14 @@ class Runtime:
             else:
                 if scaled and runner.planned(spec, timing):
                     runner.reconfigure(spec, timing, group.log_passthrough)  # as it runs
+                    if runner.state is WorkerState.FATAL:  # a reload clears fatal
+                        runner.post(lc.Start())
                     continue
                 if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
                     continue
                 runner.reconfigure(spec, timing, group.log_passthrough)
-                if runner.state is WorkerState.STOPPED:
-                    continue  # an operator stop stays in force
+                if runner.state is WorkerState.STOPPED or _stopping_for_good(runner):
+                    continue  # an operator's stop or drain stays in force (the new plan next)
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)
@@ -1941,6 +1982,15 @@ class Runtime:
                 await self._remove_runner(self.runners[name], ExitReason.RELOAD)
         self.groups[group.name] = [n for n in new_names if n in self.runners]
         return True
+
+
+def _stopping_for_good(runner: WorkerRunner) -> bool:
+    """Draining or stopping toward ``stopped`` (an operator's drain or stop): a roll-out must
+    not turn that into a restart."""
+    return runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
+        WorkerState.DRAINING,
+        WorkerState.STOPPING,
+    )
 
 
 def _settled_after(runner: WorkerRunner, attempts: int) -> Callable[[], bool]:

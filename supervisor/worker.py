@@ -363,12 +363,19 @@ class WorkerRunner:
         """Run the pre-start hook (GPU-release barrier, re-placement), then spawn; a string
         from the hook says why no GPU can be had now: the worker waits for one (``NoGpu``)."""
         assert self._prepare is not None
-        result = await self._prepare(self)
+        while True:
+            configured = self._configured
+            result = await self._prepare(self)
+            if self._configured is configured:
+                break
+            # a reload gave this worker a new plan while we waited (the GPU-release barrier):
+            # prepare that one (regression: the old plan was started, and counted as the new)
         rec = self.record
         if token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
             return  # stopped (or restarted) while we waited
         if isinstance(result, str):
             self._last_pid = None
+            self.spawn_attempts += 1  # an attempt all the same: a roll-out waiting on it ends
             self._waiting_for_gpu(result)
             self.post(lc.NoGpu(result))
             return

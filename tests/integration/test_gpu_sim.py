@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
@@ -195,6 +196,43 @@ def test_barrier_waits_for_release_then_restarts_in_place(
     assert datetime.fromisoformat(respawn["timestamp"]).timestamp() >= thawed
     assert not sup.find(event="gpu.suspect")
     assert sup.wait_line("[b-0] ", endswith=f"ready on {UUID0}", after=0)
+    assert sup.stop() == 0
+
+
+def test_a_reload_while_a_restart_waits_for_the_gpu_release_starts_the_new_plan(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A reload changes the group while its worker's restart waits at the GPU-release barrier
+    (a process of its old tree stuck in the kernel): the process that starts once the GPU is
+    released runs the new plan. Regression: it ran the old one, counted as the new (the
+    reload said done; every later restart and reload kept the old plan)."""
+    b = {
+        "name": "b",
+        "command": worker_cmd("gpu_user", "500", "--holder", "30"),
+        "env": {"V": "1"},
+        "restart": {"stable_s": 0.1},
+    }
+    cfg = config(tmp_path, b, release_timeout_s=10)
+    sup = supervisor(cfg, log_level="debug")
+    leader = sup.ready("b-0")["pid"]
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        mark = sup.mark()
+        os.kill(leader, signal.SIGKILL)
+        sup.wait_event(event="worker.killed_leftovers", worker="b-0", after=mark)
+        sup.wait_event(
+            event="worker.state", worker="b-0", new="starting", pid=None, after=mark
+        )  # in the barrier now, for as long as the holder is stuck
+        sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
+        with sup.api() as http:
+            assert http.post("/api/v1/reload").status_code == 202
+        sup.wait_event(event="supervisor.reload", changed=["b"], after=mark)
+        assert len(sup.find(event="worker.spawned", worker="b-0")) == 1
+    assert wait_dead([holder]) == []
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
+    (respawn,) = sup.find(event="worker.spawned", worker="b-0", after=mark)
+    assert psutil.Process(respawn["pid"]).environ()["V"] == "2"
     assert sup.stop() == 0
 
 

@@ -431,6 +431,53 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     assert state["stopped"] and [r["pid"] for r in state["reclaimed"]] == [stubborn.pid]
 
 
+def test_a_reload_during_start_up_waits_for_the_start_up(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """SIGHUP while the start-up reclaim waits for an orphan that ignores SIGTERM (seconds):
+    the reload runs once every group has its workers. Regression: it made the group's
+    runners itself, the start-up then replaced them, and the first ones' processes ran on
+    untracked (not in the API, restarted when killed, SIGKILLed at exit)."""
+    termed = tmp_path / "termed"
+    code = (  # prints its pid once its handler is in place, then lets go of the pipes
+        "import os, pathlib, signal, time; "
+        f"signal.signal(signal.SIGTERM, lambda *_: pathlib.Path({str(termed)!r}).touch()); "
+        "print(os.getpid(), flush=True); os.close(1); os.close(2); time.sleep(600)"
+    )
+    out = subprocess.run(
+        ["sh", "-c", f'{sys.executable} -c "{code}" &'],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stubborn = psutil.Process(int(out.stdout))
+    orphans.append(stubborn)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    record = {"name": "x-0", "pid": stubborn.pid, "pid_create_time": stubborn.create_time()}
+    (state_dir / "state.json").write_text(json.dumps({"schema_version": 1, "workers": [record]}))
+    x = group("x", "ready_then_sleep", replicas=2, env={"V": "1"}, restart={"stable_s": 0.2})
+    sup = supervisor({"workers": [x]})
+    sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
+    sup.write_config({"workers": [{**x, "env": {"V": "2"}}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", halted=[], timeout=30)
+    started = sup.events.index(sup.wait_event(event="supervisor.start"))
+    spawned = sup.find(event="worker.spawned")
+    assert all(sup.events.index(e) > started for e in spawned), spawned
+    with sup.api() as http:
+        shown = {w["name"]: w["pid"] for w in http.get("/api/v1/workers").json()}
+    alive = {}
+    for e in spawned:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc = psutil.Process(e["pid"])
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive[e["worker"]] = (e["pid"], proc.environ()["V"])
+    assert alive == {name: (pid, "2") for name, pid in shown.items()}, (alive, shown)
+    assert sup.stop() == 0
+    assert not sup.find(event="supervisor.killed_leftovers")
+
+
 def _private_mounts_work() -> bool:
     unshare = shutil.which("unshare")
     if unshare is None:

@@ -324,13 +324,117 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     assert sup.stop() == 0
 
 
-def test_reload_clears_fatal(supervisor: SupervisorFactory) -> None:
+@pytest.mark.parametrize("change", ["none", "replicas"])
+def test_reload_clears_fatal(supervisor: SupervisorFactory, change: str) -> None:
+    """A reload clears fatal (DESIGN.md section 5), also one that only scales the group.
+    Regression: a scale left the fatal workers fatal and started only the new one."""
     restart = {"backoff_initial_s": 0.01, "burst": 1}
-    sup = supervisor({"workers": [g("dead", "exit_with_code", "4", restart=restart)]})
+    group = g("dead", "exit_with_code", "4", port_base=9370, restart=restart)
+    sup = supervisor({"workers": [group]})
     sup.wait_event(event="worker.state", worker="dead-0", new="fatal")
     mark = sup.mark()
+    if change == "replicas":
+        sup.write_config({"workers": [{**group, "replicas": 2}]})
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="worker.spawned", worker="dead-0", after=mark)
+    if change == "replicas":
+        sup.wait_event(event="worker.spawned", worker="dead-1", after=mark)
+    assert sup.stop() == 0
+
+
+def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A reload that changes a group waits for the rolling restart of it that is running, and
+    a rolling restart asked for while a reload rolls the group is refused (409). Regression:
+    both rolled at once and the whole group was down (0 of 2 ready)."""
+    group = g("a", "notify_ready_late", "0.5", replicas=2, port_base=9360)
+    group["ready"] = "notify"
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/groups/a/rolling-restart").status_code == 202
+        sup.wait_event(event="worker.state", worker="a-0", new="starting", after=mark)
+        sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+        sup.signal(signal.SIGHUP)
+        waits = sup.wait_event(event="supervisor.rollout_waits", after=mark)
+        assert waits["reason"] == "a rolling restart of the group is running"
+        # the reload's roll-out now: a second roll-out is refused until it ends
+        sup.wait_event(event="supervisor.rolling_restart_done", after=mark)
+        sup.wait_event(event="worker.state", worker="a-0", reason="reload", after=mark)
+        refused = http.post("/api/v1/groups/a/rolling-restart")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"] == "a reload of group a is already running"
+        sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=30)
+    down: set[str] = set()
+    for e in sup.find(event="worker.state", after=mark):
+        if e["new"] == "ready":
+            down.discard(e["worker"])
+        elif e["old"] == "ready":
+            down.add(e["worker"])
+        assert len(down) <= 1, e
+    assert sup.stop() == 0
+
+
+def test_a_reload_leaves_an_operator_drain_in_progress_alone(
+    supervisor: SupervisorFactory,
+) -> None:
+    """`drain a-0` (stay stopped once drained), then a reload of group a before the drain
+    is over: a-0 finishes its drain and stays stopped; the reload rolls only a-1.
+    Regression: the reload stopped a-0 at once (requests in flight lost) and restarted it."""
+    group = g("a", replicas=2, port_base=9350, drain_timeout_s=3)
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/a-0/drain").status_code == 202
+        sup.wait_event(event="worker.state", worker="a-0", new="draining", after=mark)
+        sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+        sup.signal(signal.SIGHUP)
+        sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=30)
+        stopped = sup.wait_event(event="worker.state", worker="a-0", new="stopped", after=mark)
+        assert stopped["reason"] == "drain: drain timeout" or stopped["reason"] == "drain"
+        assert not sup.find(event="worker.spawned", worker="a-0", after=mark)
+        assert sup.find(event="worker.spawned", worker="a-1", after=mark)
+        assert http.get("/api/v1/workers/a-0").json()["state"] == "stopped"
+    assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["reload", "rolling"])
+def test_ctrl_c_in_a_client_wait_is_one_line(supervisor: SupervisorFactory, how: str) -> None:
+    """Ctrl-C while `reload --wait` or `restart --rolling --wait` waits: one line (what was
+    asked goes on in the supervisor), exit 130. Regression: a KeyboardInterrupt traceback."""
+    group = g("s", "notify_ready_late", "30", port_base=9340)
+    sup = supervisor({"workers": [group]})
+    sup.wait_event(event="worker.spawned", worker="s-0")
+    url = sup.api_url()
+    if how == "reload":
+        sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+        argv = ["reload", "--wait"]
+    else:
+        argv = ["restart", "--rolling", "s", "--wait"]
+    client = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", *argv, "--url", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        first = client.stdout.readline()  # it has asked, and waits now
+        assert first.startswith(("reload accepted", "s: rolling restart started")), first
+        client.send_signal(signal.SIGINT)
+        out, err = client.communicate(timeout=30)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    assert client.returncode == 130, (out, err)
+    assert err == "gpu-supervisor: interrupted (the supervisor goes on with what it was asked)\n"
     assert sup.stop() == 0
 
 
