@@ -61,7 +61,9 @@ class RuntimeCollector(Collector):
         """Read the runtime's state now."""
         rt = self.runtime
         sample = rt.sampler.last
-        yield from self._gpus(sample)
+        # an NVML call that has not returned (a hung driver): the last readings are stale,
+        # and the GPUs are reported as the API reports them then, without telemetry
+        yield from self._gpus(None if rt.sampler.stuck() is not None else sample)
         yield from self._workers(sample)
         yield from self._supervisor(sample)
 
@@ -115,6 +117,11 @@ class RuntimeCollector(Collector):
         rt = self.runtime
         up = _gauge("worker_up", "1 while the worker has a live process.", WORKER_LABELS)
         ready = _gauge("worker_ready", "1 while the worker is ready.", WORKER_LABELS)
+        derated = _gauge(
+            "worker_derated",
+            "1 while the worker is out of routing because its GPU is hot (on_thermal derate).",
+            WORKER_LABELS,
+        )
         state = _gauge(
             "worker_state", "1 for the worker's current lifecycle state.", [*WORKER_LABELS, "state"]
         )
@@ -154,6 +161,7 @@ class RuntimeCollector(Collector):
             up.add_metric(labels, float(obj.get("pid") is not None))
             current = runner.state
             ready.add_metric(labels, float(current is WorkerState.READY))
+            derated.add_metric(labels, float(bool(obj.get("derated"))))
             for s in WorkerState:
                 state.add_metric([*labels, s.value], float(s is current))
             for uuid, mb in sorted((obj.get("gpu_memory_by_gpu") or {}).items()):
@@ -169,7 +177,7 @@ class RuntimeCollector(Collector):
         for (worker, why), count in sorted(rt.restarts_total.items()):
             if worker in group_of:
                 restarts.add_metric([worker, group_of[worker], why], count)
-        yield from (up, ready, state, restarts, gpu_mem, rss, in_use, slope, oom)
+        yield from (up, ready, derated, state, restarts, gpu_mem, rss, in_use, slope, oom)
 
     def _supervisor(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime
@@ -317,6 +325,7 @@ def state_key(rt: Runtime) -> tuple[object, ...]:
     last = rt.sampler.last
     return (
         None if last is None else last.t,
+        rt.sampler.stuck() is not None,  # no sample comes while a call hangs
         rt.loop_alive_at,
         rt.journal.last_seq,
         len(rt.runners),

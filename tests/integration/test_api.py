@@ -68,6 +68,7 @@ METRICS = {
     # workers
     "gpu_supervisor_worker_up",
     "gpu_supervisor_worker_ready",
+    "gpu_supervisor_worker_derated",
     "gpu_supervisor_worker_state",
     "gpu_supervisor_worker_restarts",
     "gpu_supervisor_worker_gpu_memory_bytes",

@@ -333,6 +333,9 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
     sup.ready("g-0")
     sup.wait_event(event="gpu.sample", nvml_available=True)
+    with sup.api() as http:  # a scrape before the hang: its body is cached
+        before = http.get("/metrics").text
+    assert "gpu_supervisor_nvml_up 1.0" in before and 'gpu_healthy{gpu="0"' in before
     with open(world / "gpus" / "0", "a") as fh:
         fh.write("hang_ms 60000\n")
     # the next sample is stuck in the driver: said, and telemetry counts as down
@@ -340,7 +343,12 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     with sup.api() as http:
         status = http.get("/api/v1/gpu/status").json()
         assert status["nvml_available"] is False and "has not returned" in status["error"]
-        assert "gpu_supervisor_nvml_up 0.0" in http.get("/metrics").text
+        # regression: nothing else changed, so the cached body (NVML up, the GPU's last
+        # readings) was served for as long as the call hung: the NVML-down alert never fired
+        after = http.get("/metrics").text
+        assert "gpu_supervisor_nvml_up 0.0" in after
+        assert "gpu_supervisor_gpu_memory_used_bytes{" not in after
+        assert "gpu_supervisor_gpu_healthy{" not in after
     assert_stops_at_once(sup)
 
 

@@ -310,10 +310,15 @@ def test_hot_gpu_derates_its_workers_then_restores_them(
             assert api.get("/api/v1/route", params={"group": "g"}).json()["name"] == "g-1"
         gpu0 = api.get("/api/v1/gpu/status").json()["devices"][0]
         assert gpu0["hot"] is True
+        scrape = api.get("/metrics").text  # regression: no metric said it (alerts could not)
+        assert 'gpu_supervisor_worker_derated{group="g",worker="g-0"} 1.0' in scrape
+        assert 'gpu_supervisor_worker_derated{group="g",worker="g-1"} 0.0' in scrape
         mark = sup.mark()
         set_gpu(tmp_path, 0, clocks_event_reasons=0)
         sup.wait_event(event="heal.action", action="restore", worker="g-0", after=mark)
         assert api.get("/api/v1/workers/g-0").json()["derated"] is False
+        scrape = api.get("/metrics").text
+        assert 'gpu_supervisor_worker_derated{group="g",worker="g-0"} 0.0' in scrape
     assert not sup.find(event="worker.exited")  # never a plain restart
     assert sup.stop() == 0
 
