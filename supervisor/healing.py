@@ -318,16 +318,17 @@ class Healer:
         if kind == "info" or uuid is None:
             return
         evidence = {"xid": event.xid, "gpu_index": event.gpu_index, "class": kind}
+        now = self.host.clock.now()  # when it happened: its acts are for the processes then
         if kind == "worker":
             finding = Finding(
-                "xid_worker", f"XID {event.xid} (worker-fatal)", gpu=uuid, evidence=evidence
+                "xid_worker", f"XID {event.xid} (worker-fatal)", gpu=uuid, evidence=evidence, at=now
             )
         else:
             finding = Finding(
-                "xid_device", f"XID {event.xid} (device-fatal)", gpu=uuid, evidence=evidence
+                "xid_device", f"XID {event.xid} (device-fatal)", gpu=uuid, evidence=evidence, at=now
             )
         self._add(finding)
-        self._run(self.host.clock.now())
+        self._run(now)
 
     def on_sample(self, sample: Sample) -> None:
         """Judge every worker and GPU at this sample; act."""
@@ -610,6 +611,7 @@ class Healer:
                 gpus=tuple(r.spec.gpus or ()),
                 derated=r.name in self.state.derated,
                 has_process=r.record.pid is not None,
+                started_at=r.record.started_at if r.record.pid is not None else None,
             )
             for r in self.host.workers()
         }

@@ -140,6 +140,7 @@ class WorkerView:
     gpus: tuple[str, ...] = ()
     derated: bool = False
     has_process: bool = True  # False while starting before the spawn (or in backoff)
+    started_at: float | None = None  # when its current process started (monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +206,7 @@ def candidate_acts(
         else:
             choice = "restart"
         return [act(choice, f.worker)]
-    on_gpu = sorted(n for n, v in workers.items() if f.gpu in v.gpus)
+    on_gpu = sorted(n for n, v in workers.items() if f.gpu in v.gpus and not _came_after(f, v))
     acts: list[Act] = []
     if f.kind == "xid_worker":
         acts += [act("restart", n) for n in on_gpu]
@@ -236,6 +237,22 @@ def candidate_acts(
         acts += [act("restore", n) for n in on_gpu if workers[n].derated]
         acts.append(act("uncordon"))
     return acts
+
+
+#: Findings about an event on a GPU (not a lasting condition): they are about the processes
+#: that were there when it happened.
+_EVENTS = frozenset({"xid_worker", "xid_device", "gpu_lost"})
+
+
+def _came_after(f: Finding, view: WorkerView) -> bool:
+    """``view``'s process started after ``f`` happened on its GPU (an XID deferred by
+    ``max_unavailable`` is not the concern of a worker placed there since)."""
+    return (
+        f.kind in _EVENTS
+        and f.at is not None
+        and view.started_at is not None
+        and view.started_at > f.at
+    )
 
 
 def _sole_on(gpu: str | None, workers: Mapping[str, WorkerView]) -> bool:

@@ -222,6 +222,30 @@ def test_a_worker_fatal_xid_of_the_only_worker_on_the_gpu_is_not_held_back() -> 
     assert d.acts == () and len(d.deferred) == 1
 
 
+def test_a_deferred_xid_is_not_taken_out_on_a_worker_placed_on_the_gpu_since() -> None:
+    """XID 13 on GPU-0 at t=10, deferred (max_unavailable); at t=30 w-2, started at t=20 on
+    GPU-0 (its own GPU was lost), is not restarted for it: its process did not exist when
+    the XID happened. Regression: it was killed for the XID (counted as a failure)."""
+    xid = Finding("xid_worker", "XID 13", gpu=G0, at=10.0)
+    workers = {
+        "w-0": WorkerView("w", R, (G0,), started_at=1.0),
+        "w-2": WorkerView("w", R, (G0,), started_at=20.0),
+        "w-1": WorkerView("w", WorkerState.STARTING, (G1,), has_process=False),
+    }
+    policies = {"w": GroupPolicy()}
+    assert [a.worker for a in candidate_acts(xid, workers, policies)] == ["w-0"]
+    d = decide([xid], workers, policies, 30.0, {})
+    assert d.acts == () and d.deferred == (xid,)  # w-0 still waits for w-1
+    workers["w-1"] = WorkerView("w", R, (G1,), started_at=25.0)
+    d = decide([xid], workers, policies, 31.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")] and d.deferred == ()
+    # the device-fatal kind likewise; a lasting condition (heat) concerns whoever is there
+    lost = Finding("gpu_lost", "lost", gpu=G0, at=10.0)
+    assert [a.worker for a in candidate_acts(lost, workers, policies)] == [None, "w-0"]
+    hot = Finding("thermal", "hot", gpu=G0, at=10.0)
+    assert [a.worker for a in candidate_acts(hot, workers, policies)] == ["w-0", "w-2", None]
+
+
 def test_a_sticky_error_restarts_even_with_the_group_at_max_unavailable() -> None:
     workers = views(w_0=R, w_1=WorkerState.STOPPED)
     pattern = Finding("log_pattern", "CUDA error", worker="w-0")

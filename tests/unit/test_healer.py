@@ -32,7 +32,9 @@ class Runner:
     def __init__(self, name: str, gpu: str, state: WorkerState = WorkerState.READY) -> None:
         self.name = name
         self.spec = SimpleNamespace(group=name.rsplit("-", 1)[0], gpus=(gpu,))
-        self.record = SimpleNamespace(pid=100, ready_at=0.0, state=state, restarts=0)
+        self.record = SimpleNamespace(
+            pid=100, ready_at=0.0, started_at=0.0, state=state, restarts=0
+        )
         self.last_exit_pid: int | None = None
         self.posted: list[Any] = []
 
