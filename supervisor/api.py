@@ -59,6 +59,7 @@ from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
 from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, choose
 from supervisor.runtime import Cordon, RollingRestart, WorkerCommand
+from supervisor.sampler import stuck_text
 
 if TYPE_CHECKING:
     from supervisor.runtime import Runtime
@@ -526,7 +527,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             at = rt.clock.wall() - max(0.0, rt.clock.now() - sample.t)
             error = sample.error or rt.sampler.error
             if stuck is not None:
-                error = f"an NVML call has not returned for {stuck:.0f} s (the driver may be hung)"
+                error = stuck_text(stuck)
             if not available and error is None:
                 error = f"no GPU telemetry (backend {rt.sampler.backend_name})"
         return {

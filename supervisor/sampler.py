@@ -222,6 +222,11 @@ class HostSampler:
         return self._aliases
 
 
+def stuck_text(seconds: float) -> str:
+    """The error while a backend call has not returned for ``seconds``."""
+    return f"an NVML call has not returned for {seconds:.0f} s (the driver may be hung)"
+
+
 class Sampler:
     """Owns the backend; produces samples and XID events until cancelled."""
 
@@ -245,6 +250,7 @@ class Sampler:
         self.available = False
         self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
+        self._host_limiter = anyio.CapacityLimiter(1)  # host reads go on while a GPU call hangs
         self._xid_limiter = anyio.CapacityLimiter(1)
         #: when the backend call now in flight began (None: none is): a hung driver
         self._call_since: float | None = None
@@ -366,18 +372,38 @@ class Sampler:
         )
         return devices + lost
 
-    def _tick_blocking(self, refs: Mapping[str, WorkerRef], available: bool) -> Sample:
-        t0 = time.monotonic()
-        devices: tuple[DeviceSample, ...] = ()
-        error = self.error
-        ok = available
-        if available and self.backend is not None:
-            try:
-                devices = self._with_missing(self._tracked(self.backend.sample)())
-            except BackendUnavailable as exc:
-                ok, error = False, str(exc)
-            except BackendError as exc:
-                error = str(exc)
+    def _gpus_blocking(self) -> tuple[tuple[DeviceSample, ...], bool, str | None]:
+        """The GPUs now: ``(devices, available, error)``."""
+        assert self.backend is not None
+        try:
+            return self._with_missing(self._tracked(self.backend.sample)()), True, self.error
+        except BackendUnavailable as exc:
+            return (), False, str(exc)
+        except BackendError as exc:
+            return (), True, str(exc)
+
+    async def _sample_gpus(self) -> tuple[tuple[DeviceSample, ...], bool, str | None, bool]:
+        """``(devices, available, error, stuck)``: the GPUs, or nothing (``stuck``) while a
+        backend call has not returned, so that a hung driver does not stop the host sampling
+        (tree RSS, budgets, leaks of host memory, trees for orphan reclaim) with it. The call is
+        waited for up to the stuck limit, then left to itself (abandoned, still tracked)."""
+        in_flight = self.stuck_for_s()
+        if in_flight is None:
+            with anyio.move_on_after(self._stuck_limit()):
+                devices, ok, error = await in_thread(
+                    self._gpus_blocking, limiter=self._limiter, abandon_on_cancel=True
+                )
+                return devices, ok, error, False
+            in_flight = self.stuck_for_s() or self._stuck_limit()
+        return (), False, stuck_text(in_flight), True
+
+    def _host_blocking(
+        self,
+        refs: Mapping[str, WorkerRef],
+        gpus: tuple[tuple[DeviceSample, ...], bool, str | None],
+        t0: float,
+    ) -> Sample:
+        devices, ok, error = gpus
         gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
         trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
         gpu = attribute(
@@ -416,15 +442,20 @@ class Sampler:
                     abandon_on_cancel=True,
                 )
             await self.open()
-        # abandoned on cancel: a call that hangs in the driver must not hold up the stop
+        refs = self._workers()
+        t0 = time.monotonic()
+        gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = ((), self.available, self.error)
+        stuck = False
+        if self.available and self.backend is not None:
+            devices, ok, error, stuck = await self._sample_gpus()
+            gpus = (devices, ok, error)
+        # abandoned on cancel: a /proc read that hangs must not hold up the stop
         sample = await in_thread(
-            self._tick_blocking,
-            self._workers(),
-            self.available,
-            limiter=self._limiter,
-            abandon_on_cancel=True,
+            self._host_blocking, refs, gpus, t0, limiter=self._host_limiter, abandon_on_cancel=True
         )
-        if self.available and not sample.nvml_available:
+        if stuck:
+            pass  # telemetry is down for as long as the call hangs; no re-open under it
+        elif self.available and not sample.nvml_available:
             self.available = False
             self.error = sample.error
             self._reopen_at = time.monotonic() + self._reopen_delay
@@ -521,8 +552,10 @@ class Sampler:
     def stuck(self) -> float | None:
         """How long the call in flight has taken, once it counts as stuck (else None)."""
         took = self.stuck_for_s()
-        limit = max(STUCK_AFTER_S, STUCK_AFTER_INTERVALS * self.interval_s)
-        return took if took is not None and took >= limit else None
+        return took if took is not None and took >= self._stuck_limit() else None
+
+    def _stuck_limit(self) -> float:
+        return max(STUCK_AFTER_S, STUCK_AFTER_INTERVALS * self.interval_s)
 
     async def _watch_calls(self) -> None:
         """Say when a backend call gets stuck, and when it returns."""

@@ -339,7 +339,18 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     with open(world / "gpus" / "0", "a") as fh:
         fh.write("hang_ms 60000\n")
     # the next sample is stuck in the driver: said, and telemetry counts as down
-    sup.wait_event(event="gpu.call_stuck", timeout=15)
+    stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", timeout=15))
+    # the host side goes on sampling (tree RSS, budgets): regression, no sample at all came
+    # for as long as the call hung
+    leader = sup.find(event="worker.spawned", worker="g-0")[0]["pid"]
+    for _ in range(2):
+        host_only = sup.wait_event(
+            event="gpu.sample",
+            after=stuck_at + 1,
+            nvml_available=False,
+            workers=lambda w: leader in w.get("g-0", {}).get("pids", []),
+        )
+        stuck_at = sup.events.index(host_only)
     with sup.api() as http:
         status = http.get("/api/v1/gpu/status").json()
         assert status["nvml_available"] is False and "has not returned" in status["error"]
