@@ -1799,6 +1799,7 @@ class Runtime:
             unchanged=list(diff.unchanged),
             changed=list(diff.changed),
             scaled=list(diff.scaled),
+            same_placement=list(diff.same_placement),
             removed=list(diff.removed),
             added=list(diff.added),
         )
@@ -1811,8 +1812,11 @@ class Runtime:
             )
         self.settings = applied_by_reload(old, new)
         try:
-            # a scaled group's workers stay where they are; only the added ones are placed
-            plan = self._build_plan(self.settings, keep=(*diff.unchanged, *diff.scaled))
+            # workers of groups whose placement settings did not change stay on their GPUs;
+            # only the added ones are placed
+            plan = self._build_plan(
+                self.settings, keep=(*diff.unchanged, *diff.scaled, *diff.same_placement)
+            )
         except PlacementError as exc:
             self.settings = old
             self.log.error(  # noqa: TRY400 - one line, no traceback

@@ -19,6 +19,9 @@ class ReloadDiff:
     #: the changed groups whose only change is their number of replicas: their workers that
     #: run what the new plan says are left alone (only workers are added or removed)
     scaled: tuple[str, ...] = ()
+    #: the changed groups whose placement settings are as before: their workers keep their
+    #: GPUs (a new command or env is no reason to move a worker to another GPU)
+    same_placement: tuple[str, ...] = ()
 
     @property
     def is_noop(self) -> bool:
@@ -40,6 +43,7 @@ def diff_groups(
     changed: list[str] = []
     added: list[str] = []
     scaled: list[str] = []
+    same_placement: list[str] = []
     for g in new:
         before = old_by_name.get(g.name)
         if before is None:
@@ -50,8 +54,27 @@ def diff_groups(
             changed.append(g.name)
             if g.name not in dirty and before.model_copy(update={"replicas": g.replicas}) == g:
                 scaled.append(g.name)
+            if placement_of(before) == placement_of(g):
+                same_placement.append(g.name)
     removed = [g.name for g in old if g.name not in new_names]
-    return ReloadDiff(tuple(unchanged), tuple(changed), tuple(removed), tuple(added), tuple(scaled))
+    return ReloadDiff(
+        tuple(unchanged),
+        tuple(changed),
+        tuple(removed),
+        tuple(added),
+        tuple(scaled),
+        tuple(same_placement),
+    )
+
+
+def placement_of(group: WorkerGroup) -> tuple[object, ...]:
+    """What a group's placement on the GPUs depends on (``plan.place``)."""
+    return (
+        group.gpus,
+        group.gpus_per_worker,
+        group.max_workers_per_gpu,
+        group.health.gpu_memory_limit_mb,
+    )
 
 
 #: ``[gpu]`` keys read once, when the GPU backend is opened; the others apply at a reload.

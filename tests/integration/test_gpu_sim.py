@@ -236,6 +236,44 @@ def test_a_reload_while_a_restart_waits_for_the_gpu_release_starts_the_new_plan(
     assert sup.stop() == 0
 
 
+def test_a_reload_of_a_new_command_keeps_each_worker_on_its_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Since g-0 (GPU 0) and g-1 (GPU 1) started, another process took 5 GiB of GPU 0. A
+    reload that changes the group's env rolls each worker where it is. Regression: the group
+    was placed afresh (the most free memory first) and its workers swapped GPUs."""
+    g = {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "100"), "env": {"V": "1"}}
+    cfg = config(tmp_path, {**g, "restart": {"stable_s": 0.1}})
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    sup.ready("g-1")
+    with sup.api() as http:
+        before = {w["name"]: w["gpus"] for w in http.get("/api/v1/workers").json()}
+    assert before == {"g-0": [UUID0], "g-1": [UUID1]}
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "sim" / "procs" / str(other.pid)).write_text("0 5000\n")
+        with sup.api() as http:
+
+            def seen() -> bool:
+                devices = http.get("/api/v1/gpu/status").json()["devices"]
+                return bool(devices) and devices[0]["memory"]["used_mb"] >= 5000
+
+            sup.wait_until(seen, what="the other process's 5 GiB on GPU 0")
+        mark = sup.mark()
+        sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
+        with sup.api() as http:
+            assert http.post("/api/v1/reload").status_code == 202
+            sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
+            after = {w["name"]: w["gpus"] for w in http.get("/api/v1/workers").json()}
+        assert after == before
+        assert len(sup.find(event="worker.spawned", after=mark)) == 2
+    finally:
+        other.kill()
+        other.wait()
+    assert sup.stop() == 0
+
+
 UNSHARE = shutil.which("unshare")
 
 

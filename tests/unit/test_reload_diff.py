@@ -86,6 +86,39 @@ def test_a_change_of_replicas_only_is_a_scale() -> None:
     assert diff_groups(old, new, dirty={"a"}).scaled == ()  # a halted rollout: all of it again
 
 
+def test_a_change_that_leaves_the_placement_settings_keeps_the_workers_on_their_gpus() -> None:
+    """A new command, env or replica count is no reason to move workers between GPUs (the
+    roll-out restarts them in place); a change of gpus, gpus_per_worker, max_workers_per_gpu
+    or the GPU budget places the group afresh. Regression: every changed group was placed
+    again, so reloads swapped workers between GPUs, and rolling a halted roll-out back
+    restarted workers already on the target definition because they drew another GPU."""
+    base = {"command": ["x"], "gpus": "auto", "replicas": 2}
+    old = groups(
+        {"name": "cmd", **base, "port_base": 9000},
+        {"name": "per", **base, "port_base": 9100},
+        {"name": "max", **base, "port_base": 9200},
+        {"name": "mem", **base, "port_base": 9300},
+        {"name": "list", **base, "port_base": 9400},
+    )
+    new = groups(
+        {
+            "name": "cmd",
+            **base,
+            "command": ["x", "--v2"],
+            "env": {"A": "1"},
+            "replicas": 3,
+            "port_base": 9000,
+        },
+        {"name": "per", **base, "gpus_per_worker": 2, "port_base": 9100},
+        {"name": "max", **base, "max_workers_per_gpu": 1, "port_base": 9200},
+        {"name": "mem", **base, "health": {"gpu_memory_limit_mb": 1000}, "port_base": 9300},
+        {"name": "list", **base, "gpus": [0], "port_base": 9400},
+    )
+    d = diff_groups(old, new, dirty={"cmd"})
+    assert d.changed == ("cmd", "per", "max", "mem", "list")
+    assert d.same_placement == ("cmd",)
+
+
 def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     """Groups without port_base keep the ports they run with where they still fit; the groups
     that keep or shrink their range go first, a group that grows into another's moves."""
