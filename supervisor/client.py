@@ -312,9 +312,9 @@ def _wait_rollout(client: Client, group: str, seen: int) -> int:
                     print(f"{group}: rolling restart done")
                     return 0
                 if e["type"] == "rollout.halted":
-                    print(
-                        f"{group}: rolling restart halted (see the log: supervisor.rollout_halted)"
-                    )
+                    where = f" at {e['worker']}" if e.get("worker") else ""
+                    why = f": {e['reason']}" if e.get("reason") else ""
+                    print(f"{group}: rolling restart halted{where}{why}")
                     return 1
         time.sleep(ROLLOUT_POLL_S)
 

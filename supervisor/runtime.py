@@ -307,6 +307,7 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
         self.rolling: dict[str, str] = {}
+        self._halted_at: dict[str, dict[str, str]] = {}  # group -> where its roll-out halted
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         # self-healing: detectors and actions; webhook alerts
         url = settings.alerts.webhook_url
@@ -1541,7 +1542,12 @@ class Runtime:
                         group=intent.group,
                         reason=f"a {self.rolling[intent.group]} of the group is running",
                     )
-                    self._journal_rollout(intent.group, "rolling_restart", False)
+                    self._journal_rollout(
+                        intent.group,
+                        "rolling_restart",
+                        False,
+                        reason=f"refused: a {self.rolling[intent.group]} of the group is running",
+                    )
                     continue
                 self.rolling[intent.group] = "rolling restart"
                 self._tg.start_soon(self._rolling_restart, intent.group)
@@ -1604,15 +1610,35 @@ class Runtime:
             if not self._shutting_down:
                 self._journal_rollout(group, "rolling_restart", done)
 
-    def _journal_rollout(self, group: str, kind: str, done: bool) -> None:
+    def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
+        """Log a roll-out of ``group`` halted at ``runner``; the journal's ``rollout.halted``
+        names it too."""
+        self.log.error(
+            "supervisor.rollout_halted",
+            group=group,
+            worker=runner.name,
+            state=runner.state.value,
+            reason=why,
+        )
+        self._halted_at[group] = {
+            "worker": runner.name,
+            "state": runner.state.value,
+            "reason": f"{why} (worker {runner.state.value}: {runner.record.reason})",
+        }
+
+    def _journal_rollout(self, group: str, kind: str, done: bool, **fields: Any) -> None:
         """``rollout.done`` or ``rollout.halted`` in the journal (``/api/v1/events``): what
-        ``restart --rolling --wait`` and deploy scripts wait for."""
+        ``restart --rolling --wait`` and deploy scripts wait for. A halted one says where and
+        why (``worker``, ``state``, ``reason``)."""
+        where = {**self._halted_at.pop(group, {}), **fields}
+        worker = where.pop("worker", None)
         self.journal.append(
             self.clock.wall(),
             "rollout.done" if done else "rollout.halted",
-            None,
+            None if done else worker,
             group=group,
             kind=kind,
+            **({} if done else where),
         )
 
     async def _roll_restart(self, group: str) -> bool:
@@ -1637,12 +1663,10 @@ class Runtime:
             if self._shutting_down:
                 return False
             if not settled or runner.state is not WorkerState.READY:
-                self.log.error(
-                    "supervisor.rollout_halted",
-                    group=group,
-                    worker=name,
-                    state=runner.state.value,
-                    reason="restarted worker did not become ready; the rest keep running",
+                self._rollout_halted(
+                    group,
+                    runner,
+                    "restarted worker did not become ready; the rest keep running",
                 )
                 return False
             replaced.append(runner)
@@ -1669,12 +1693,10 @@ class Runtime:
         failed = broken()
         if failed is None or self._shutting_down:
             return failed is None
-        self.log.error(
-            "supervisor.rollout_halted",
-            group=group,
-            worker=failed.name,
-            state=failed.state.value,
-            reason=f"replaced worker did not stay ready for stable_s ({stable_s:g} s); {rest}",
+        self._rollout_halted(
+            group,
+            failed,
+            f"replaced worker did not stay ready for stable_s ({stable_s:g} s); {rest}",
         )
         return False
 
@@ -1965,12 +1987,10 @@ class Runtime:
                 self._stop_budget(runner) + timing.start_timeout_s,
             )
             if not settled or runner.state is not WorkerState.READY:
-                self.log.error(
-                    "supervisor.rollout_halted",
-                    group=group.name,
-                    worker=runner.name,
-                    state=runner.state.value,
-                    reason="replaced worker did not become ready; the rest keep the old config",
+                self._rollout_halted(
+                    group.name,
+                    runner,
+                    "replaced worker did not become ready; the rest keep the old config",
                 )
                 return False
             if (

@@ -173,9 +173,20 @@ def test_a_version_that_crashes_just_after_ready_is_not_rolled_onto_the_group(
     if how == "reload":
         sup.write_config({"workers": [{**group, "env": {"VERSION": "2"}}]})
         sup.signal(signal.SIGHUP)
-    else:
-        with sup.api() as http:
-            assert http.post("/api/v1/groups/v/rolling-restart").status_code == 202
+    else:  # through the CLI, which waits for the verdict and says where and why
+        argv = ["restart", "--rolling", "v", "--wait", "--url", sup.api_url()]
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            check=False,
+        )
+        assert out.returncode == 1, out
+        assert out.stdout.splitlines()[-1].startswith(
+            "v: rolling restart halted at v-0: replaced worker did not stay ready for stable_s"
+        ), out.stdout
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
     assert halted["worker"] == "v-0" and "did not stay ready" in halted["reason"]
     kind = "reload" if how == "reload" else "rolling_restart"
@@ -188,6 +199,8 @@ def test_a_version_that_crashes_just_after_ready_is_not_rolled_onto_the_group(
     # the outcome is in the journal too (/api/v1/events: restart --rolling --wait reads it)
     found = sup.wait_until(journaled, "rollout.halted in /api/v1/events")
     assert [(e["type"], e["kind"]) for e in found] == [("rollout.halted", kind)]
+    # where and why (regression: the journal, and restart --rolling --wait, said neither)
+    assert found[0]["worker"] == "v-0" and "did not stay ready" in found[0]["reason"]
     for w in ("v-1", "v-2"):  # never touched
         assert not sup.find(event="worker.spawned", worker=w, after=mark)
         assert sup.find(event="worker.spawned", worker=w)[-1]["pid"] == pids[w]
