@@ -48,7 +48,7 @@ from supervisor.policy.detect import (
     thermal_step,
     xid_class,
 )
-from supervisor.policy.heal import Act, Finding, GroupPolicy, WorkerView, decide
+from supervisor.policy.heal import EVENT_FINDINGS, Act, Finding, GroupPolicy, WorkerView, decide
 
 if TYPE_CHECKING:
     from supervisor.clock import Clock
@@ -563,6 +563,13 @@ class Healer:
     # --- policy and actions -------------------------------------------------------------
 
     def _add(self, finding: Finding) -> None:
+        pending = self._pending.get(finding.key)
+        if pending is not None and finding.kind in EVENT_FINDINGS and finding.at is not None:
+            # a second XID on a GPU whose first is still deferred: the newest stands for both
+            # (every process there at the first was there at the second, or restarted since,
+            # and its new process may be the second one's cause)
+            self._pending[finding.key] = finding
+            return
         self._pending.setdefault(finding.key, finding)
 
     def _hot(self) -> set[str]:

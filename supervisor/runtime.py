@@ -93,7 +93,7 @@ from supervisor.records import (
     write_cordons,
     write_lock_pid,
 )
-from supervisor.sampler import Sampler, WorkerRef, host_interval
+from supervisor.sampler import Sampler, WorkerRef, host_interval, stuck_text
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.views import (
     SamplePoint,
@@ -608,7 +608,7 @@ class Runtime:
         self.healer.on_sample(sample)
         for listener in self.sample_listeners:
             listener(sample)
-        if self.suspect:
+        if self.suspect and sample.nvml_available:  # without telemetry nothing is seen gone
             listed = {p.pid for d in sample.devices for p in d.processes or ()}
             for uuid, pids in list(self.suspect.items()):
                 if not pids & listed:
@@ -786,7 +786,11 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
-        if not self.slots():  # NVML down just now: nothing to place by, it stays where it is
+        if not self.slots():  # NVML down just now: nothing to place by, it stays where it is,
+            if runner.record.gpu_waits:  # unless it waits for a GPU: it waits on
+                stuck = self.sampler.stuck_for_s()
+                why = stuck_text(stuck) if stuck is not None else self.sampler.error
+                return f"no GPU telemetry ({why or 'NVML down'})"
             return spec
         avoid = self.healer.avoid.get(runner.name, set())
         # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full
@@ -1652,8 +1656,8 @@ class Runtime:
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
-            if _stopping_for_good(runner):  # an operator's drain or stop stays in force
-                continue
+            if _stopping_for_good(runner) or runner.record.waiting_for_gpu:
+                continue  # an operator's drain or stop stays in force; a waiter has no process
             attempts = runner.spawn_attempts
             runner.post(lc.Restart())
             settled = await self.wait_until(
@@ -1977,8 +1981,14 @@ class Runtime:
                 if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
                     continue
                 runner.reconfigure(spec, timing, group.log_passthrough)
-                if runner.state is WorkerState.STOPPED or _stopping_for_good(runner):
-                    continue  # an operator's stop or drain stays in force (the new plan next)
+                if (
+                    runner.state is WorkerState.STOPPED
+                    or _stopping_for_good(runner)
+                    or runner.record.waiting_for_gpu
+                ):
+                    # an operator's stop or drain stays in force; a worker waiting for a GPU
+                    # has no process to replace: either starts on the new plan next
+                    continue
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)

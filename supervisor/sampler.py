@@ -298,9 +298,7 @@ class Sampler:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
         backend = self._factory()
         try:
-            opened = await in_thread(
-                self._tracked(backend.open), limiter=self._limiter, abandon_on_cancel=True
-            )
+            opened = await self._bounded(backend.open)
             self.identities = self._named_all(opened)
         except BackendUnavailable as exc:
             self.available = False
@@ -382,6 +380,19 @@ class Sampler:
         except BackendError as exc:
             return (), True, str(exc)
 
+    async def _bounded(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a backend call) in the NVML thread, waited for up to the stuck limit:
+        ``BackendUnavailable`` when it has not returned by then (left to itself, tracked:
+        no other call is made while it is in flight) or one is in flight already."""
+        in_flight = self.stuck_for_s()
+        if in_flight is None:
+            with anyio.move_on_after(self._stuck_limit()):
+                return await in_thread(
+                    self._tracked(fn), limiter=self._limiter, abandon_on_cancel=True
+                )
+            in_flight = self.stuck_for_s() or self._stuck_limit()
+        raise BackendUnavailable(stuck_text(in_flight))
+
     async def _sample_gpus(self) -> tuple[tuple[DeviceSample, ...], bool, str | None, bool]:
         """``(devices, available, error, stuck)``: the GPUs, or nothing (``stuck``) while a
         backend call has not returned, so that a hung driver does not stop the host sampling
@@ -434,13 +445,14 @@ class Sampler:
 
     async def tick(self) -> Sample:
         """Take one sample now."""
-        if not self.available and self.backend is not None and time.monotonic() >= self._reopen_at:
+        if (
+            not self.available
+            and self.backend is not None
+            and time.monotonic() >= self._reopen_at
+            and self.stuck_for_s() is None  # never a second call under one that hangs
+        ):
             with contextlib.suppress(BackendError):
-                await in_thread(
-                    self._tracked(self.backend.close),
-                    limiter=self._limiter,
-                    abandon_on_cancel=True,
-                )
+                await self._bounded(self.backend.close)
             await self.open()
         refs = self._workers()
         t0 = time.monotonic()

@@ -241,14 +241,14 @@ def candidate_acts(
 
 #: Findings about an event on a GPU (not a lasting condition): they are about the processes
 #: that were there when it happened.
-_EVENTS = frozenset({"xid_worker", "xid_device", "gpu_lost"})
+EVENT_FINDINGS: frozenset[str] = frozenset({"xid_worker", "xid_device", "gpu_lost"})
 
 
 def _came_after(f: Finding, view: WorkerView) -> bool:
     """``view``'s process started after ``f`` happened on its GPU (an XID deferred by
     ``max_unavailable`` is not the concern of a worker placed there since)."""
     return (
-        f.kind in _EVENTS
+        f.kind in EVENT_FINDINGS
         and f.at is not None
         and view.started_at is not None
         and view.started_at > f.at

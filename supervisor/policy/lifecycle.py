@@ -312,7 +312,14 @@ def _after_failure_or_stable(
     """A process ended on its own (or by a healing stop): restart, back off, or give up."""
     policy = t.restart
     restarts = rec.restarts + 1
-    common = {"pid": None, "last_exit": outcome, "killed": False, "after_exit": None}
+    # a failure (or a run) ends any wait for a GPU: GpuFreed must not cut a failure's backoff
+    common = {
+        "pid": None,
+        "last_exit": outcome,
+        "killed": False,
+        "after_exit": None,
+        "gpu_waits": 0,
+    }
     if is_stable_run(rec.ready_at, now, policy):
         history = record_stable_exit(rec.history)
         rec, acts = _backoff(

@@ -363,6 +363,74 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     assert_stops_at_once(sup)
 
 
+def test_a_worker_waiting_for_a_gpu_waits_on_while_an_nvml_call_hangs(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """g-0 waits for a GPU (its GPU 0 lost, GPU 1 full); then an NVML call hangs. With no
+    telemetry it keeps waiting, and says why. Regression (of the host sampling during a
+    hang): the samples without GPUs read as "NVML down, stay where you are", and g-0 was
+    started on its lost GPU."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("nvml", {"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}),
+        {
+            "name": "g",
+            "replicas": 2,
+            "max_workers_per_gpu": 1,
+            "command": worker_cmd("gpu_user", "100"),
+            "drain_timeout_s": 0.2,
+            "restart": {"backoff_initial_s": 0.05, "backoff_max_s": 1},
+        },
+    )
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("lost 1\n")
+    sup.wait_event(event="worker.waiting_gpu", worker="g-0", after=mark, timeout=20)
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("hang_ms 30000\n")
+    stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", after=mark, timeout=15))
+    waiting = sup.wait_event(
+        event="worker.waiting_gpu",
+        worker="g-0",
+        after=stuck_at,
+        error=lambda e: e.startswith("no GPU telemetry (an NVML call has not returned"),
+    )
+    # looks again (1 s apart) without starting
+    sup.wait_event(
+        event="worker.state", worker="g-0", new="backoff", after=sup.events.index(waiting) + 1
+    )
+    assert not sup.find(event="worker.spawned", worker="g-0", after=mark)
+    assert_stops_at_once(sup)
+
+
+def test_a_hang_in_the_reopen_of_nvml_does_not_stop_the_host_sampling(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML goes down, and its re-open hangs: the host side goes on sampling. Regression:
+    the re-open was not bounded, and no sample came for as long as it hung."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    leader = sup.ready("g-0")["pid"]
+    gpu0 = nvml_down(sup, world)
+    (world / "gpus" / "0").write_text(gpu0 + "hang_ms 60000\n")
+    stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", timeout=30))
+    for _ in range(2):
+        host_only = sup.wait_event(
+            event="gpu.sample",
+            after=stuck_at + 1,
+            nvml_available=False,
+            workers=lambda w: leader in w.get("g-0", {}).get("pids", []),
+        )
+        stuck_at = sup.events.index(host_only)
+    assert_stops_at_once(sup)
+
+
 def test_a_failing_xid_wait_is_said_once_not_every_second(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:

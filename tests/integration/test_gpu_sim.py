@@ -199,6 +199,48 @@ def test_barrier_waits_for_release_then_restarts_in_place(
     assert sup.stop() == 0
 
 
+def test_roll_outs_pass_over_a_worker_waiting_for_a_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """g-1 waits for a GPU (one GPU, one worker a GPU). A rolling restart, then a reload of
+    a new env, replace g-0 and pass over g-1 (no process to replace; it starts on the new
+    plan when it can). Regression: both halted at g-1 (its start found no GPU: "did not
+    become ready"), for good."""
+    g = {
+        "name": "g",
+        "replicas": 2,
+        "max_workers_per_gpu": 1,
+        "command": worker_cmd("gpu_user", "100"),
+        "restart": {"stable_s": 0.1},
+    }
+    cfg = config(tmp_path, g, sim_devices=1)
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    sup.wait_event(event="worker.waiting_gpu", worker="g-1")
+    mark = sup.mark()
+    argv = ["restart", "--rolling", "g", "--wait", "--url", sup.api_url()]
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (out.returncode, out.stdout.strip().splitlines()[-1]) == (
+        0,
+        "g: rolling restart done",
+    ), out
+    sup.ready("g-0", after=mark)
+    mark = sup.mark()
+    sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
+    with sup.api() as http:
+        assert http.post("/api/v1/reload").status_code == 202
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=30)
+    sup.ready("g-0", after=mark)
+    assert not sup.find(event="worker.spawned", worker="g-1")
+    assert sup.stop() == 0
+
+
 def test_a_reload_while_a_restart_waits_for_the_gpu_release_starts_the_new_plan(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -331,3 +331,35 @@ def test_an_oom_kill_elsewhere_long_before_a_death_is_not_blamed_on_it(
     count[0] = 8
     host.clock.advance(0.2)
     assert healer.oom_kills_since("g-0", healer.oom_baseline("g-0")) == 1
+
+
+def test_a_second_xid_while_the_first_is_deferred_concerns_the_processes_there_then() -> None:
+    """XID 13 on GPU-0 at t=10 is deferred (w-1 of the group is not ready, max_unavailable 1);
+    w-0 restarts by itself at t=15; a second XID 13 at t=20 may be its new process's: when
+    the group may lose a worker again, w-0 is restarted. Regression: the second XID was
+    merged into the first, kept its time, and w-0's new process counted as come after."""
+    from supervisor.model import XidEvent
+
+    w0, w2 = Runner("w-0", GPUS[0]), Runner("w-2", GPUS[0])
+    w1 = Runner("w-1", GPUS[1], WorkerState.STARTING)
+    host, healer = setup("derate", w0, w1, w2)
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
+                for g in host.settings.workers
+            )
+        }
+    )
+    host.clock.advance(10.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    assert not w0.posted and not w2.posted  # deferred: w-1 is down already
+    host.clock.advance(5.0)
+    w0.record.started_at = host.clock.now()  # crashed and restarted at t=15: ready again
+    host.clock.advance(5.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    assert not w0.posted and not w2.posted
+    w1.record.state = WorkerState.READY
+    host.tick(healer)
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]  # one at a time: w-0 first
+    assert not w2.posted

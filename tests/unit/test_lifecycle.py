@@ -275,6 +275,16 @@ def test_stop_while_waiting_for_a_gpu_forgets_the_wait() -> None:
     assert at(rec, lc.Kill("second signal"), 3.5).gpu_waits == 0
 
 
+def test_a_failure_after_a_wait_for_a_gpu_is_a_failure() -> None:
+    """A start after a wait that fails for another reason (the program is gone) backs off as
+    a failure: a GPU freed meanwhile does not cut that backoff short."""
+    rec, _ = no_gpu(lc.WorkerRecord(), 0.0)
+    rec = at(rec, lc.Timer(), 1.0)
+    rec = at(rec, lc.SpawnFailed("no such file"), 1.0)
+    assert rec.state is S.BACKOFF and not rec.waiting_for_gpu and rec.gpu_waits == 0
+    assert lc.step(rec, lc.GpuFreed(), 1.5, T) == (rec, [])
+
+
 @pytest.mark.parametrize(
     ("initial", "cap", "expected"),
     [
