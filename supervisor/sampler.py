@@ -251,6 +251,8 @@ class Sampler:
         self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
         self._host_limiter = anyio.CapacityLimiter(1)  # host reads go on while a GPU call hangs
+        self._host_lock = threading.Lock()
+        self._tick_token = 0  # a tick given up on (its GPU call hung) has an old one
         self._xid_limiter = anyio.CapacityLimiter(1)
         #: when the backend call now in flight began (None: none is): a hung driver
         self._call_since: float | None = None
@@ -393,22 +395,24 @@ class Sampler:
             in_flight = self.stuck_for_s() or self._stuck_limit()
         raise BackendUnavailable(stuck_text(in_flight))
 
-    async def _sample_gpus(self) -> tuple[tuple[DeviceSample, ...], bool, str | None, bool]:
-        """``(devices, available, error, stuck)``: the GPUs, or nothing (``stuck``) while a
-        backend call has not returned, so that a hung driver does not stop the host sampling
-        (tree RSS, budgets, leaks of host memory, trees for orphan reclaim) with it. The call is
-        waited for up to the stuck limit, then left to itself (abandoned, still tracked)."""
-        in_flight = self.stuck_for_s()
-        if in_flight is None:
-            with anyio.move_on_after(self._stuck_limit()):
-                devices, ok, error = await in_thread(
-                    self._gpus_blocking, limiter=self._limiter, abandon_on_cancel=True
-                )
-                return devices, ok, error, False
-            in_flight = self.stuck_for_s() or self._stuck_limit()
-        return (), False, stuck_text(in_flight), True
+    def _tick_blocking(self, refs: Mapping[str, WorkerRef], t0: float, token: int) -> Sample | None:
+        """GPUs, then the host, in one thread hop; None when the tick was given up on while
+        the GPU call hung (a host-only tick has been taken meanwhile)."""
+        gpus = self._gpus_blocking()
+        if token != self._tick_token:
+            return None
+        return self._host_blocking(refs, gpus, t0)
 
     def _host_blocking(
+        self,
+        refs: Mapping[str, WorkerRef],
+        gpus: tuple[tuple[DeviceSample, ...], bool, str | None],
+        t0: float,
+    ) -> Sample:
+        with self._host_lock:  # never two at once: an abandoned tick may still get here
+            return self._host_sample(refs, gpus, t0)
+
+    def _host_sample(
         self,
         refs: Mapping[str, WorkerRef],
         gpus: tuple[tuple[DeviceSample, ...], bool, str | None],
@@ -456,15 +460,53 @@ class Sampler:
             await self.open()
         refs = self._workers()
         t0 = time.monotonic()
-        gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = ((), self.available, self.error)
+        sample: Sample | None = None
         stuck = False
         if self.available and self.backend is not None:
-            devices, ok, error, stuck = await self._sample_gpus()
-            gpus = (devices, ok, error)
-        # abandoned on cancel: a /proc read that hangs must not hold up the stop
-        sample = await in_thread(
-            self._host_blocking, refs, gpus, t0, limiter=self._host_limiter, abandon_on_cancel=True
-        )
+            in_flight = self.stuck_for_s()
+            if in_flight is None:
+                # One thread hop for GPUs and host (each hop wakes a thread: ~80 us of CPU
+                # here), waited for up to the stuck limit; then left to itself (a hung driver),
+                # and the host is sampled alone meanwhile, so that it does not stop with it
+                # (tree RSS, budgets, trees for orphan reclaim). Abandoned on cancel too: a
+                # call that hangs must not hold up the stop.
+                self._tick_token += 1
+                with anyio.move_on_after(self._stuck_limit()):
+                    sample = await in_thread(
+                        self._tick_blocking,
+                        refs,
+                        t0,
+                        self._tick_token,
+                        limiter=self._limiter,
+                        abandon_on_cancel=True,
+                    )
+                if sample is None:
+                    self._tick_token += 1  # given up on: it must not sample the host now
+                    in_flight = self.stuck_for_s() or self._stuck_limit()
+            if sample is None:
+                stuck = True
+                gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = (
+                    (),
+                    False,
+                    stuck_text(in_flight or self._stuck_limit()),
+                )
+                sample = await in_thread(
+                    self._host_blocking,
+                    refs,
+                    gpus,
+                    t0,
+                    limiter=self._host_limiter,
+                    abandon_on_cancel=True,
+                )
+        else:
+            sample = await in_thread(
+                self._host_blocking,
+                refs,
+                ((), self.available, self.error),
+                t0,
+                limiter=self._host_limiter,
+                abandon_on_cancel=True,
+            )
         if stuck:
             pass  # telemetry is down for as long as the call hangs; no re-open under it
         elif self.available and not sample.nvml_available:
