@@ -253,6 +253,8 @@ class Sampler:
         self._host_limiter = anyio.CapacityLimiter(1)  # host reads go on while a GPU call hangs
         self._host_lock = threading.Lock()
         self._tick_token = 0  # a tick given up on (its GPU call hung) has an old one
+        self._said_stuck = False  # gpu.call_stuck said, gpu.call_returned not yet
+        self._gpus_opened = anyio.Event()  # set when a backend with GPUs is opened (XID loop)
         self._xid_limiter = anyio.CapacityLimiter(1)
         #: when the backend call now in flight began (None: none is): a hung driver
         self._call_since: float | None = None
@@ -318,6 +320,8 @@ class Sampler:
         self.backend = backend
         self.available = True
         self.error = None
+        if self.identities:
+            self._gpus_opened.set()
         # the backoff starts over after a good sample, not here: a backend that opens but
         # fails every sample (UNINITIALIZED on every call) would otherwise reopen every 2 s
         self._remember(self.identities)
@@ -393,6 +397,7 @@ class Sampler:
                     self._tracked(fn), limiter=self._limiter, abandon_on_cancel=True
                 )
             in_flight = self.stuck_for_s() or self._stuck_limit()
+            self._say_stuck()
         raise BackendUnavailable(stuck_text(in_flight))
 
     def _tick_blocking(self, refs: Mapping[str, WorkerRef], t0: float, token: int) -> Sample | None:
@@ -449,6 +454,7 @@ class Sampler:
 
     async def tick(self) -> Sample:
         """Take one sample now."""
+        self._said_returned()
         if (
             not self.available
             and self.backend is not None
@@ -483,6 +489,7 @@ class Sampler:
                 if sample is None:
                     self._tick_token += 1  # given up on: it must not sample the host now
                     in_flight = self.stuck_for_s() or self._stuck_limit()
+                    self._say_stuck()
             if sample is None:
                 stuck = True
                 gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = (
@@ -533,7 +540,6 @@ class Sampler:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._xid_loop)  # idle until a backend with GPUs is open
-                tg.start_soon(self._watch_calls)
                 task_status.started()
                 next_at = anyio.current_time()
                 while True:
@@ -611,24 +617,27 @@ class Sampler:
     def _stuck_limit(self) -> float:
         return max(STUCK_AFTER_S, STUCK_AFTER_INTERVALS * self.interval_s)
 
-    async def _watch_calls(self) -> None:
-        """Say when a backend call gets stuck, and when it returns."""
-        said = False
-        while True:
-            await anyio.sleep(1.0)
-            took = self.stuck()
-            if took is not None and not said:
-                said = True
-                self._log.warning(
-                    "gpu.call_stuck",
-                    backend=self.backend_name,
-                    stuck_for_s=round(took, 3),
-                    reason="an NVML call has not returned: the driver may be hung; GPU "
-                    "telemetry counts as down until it does",
-                )
-            elif took is None and said:
-                said = False
-                self._log.info("gpu.call_returned", backend=self.backend_name)
+    def _say_stuck(self) -> None:
+        """Say (once a hang) that a backend call has not returned within the stuck limit: the
+        sampler has just given up waiting for it. Said here, where it is seen, rather than by
+        a task polling every second (a wake-up a second, for ever, for a rare event)."""
+        if self._said_stuck:
+            return
+        self._said_stuck = True
+        took = self.stuck_for_s()
+        self._log.warning(
+            "gpu.call_stuck",
+            backend=self.backend_name,
+            stuck_for_s=None if took is None else round(took, 3),
+            reason="an NVML call has not returned: the driver may be hung; GPU "
+            "telemetry counts as down until it does",
+        )
+
+    def _said_returned(self) -> None:
+        """Say that the call said stuck has returned (seen at the next tick)."""
+        if self._said_stuck and self.stuck_for_s() is None:
+            self._said_stuck = False
+            self._log.info("gpu.call_returned", backend=self.backend_name)
 
     def stuck_for_s(self) -> float | None:
         """How long the backend call now in flight has taken (None: none is in flight)."""
@@ -659,12 +668,17 @@ class Sampler:
         self._seen = {i.uuid: i for i in identities}
         self.available = True
         self.error = None
+        if identities:
+            self._gpus_opened.set()
 
     async def _xid_loop(self) -> None:
         while True:
             backend = self.backend
             if backend is None or not self.available or not self.identities:
-                await anyio.sleep(XID_WAIT_S)  # none yet: NVML may come up later (retried)
+                # none yet (NVML may come up later: retried) or none at all (backend none):
+                # woken when a backend with GPUs opens, not every second for nothing
+                await self._gpus_opened.wait()
+                self._gpus_opened = anyio.Event()
                 continue
             try:
                 events = await in_thread(

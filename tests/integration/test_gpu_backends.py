@@ -408,6 +408,27 @@ def test_a_worker_waiting_for_a_gpu_waits_on_while_an_nvml_call_hangs(
     assert_stops_at_once(sup)
 
 
+def test_a_call_that_hangs_for_a_while_is_said_stuck_then_returned(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A call that takes 8 s (the stuck limit is 5 s): `gpu.call_stuck` once, then
+    `gpu.call_returned`, and GPU telemetry is back."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    gpu0 = (world / "gpus" / "0").read_text()
+    mark = sup.mark()
+    (world / "gpus" / "0").write_text(gpu0 + "hang_ms 8000\n")
+    stuck = sup.wait_event(event="gpu.call_stuck", after=mark, timeout=15)
+    assert stuck["stuck_for_s"] >= 4.9
+    (world / "gpus" / "0").write_text(gpu0)  # the next calls answer at once
+    back = sup.wait_event(event="gpu.call_returned", after=mark, timeout=15)
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(back))
+    assert len(sup.find(event="gpu.call_stuck", after=mark)) == 1
+    assert sup.stop() == 0
+
+
 def test_a_hang_in_the_reopen_of_nvml_does_not_stop_the_host_sampling(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
