@@ -67,7 +67,7 @@ OOM_COUNT_REUSE_S = 0.25
 #: runs), and a death is compared with the last reading at least ``OOM_GUARD_S`` older than it
 #: (a reading between the kernel's kill and the reap would hide the kill), not with the count
 #: at its spawn, hours before.
-OOM_READ_EVERY_S = 1.0
+OOM_READ_EVERY_S = 2.0  # /proc/vmstat costs the kernel ~0.2 ms a read: not at every 2 Hz sample
 #: (the kernel's kill of a process with a large memory takes seconds to reap: unmapping it,
 #: tearing down its GPU context)
 OOM_GUARD_S = 5.0

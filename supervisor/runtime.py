@@ -275,7 +275,7 @@ class Runtime:
         self._sampled = anyio.Event()
         self._recorded: object = None  # what the last sample showed that state.json records
         #: what placement had to go by at the last sample (usable GPUs, workers on each)
-        self._room: tuple[frozenset[str], dict[str, int]] = (frozenset(), {})
+        self._room: tuple[frozenset[str], dict[str, int]] | None = None
         self._summary_at = 0.0
         self._trace_samples = trace_samples
         self.services = tuple(services)
@@ -552,20 +552,25 @@ class Runtime:
     def _wake_gpu_waiters(self) -> None:
         """Workers waiting for a GPU try again as soon as there may be room: a GPU became
         usable (back, healthy, released, uncordoned, out of quarantine) or one holds fewer
-        worker processes than at the last sample."""
+        worker processes than at the last sample. Nothing is computed while none waits."""
+        waiting = [r for r in self.workers() if r.record.waiting_for_gpu]
+        if not waiting:
+            self._room = None
+            return
         usable = frozenset(s.uuid for s in self.slots() if s.usable)
         held: dict[str, int] = {}
         for r in self.workers():
             if r.record.pid is not None:  # a process that holds its place
                 for uuid in r.spec.gpus or ():
                     held[uuid] = held.get(uuid, 0) + 1
-        before_usable, before_held = self._room
-        self._room = (usable, held)
+        before, self._room = self._room, (usable, held)
+        if before is None:  # the first sample of a wait: what it is measured against
+            return
+        before_usable, before_held = before
         if usable <= before_usable and all(held.get(u, 0) >= n for u, n in before_held.items()):
             return
-        for r in self.workers():
-            if r.record.waiting_for_gpu:
-                r.post(lc.GpuFreed())
+        for r in waiting:
+            r.post(lc.GpuFreed())
 
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
         return {r.name: r.spec.gpus for r in self.workers()}
