@@ -67,6 +67,19 @@ def nvml_down(sup: Supervisor, world: Path) -> str:
     return gpu0
 
 
+def host_sampled_on(sup: Supervisor, after: int, leader: int) -> None:
+    """Two samples after event ``after`` without GPU telemetry that still saw g-0's process
+    tree (the host side sampled while an NVML call hangs)."""
+    for _ in range(2):
+        host_only = sup.wait_event(
+            event="gpu.sample",
+            after=after + 1,
+            nvml_available=False,
+            workers=lambda w: leader in w.get("g-0", {}).get("pids", []),
+        )
+        after = sup.events.index(host_only)
+
+
 def assert_stops_at_once(sup: Supervisor) -> None:
     """SIGTERM while an NVML call hangs: exit 0 within seconds, NVML left unclosed."""
     started = time.monotonic()
@@ -343,14 +356,7 @@ def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     # the host side goes on sampling (tree RSS, budgets): regression, no sample at all came
     # for as long as the call hung
     leader = sup.find(event="worker.spawned", worker="g-0")[0]["pid"]
-    for _ in range(2):
-        host_only = sup.wait_event(
-            event="gpu.sample",
-            after=stuck_at + 1,
-            nvml_available=False,
-            workers=lambda w: leader in w.get("g-0", {}).get("pids", []),
-        )
-        stuck_at = sup.events.index(host_only)
+    host_sampled_on(sup, stuck_at, leader)
     with sup.api() as http:
         status = http.get("/api/v1/gpu/status").json()
         assert status["nvml_available"] is False and "has not returned" in status["error"]
@@ -441,14 +447,7 @@ def test_a_hang_in_the_reopen_of_nvml_does_not_stop_the_host_sampling(
     gpu0 = nvml_down(sup, world)
     (world / "gpus" / "0").write_text(gpu0 + "hang_ms 60000\n")
     stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", timeout=30))
-    for _ in range(2):
-        host_only = sup.wait_event(
-            event="gpu.sample",
-            after=stuck_at + 1,
-            nvml_available=False,
-            workers=lambda w: leader in w.get("g-0", {}).get("pids", []),
-        )
-        stuck_at = sup.events.index(host_only)
+    host_sampled_on(sup, stuck_at, leader)
     assert_stops_at_once(sup)
 
 

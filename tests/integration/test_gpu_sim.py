@@ -31,6 +31,13 @@ def config(tmp_path: Path, *groups: dict[str, Any], **gpu: Any) -> dict[str, Any
     }
 
 
+def reload_env(sup: Supervisor, cfg: dict[str, Any], version: str) -> None:
+    """Rewrite the config with the first group's env ``V=version`` and ask for a reload."""
+    sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": version}}]})
+    with sup.api() as http:
+        assert http.post("/api/v1/reload").status_code == 202
+
+
 def worker_mb(sup: Supervisor, worker: str, mb: float, after: int = 0) -> dict[str, Any]:
     """Wait for a sample in which ``worker`` holds ``mb`` MiB."""
     event = sup.wait_event(
@@ -232,9 +239,7 @@ def test_roll_outs_pass_over_a_worker_waiting_for_a_gpu(
     ), out
     sup.ready("g-0", after=mark)
     mark = sup.mark()
-    sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
-    with sup.api() as http:
-        assert http.post("/api/v1/reload").status_code == 202
+    reload_env(sup, cfg, "2")
     sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=30)
     sup.ready("g-0", after=mark)
     assert not sup.find(event="worker.spawned", worker="g-1")
@@ -266,9 +271,7 @@ def test_a_reload_while_a_restart_waits_for_the_gpu_release_starts_the_new_plan(
         sup.wait_event(
             event="worker.state", worker="b-0", new="starting", pid=None, after=mark
         )  # in the barrier now, for as long as the holder is stuck
-        sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
-        with sup.api() as http:
-            assert http.post("/api/v1/reload").status_code == 202
+        reload_env(sup, cfg, "2")
         sup.wait_event(event="supervisor.reload", changed=["b"], after=mark)
         assert len(sup.find(event="worker.spawned", worker="b-0")) == 1
     assert wait_dead([holder]) == []
@@ -303,10 +306,9 @@ def test_a_reload_of_a_new_command_keeps_each_worker_on_its_gpu(
 
             sup.wait_until(seen, what="the other process's 5 GiB on GPU 0")
         mark = sup.mark()
-        sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "env": {"V": "2"}}]})
+        reload_env(sup, cfg, "2")
+        sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
         with sup.api() as http:
-            assert http.post("/api/v1/reload").status_code == 202
-            sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
             after = {w["name"]: w["gpus"] for w in http.get("/api/v1/workers").json()}
         assert after == before
         assert len(sup.find(event="worker.spawned", after=mark)) == 2

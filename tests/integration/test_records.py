@@ -396,13 +396,12 @@ def test_a_second_supervisor_on_the_same_state_dir_refuses_to_start(
     assert third.stop() == 0
 
 
-def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
-    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
-) -> None:
-    """SIGTERM while the reclaim waits for an orphan that ignores SIGTERM: the shutdown waits
-    for the reclaim, and the last state.json has its verdict. (A review saw the final write
-    come before the reclaim returned, with nothing after it, when the signal came near the end
-    of the reclaim's wait: a race this test cannot force, but the order is now fixed.)"""
+def stubborn_orphan_of(
+    tmp_path: Path, worker: str, orphans: list[psutil.Process]
+) -> tuple[psutil.Process, Path]:
+    """An orphan that ignores SIGTERM (it touches the returned path when it gets one),
+    recorded in ``tmp_path/state/state.json`` as ``worker``'s process of an earlier run: the
+    start-up reclaim waits seconds for it before its SIGKILL."""
     termed = tmp_path / "termed"
     code = (  # prints its pid once its handler is in place, then lets go of the pipes
         "import os, pathlib, signal, time; "
@@ -419,8 +418,20 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     orphans.append(stubborn)
     state_dir = tmp_path / "state"
     state_dir.mkdir()
-    record = {"name": "w-0", "pid": stubborn.pid, "pid_create_time": stubborn.create_time()}
+    record = {"name": worker, "pid": stubborn.pid, "pid_create_time": stubborn.create_time()}
     (state_dir / "state.json").write_text(json.dumps({"schema_version": 1, "workers": [record]}))
+    return stubborn, termed
+
+
+def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """SIGTERM while the reclaim waits for an orphan that ignores SIGTERM: the shutdown waits
+    for the reclaim, and the last state.json has its verdict. (A review saw the final write
+    come before the reclaim returned, with nothing after it, when the signal came near the end
+    of the reclaim's wait: a race this test cannot force, but the order is now fixed.)"""
+    stubborn, termed = stubborn_orphan_of(tmp_path, "w-0", orphans)
+    state_dir = tmp_path / "state"
     sup = supervisor({"workers": [group("w", "ready_then_sleep")]})
     sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
     sup.signal(signal.SIGTERM)  # the reclaim now waits for the orphan before its SIGKILL
@@ -438,24 +449,7 @@ def test_a_reload_during_start_up_waits_for_the_start_up(
     the reload runs once every group has its workers. Regression: it made the group's
     runners itself, the start-up then replaced them, and the first ones' processes ran on
     untracked (not in the API, restarted when killed, SIGKILLed at exit)."""
-    termed = tmp_path / "termed"
-    code = (  # prints its pid once its handler is in place, then lets go of the pipes
-        "import os, pathlib, signal, time; "
-        f"signal.signal(signal.SIGTERM, lambda *_: pathlib.Path({str(termed)!r}).touch()); "
-        "print(os.getpid(), flush=True); os.close(1); os.close(2); time.sleep(600)"
-    )
-    out = subprocess.run(
-        ["sh", "-c", f'{sys.executable} -c "{code}" &'],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    stubborn = psutil.Process(int(out.stdout))
-    orphans.append(stubborn)
-    state_dir = tmp_path / "state"
-    state_dir.mkdir()
-    record = {"name": "x-0", "pid": stubborn.pid, "pid_create_time": stubborn.create_time()}
-    (state_dir / "state.json").write_text(json.dumps({"schema_version": 1, "workers": [record]}))
+    _, termed = stubborn_orphan_of(tmp_path, "x-0", orphans)
     x = group("x", "ready_then_sleep", replicas=2, env={"V": "1"}, restart={"stable_s": 0.2})
     sup = supervisor({"workers": [x]})
     sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
