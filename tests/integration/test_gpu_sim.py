@@ -109,7 +109,8 @@ def test_lost_gpu_is_unhealthy_and_supervision_goes_on(
         event="gpu.sample", after=mark, devices=lambda d: d[UUID1]["healthy"] is False
     )
     assert sample["devices"][UUID0]["healthy"] is True
-    assert sample["workers"]["g-0"]["gpu_mb"] == 100.0
+    # (seen once, in a CI run under heavy load: 0.0 here; the whole sample says why next time)
+    assert sample["workers"]["g-0"]["gpu_mb"] == 100.0, (sample, sup.events[-40:])
     # supervision goes on: the lost GPU is quarantined, its worker moved, the other untouched
     moved = sup.wait_event(event="worker.moved", worker="g-1", after=mark)
     assert moved["new_gpus"] == [UUID0]
