@@ -72,7 +72,9 @@ OOM_READ_EVERY_S = 2.0  # /proc/vmstat costs the kernel ~0.2 ms a read: not at e
 #: tearing down its GPU context)
 OOM_GUARD_S = 5.0
 #: Reasons of findings about one process: a new process of the worker is judged afresh.
-PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern"})
+#: (``xid`` too: a new process is only concerned by XIDs after its start, ``_came_after``, and
+#: one on the replacement within a minute of the last restart is news, not the same burst)
+PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
@@ -255,9 +257,30 @@ class Healer:
         for key in [k for k in self._recent if k[1] == runner.name and k[2] in PER_PROCESS]:
             del self._recent[key]
         gpus = set(runner.spec.gpus or ())
-        if runner.name in self.state.derated and not gpus & self._hot():
+        hot = gpus & self._hot()
+        if runner.name in self.state.derated and not hot:
             self._execute(
                 Act("restore", "thermal", "placed on GPUs that are not hot", worker=runner.name),
+                self.host.clock.now(),
+            )
+        group = self._group(runner)
+        if (
+            hot
+            and runner.name not in self.state.derated
+            and group is not None
+            and group.health.on_thermal == "derate"
+        ):
+            # started on a GPU that is hot already (a scale, an explicit list): the heat was
+            # acted on when the GPU turned hot, before this worker was there
+            gpu = sorted(hot)[0]
+            self._execute(
+                Act(
+                    "derate",
+                    "thermal",
+                    f"started on a hot GPU ({gpu})",
+                    worker=runner.name,
+                    gpu=gpu,
+                ),
                 self.host.clock.now(),
             )
 
@@ -439,10 +462,16 @@ class Healer:
         w.gpu_mb = usage.gpu_memory_mb
         w.gpu_streak = budget_streak(w.gpu_streak, usage.gpu_memory_mb, health.gpu_memory_limit_mb)
         w.host_streak = budget_streak(w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb)
-        if w.gpu_streak >= BUDGET_SAMPLES:
-            self._add(_budget("gpu_memory_limit", runner.name, usage.gpu_memory_mb, health))
-        if w.host_streak >= BUDGET_SAMPLES:
-            self._add(_budget("host_memory_limit", runner.name, usage.host_rss_mb, health))
+        # A breach deferred (max_unavailable) is acted on only while it lasts, with the newest
+        # figures: one that ended meanwhile must not restart a healthy worker later.
+        for kind, streak, used in (
+            ("gpu_memory_limit", w.gpu_streak, usage.gpu_memory_mb),
+            ("host_memory_limit", w.host_streak, usage.host_rss_mb),
+        ):
+            if streak >= BUDGET_SAMPLES:
+                self._add(_budget(kind, runner.name, used, health), newest=True)  # type: ignore[arg-type]
+            else:
+                self._pending.pop((kind, runner.name), None)
         # Reporters send only changes (and a reminder now and then): hold the last figure, of
         # the processes that are still there (checked at each judgement: a replaced rank's
         # memory is gone with it, and an exited rank stays in the tree as a zombie a while).
@@ -479,6 +508,8 @@ class Healer:
             settings,
             headroom(usage.host_rss_mb, health.host_memory_limit_mb, host_free),
         )
+        if not (w.gpu_leak.act or w.host_leak.act):  # no longer: a deferred one is dropped
+            self._pending.pop(("leak", runner.name), None)
         for memory, verdict, current, limit in (
             ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
             ("host", w.host_leak, usage.host_rss_mb, health.host_memory_limit_mb),
@@ -562,8 +593,13 @@ class Healer:
 
     # --- policy and actions -------------------------------------------------------------
 
-    def _add(self, finding: Finding) -> None:
+    def _add(self, finding: Finding, *, newest: bool = False) -> None:
+        """Pend ``finding`` (``newest``: in place of a pending one of the same key, whose
+        figures are older; else the first stays)."""
         pending = self._pending.get(finding.key)
+        if pending is not None and newest:
+            self._pending[finding.key] = finding
+            return
         if pending is not None and finding.kind in EVENT_FINDINGS and finding.at is not None:
             # a second XID on a GPU whose first is still deferred: the newest stands for both
             # (every process there at the first was there at the second, or restarted since,

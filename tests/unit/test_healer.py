@@ -363,3 +363,81 @@ def test_a_second_xid_while_the_first_is_deferred_concerns_the_processes_there_t
     host.tick(healer)
     assert [type(e).__name__ for e in w0.posted] == ["Restart"]  # one at a time: w-0 first
     assert not w2.posted
+
+
+def test_a_worker_started_on_a_gpu_that_is_hot_already_is_derated() -> None:
+    """GPU-0 turned hot with g-0 on it (derated); g-1 starts there afterwards (a scale, an
+    explicit list): derated at its start. Regression: it was routed to, preferred even."""
+    g0, g1 = Runner("g-0", GPUS[0]), Runner("g-1", GPUS[0])
+    host, healer = setup("derate", g0, g1)
+    del host.runners["g-1"]  # not there yet when the GPU turns hot
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert set(healer.state.derated) == {"g-0"}
+    host.runners["g-1"] = g1
+    healer.on_spawned(g1, 200)  # type: ignore[arg-type]
+    assert set(healer.state.derated) == {"g-0", "g-1"}
+    assert ("derate", "g-1") in host.acts()
+
+
+def test_an_xid_on_the_replacement_within_the_cooldown_is_acted_on() -> None:
+    """XID 13 restarts w-0; 8 s after its replacement started, another XID 13 on the GPU
+    restarts the new process too. Regression: the 60 s cooldown dropped it for good (the
+    worker stayed in routing on a dead CUDA context)."""
+    from supervisor.model import XidEvent
+
+    w0 = Runner("w-0", GPUS[0])
+    host, healer = setup("derate", w0)
+    host.clock.advance(10.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]
+    host.clock.advance(1.0)
+    w0.record.started_at = host.clock.now()
+    healer.on_spawned(w0, 200)  # type: ignore[arg-type]
+    host.clock.advance(8.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    assert [type(e).__name__ for e in w0.posted] == ["Restart", "Restart"]
+
+
+def test_a_deferred_budget_breach_that_ended_is_not_acted_on() -> None:
+    """w-0 is over its GPU budget while its sibling is stopped (deferred: max_unavailable 1),
+    then back under it; when the sibling is back, nothing is done to w-0. Regression: the
+    stale finding restarted the healthy worker (with the old figure as its evidence)."""
+    from supervisor.model import WorkerUsage
+
+    w0, w1 = Runner("w-0", GPUS[0]), Runner("w-1", GPUS[1], WorkerState.STOPPED)
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "w",
+                "command": ["x"],
+                "replicas": 2,
+                "health": {"gpu_memory_limit_mb": 1000, "max_unavailable": 1},
+            }
+        ],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0, "w-1": w1})
+    healer = Healer(host)  # type: ignore[arg-type]
+
+    def sample(mb: float) -> None:
+        host.clock.advance(1.0)
+        usage = WorkerUsage("w-0", (100,), mb, {GPUS[0]: mb}, "pid", 100.0, 1.0)
+        healer.on_sample(
+            Sample(host.clock.now(), tuple(host.devices.values()), {"w-0": usage}, True)
+        )
+
+    for mb in (1500, 1500, 1500):
+        sample(mb)
+    assert not w0.posted  # deferred: w-1 is not ready
+    for mb in (500, 500):
+        sample(mb)
+    w1.record.state = WorkerState.READY
+    for mb in (500, 500):
+        sample(mb)
+    assert not w0.posted
+    # over it again, with the sibling back: acted on, with the figure of now
+    for mb in (1700, 1700):
+        sample(mb)
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]
