@@ -1619,6 +1619,40 @@ class Runtime:
             if not self._shutting_down:
                 self._journal_rollout(group, "rolling_restart", done)
 
+    async def _others_back(self, group: str, runner: WorkerRunner) -> bool:
+        """Before a roll-out takes ready ``runner`` down: wait until no other worker of the
+        group is on its way down or back up (a healing drain, a restart, a start); False
+        (halted, logged) when one is not back in time. Regression: a roll-out took the last
+        ready worker down while healing drained the other one (the group served nothing)."""
+        if runner.state is not WorkerState.READY:
+            return True  # serves nothing now: replacing it costs nothing
+
+        def busy() -> list[WorkerRunner]:
+            return [
+                r
+                for r in self._targets(group)
+                if r is not runner
+                and (
+                    r.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+                    or (r.state is WorkerState.STARTING and r.record.pid is not None)
+                )
+            ]
+
+        if not busy():
+            return True
+        t = runner.timing
+        budget = t.drain_timeout_s + self._stop_budget(runner) + t.start_timeout_s
+        if await self.wait_until(lambda: not busy() or self._shutting_down, budget):
+            return not self._shutting_down
+        late = busy()
+        self._rollout_halted(
+            group,
+            runner,
+            f"{', '.join(r.name for r in late)} not back in time: not taking {runner.name} "
+            "down too",
+        )
+        return False
+
     def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
         """Log a roll-out of ``group`` halted at ``runner``; the journal's ``rollout.halted``
         names it too."""
@@ -1663,6 +1697,8 @@ class Runtime:
                 continue
             if _stopping_for_good(runner) or runner.record.waiting_for_gpu:
                 continue  # an operator's drain or stop stays in force; a waiter has no process
+            if not await self._others_back(group, runner):
+                return False
             attempts = runner.spawn_attempts
             runner.post(lc.Restart())
             settled = await self.wait_until(
@@ -1994,6 +2030,8 @@ class Runtime:
                     # an operator's stop or drain stays in force; a worker waiting for a GPU
                     # has no process to replace: either starts on the new plan next
                     continue
+                if not await self._others_back(group.name, runner):
+                    return False
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)

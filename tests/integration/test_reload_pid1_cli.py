@@ -391,6 +391,40 @@ def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_does_not_take_the_last_ready_worker_down(
+    supervisor: SupervisorFactory, how: str
+) -> None:
+    """a-1 is on its way back up (restarted a moment ago: 1.5 s to load) when a rolling
+    restart or a reload of the group begins: the roll-out waits for it before taking a-0
+    down. Regression: it restarted a-0 at once and the group served nothing (the same with a
+    healing drain of a-1)."""
+    group = g("a", "notify_ready_late", "1.5", replicas=2, port_base=9330)
+    group["ready"] = "notify"
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0", timeout=20)
+    sup.ready("a-1", timeout=20)
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/a-1/restart").status_code == 202
+        sup.wait_event(event="worker.spawned", worker="a-1", after=mark)
+        if how == "rolling-restart":
+            assert http.post("/api/v1/groups/a/rolling-restart").status_code == 202
+            sup.wait_event(event="supervisor.rolling_restart_done", after=mark, timeout=30)
+        else:
+            sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+            sup.signal(signal.SIGHUP)
+            sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=30)
+    down: set[str] = set()
+    for e in sup.find(event="worker.state", after=mark):
+        if e["new"] == "ready":
+            down.discard(e["worker"])
+        elif e["old"] == "ready":
+            down.add(e["worker"])
+        assert len(down) <= 1, e
+    assert sup.stop() == 0
+
+
 def test_a_reload_leaves_an_operator_drain_in_progress_alone(
     supervisor: SupervisorFactory,
 ) -> None:
