@@ -686,11 +686,11 @@ class Healer:
             self._execute(act, now)
         self._prune_recent(now)
 
-    def _can_migrate(self, findings: list[Finding]) -> dict[str, bool]:
+    def _can_migrate(self, findings: list[Finding]) -> dict[str, bool | str]:
         hot = {f.gpu for f in findings if f.kind == "thermal" and f.gpu}
         if not hot:
             return {}
-        out: dict[str, bool] = {}
+        out: dict[str, bool | str] = {}
         slots = [
             replace(s, usable=False, why_not="is hot") if s.uuid in hot else s
             for s in self.host.slots()
@@ -701,7 +701,7 @@ class Healer:
                 continue
             group = self._group(r)
             if group is None or group.gpus != "auto":
-                out[r.name] = False
+                out[r.name] = 'its GPUs are listed (gpus = [...]): only gpus = "auto" workers move'
                 continue
             try:
                 place(

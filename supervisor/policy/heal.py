@@ -172,11 +172,12 @@ def candidate_acts(
     workers: Mapping[str, WorkerView],
     policies: Mapping[str, GroupPolicy],
     *,
-    can_migrate: Mapping[str, bool] | None = None,
+    can_migrate: Mapping[str, bool | str] | None = None,
 ) -> list[Act]:
     """The actions a finding calls for, before the availability and cooldown rules.
 
-    ``can_migrate``: per worker, whether another GPU would take it (no: ``alert`` instead).
+    ``can_migrate``: per worker, whether another GPU would take it (no: ``alert`` instead,
+    saying why: the string given, else that no cooler GPU has room).
     """
     f = finding
 
@@ -219,8 +220,10 @@ def candidate_acts(
             choice_t = policies.get(workers[n].group, GroupPolicy()).on_thermal
             if choice_t == "none":
                 continue
-            if choice_t == "migrate" and can_migrate is not None and not can_migrate.get(n):
-                acts.append(act("alert", n, {**f.evidence, "migrate": "no cooler GPU has room"}))
+            if choice_t == "migrate" and can_migrate is not None and can_migrate.get(n) is not True:
+                why = can_migrate.get(n)
+                why = why if isinstance(why, str) else "no cooler GPU has room"
+                acts.append(act("alert", n, {**f.evidence, "migrate": why}))
             elif choice_t == "cordon":
                 if not cordoned:
                     acts.append(act("cordon"))
@@ -269,7 +272,7 @@ def decide(
     recent: Mapping[tuple[str, str, str], float],
     *,
     cooldown_s: float = COOLDOWN_S,
-    can_migrate: Mapping[str, bool] | None = None,
+    can_migrate: Mapping[str, bool | str] | None = None,
     migrating: int = 0,
 ) -> Decision:
     """The actions for ``findings`` now.

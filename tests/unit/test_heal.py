@@ -138,6 +138,14 @@ def test_migrate_without_room_alerts_instead() -> None:
     )
     assert [(a.action, a.worker) for a in got] == [("alert", "w-0")]
     assert got[0].evidence["migrate"] == "no cooler GPU has room"
+    # an explicit GPU list: the alert says that, not that no GPU has room (regression)
+    listed = candidate_acts(
+        Finding("thermal", "hot", gpu=G0),
+        workers,
+        {"w": GroupPolicy(on_thermal="migrate")},
+        can_migrate={"w-0": "its GPUs are listed"},
+    )
+    assert listed[0].evidence["migrate"] == "its GPUs are listed"
 
 
 def test_max_unavailable_defers_the_second_disruptive_action() -> None:

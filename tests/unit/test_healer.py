@@ -441,3 +441,20 @@ def test_a_deferred_budget_breach_that_ended_is_not_acted_on() -> None:
     for mb in (1700, 1700):
         sample(mb)
     assert [type(e).__name__ for e in w0.posted] == ["Restart"]
+
+
+def test_migrate_of_a_worker_with_an_explicit_gpu_list_says_why_it_cannot() -> None:
+    m0 = Runner("m-0", GPUS[0])
+    host, healer = setup("migrate", m0)
+    group = host.settings.workers[0]
+    host.settings = host.settings.model_copy(
+        update={"workers": (group.model_copy(update={"gpus": (0,)}),)}
+    )
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    alerts = [f for kind, w, f in host.journal.items if kind == "heal.alert" and w == "m-0"]
+    assert alerts and not m0.posted
+    assert healer._can_migrate([Finding("thermal", "hot", gpu=GPUS[0])]) == {
+        "m-0": 'its GPUs are listed (gpus = [...]): only gpus = "auto" workers move'
+    }
