@@ -395,11 +395,11 @@ def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
 def test_a_roll_out_does_not_take_the_last_ready_worker_down(
     supervisor: SupervisorFactory, how: str
 ) -> None:
-    """a-1 is on its way back up (restarted a moment ago: 1.5 s to load) when a rolling
+    """a-1 is on its way back up (restarted a moment ago: 0.8 s to load) when a rolling
     restart or a reload of the group begins: the roll-out waits for it before taking a-0
     down. Regression: it restarted a-0 at once and the group served nothing (the same with a
     healing drain of a-1)."""
-    group = g("a", "notify_ready_late", "1.5", replicas=2, port_base=9330)
+    group = g("a", "notify_ready_late", "0.8", replicas=2, port_base=9330)
     group["ready"] = "notify"
     sup = supervisor({"workers": [group]})
     sup.ready("a-0", timeout=20)
