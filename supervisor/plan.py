@@ -393,3 +393,19 @@ def build_plan(
         )
         groups.append(GroupPlan(group=group, workers=specs))
     return Plan(groups=tuple(groups), warnings=tuple(warnings))
+
+
+#: What placement had to go by at a sample: the usable GPUs, and how many worker processes
+#: each holds.
+Room = tuple[frozenset[str], Mapping[str, int]]
+
+
+def more_room(before: Room, now: Room) -> bool:
+    """True when a GPU may have room now that it had not at ``before``: one became usable
+    (back, healthy, released, uncordoned, out of quarantine) or holds fewer worker processes
+    (a worker removed, moved or stopped by a reload)."""
+    usable_before, held_before = before
+    usable_now, held_now = now
+    return not usable_now <= usable_before or any(
+        held_now.get(u, 0) < n for u, n in held_before.items()
+    )

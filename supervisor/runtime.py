@@ -52,10 +52,12 @@ from supervisor.plan import (
     WORKER_VAR,
     GpuSlot,
     Plan,
+    Room,
     build_plan,
     gpu_assignment,
     launch_spec,
     may_restart_in_place,
+    more_room,
     place,
     resolve_explicit,
     slot_for,
@@ -275,7 +277,7 @@ class Runtime:
         self._sampled = anyio.Event()
         self._recorded: object = None  # what the last sample showed that state.json records
         #: what placement had to go by at the last sample (usable GPUs, workers on each)
-        self._room: tuple[frozenset[str], dict[str, int]] | None = None
+        self._room: Room | None = None
         self._summary_at = 0.0
         self._trace_samples = trace_samples
         self.services = tuple(services)
@@ -564,13 +566,10 @@ class Runtime:
                 for uuid in r.spec.gpus or ():
                     held[uuid] = held.get(uuid, 0) + 1
         before, self._room = self._room, (usable, held)
-        if before is None:  # the first sample of a wait: what it is measured against
-            return
-        before_usable, before_held = before
-        if usable <= before_usable and all(held.get(u, 0) >= n for u, n in before_held.items()):
-            return
-        for r in waiting:
-            r.post(lc.GpuFreed())
+        # the first sample of a wait is what it is measured against
+        if before is not None and more_room(before, self._room):
+            for r in waiting:
+                r.post(lc.GpuFreed())
 
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
         return {r.name: r.spec.gpus for r in self.workers()}
@@ -1695,8 +1694,8 @@ class Runtime:
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
-            if _stopping_for_good(runner) or runner.record.waiting_for_gpu:
-                continue  # an operator's drain or stop stays in force; a waiter has no process
+            if _passed_over(runner):
+                continue
             if not await self._others_back(group, runner):
                 return False
             attempts = runner.spawn_attempts
@@ -2022,14 +2021,8 @@ class Runtime:
                 if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
                     continue
                 runner.reconfigure(spec, timing, group.log_passthrough)
-                if (
-                    runner.state is WorkerState.STOPPED
-                    or _stopping_for_good(runner)
-                    or runner.record.waiting_for_gpu
-                ):
-                    # an operator's stop or drain stays in force; a worker waiting for a GPU
-                    # has no process to replace: either starts on the new plan next
-                    continue
+                if runner.state is WorkerState.STOPPED or _passed_over(runner):
+                    continue  # it starts on the new plan next
                 if not await self._others_back(group.name, runner):
                     return False
                 attempts = runner.spawn_attempts
@@ -2061,13 +2054,14 @@ class Runtime:
         return True
 
 
-def _stopping_for_good(runner: WorkerRunner) -> bool:
-    """Draining or stopping toward ``stopped`` (an operator's drain or stop): a roll-out must
-    not turn that into a restart."""
-    return runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
+def _passed_over(runner: WorkerRunner) -> bool:
+    """A roll-out leaves it alone: draining or stopping toward ``stopped`` (an operator's drain
+    or stop stays in force), or waiting for a GPU (no process to replace)."""
+    stopping_for_good = runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
         WorkerState.DRAINING,
         WorkerState.STOPPING,
     )
+    return stopping_for_good or runner.record.waiting_for_gpu
 
 
 def _settled_after(runner: WorkerRunner, attempts: int) -> Callable[[], bool]:

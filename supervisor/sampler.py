@@ -468,6 +468,7 @@ class Sampler:
         t0 = time.monotonic()
         sample: Sample | None = None
         stuck = False
+        gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = ((), self.available, self.error)
         if self.available and self.backend is not None:
             in_flight = self.stuck_for_s()
             if in_flight is None:
@@ -492,24 +493,12 @@ class Sampler:
                     self._say_stuck()
             if sample is None:
                 stuck = True
-                gpus: tuple[tuple[DeviceSample, ...], bool, str | None] = (
-                    (),
-                    False,
-                    stuck_text(in_flight or self._stuck_limit()),
-                )
-                sample = await in_thread(
-                    self._host_blocking,
-                    refs,
-                    gpus,
-                    t0,
-                    limiter=self._host_limiter,
-                    abandon_on_cancel=True,
-                )
-        else:
+                gpus = ((), False, stuck_text(in_flight or self._stuck_limit()))
+        if sample is None:  # the host alone (no backend with GPUs, or a call hangs)
             sample = await in_thread(
                 self._host_blocking,
                 refs,
-                ((), self.available, self.error),
+                gpus,
                 t0,
                 limiter=self._host_limiter,
                 abandon_on_cancel=True,

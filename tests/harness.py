@@ -396,3 +396,17 @@ def sampled_in_tree(sup: Supervisor, worker: str, pid: int) -> dict[str, Any]:
         event="gpu.sample",
         workers=lambda w: isinstance(w, dict) and pid in w.get(worker, {}).get("pids", []),
     )
+
+
+def most_not_ready(states: Sequence[Mapping[str, Any]]) -> int:
+    """The most workers out of ``ready`` at once in these ``worker.state`` events (counting
+    only workers that were ready before: a roll-out or healing took them down)."""
+    down: set[str] = set()
+    worst = 0
+    for e in states:
+        if e["new"] == "ready":
+            down.discard(e["worker"])
+        elif e["old"] == "ready":
+            down.add(e["worker"])
+        worst = max(worst, len(down))
+    return worst

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, worker_cmd
+from tests.harness import Supervisor, most_not_ready, worker_cmd
 from tests.schemas import validate_file
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -450,15 +450,7 @@ def test_max_unavailable_holds_when_several_workers_leak(
         sup.ready(w)
     sup.wait_events(3, event="heal.action", reason="leak", timeout=60)
     sup.wait_event(event="heal.deferred")
-    down: set[str] = set()
-    worst = 0
-    for e in sup.find(event="worker.state"):
-        if e["new"] == "ready":
-            down.discard(e["worker"])
-        elif e["old"] == "ready":
-            down.add(e["worker"])
-        worst = max(worst, len(down))
-    assert worst == 1
+    assert most_not_ready(sup.find(event="worker.state")) == 1
     assert sup.stop() == 0
 
 

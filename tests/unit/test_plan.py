@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from supervisor.config import parse_settings
-from supervisor.plan import IN_USE_EVERY_S, WORKER_SITE_DIR, Plan, build_plan
+from supervisor.plan import IN_USE_EVERY_S, WORKER_SITE_DIR, Plan, build_plan, more_room
 from supervisor.policy.detect import FLOOR_BUCKET_S
 
 
@@ -126,3 +128,24 @@ def test_an_explicit_index_names_the_listed_gpu_not_a_lost_one() -> None:
         [slot_for(listed), slot_for(lost)],
     )
     assert p.groups[0].workers[0].gpus == ("GPU-B",)
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "expected"),
+    [
+        ((frozenset({"A"}), {"A": 1}), (frozenset({"A"}), {"A": 1}), False),  # as it was
+        ((frozenset({"A"}), {"A": 1}), (frozenset({"A", "B"}), {"A": 1}), True),  # B usable
+        ((frozenset({"A"}), {"A": 2}), (frozenset({"A"}), {"A": 1}), True),  # one left A
+        ((frozenset({"A"}), {"A": 1}), (frozenset({"A"}), {}), True),  # the last left A
+        ((frozenset({"A", "B"}), {"A": 1}), (frozenset({"A"}), {"A": 1}), False),  # B lost
+        ((frozenset({"A"}), {"A": 1}), (frozenset({"A"}), {"A": 2, "B": 1}), False),  # fuller
+        ((frozenset({"A"}), {}), (frozenset({"B"}), {}), True),  # A gone, B back: B is new
+    ],
+)
+def test_more_room_when_a_gpu_became_usable_or_holds_fewer_workers(
+    before: tuple[frozenset[str], dict[str, int]],
+    now: tuple[frozenset[str], dict[str, int]],
+    expected: bool,
+) -> None:
+    """When workers waiting for a GPU are woken (before their next look)."""
+    assert more_room(before, now) is expected
