@@ -360,10 +360,9 @@ class Healer:
         # Only a worker with a process and a usage in this sample can be judged: one without
         # (in backoff, fatal, stopped) keeps its judged_at of -inf and would take the tick's
         # judgement every time, starving every other worker's leak judgement.
+        runners = self.host.workers()
         judgeable = {
-            r.name
-            for r in self.host.workers()
-            if r.record.pid is not None and r.name in sample.workers
+            r.name for r in runners if r.record.pid is not None and r.name in sample.workers
         }
         due = sorted(
             (w.judged_at, name)
@@ -378,7 +377,7 @@ class Healer:
         if any(w.oom_system and w.pid is not None for w in self._watch.values()):
             self._read_oom(now)
         host_free = self._host_free(now) if judged else None
-        for runner in self.host.workers():
+        for runner in runners:
             self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
         self._judge_devices(sample, now)
         self._run(now)

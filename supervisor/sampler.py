@@ -671,7 +671,10 @@ class Sampler:
                 continue
             try:
                 events = await in_thread(
-                    backend.wait_xid, XID_WAIT_S, limiter=self._xid_limiter, abandon_on_cancel=True
+                    backend.wait_xid,
+                    backend.xid_wait_s,
+                    limiter=self._xid_limiter,
+                    abandon_on_cancel=True,
                 )
             except ThreadUnavailable as exc:
                 # the events wait in NVML's event set: they are read at the next wait

@@ -76,6 +76,10 @@ class GpuBackend(Protocol):
     """What the supervisor needs from a GPU backend."""
 
     name: str
+    #: How long the sampler lets one ``wait_xid`` call block. Short where ``close()`` must wait
+    #: for a wait in progress (NVML); longer for a backend that polls, whose every return is a
+    #: round trip through the event loop for nothing (the wait still returns at the first event).
+    xid_wait_s: float
 
     def open(self) -> tuple[DeviceIdentity, ...]:
         """Initialise and return the devices; ``BackendUnavailable`` if there is no GPU API."""
@@ -98,6 +102,7 @@ class NoBackend:
     """``backend = "none"``: no GPU telemetry at all."""
 
     name = "none"
+    xid_wait_s = 1.0
 
     def open(self) -> tuple[DeviceIdentity, ...]:
         """No devices."""

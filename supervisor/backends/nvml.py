@@ -70,6 +70,7 @@ class NvmlBackend:
     """GPU telemetry through NVML."""
 
     name = "nvml"
+    xid_wait_s = 1.0  # close() waits for a wait in progress (the event set is freed after it)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

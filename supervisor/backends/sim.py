@@ -127,6 +127,9 @@ class SimBackend:
     """Simulated GPUs backed by a world directory."""
 
     name = "sim"
+    #: ``wait_xid`` polls the events file every ``XID_POLL_S``; each wait's return costs the
+    #: event loop a wake-up and a thread hop, so one wait covers several polls.
+    xid_wait_s = 5.0
 
     def __init__(
         self,

@@ -64,24 +64,29 @@ def attribute(
             u: _resolve(plist, u, aliases, known_pids, trees, assigned)
             for u, plist in procs.items()
         }
-    out: dict[str, GpuUsage] = {}
+    # Each listed process is looked up once (not every tree scanned for every process).
+    trees_of: dict[int, list[str]] = {}
     for name, tree in trees.items():
+        for pid in tree:
+            trees_of.setdefault(pid, []).append(name)
+    found: dict[str, dict[str, float]] = {}  # worker -> GPU -> MiB of its listed processes
+    unknown_amount: set[str] = set()
+    for uuid, plist in procs.items():
+        for p in plist:
+            for name in trees_of.get(p.pid, ()):
+                by = found.setdefault(name, {})
+                if p.used_mb is None:
+                    unknown_amount.add(name)
+                else:
+                    by[uuid] = by.get(uuid, 0.0) + p.used_mb
+    out: dict[str, GpuUsage] = {}
+    for name in trees:
         gpus = assigned.get(name) or ()
-        by_gpu: dict[str, float] = {}
-        matched = False
-        unknown_amount = False
-        for uuid, plist in procs.items():
-            for p in plist:
-                if p.pid in tree:
-                    matched = True
-                    if p.used_mb is None:
-                        unknown_amount = True
-                    else:
-                        by_gpu[uuid] = by_gpu.get(uuid, 0.0) + p.used_mb
-        if matched:
+        by_gpu = found.get(name)
+        if by_gpu is not None:
             # One process of the tree whose amount NVML does not give makes the total unknown:
             # the sum of the others would understate it (and hide a leak or a budget breach).
-            if unknown_amount:
+            if name in unknown_amount:
                 out[name] = GpuUsage(None, {}, "pid")
             else:
                 out[name] = GpuUsage(sum(by_gpu.values()), by_gpu, "pid")

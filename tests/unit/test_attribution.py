@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from supervisor.model import DeviceSample, GpuProcess
 from supervisor.policy.attribution import attribute, sane_processes
 
@@ -105,3 +108,33 @@ def test_a_pid_that_is_ours_is_not_replaced_by_an_alias() -> None:
     )
     assert got["w"].total_mb == 10.0
     assert got["v"].total_mb == 0.0
+
+
+_amounts = st.one_of(st.none(), st.integers(0, 900).map(float))
+
+
+@given(
+    lists=st.lists(st.lists(st.tuples(st.integers(1, 12), _amounts), max_size=8), max_size=3),
+    trees=st.dictionaries(st.sampled_from("abcd"), st.frozensets(st.integers(1, 12), min_size=1)),
+)
+def test_pid_matches_sum_every_listed_process_of_the_tree(
+    lists: list[list[tuple[int, float | None]]], trees: dict[str, frozenset[int]]
+) -> None:
+    """Whatever the lists and trees (overlapping ones too): a worker with a listed process is
+    attributed by pid, the sum of its processes' amounts, unknown if one amount is."""
+    devices = tuple(dev(f"G{i}", *procs) for i, procs in enumerate(lists))
+    got = attribute(devices, trees, dict.fromkeys(trees), frozenset(range(1, 13)))
+    for name, tree in trees.items():
+        mine = [(d.uuid, p.used_mb) for d in devices for p in d.processes or () if p.pid in tree]
+        if not mine:
+            assert got[name].attribution == "none"
+            continue
+        assert got[name].attribution == "pid"
+        if any(m is None for _, m in mine):
+            assert got[name].total_mb is None
+        else:
+            assert got[name].total_mb == sum(m or 0.0 for _, m in mine)
+            by: dict[str, float] = {}
+            for uuid, m in mine:
+                by[uuid] = by.get(uuid, 0.0) + (m or 0.0)
+            assert got[name].by_gpu == by

@@ -99,6 +99,7 @@ class _Enumerations:
     ``unknown-<i>`` is a GPU whose UUID cannot be read, lost)."""
 
     name = "stub"
+    xid_wait_s = 1.0
 
     def __init__(self, worlds: list[list[tuple[int, str]]]) -> None:
         self.worlds = worlds
