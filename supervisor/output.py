@@ -6,6 +6,12 @@ A line longer than :data:`MAX_LINE` bytes is never held whole: the log file gets
 it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its own prefixed
 line, so that output from several workers never mixes within a line), and the in-memory tail and
 ``on_line`` get its first ``MAX_LINE`` bytes, where the timestamp, level and error text are.
+
+The tail and ``on_line`` read a carriage return inside a line (a progress bar redrawing itself)
+as a terminal shows it: the text after it is the line, what came before was overwritten. So a
+progress bar of thousands of updates without a newline, then the error that ended the run, is
+kept as the error, not as one line cut to the bar's first 16 KiB. The log file and passthrough
+keep every byte.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import anyio
+import anyio.lowlevel
 
 TAIL_LINES = 200
 #: The tail also holds at most this many characters (the newest lines that fit, and always the
@@ -32,6 +39,9 @@ _READ_SIZE = 65536
 MAX_LINE = 16384
 #: Appended to the start of a line that was cut for the tail (the log file has the whole line).
 CUT_MARK = " [... line cut: {total} bytes]"
+#: ``drain()`` takes at most this much from each pipe (a process that exited left at most a
+#: pipe's capacity; more is its children writing on).
+DRAIN_LIMIT = 1024 * 1024
 
 
 class RotatingFile:
@@ -128,6 +138,53 @@ class Tail:
         return len(self._lines)
 
 
+class _Shown:
+    """The line a terminal shows while it is written, from its pieces: its first bytes (a
+    little over ``MAX_LINE``, cut between characters when read) and its length.
+
+    A carriage return sends the terminal back to the line's start, so the text after it is the
+    line (what came before was overwritten: a progress bar's earlier updates). A carriage
+    return that ends a piece is held back: it may be a CRLF line end, whose newline comes next.
+    """
+
+    __slots__ = ("cr", "head", "size", "told")
+
+    def __init__(self) -> None:
+        self.head = b""
+        self.size = 0
+        self.cr = False  # a carriage return held back
+        self.told = False  # on_line has had the head of this (too long) line
+
+    def empty(self) -> bool:
+        return not self.size and not self.cr
+
+    def add(self, piece: bytes) -> bool:
+        """Add bytes of the current line (no newline); True when it has just grown too long."""
+        if not piece:
+            return False
+        if self.cr:  # not a CRLF after all: what follows overwrites the line
+            self.reset()
+        if piece.endswith(b"\r"):
+            piece = piece[:-1]
+            self.cr = True
+        back = piece.rfind(b"\r")
+        if back >= 0:
+            self.head, self.size, self.told = b"", 0, False
+            piece = piece[back + 1 :]
+        room = MAX_LINE + 3 - len(self.head)  # + 3: cut between characters when read
+        if room > 0:
+            self.head += piece[:room]
+        self.size += len(piece)
+        return self.size > MAX_LINE and not self.told
+
+    def text(self) -> str:
+        """The line's start as text (its first ``MAX_LINE`` bytes at most)."""
+        return self.head[: _cut_at(self.head, 0, MAX_LINE)].decode("utf-8", errors="replace")
+
+    def reset(self) -> None:
+        self.head, self.size, self.cr, self.told = b"", 0, False, False
+
+
 class WorkerOutput:
     """One worker's output sink, kept across its restarts."""
 
@@ -144,37 +201,69 @@ class WorkerOutput:
         self.file = RotatingFile(log_path, max_bytes, backups)
         self.tail = Tail()
         self.passthrough = passthrough
-        #: The current line's bytes not passed through yet (at most ``MAX_LINE``).
+        #: Passthrough: the current line's bytes not passed on yet (at most ``MAX_LINE``).
         self._partial = b""
-        #: The start of the current line once it is known to be too long, else None.
-        self._head: str | None = None
-        #: Bytes of the current (too long) line already passed on.
-        self._done = 0
+        #: Passthrough: the current line is too long (passed on in pieces).
+        self._long = False
+        #: The current line as the tail and ``on_line`` see it.
+        self._shown = _Shown()
         self._stdout = stdout or _write_stdout
         self._prefix = f"[{name}] ".encode()
         #: Called once with every line of output, a too long one cut to its first ``MAX_LINE``
         #: bytes as soon as they are in (the sticky-error patterns watch it).
         self.on_line: Callable[[str], None] | None = None
+        #: The pipes being pumped (a process's, and an exited one's still held by its children).
+        self._fds: set[int] = set()
 
     def feed(self, data: bytes) -> None:
         """Take a chunk of output."""
         self.file.write(data)
+        pieces = data.split(b"\n")
+        last = pieces.pop()
+        shown, tail, on_line = self._shown, self.tail, self.on_line
+        for piece in pieces:
+            if shown.empty() and len(piece) <= MAX_LINE and b"\r" not in piece:  # most lines
+                text = piece.decode("utf-8", errors="replace")
+                tail.append(text)
+                if on_line is not None:
+                    on_line(text)
+            else:
+                self._add_shown(piece)
+                self._end_shown()
+        self._add_shown(last)
+        if self.passthrough:
+            self._pass(data)
+
+    def _add_shown(self, piece: bytes) -> None:
+        if self._shown.add(piece):  # too long: its start is out now, where the error text is
+            self._shown.told = True
+            if self.on_line is not None:
+                self.on_line(self._shown.text())
+
+    def _end_shown(self) -> None:
+        shown = self._shown
+        text = shown.text()
+        if shown.size > MAX_LINE:
+            self.tail.append(text + CUT_MARK.format(total=shown.size))
+        else:
+            self.tail.append(text)
+            if self.on_line is not None:
+                self.on_line(text)
+        shown.reset()
+
+    def _pass(self, data: bytes) -> None:
+        """Passthrough: every byte, in lines of at most ``MAX_LINE`` bytes."""
         lines = (self._partial + data).split(b"\n")
         rest = lines.pop()
-        out: list[bytes] = []  # passthrough: one write for the whole chunk
-        if lines and self._head is not None:  # the end of a too long line
+        out: list[bytes] = []  # one write for the whole chunk
+        if lines and self._long:  # the end of a too long line
             self._end_long(self._pass_pieces(lines[0], out), out)
             del lines[0]
-        tail, on_line, prefix, passthrough = self.tail, self.on_line, self._prefix, self.passthrough
+        prefix = self._prefix
         for line in lines:
             if len(line) > MAX_LINE:
                 self._end_long(self._pass_pieces(line, out), out)
-                continue
-            text = line.decode("utf-8", errors="replace")
-            tail.append(text)
-            if on_line is not None:
-                on_line(text)
-            if passthrough:
+            else:
                 out += (prefix, line, b"\n")
         self._partial = self._pass_pieces(rest, out) if len(rest) > MAX_LINE else rest
         if out:
@@ -184,39 +273,31 @@ class WorkerOutput:
         """Add the bytes of a too long line to ``out`` in pieces of at most ``MAX_LINE`` bytes,
         each a line of its own (cut between characters where the bytes are UTF-8); return what
         is left, ``MAX_LINE`` bytes at most."""
-        if self._head is None:  # the line's first bytes: its start is what the tail keeps
-            self._head = buf[: _cut_at(buf, 0, MAX_LINE)].decode("utf-8", errors="replace")
-            if self.on_line is not None:
-                self.on_line(self._head)
+        self._long = True
         start = 0
         while len(buf) - start > MAX_LINE:
             cut = _cut_at(buf, start, MAX_LINE)
-            if self.passthrough:
-                out += (self._prefix, buf[start:cut], b"\n")
-            self._done += cut - start
+            out += (self._prefix, buf[start:cut], b"\n")
             start = cut
         return buf[start:]
 
     def _end_long(self, last: bytes, out: list[bytes]) -> None:
         """The too long line ends with ``last`` (at most ``MAX_LINE`` bytes)."""
-        if self.passthrough and last:
+        if last:
             out += (self._prefix, last, b"\n")
-        assert self._head is not None
-        self.tail.append(self._head + CUT_MARK.format(total=self._done + len(last)))
-        self._head = None
-        self._done = 0
+        self._long = False
 
     def flush_partial(self) -> None:
         """The pipe closed: keep an unterminated last line too."""
-        if self._head is not None:
+        if self._shown.size:  # an unterminated line that shows something
+            self._end_shown()
+        else:
+            self._shown.reset()
+        if self._long or self._partial:
             out: list[bytes] = []
             self._end_long(self._partial, out)
             if out:
                 self._stdout(b"".join(out))
-        elif self._partial:
-            self.tail.append(self._partial.decode("utf-8", errors="replace"))
-            if self.passthrough:
-                self._stdout(self._prefix + self._partial + b"\n")
         self._partial = b""
 
     def mark(self, text: str) -> None:
@@ -236,6 +317,7 @@ class WorkerOutput:
 
     async def pump(self, fd: int) -> None:
         """Copy the pipe ``fd`` into this sink until EOF; closes ``fd``."""
+        self._fds.add(fd)
         try:
             while True:
                 try:
@@ -246,9 +328,29 @@ class WorkerOutput:
                 if not data:
                     break
                 self.feed(data)
+                # A pipe that is never empty (a worker writing flat out) would otherwise keep
+                # the loop here: crash detection, the API and every other worker would wait.
+                await anyio.lowlevel.checkpoint()
         finally:
+            self._fds.discard(fd)
             self.flush_partial()
             os.close(fd)
+
+    def drain(self, limit: int = DRAIN_LIMIT) -> None:
+        """Take what the pipes hold now, without waiting: a process that has just exited may
+        have written its last lines (the traceback that says why it died) after the last read,
+        and its death is judged by the tail."""
+        for fd in list(self._fds):
+            taken = 0
+            while taken < limit:
+                try:
+                    data = os.read(fd, _READ_SIZE)
+                except OSError:  # BlockingIOError: nothing more for now
+                    break
+                if not data:
+                    break
+                taken += len(data)
+                self.feed(data)
 
 
 #: How a process's first line in the tail starts (``WorkerOutput.mark("started pid N")``).

@@ -434,6 +434,9 @@ class WorkerRunner:
         self._create_time = None
         status = outcome.status
         detail = outcome.detail or outcome.reason.value
+        # its last words may still be in the pipe: they come before the marker, and the death
+        # is judged by them (a traceback written just before the exit)
+        self.output.drain()
         self.output.mark(f"exited: {detail} (reason {outcome.reason.value})")
         self._log.log(
             30 if action.failure else 20,

@@ -3,15 +3,24 @@ lose no byte, the tail and ``on_line`` keep the line's start, and memory stays b
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor.output import _READ_SIZE, CUT_MARK, MAX_LINE, WorkerOutput
 
 PREFIX = b"[w-0] "
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+F_GETPIPE_SZ = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 
 
 def chunks(data: bytes, size: int) -> list[bytes]:
@@ -180,7 +189,9 @@ def test_an_endless_line_is_passed_on_with_bounded_memory(make: Make, tmp_path: 
     out.flush_partial()
     assert total == rounds * len(chunk)
     assert first == [chunk[:MAX_LINE]]
-    assert out.lines() == [chunk[:MAX_LINE].decode() + CUT_MARK.format(total=rounds * len(chunk))]
+    # the tail has what a terminal shows: the last update (each began with \r), cut
+    shown = chunk[1:]
+    assert out.lines() == [shown[:MAX_LINE].decode() + CUT_MARK.format(total=len(shown))]
     assert (tmp_path / "w.log").stat().st_size == rounds * len(chunk)
 
 
@@ -200,3 +211,119 @@ def test_a_marker_ends_a_long_line_in_progress(make: Make) -> None:
         "--- gpu-supervisor: exited: code 1 ---",
         "late",
     ]
+
+
+# --- carriage returns: the tail is what a terminal shows -----------------------------------
+
+
+def test_the_error_after_a_progress_bar_is_the_tail_s_last_line(make: Make, tmp_path: Path) -> None:
+    """The defect: 3000 progress updates without a newline, then the error, made one line of
+    225 kB whose first 16 KiB (the bar) was all the tail and the patterns saw; the error was
+    lost and the death filed as a plain exit. Now the error is the line."""
+    seen: list[str] = []
+    out = make()
+    out.on_line = seen.append
+    bar = b"".join(b"\r%5.1f%%|%-50s| %d/3000" % (i / 30, b"#" * (i // 60), i) for i in range(3000))
+    data = b"loading\n" + bar + b"\rRuntimeError: CUDA error: out of memory\n"
+    for chunk in chunks(data, 4096):
+        out.feed(chunk)
+    assert out.lines() == ["loading", "RuntimeError: CUDA error: out of memory"]
+    assert seen == out.lines()
+    assert (tmp_path / "w.log").read_bytes() == data  # the file keeps every byte
+
+
+def test_a_crlf_split_between_reads_is_a_line_end(make: Make) -> None:
+    out = make()
+    for chunk in (b"hello\r", b"\nworld\r\n", b"a\rb\r", b"\n", b"x\r", b"y\n"):
+        out.feed(chunk)
+    assert out.lines() == ["hello", "world", "b", "y"]
+
+
+def _terminal_view(data: bytes) -> list[str]:
+    """The oracle: each line (a CRLF end is a line end) as the text after its last \\r."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    out = []
+    for line in lines:
+        line = line.removesuffix(b"\r")
+        line = line[line.rfind(b"\r") + 1 :]
+        out.append(line.decode("utf-8", errors="replace"))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from([b"a", b"bc", b"\r", b"\n", b"\r\n", b"\xc3\xa9"]), max_size=40),
+    size=st.integers(1, 7),
+)
+def test_the_tail_is_the_terminal_view_however_reads_fall(parts: list[bytes], size: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = WorkerOutput("w-0", Path(tmp) / "w.log", 0, 0)
+        data = b"".join(parts)
+        for chunk in chunks(data, size):
+            out.feed(chunk)
+        out.flush_partial()
+        out.close()
+    expected = _terminal_view(data)
+    if data and not data.endswith(b"\n") and expected and not expected[-1]:
+        expected.pop()  # an unterminated last line that shows nothing (ends in \r) is no line
+    assert out.lines() == expected
+
+
+# --- the pipe -----------------------------------------------------------------------------
+
+
+async def test_pump_lets_others_run_while_the_pipe_is_never_empty(make: Make) -> None:
+    """The defect: a worker writing flat out kept the event loop in ``pump`` (it only waited
+    when a read found the pipe empty): API answers and crash detection were seconds late."""
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, F_SETPIPE_SZ, 1024 * 1024)
+    except OSError:
+        pytest.skip("cannot grow a pipe to 1 MiB here")
+    os.set_blocking(r, False)
+    size = fcntl.fcntl(w, F_GETPIPE_SZ)
+    os.write(w, (b"x" * 1023 + b"\n") * (size // 1024))  # a full pipe: every read finds data
+    os.close(w)
+    out = make()
+    turns = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other)
+        await out.pump(r)
+        turns_during = turns
+        done = True
+    assert len(out.lines()) == 200
+    assert turns_during >= size // _READ_SIZE - 1, (turns_during, size)
+
+
+async def test_drain_takes_the_last_words_before_the_exit_is_judged(make: Make) -> None:
+    """The defect: a death was recorded before its last output was read (1 in 32 deaths of
+    workers writing fast): its traceback missed the tail and the reason was a plain exit."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = make()
+    serving = anyio.Event()
+    out.on_line = lambda line: serving.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(out.pump, r)
+        os.write(w, b"serving\n")
+        with anyio.fail_after(5):
+            await serving.wait()
+        # the exit is handled before the pump's next read: drain takes what the pipe holds
+        os.write(
+            w, b"Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory\n"
+        )
+        out.drain()
+        assert out.lines()[-1] == "torch.OutOfMemoryError: CUDA out of memory"
+        os.close(w)
+    assert out.lines()[-1] == "torch.OutOfMemoryError: CUDA out of memory"  # nothing twice
+    assert len(out.lines()) == 3
