@@ -47,6 +47,8 @@ from typing import Any, Literal, TextIO
 
 import structlog
 
+from supervisor.streams import STALL_WAIT_S, write_unblocked
+
 LogFormat = Literal["auto", "json", "console"]
 
 #: Errors after which the stream takes no line ever again: its reader is gone, or it is not
@@ -58,6 +60,8 @@ PERMANENT_ERRORS = frozenset(
 #: The event logged (in the stream's own format) before the first line that gets through
 #: after a run of failures that was not for good.
 RECOVERED_EVENT = "log.write_recovered"
+#: The error of a line that found the stream full for ``STALL_WAIT_S``.
+STALLED = "the reader stopped reading: the stream is full"
 
 
 def _fileno(stream: TextIO | None) -> int | None:
@@ -140,22 +144,14 @@ class LogSink:
         data = (message + "\n").encode(self._encoding, self._errors)
         fd = self._fd
         assert fd is not None
-        written = os.write(fd, data)
-        if written < len(data):  # a signal, a non-blocking descriptor, a full disk
-            self._put_rest(fd, data, written)
-
-    def _put_rest(self, fd: int, data: bytes, written: int) -> None:
-        with memoryview(data) as view:
-            while written < len(view):
-                try:
-                    more = os.write(fd, view[written:])
-                except OSError:
-                    self._cut = True
-                    raise
-                if more <= 0:
-                    self._cut = True
-                    raise OSError(errno.EIO, "the log stream took no more bytes")
-                written += more
+        # A reader that stopped reading must not stop supervision: a line waits for room at
+        # most STALL_WAIT_S, and not at all while the stream is known to be stalled.
+        wait = STALL_WAIT_S if self.healthy else 0.0
+        written = write_unblocked(fd, data, wait)
+        if written < len(data):
+            if written:
+                self._cut = True  # the next line that gets through starts a new line first
+            raise OSError(errno.EAGAIN, STALLED)
 
     def _put_text(self, message: str) -> None:
         stream = self.stream

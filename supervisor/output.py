@@ -26,6 +26,9 @@ from typing import BinaryIO
 
 import anyio
 import anyio.lowlevel
+import structlog
+
+from supervisor.streams import STALL_WAIT_S, write_unblocked
 
 TAIL_LINES = 200
 #: The tail also holds at most this many characters (the newest lines that fit, and always the
@@ -366,10 +369,61 @@ def this_run(lines: Sequence[str]) -> list[str]:
     return list(lines)
 
 
-def _write_stdout(data: bytes) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+class Passthrough:
+    """Passthrough lines to the supervisor's stdout, never waiting long on its reader.
+
+    A reader that stopped reading (a paused terminal, a stopped pipe, a hung log shim) would
+    block the write and the event loop with it. Each write waits for room at most
+    ``STALL_WAIT_S``, and not at all while the stream is stalled; what does not fit is
+    dropped and counted, and said in the supervisor's log (``output.passthrough_stalled``,
+    then ``output.passthrough_recovered`` with the bytes lost). A reader that is gone (EPIPE)
+    or a closed stdout: the output is dropped, as before.
+    """
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = fd
+        self.stalled = False
+        self.dropped_bytes = 0  # in all
+        self._lost = 0  # in the current stall
+        self._cut = False  # a line was cut short: the next write ends it first
+
+    def __call__(self, data: bytes) -> None:
+        fd = self.fd if self.fd is not None else _stdout_fd()
+        if fd is None:
+            return
+        if self._cut:
+            data = b"\n" + data
+        try:
+            written = write_unblocked(fd, data, 0.0 if self.stalled else STALL_WAIT_S)
+        except OSError:
+            return  # gone (EPIPE, EBADF) or failing (ENOSPC): nothing to do but drop it
+        if written < len(data):
+            if written:  # (else a cut line stays cut, its newline still to come)
+                self._cut = data[written - 1 : written] != b"\n"
+            self.dropped_bytes += len(data) - written
+            self._lost += len(data) - written
+            if not self.stalled:
+                self.stalled = True
+                structlog.get_logger().warning(
+                    "output.passthrough_stalled",
+                    reason="stdout's reader stopped reading: passthrough output is dropped",
+                )
+            return
+        self._cut = False
+        if self.stalled:
+            self.stalled = False
+            structlog.get_logger().info("output.passthrough_recovered", dropped_bytes=self._lost)
+            self._lost = 0
+
+
+def _stdout_fd() -> int | None:
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # closed, or no descriptor (captured)
+        return None
+
+
+_write_stdout = Passthrough()
 
 
 def _cut_at(buf: bytes, start: int, size: int) -> int:

@@ -9,6 +9,7 @@ datagram from a worker (a socket timeout), the supervisor's exit (``Popen.wait``
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -26,9 +27,12 @@ import httpx
 import psutil
 import pytest
 
+from supervisor.logs import RECOVERED_EVENT
 from tests import tomlw
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT
+
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 #: A worker that reports to the test over a datagram socket: ``start <pid> <SigIgn line>``
 #: once it runs, ``term <pid>`` when it gets SIGTERM (then exits 0).
@@ -232,3 +236,75 @@ def test_worker_starts_with_sigpipe_at_its_default(supervisor: SupervisorFactory
     line = sup.wait_line("[s-0]", contains="SigIgn:")
     assert not sigpipe_ignored(line), line
     assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("stdout_too", [False, True], ids=["stderr", "stderr+stdout"])
+def test_supervision_goes_on_when_the_log_reader_stops_reading(
+    tmp_path: Path, reports: Reports, stdout_too: bool
+) -> None:
+    """stderr's reader is there but reads nothing (a paused terminal, a stopped ``| grep``, a
+    hung log shim): crashes are still handled and the API answers; once it reads again, the log
+    says how many lines it lost. Before: the first line that found the pipe full blocked the
+    supervisor in write() until the reader read again (no restart, /healthz timing out)."""
+    script = tmp_path / "report_worker.py"
+    script.write_text(WORKER)
+    config = {
+        "supervisor": {"state_dir": str(tmp_path / "state")},
+        "api": {"listen": "127.0.0.1:0"},
+        "workers": [
+            {
+                "name": "w",
+                "command": ["/bin/sh", "-c", SHELL, sys.executable, str(script), reports.name],
+                "ready": "none",
+                "log_passthrough": stdout_too,
+                "restart": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "burst": 100},
+            }
+        ],
+    }
+    config_path = tmp_path / "config.toml"
+    config_path.write_text(tomlw.dumps(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+    argv = [sys.executable, "-m", "supervisor", "run", "-c", str(config_path)]
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)  # one page: a few log lines fill it
+    proc = subprocess.Popen(
+        [*argv, "--log-format", "json", "--log-level", "info"],
+        stdin=subprocess.DEVNULL,
+        stdout=w if stdout_too else subprocess.DEVNULL,
+        stderr=w,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    os.close(w)
+    pids: list[int] = []
+    try:
+        seen = read_events(r, {"supervisor.start", "api.listening"})
+        url = str(seen["api.listening"]["url"])
+        pid, _ = reports.next("start", proc)
+        pids.append(pid)
+        with httpx.Client(base_url=url, timeout=10) as api:
+            for _ in range(6):  # each crash logs ~1 kB: the pipe is full after a few
+                os.kill(pid, signal.SIGKILL)
+                pid, _ = reports.next("start", proc)
+                pids.append(pid)
+                assert api.get("/healthz").status_code == 200
+            assert api.get("/api/v1/workers/w-0").json()["pid"] == pid
+            while select.select([r], [], [], 0)[0]:  # the reader reads again: all there is
+                os.read(r, 65536)
+            os.kill(pid, signal.SIGKILL)  # logs again, now that there is room
+            back = read_events(r, {RECOVERED_EVENT})[RECOVERED_EVENT]
+            assert back["dropped"] > 0 and back["errno"] in ("EAGAIN", "EWOULDBLOCK"), back
+            pids.append(reports.next("start", proc)[0])
+        proc.send_signal(signal.SIGTERM)
+        read_events(r, {"supervisor.exit"})
+        assert proc.wait(30) == 0
+    finally:
+        os.close(r)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()

@@ -290,3 +290,64 @@ def test_interpreter_exit_after_broken_pipe_is_clean() -> None:
         os.close(w)
     assert done.stdout == b"survived\n"
     assert done.returncode == 0
+
+
+def fill(fd: int) -> None:
+    """Fill the pipe whose write end is ``fd`` (left blocking, as stderr is)."""
+    os.set_blocking(fd, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(fd, b"-" * 4096)
+    os.set_blocking(fd, True)
+
+
+def test_a_reader_that_stops_reading_does_not_block_the_logger(pipe: tuple[int, TextIO]) -> None:
+    """The defect: stderr a pipe whose reader stopped reading (a paused terminal, a stopped
+    ``| grep``, a hung log shim): the next log line blocked in write(), and with it the event
+    loop and all supervision. Now the line waits STALL_WAIT_S at most, the ones after it not
+    at all, and the stream is used again once it takes bytes (with the notice of the loss)."""
+    r, stream = pipe
+    sink = logs.configure_logging("json", "info", stream=stream)
+    fill(stream.fileno())
+    log = structlog.get_logger()
+    log.info("lost.1")  # would block for good before (pytest-timeout ends the test then)
+    log.info("lost.2", text="z" * 20000)
+    assert sink.dropped == 2 and not sink.healthy and not sink.broken
+    assert sink.fault is not None and sink.fault.strerror == logs.STALLED
+
+    read_all(r)  # the reader reads again
+    log.info("back")
+    notice, back = events(read_all(r))
+    assert notice["event"] == logs.RECOVERED_EVENT and notice["dropped"] == 2
+    assert notice["errno"] in ("EAGAIN", "EWOULDBLOCK") and notice["error"] == logs.STALLED
+    assert back["event"] == "back" and sink.healthy
+
+
+def test_passthrough_drops_what_a_stalled_stdout_cannot_take(pipe: tuple[int, TextIO]) -> None:
+    """The same for the workers' output passed through to stdout: dropped and counted while
+    the stream is full, said in the log once per stall; lines stay whole after it."""
+    from supervisor.output import Passthrough
+
+    r, stream = pipe
+    log_r, log_w = os.pipe()
+    with os.fdopen(log_w, "w", encoding="utf-8") as log_stream:
+        logs.configure_logging("json", "info", stream=log_stream)
+        out = Passthrough(stream.fileno())
+        fill(stream.fileno())
+        out(b"[w-0] lost\n")
+        out(b"[w-0] lost too\n")
+        assert out.stalled and out.dropped_bytes == len(b"[w-0] lost\n[w-0] lost too\n")
+        os.read(r, 4096)  # room for one piece: a long chunk is cut there
+        out(b"[w-0] " + b"y" * 9000 + b"\n")
+        read_all(r)
+        out(b"[w-0] back\n")
+        assert not out.stalled
+        text = read_all(r)
+        said = events(read_all(log_r))
+    os.close(log_r)
+    assert text.endswith("\n[w-0] back\n")  # the cut line was ended before it
+    assert [e["event"] for e in said] == [
+        "output.passthrough_stalled",
+        "output.passthrough_recovered",
+    ]
+    assert said[1]["dropped_bytes"] == out.dropped_bytes > 9000 - 4096
