@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import gc
 import json
@@ -411,6 +412,9 @@ def _postmortem(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
+    # A supervisor wedged until systemd's watchdog sends SIGABRT (or a fatal signal in C code)
+    # leaves every thread's stack on stderr (the journal) instead of nothing.
+    faulthandler.enable()
     path = Path(args.config)
     settings = load_settings(path)
     before, after = raise_open_files_limit()

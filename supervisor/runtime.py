@@ -16,6 +16,7 @@ import resource
 import signal
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,10 @@ from supervisor.worker import WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
+#: A message the service manager must get that found its queue full is sent again after this,
+#: doubling up to ``NOTIFY_RETRY_MAX_S``.
+NOTIFY_RETRY_MIN_S = 0.05
+NOTIFY_RETRY_MAX_S = 1.0
 #: How long a restart waits for the previous process's cgroup to empty (seconds).
 CGROUP_EMPTY_WAIT_S = 2.0
 #: How long a stop during start-up waits for the reclaim of a predecessor's orphans.
@@ -253,6 +258,7 @@ class Runtime:
         #: reload requests numbered so far (signals and the API)
         self.reload_requests = 0
         self._ready_sent = False
+        self._notify_kept = anyio.Event()  # a message for the service manager waits to go
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
         self.listener = NotifyListener(self.notify_path, self._on_notify)
@@ -942,15 +948,32 @@ class Runtime:
             and self._all_added
             and not self._ready_sent
             and not self._shutting_down
-            and self.all_groups_ready()
+            and self._groups_settled()
         ):
             self._send_ready()
         self.systemd.status(self.status_line())
 
     def _send_ready(self) -> None:
         self._ready_sent = True
-        self.systemd.send(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
-        self.log.info("supervisor.ready", status=self.status_line())
+        self._notify(f"READY=1\nSTATUS={self.status_line()}\nMAINPID={os.getpid()}")
+        degraded = [g for g in self.groups if not self.group_ready(g)]
+        self.log.info("supervisor.ready", status=self.status_line(), degraded=degraded)
+        if degraded:
+            self.log.warning(
+                "supervisor.ready_degraded",
+                groups=degraded,
+                reason="every worker of these groups is fatal: the others serve meanwhile",
+            )
+
+    def _groups_settled(self) -> bool:
+        """Every group has a ready worker, or every worker of it is ``fatal`` (none can become
+        ready without an operator): what start-up waits for before ``READY=1``. Waiting for a
+        group that cannot get there would end in the service manager's start timeout, and a
+        restart of the groups that serve. (Not ``stopped``: a worker not started yet is.)"""
+        return all(
+            self.group_ready(g) or all(self.runners[n].state is WorkerState.FATAL for n in names)
+            for g, names in self.groups.items()
+        )
 
     def _register_pid(self, pid: int, runner: WorkerRunner | None) -> None:
         if runner is None:
@@ -1745,7 +1768,7 @@ class Runtime:
         return False
 
     async def _shutdown(self, signal_name: str) -> None:
-        self.systemd.send("STOPPING=1")
+        self._notify("STOPPING=1")
         runners = self.workers()
         self.log.info(
             "supervisor.stopping", reason="shutdown", signal=signal_name, workers=len(runners)
@@ -1795,12 +1818,40 @@ class Runtime:
                 await anyio.sleep(0.01)
 
     async def _serve_systemd(self) -> None:
-        interval = self.systemd.watchdog_interval_s
-        if interval is None:
+        """``WATCHDOG=1`` every half of the manager's timeout; and what the manager must get
+        (READY, RELOADING, STOPPING) that found its queue full, again until it takes it."""
+        if not self.systemd.enabled:
             return
+        interval = self.systemd.watchdog_interval_s
+        next_ping = anyio.current_time()
+        retry = NOTIFY_RETRY_MIN_S
         while True:
-            self.systemd.send("WATCHDOG=1")
-            await anyio.sleep(interval)
+            now = anyio.current_time()
+            wait = math.inf
+            if interval is not None:
+                if now >= next_ping:
+                    self.systemd.send("WATCHDOG=1")
+                    next_ping = now + interval
+                wait = next_ping - now
+            if self.systemd.pending and not self.systemd.flush():
+                wait = min(wait, retry)
+                retry = min(retry * 2, NOTIFY_RETRY_MAX_S)
+            else:
+                retry = NOTIFY_RETRY_MIN_S
+            with anyio.move_on_after(wait):
+                await self._notify_kept.wait()
+            self._notify_kept = anyio.Event()
+
+    def _reload_over(self) -> None:
+        """The reload is over (done or rejected): ``READY=1`` again, but only where start-up
+        had sent it (a reload during start-up must not say ready before the workers are)."""
+        if self._ready_sent:
+            self._notify(f"READY=1\nSTATUS={self.status_line()}")
+
+    def _notify(self, message: str) -> None:
+        """Send ``message`` to the service manager, again later if its queue is full."""
+        if not self.systemd.send(message, keep=True) and self.systemd.pending:
+            self._notify_kept.set()
 
     async def _reload_loop(self) -> None:
         try:
@@ -1857,7 +1908,9 @@ class Runtime:
             )
             self._journal_reload(request, False, reason="bad config", error=str(exc))
             return False
-        self.systemd.send("RELOADING=1")
+        # MONOTONIC_USEC: what Type=notify-reload (systemd 253) needs to match it to its signal
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self._notify(f"RELOADING=1\nMONOTONIC_USEC={usec}")
         old = self.settings
         diff = diff_groups(old.workers, new.workers, dirty=self._halted)
         self.log.info(
@@ -1889,13 +1942,13 @@ class Runtime:
                 "supervisor.reload_rejected", reason="placement", error=str(exc)
             )
             self._journal_reload(request, False, reason="placement", error=str(exc))
-            self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")  # reload over: unchanged
+            self._reload_over()
             return False
         except Exception as exc:  # a bug must not take the running workers down with us
             self.settings = old
             self.log.exception("supervisor.reload_rejected", reason="internal error")
             self._journal_reload(request, False, reason="internal error", error=repr(exc))
-            self.systemd.send(f"READY=1\nSTATUS={self.status_line()}")
+            self._reload_over()
             return False
         self.journal.append(
             self.clock.wall(),
@@ -1953,8 +2006,7 @@ class Runtime:
                 if runner.state is WorkerState.FATAL:
                     runner.post(lc.Start())
         self._changed_now()
-        if self._ready_sent:
-            self.systemd.send("READY=1")
+        self._reload_over()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
         self.log.info("supervisor.reload_done", halted=[g.name for g in halted])
         if self._shutting_down:  # a roll-out cut short by the stop did not halt

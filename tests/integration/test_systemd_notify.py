@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import time
 from pathlib import Path
@@ -90,3 +92,128 @@ def test_workers_do_not_inherit_the_managers_socket(
         line = sup.wait_line("[q-0] ", contains=" env ")
         assert "NOTIFY_SOCKET" not in line and "WATCHDOG_USEC" not in line
         assert sup.stop() == 0
+
+
+def fill_queue(path: Path) -> socket.socket:
+    """Fill the manager's queue (``net.unix.max_dgram_qlen`` datagrams): a busy manager."""
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for i in range(100_000):
+            filler.sendto(b"FILLER=%d" % i, str(path))
+    return filler
+
+
+def drain(manager: Manager) -> list[str]:
+    """Every message the manager has now (without waiting)."""
+    manager.sock.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            manager.got.append(manager.sock.recv(4096).decode())
+    manager.sock.setblocking(True)
+    return manager.got
+
+
+def test_ready_gets_through_a_manager_queue_that_was_full(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The defect: READY=1 found the manager's queue full (a busy systemd; start-up's STATUS=
+    lines fill a queue of 10) and was lost for good: systemd timed the start out and killed
+    everything. Now it is kept and sent again until the manager takes it."""
+    path = tmp_path / "systemd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        filler = fill_queue(path)
+        sup = supervisor(
+            {
+                "workers": [
+                    {"name": "a", "command": worker_cmd("ready_then_sleep"), "ready": "none"}
+                ]
+            },
+            env={"NOTIFY_SOCKET": str(path)},
+        )
+        sup.wait_event(event="supervisor.ready")  # sent (or kept) before it is logged
+        manager = Manager(sock)
+        drain(manager)  # the manager reads at last: the queue has room
+        assert manager.wait_for("READY=1")
+        assert sup.stop() == 0
+        assert manager.wait_for("STOPPING=1")
+        filler.close()
+
+
+def test_a_group_that_went_fatal_does_not_hold_ready_back(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The defect: a group whose every worker went fatal at start-up held READY=1 back for good:
+    systemd's start timeout then stopped everything, the healthy groups too, and its restart
+    did the same every 5 minutes. Now READY=1 comes once the other groups are ready, and the
+    status and the log say which group is down."""
+    path = tmp_path / "systemd.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sup = supervisor(
+            {
+                "workers": [
+                    {"name": "good", "command": worker_cmd("ready_then_sleep")},
+                    {
+                        "name": "bad",
+                        "command": ["/bin/sh", "-c", "exit 3"],  # never ready (notify)
+                        "restart": {"burst": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.02},
+                    },
+                ],
+            },
+            env={"NOTIFY_SOCKET": str(path)},
+        )
+        manager = Manager(sock)
+        ready = manager.wait_for("READY=1")
+        assert "STATUS=1/2 ready, 1 fatal" in ready, ready
+        assert sup.wait_event(event="supervisor.ready_degraded")["groups"] == ["bad"]
+        assert sup.stop() == 0
+
+
+def test_a_reload_rejected_during_start_up_does_not_say_ready(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The defect: a reload rejected (its placement impossible) while the workers were still
+    loading sent READY=1 at once: systemd took the service as up with none ready."""
+    path = tmp_path / "systemd.sock"
+    sim = {"backend": "sim", "sim_dir": str(tmp_path / "sim")}  # two GPUs
+    slow = {"name": "a", "command": worker_cmd("notify_ready_late", "2.0")}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sup = supervisor({"gpu": sim, "workers": [slow]}, env={"NOTIFY_SOCKET": str(path)})
+        sup.wait_event(event="worker.state", worker="a-0", new="starting")
+        sup.write_config(
+            {
+                "gpu": sim,
+                "workers": [
+                    slow,
+                    {
+                        "name": "big",
+                        "command": worker_cmd("ready_then_sleep"),
+                        "replicas": 5,
+                        "max_workers_per_gpu": 1,
+                    },
+                ],
+            }
+        )
+        sup.signal(signal.SIGHUP)
+        sup.wait_event(event="supervisor.reload_rejected", reason="placement")
+        sup.wait_event(event="supervisor.ready", timeout=20)
+        got = drain(Manager(sock))
+        assert any("RELOADING=1" in m and "MONOTONIC_USEC=" in m for m in got), got
+        readies = [m for m in got if "READY=1" in m]
+        assert len(readies) == 1 and "STATUS=1/1 ready" in readies[0], got
+        assert sup.stop() == 0
+
+
+def test_a_watchdog_abort_leaves_every_thread_s_stack(supervisor: SupervisorFactory) -> None:
+    """systemd's watchdog ends a wedged supervisor with SIGABRT: where it was stuck must be in
+    the journal (faulthandler), not nothing."""
+    sup = supervisor({"workers": [{"name": "a", "command": worker_cmd("ready_then_sleep")}]})
+    sup.ready("a-0")
+    sup.signal(signal.SIGABRT)
+    assert sup.wait_exit() == -signal.SIGABRT
+    text = "\n".join(sup.raw_stderr)
+    assert "Fatal Python error: Aborted" in text, text[-2000:]
+    assert "most recent call first" in text and "supervisor/" in text
