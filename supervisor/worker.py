@@ -13,6 +13,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,15 @@ from supervisor.processes import Child, Reaped, Reaper, descendants, kill_tree, 
 
 HEALTH_POLL_S = 0.2
 HEALTH_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What the pre-start hook found for spawn ``token``: a spec to start, or why no GPU can
+    be had. Queued with the worker's events and handled in their order."""
+
+    token: int
+    result: LaunchSpec | str
 
 
 class WorkerRunner:
@@ -90,9 +100,9 @@ class WorkerRunner:
         self._child: Child | None = None
         self._tree: list[psutil.Process] = []
         self._last_pid: int | None = None
-        self._send: MemoryObjectSendStream[lc.Event]
-        self._recv: MemoryObjectReceiveStream[lc.Event]
-        self._send, self._recv = anyio.create_memory_object_stream[lc.Event](math.inf)
+        self._send: MemoryObjectSendStream[lc.Event | _Prepared]
+        self._recv: MemoryObjectReceiveStream[lc.Event | _Prepared]
+        self._send, self._recv = anyio.create_memory_object_stream[lc.Event | _Prepared](math.inf)
         self._tg: anyio.abc.TaskGroup | None = None
         self._scope = anyio.CancelScope()
         self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
@@ -126,7 +136,7 @@ class WorkerRunner:
         """True while a process of this worker is alive (or not yet reaped)."""
         return self.record.pid is not None
 
-    def post(self, event: lc.Event) -> None:
+    def post(self, event: lc.Event | _Prepared) -> None:
         """Queue an event (never blocks)."""
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._send.send_nowait(event)
@@ -240,6 +250,11 @@ class WorkerRunner:
                 try:
                     while True:
                         event = await self._next_event()
+                        if isinstance(event, _Prepared):
+                            spawned = self._prepared(event)
+                            if spawned is None:
+                                continue
+                            event = spawned
                         self._apply(event)
                 finally:
                     tg.cancel_scope.cancel()
@@ -247,7 +262,7 @@ class WorkerRunner:
 
     # --- event loop ---------------------------------------------------------------------
 
-    async def _next_event(self) -> lc.Event:
+    async def _next_event(self) -> lc.Event | _Prepared:
         deadline = self.record.deadline
         if deadline is None:
             return await self._recv.receive()
@@ -370,17 +385,24 @@ class WorkerRunner:
                 break
             # a reload gave this worker a new plan while we waited (the GPU-release barrier):
             # prepare that one (regression: the old plan was started, and counted as the new)
+        # Queued, not done here: what was posted while the hook ran (an operator's stop, a
+        # restart) is applied first, and decides whether this spawn is still wanted. Spawned
+        # here, a process could start behind a queued Stop that the lifecycle had already
+        # applied to "starting, no process": stopped, and the process never tracked.
+        self.post(_Prepared(token, result))
+
+    def _prepared(self, prepared: _Prepared) -> lc.Event | None:
+        """Spawn as the pre-start hook said, if the worker still waits for that start."""
         rec = self.record
-        if token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
-            return  # stopped (or restarted) while we waited
-        if isinstance(result, str):
+        if prepared.token != self._spawn_token or rec.state is not WorkerState.STARTING or rec.pid:
+            return None  # stopped (or restarted) while the hook ran
+        if isinstance(prepared.result, str):
             self._last_pid = None
             self.spawn_attempts += 1  # an attempt all the same: a roll-out waiting on it ends
-            self._waiting_for_gpu(result)
-            self.post(lc.NoGpu(result))
-            return
-        self.spec = result
-        self.post(self._spawn())
+            self._waiting_for_gpu(prepared.result)
+            return lc.NoGpu(prepared.result)
+        self.spec = prepared.result
+        return self._spawn()
 
     def _waiting_for_gpu(self, why: str) -> None:
         """Say (once a wait, and again when the reason changes) that no GPU can be had."""

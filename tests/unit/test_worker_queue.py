@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 
 from supervisor.clock import FakeClock
 from supervisor.model import LaunchSpec, WorkerState
@@ -63,7 +67,9 @@ async def _flood(tmp_path: Path) -> None:
     r.post(lc.Stop())
     queued = [r._recv.receive_nowait() for _ in range(r._recv.statistics().current_buffer_used)]
     assert [type(e) for e in queued] == [lc.Ready, lc.Heartbeat, lc.Stop]
-    r._apply(queued[1])  # handled: the next heartbeat is queued again
+    heartbeat = queued[1]
+    assert isinstance(heartbeat, lc.Heartbeat)
+    r._apply(heartbeat)  # handled: the next heartbeat is queued again
     r.on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
     assert r._recv.statistics().current_buffer_used == 1
     closed(r)
@@ -94,3 +100,48 @@ async def _deadline(tmp_path: Path) -> None:
     assert isinstance(await silent._next_event(), lc.Timer)  # nothing to read: judged
     closed(r)
     closed(silent)
+
+
+def test_a_stop_while_the_pre_start_hook_runs_means_no_process(tmp_path: Path) -> None:
+    """The defect: a stop (or restart) posted while the pre-start hook ran (the GPU-release
+    barrier, re-placement) was applied to "starting, no process yet" (-> stopped), and the
+    hook then spawned anyway: a live worker process nothing tracked (16 threads sending
+    start/stop/restart left 12 of them, holding their port and GPU memory until the
+    supervisor exited). Now the hook's answer is queued behind the stop and dropped."""
+    anyio.run(_stop_during_prepare, tmp_path)
+
+
+async def _stop_during_prepare(tmp_path: Path) -> None:
+    entered, release = anyio.Event(), anyio.Event()
+    returned = False
+
+    async def prepare(r: WorkerRunner) -> LaunchSpec | str:
+        nonlocal returned
+        entered.set()
+        await release.wait()
+        returned = True
+        return r.spec
+
+    r = runner(tmp_path)
+    r.spec = dataclasses.replace(r.spec, argv=("sleep", "600"))
+    r._prepare = prepare
+    r.record = lc.WorkerRecord()  # stopped
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                await tg.start(r.run)
+                r.post(lc.Start())
+                await entered.wait()
+                release.set()  # the hook goes on first, the stop is queued before it is done
+                r.post(lc.Stop())
+                # until the hook has returned and what it queued is handled
+                while not returned or r._recv.statistics().current_buffer_used:
+                    await anyio.lowlevel.checkpoint()
+                assert r.record.state is WorkerState.STOPPED
+                assert r._child is None and r.spawn_attempts == 0
+                r.cancel()
+    finally:
+        if r._child is not None:
+            os.kill(r._child.pid, signal.SIGKILL)
+            os.waitpid(r._child.pid, 0)  # noqa: ASYNC222 - killed: at once
+        closed(r)
