@@ -27,6 +27,7 @@ import structlog
 from supervisor._version import __version__
 from supervisor.config import redact_url
 from supervisor.journal import rfc3339
+from supervisor.model import finite
 
 if TYPE_CHECKING:
     import httpx
@@ -152,17 +153,6 @@ def _tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with NaN and infinities replaced by None (strict JSON has no such numbers)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def encode(doc: Mapping[str, Any]) -> bytes:
     """Strict JSON for an alert; values JSON lacks become strings, non-finite numbers null.
 
@@ -171,7 +161,7 @@ def encode(doc: Mapping[str, Any]) -> bytes:
     try:
         text = json.dumps(doc, allow_nan=False, default=str, separators=(",", ":"))
     except ValueError:
-        text = json.dumps(_finite(doc), allow_nan=False, default=str, separators=(",", ":"))
+        text = json.dumps(finite(doc), allow_nan=False, default=str, separators=(",", ":"))
     return text.encode()
 
 

@@ -15,6 +15,7 @@ import signal
 import string
 import tomllib
 import typing
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -75,9 +76,15 @@ def _numeric(annotation: object) -> bool:
     return bool({int, float} & set(options)) and bool not in options
 
 
-NonNegativeSeconds = Annotated[float, Field(ge=0)]
+#: The longest duration any key takes (about 31 years): more is a typo, and past it the
+#: arithmetic on it overflows (``watchdog_s = 1e308`` made WATCHDOG_USEC an OverflowError).
+MAX_SECONDS = 1e9
+#: The shortest watchdog: WATCHDOG_USEC is whole microseconds, and sd_notify libraries take 0
+#: as "no watchdog" (the worker would never ping, and be killed as hung at every start).
+MIN_WATCHDOG_S = 0.001
+NonNegativeSeconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Xid = Annotated[int, Field(ge=1, strict=True)]  # NVML's XID numbers start at 1
-PositiveSeconds = Annotated[float, Field(gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 
 def _signal_name(value: object) -> object:
@@ -314,6 +321,21 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}" + (f":{port}" if port is not None else "")
 
 
+def http_url(value: str, placeholders: bool = False) -> bool:
+    """``value`` is an http(s) URL that can be used as it is: a host, a port (if any) that is a
+    number of 1-65535, no space. ``placeholders``: ``{port}`` and the like count as a number."""
+    if any(c.isspace() for c in value):
+        return False
+    if placeholders:
+        value = re.sub(r"\{[^{}]*\}", "1", value)
+    try:
+        parts = urllib.parse.urlsplit(value)
+        port = parts.port  # ValueError: not a number, or out of range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
+
+
 class AlertsSection(_Strict):
     """``[alerts]``."""
 
@@ -322,8 +344,8 @@ class AlertsSection(_Strict):
     @field_validator("webhook_url")
     @classmethod
     def _url_shape(cls, value: str) -> str:
-        if value and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("expected an http:// or https:// URL")
+        if value and not http_url(value):
+            raise ValueError("expected an http:// or https:// URL with a host (and a valid port)")
         return value
 
 
@@ -370,6 +392,13 @@ class HealthSection(_Strict):
     max_unavailable: int = Field(default=1, ge=1)
     #: "torch": Python workers report what PyTorch's allocator holds (worker_site/sitecustomize.py)
     in_use_reporter: Literal["none", "torch"] = "none"
+
+    @field_validator("watchdog_s")
+    @classmethod
+    def _watchdog_measurable(cls, value: float) -> float:
+        if 0 < value < MIN_WATCHDOG_S:  # WATCHDOG_USEC would be 0: "no watchdog" to the worker
+            raise ValueError(f"0 (off) or at least {MIN_WATCHDOG_S} s")
+        return value
 
     @field_validator("log_restart_patterns")
     @classmethod
@@ -432,9 +461,12 @@ class WorkerGroup(_Strict):
     @field_validator("ready")
     @classmethod
     def _ready_shape(cls, value: str) -> str:
-        if value in ("notify", "none") or re.match(r"^https?://[^/\s]+", value):
+        if value in ("notify", "none") or http_url(value, placeholders=True):
             return value
-        raise ValueError('expected "notify", "none" or an http:// (or https://) health URL')
+        raise ValueError(
+            'expected "notify", "none" or an http:// (or https://) health URL with a host '
+            "(and a valid port)"
+        )
 
     @field_validator("metrics_path")
     @classmethod

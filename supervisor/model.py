@@ -6,11 +6,26 @@ Stdlib only, no I/O. Everything here is immutable or a plain value.
 from __future__ import annotations
 
 import enum
+import math
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from supervisor.errors import IllegalTransition
+
+
+def finite(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None, in mappings, lists and tuples too
+    (strict JSON has no such numbers: a document must never fail to encode because a figure
+    read somewhere was one)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 class WorkerState(enum.StrEnum):

@@ -239,6 +239,12 @@ def resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) ->
             out.append(entry)
         else:
             raise PlacementError(f"workers[{gi}].gpus[{j}]: no GPU with UUID {entry!r}")
+        if out[-1] in out[:-1]:  # one GPU named twice, by its index and its UUID
+            first = group.gpus[out.index(out[-1])]
+            raise PlacementError(
+                f"workers[{gi}].gpus[{j}]: {entry!r} is the GPU of gpus[{out.index(out[-1])}] "
+                f"({first!r}) again"
+            )
     return tuple(out)
 
 

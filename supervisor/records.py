@@ -28,6 +28,7 @@ import anyio.to_thread
 import structlog
 
 from supervisor.errors import StateDirBusy
+from supervisor.model import finite
 
 #: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
 TMP_PREFIX = ".tmp-"
@@ -138,7 +139,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 def dump_json(doc: Any) -> bytes:
     """Pretty, stable JSON with a trailing newline, in UTF-8 (not ``\\uXXXX`` escapes: a log
     line of undecodable bytes would take 6 bytes for each)."""
-    text = json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    try:
+        text = json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+    except ValueError:  # a NaN or an infinity read somewhere: null, not a file never written
+        text = json.dumps(finite(doc), indent=2, allow_nan=False, ensure_ascii=False) + "\n"
     return text.encode("utf-8", "replace")  # a lone surrogate (never from a log line) -> "?"
 
 
@@ -495,6 +499,7 @@ class Recorder:
             with contextlib.suppress(ThreadUnavailable):  # checked again in CHECK_EVERY_S
                 if await in_thread(self._check_dir, limiter=self._limiter):
                     self._dirty = self._urgent = True
+                    self._last_body = None  # the same document, but not on disk
         if self._pending and ("postmortem" not in self.health.failing or checked):
             await self._write_postmortems()
         since = now - self._last_at
@@ -551,7 +556,11 @@ class Recorder:
         doc = self._snapshot()
         # Compared, not written: compact JSON goes through the C encoder (indent= does not), so
         # the check after every sample costs ~0.1 ms instead of ~1 ms for 32 workers.
-        body = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, allow_nan=False)
+        try:
+            body = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, allow_nan=False)
+        except ValueError:  # a NaN or an infinity read somewhere: written as null
+            doc = finite(doc)
+            body = json.dumps({k: v for k, v in doc.items() if k != "written_at"}, allow_nan=False)
         if body == self._last_body and "state" not in self.health.failing:
             return
         self._last_at = anyio.current_time()
@@ -642,7 +651,9 @@ class Recorder:
         return lost
 
     def _check_dir(self) -> bool:
-        """Recreate a removed ``state_dir``; True if it was recreated.
+        """Recreate a removed ``state_dir``; True if it was recreated, or if ``state.json``
+        was written and is gone (removed by hand, by a cleaner): it is written again then, not
+        only at the next change, which on a quiet fleet may never come.
 
         A ``state_dir`` that lost its post-mortem directory after it had one was removed and
         made again (by a worker's log file, which creates its directory, or by hand): it holds
@@ -651,7 +662,7 @@ class Recorder:
         """
         if self._dir_intact():
             self._intact_seen = True
-            return False
+            return self._last_body is not None and not self.state_path.exists()
         try:
             return self._recreate()
         except OSError as exc:

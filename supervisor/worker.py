@@ -498,6 +498,9 @@ class WorkerRunner:
                     response = await client.get(url)
                 except httpx.HTTPError:
                     pass
+                except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
+                    self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
+                    return
                 else:
                     if response.is_success:
                         self.post(lc.Ready(pid))

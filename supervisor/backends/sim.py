@@ -14,6 +14,7 @@ the ``sim`` and the ``nvml`` backend.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -45,6 +46,9 @@ DEFAULTS: Mapping[str, str] = {
     "lost": "0",
 }
 
+#: The largest pid Linux hands out (``pid_max`` is at most 2**22): a larger file name in
+#: ``procs/`` names no process (and overflows ``kill()``).
+MAX_PID = 2**22
 XID_POLL_S = 0.5  # how often wait_xid looks at the events file
 #: a device file modified less than this long ago is always read again (see ``_read_devices``)
 RACY_WRITE_NS = 20_000_000
@@ -109,10 +113,13 @@ class _Device:
         return self.keys.get(key, DEFAULTS.get(key, ""))
 
     def number(self, key: str) -> float | None:
+        """The key's value; None where it is not a finite number of 0 or more (every figure
+        of a device is: NVML never reports ``inf``, ``nan`` or less than nothing)."""
         try:
-            return float(self.get(key))
+            value = float(self.get(key))
         except ValueError:
             return None
+        return value if math.isfinite(value) and value >= 0 else None
 
     def rc(self, field: str) -> int | None:
         for fn in FIELD_FUNCTIONS[field]:
@@ -216,7 +223,7 @@ class SimBackend:
             return by_key
         for name, path in entries:
             pid = int(name)
-            if pid <= 0 or not self._pid_alive(pid):
+            if not 0 < pid <= MAX_PID or not self._pid_alive(pid):
                 continue
             try:
                 with open(path, encoding="utf-8") as fh:
@@ -236,7 +243,7 @@ class SimBackend:
                         used = float(amount)
                     except ValueError:
                         continue
-                    if used < 0:
+                    if not math.isfinite(used) or used < 0:
                         continue
                 by_key.setdefault(key, []).append(GpuProcess(pid, used))
         return by_key
@@ -323,7 +330,7 @@ class SimBackend:
         try:
             if os.stat(path).st_size == self._events_offset:
                 return []
-        except FileNotFoundError:
+        except OSError:  # none yet (or something that is not a file: nothing to read)
             return []
         try:
             with open(path, "rb") as fh:
@@ -333,7 +340,7 @@ class SimBackend:
                     self._partial = b""
                 fh.seek(self._events_offset)
                 data = fh.read()
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or a directory (IsADirectoryError)
             return []
         self._events_offset += len(data)
         data = self._partial + data

@@ -109,6 +109,22 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "ready": "tcp://x"}]},
             'workers[0].ready: expected "notify", "none" or an http:// (or https://) health URL',
         ),
+        (  # regression: a traceback (OverflowError) from check-config and run
+            {"workers": [{**W, "health": {"watchdog_s": 1e308}}]},
+            "workers[0].health.watchdog_s: Input should be less than or equal to 1000000000",
+        ),
+        (  # regression: WATCHDOG_USEC=0, and the worker killed as hung at every start
+            {"workers": [{**W, "health": {"watchdog_s": 1e-9}}]},
+            "workers[0].health.watchdog_s: 0 (off) or at least 0.001 s (got 1e-09)",
+        ),
+        *(  # regression: these passed, then crashed `run` at the first probe (every worker)
+            (
+                {"workers": [{**W, "ready": url}]},
+                f'workers[0].ready: expected "notify", "none" or an http:// (or https://) '
+                f"health URL with a host (and a valid port) (got {url!r})",
+            )
+            for url in ("http://127.0.0.1:99999/", "http://127.0.0.1:abc/", "https://[::1")
+        ),
         (
             {"workers": [{**W, "restart": {"backoff_initial_s": 10, "backoff_max_s": 1}}]},
             "workers[0].restart: backoff_max_s (1) is below backoff_initial_s (10)",
@@ -347,8 +363,8 @@ def test_a_bad_webhook_url_is_named_without_its_secret() -> None:
     url = "htps://hooks.example.com/services/T0/B0/SECRETTOKEN?key=ALSOSECRET"
     msg = bad({"alerts": {"webhook_url": url}})
     assert msg == (
-        "c.toml: alerts.webhook_url: expected an http:// or https:// URL "
-        "(got 'htps://hooks.example.com')"
+        "c.toml: alerts.webhook_url: expected an http:// or https:// URL with a host (and a "
+        "valid port) (got 'htps://hooks.example.com')"
     )
 
 

@@ -81,6 +81,15 @@ def test_explicit_unknown_gpu_is_an_error() -> None:
         place(groups({"name": "a", "gpus": ["GPU-x"]}), gpus(2), 0)
 
 
+def test_one_gpu_named_by_index_and_uuid_is_an_error() -> None:
+    """Regression: ``[0, "GPU-0"]`` passed (``[0, 0]`` did not), and CUDA_VISIBLE_DEVICES
+    listed the GPU twice."""
+    with pytest.raises(
+        PlacementError, match=r"workers\[0\].gpus\[1\]: 'GPU-0' is the GPU of gpus\[0\] \(0\) again"
+    ):
+        place(groups({"name": "a", "gpus": [0, "GPU-0"]}), gpus(2), 0)
+
+
 def test_without_devices_auto_places_nothing_and_lists_pass_through() -> None:
     got = place(groups({"name": "a"}, {"name": "b", "gpus": [3, "GPU-z"]}), [], 0)
     assert got == {"a-0": None, "b-0": ("3", "GPU-z")}

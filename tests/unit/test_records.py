@@ -474,3 +474,24 @@ def test_a_state_dirs_instance_id(tmp_path: Path) -> None:
     assert (tmp_path / "instance").read_text().strip() == first
     (tmp_path / "instance").write_text("not an id\n")
     assert instance_id(tmp_path) not in (None, first)  # a damaged file gets a new id
+
+
+async def test_state_json_removed_by_hand_is_written_again(tmp_path: Path) -> None:
+    """Regression: with state_dir (or state.json alone) removed, state.json came back only at
+    the next change of the document: on a quiet fleet (sim, backend none) never. A figure that
+    is no number (NaN) is written as null, not an error that ends the supervisor."""
+    state = tmp_path / "state"
+    doc: dict[str, Any] = {"workers": [], "gpu": {"temperature_c": float("nan")}}
+    recorder = Recorder(state, 10, WriteHealth(), snapshot=lambda: doc)
+    recorder._check_dir()
+    await recorder.write_state()
+    assert json.loads(recorder.state_path.read_text())["gpu"] == {"temperature_c": None}
+    recorder.state_path.unlink()
+    recorder._last_at -= 1  # the last write is not just now (writes are spaced out)
+    await recorder._step()  # the periodic check (CHECK_EVERY_S), as the writer task runs it
+    assert recorder.state_path.exists()
+    shutil.rmtree(state)
+    recorder._next_check = 0.0
+    recorder._last_at -= 1
+    await recorder._step()
+    assert json.loads(recorder.state_path.read_text())["workers"] == []

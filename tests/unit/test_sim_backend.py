@@ -102,3 +102,34 @@ def test_clock_event_names() -> None:
         "sw_thermal_slowdown",
         "0x40000000",
     )
+
+
+def test_figures_that_are_no_numbers_are_not_read_as_any(tmp_path: Path) -> None:
+    """Regression: ``inf``, ``nan``, ``1e400`` in a device or process file were published as
+    they were, and the supervisor died writing state.json (strict JSON); negative memory was
+    published too (a GPU with more free memory than it has). Now such a figure is not there,
+    as a field NVML cannot read."""
+    b = world(tmp_path, live={7, 8})
+    write_atomic(
+        tmp_path / "gpus" / "0",
+        f"uuid {default_uuid(0)}\nmemory_total_mib inf\ntemperature_c nan\npower_mw 1e400\n",
+    )
+    write_atomic(
+        tmp_path / "gpus" / "1",
+        f"uuid {default_uuid(1)}\nmemory_total_mib 1000\nmemory_base_mib -5000\n"
+        "utilization_percent -3\n",
+    )
+    (tmp_path / "procs" / "7").write_text("0 nan\n1 1e400\n1 20\n")
+    (tmp_path / "procs" / "8").write_text("1 -inf\n")
+    (tmp_path / "procs" / "99999999999999999999999").write_text("1 20\n")  # no such pid
+    d0, d1 = b.sample()
+    assert (d0.memory_total_mb, d0.temperature_c, d0.power_watts) == (None, None, None)
+    assert (d1.memory_used_mb, d1.memory_free_mb, d1.utilization_percent) == (20.0, 980.0, None)
+    assert [(p.pid, p.used_mb) for p in d1.processes or ()] == [(7, 20.0)]
+
+
+def test_an_events_path_that_is_no_file_is_no_events(tmp_path: Path) -> None:
+    """Regression: ``mkdir sim/events`` ended the supervisor (IsADirectoryError)."""
+    b = world(tmp_path)
+    (tmp_path / "events").mkdir()
+    assert b.wait_xid(0.01) == []
