@@ -1482,6 +1482,9 @@ class Runtime:
             healing=dead.healing,
             oom_kills=self.healer.oom_kills_since(runner.name, dead.oom_baseline),
             oom_scope=self.healer.oom_scope(runner.name),
+            # the drain's time ran out: it was being stopped (stop_signal) when it exited
+            drain_timed_out=before.state is WorkerState.STOPPING,
+            drain_signal=timing.drain_signal,
         )
         # The restart is counted under what the death was found to be (a CUDA OOM, not
         # "exit"), as the post-mortem and the worker object's last_exit say.

@@ -67,6 +67,8 @@ def classify(
     healing: Mapping[str, Any] | None = None,
     oom_kills: int = 0,
     oom_scope: str = "cgroup",
+    drain_timed_out: bool = False,
+    drain_signal: int | None = None,
 ) -> Classified | None:
     """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
 
@@ -81,6 +83,16 @@ def classify(
     if status is not None:
         base["exit_code"] = status.code
         base["signal"] = status.signal_name
+    if reason is ExitReason.DRAIN and not drain_timed_out:
+        # An operator's drain is no death (as a stop is not): the worker finished and exited,
+        # or its drain signal's default action ended it. One that died otherwise while it
+        # drained (a crash, an error exit) is judged as any death, and says when.
+        if status is None or status.code == 0 or (
+            drain_signal is not None and status.signal == drain_signal
+        ):
+            return None
+        reason = ExitReason.SIGNAL if status.signal is not None else ExitReason.EXIT
+        base["while"] = "drain"
     if reason in HEALING_REASONS:
         return Classified(reason.value, {**base, **(healing or {})})
     if reason in (ExitReason.EXIT, ExitReason.SIGNAL):
@@ -105,4 +117,5 @@ def classify(
         return Classified(
             "start_timeout", {**base, "start_timeout_s": timing.get("start_timeout_s")}
         )
+    # a drain that did not end within drain_timeout_s: the worker was stopped by force
     return Classified("drain", {**base, "drain_timeout_s": timing.get("drain_timeout_s")})

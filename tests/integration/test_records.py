@@ -84,6 +84,32 @@ def test_crash_gives_exactly_one_postmortem_with_reason_and_log_tail(
     assert [w["state"] for w in state["workers"]] == ["stopped"]
 
 
+def test_an_operator_drain_is_no_death_unless_it_is_cut_short(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: every operator drain wrote a post-mortem (reason drain), so a Kubernetes
+    preStop drain wrote one per worker at every pod stop, though a stop writes none. Now a
+    drain the worker finished writes none; one that ran out of drain_timeout_s does."""
+    sup = supervisor(
+        {
+            "workers": [
+                # SIGTERM as the drain signal: the worker's default action ends it at once
+                group("q", "ready_then_sleep", drain_signal="SIGTERM"),
+                group("s", "ready_then_sleep", drain_timeout_s=0.2),  # never ends by itself
+            ]
+        }
+    )
+    for name in ("q-0", "s-0"):
+        sup.ready(name)
+    with sup.api() as http:
+        for name in ("q-0", "s-0"):
+            assert http.post(f"/api/v1/workers/{name}/drain").status_code == 202
+            sup.wait_event(event="worker.state", worker=name, new="stopped")
+        written = sup.wait_event(event="records.postmortem", worker="s-0")
+    assert sup.stop() == 0
+    assert [(d["id"], d["reason"]) for d in postmortems(sup)] == [(written["id"], "drain")]
+
+
 def run_until_fatal(
     supervisor: SupervisorFactory, group: str, script: Path, burst: int
 ) -> Supervisor:

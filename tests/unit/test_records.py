@@ -320,7 +320,12 @@ CLASSIFY_ROWS = [
     (ExitReason.SIGNAL, ExitStatus(None, 6), ["CUDA error: out of memory"], "cuda_oom"),
     (ExitReason.HANG, ExitStatus(None, 15), [], "hang"),
     (ExitReason.START_TIMEOUT, ExitStatus(None, 9), [], "start_timeout"),
-    (ExitReason.DRAIN, ExitStatus(0, None), [], "drain"),
+    # an operator's drain is no death (regression: a preStop drain wrote one per pod stop),
+    # unless the worker died otherwise while it drained; one forced after drain_timeout_s is
+    (ExitReason.DRAIN, ExitStatus(0, None), [], None),
+    (ExitReason.DRAIN, ExitStatus(None, 10), [], None),  # its drain signal (SIGUSR1) ended it
+    (ExitReason.DRAIN, ExitStatus(None, 11), [], "signal"),  # a SIGSEGV while it drained
+    (ExitReason.DRAIN, ExitStatus(1, None), ["CUDA error: out of memory"], "cuda_oom"),
     (ExitReason.STOP, ExitStatus(0, None), [], None),
     (ExitReason.SHUTDOWN, ExitStatus(None, 15), [], None),
     (ExitReason.RELOAD, ExitStatus(0, None), [], None),
@@ -334,14 +339,35 @@ def test_classify(
     reason: ExitReason, status: ExitStatus | None, tail: list[str], want: str | None
 ) -> None:
     found = classify(
-        reason, status, tail, failure=False, timing={"watchdog_s": 2.0}, silent_for_s=2.5
+        reason,
+        status,
+        tail,
+        failure=False,
+        timing={"watchdog_s": 2.0},
+        silent_for_s=2.5,
+        drain_signal=10,
     )
     assert (found and found.reason) == want
+    if reason is ExitReason.DRAIN and found is not None:
+        assert found.evidence["while"] == "drain"
     if want == "cuda_oom":
         assert found is not None and "out of memory" in found.evidence["log_line"]
     if want == "hang":
         assert found is not None and found.evidence["watchdog_s"] == 2.0
         assert found.evidence["silent_for_s"] == 2.5
+
+
+def test_a_drain_forced_after_its_timeout_gets_a_drain_post_mortem() -> None:
+    found = classify(
+        ExitReason.DRAIN,
+        ExitStatus(None, 15),
+        [],
+        failure=False,
+        timing={"drain_timeout_s": 30.0},
+        drain_timed_out=True,
+    )
+    assert found is not None and found.reason == "drain"
+    assert found.evidence["drain_timeout_s"] == 30.0
 
 
 def test_reclaim_candidates_skip_malformed_entries() -> None:
