@@ -73,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="log format (default: console on a TTY, else JSON lines)",
     )
-    run.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    run.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=("debug", "info", "warning", "error"),
+        help="debug, info, warning or error",
+    )
 
     check = sub.add_parser("check-config", help="validate a config and print the resolved plan")
     check.add_argument("-c", "--config", required=True, help="TOML config file")
@@ -300,6 +306,9 @@ def _store(args: argparse.Namespace) -> PostmortemStore:
         state_dir = client.client_settings(args.config).supervisor.state_dir
     else:
         raise UsageError("gpu-supervisor postmortem: give -c FILE or --state-dir DIR")
+    if not state_dir.is_dir():  # regression: "no post-mortems" (exit 0), or a traceback
+        why = "no such directory" if not state_dir.exists() else "not a directory"
+        raise UsageError(f"gpu-supervisor postmortem: state_dir {str(state_dir)!r}: {why}")
     return PostmortemStore(state_dir / POSTMORTEM_DIR, keep=1)
 
 
@@ -345,10 +354,19 @@ def postmortem_table(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _obj(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def postmortem_text(doc: dict[str, Any]) -> str:
-    """``postmortem show``: the facts first, then evidence, samples and the log tail."""
-    w = doc.get("worker") or {}
-    ex = doc.get("exit") or {}
+    """``postmortem show``: the facts first, then evidence, samples and the log tail (a file
+    written by hand, or by another version, shows what it has: no part is taken on trust)."""
+    w = _obj(doc.get("worker"))
+    ex = _obj(doc.get("exit"))
     how = ex.get("signal_name") or (
         f"exit code {ex['code']}" if ex.get("code") is not None else "-"
     )
@@ -361,13 +379,13 @@ def postmortem_text(doc: dict[str, Any]) -> str:
         f"  started   {w.get('started_at')}",
         f"  ended     {w.get('ended_at')} (uptime {w.get('uptime_s')} s)",
         f"  restarts  {w.get('restarts')}",
-        f"  gpus      {', '.join(w.get('gpus') or []) or '-'}",
+        f"  gpus      {', '.join(map(str, _list(w.get('gpus')))) or '-'}",
         f"  port      {w.get('port')}",
-        f"  command   {shlex.join(w.get('command') or [])}",
+        f"  command   {shlex.join(map(str, _list(w.get('command'))))}",
         "evidence:",
     ]
-    lines += [f"  {k}: {json.dumps(v)}" for k, v in (doc.get("evidence") or {}).items()]
-    samples = doc.get("samples") or []
+    lines += [f"  {k}: {json.dumps(v)}" for k, v in _obj(doc.get("evidence")).items()]
+    samples = [_obj(x) for x in _list(doc.get("samples"))]
     lines.append(f"samples (last {min(len(samples), 10)} of {len(samples)}):")
     for smp in samples[-10:]:
         lines.append(
@@ -375,14 +393,14 @@ def postmortem_text(doc: dict[str, Any]) -> str:
             f"rss {_fmt(smp.get('host_rss_mb'), ' MiB', 1)}  "
             f"cpu {_fmt(smp.get('cpu_percent'), '%', 1)}"
         )
-    for d in doc.get("devices") or []:
-        mem = d.get("memory") or {}
+    for d in map(_obj, _list(doc.get("devices"))):
+        mem = _obj(d.get("memory"))
         lines.append(
             f"gpu {d.get('id')} {d.get('uuid')}: {_fmt(mem.get('used_mb'))}/"
             f"{_fmt(mem.get('total_mb'))} MiB, {_fmt(d.get('temperature_celsius'), 'C')}, "
             f"{'healthy' if d.get('healthy') else 'UNHEALTHY'}"
         )
-    tail = doc.get("log_tail") or []
+    tail = _list(doc.get("log_tail"))
     lines.append(f"log tail ({len(tail)} lines):")
     lines += [f"  {line}" for line in tail]
     return "\n".join(lines)
@@ -405,6 +423,10 @@ def _postmortem(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise UsageError(
             f"gpu-supervisor postmortem show: no post-mortem {args.id!r} in {store.directory}"
+        ) from None
+    except OSError as exc:  # a directory by that name, unreadable
+        raise UsageError(
+            f"gpu-supervisor postmortem show: {args.id!r}: cannot read it ({exc.strerror})"
         ) from None
     print(json.dumps(doc, indent=2) if args.json else postmortem_text(doc))
     return EXIT_OK

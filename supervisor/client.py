@@ -27,6 +27,7 @@ from urllib.parse import quote, urlsplit
 from supervisor.config import (
     ApiSection,
     Settings,
+    http_url,
     is_loopback,
     load_client_settings,
     parse_listen,
@@ -177,7 +178,7 @@ def resolve(
             raise UsageError(
                 f"gpu-supervisor: {where}api.listen {api.listen} picks a free port: pass --url"
             )
-    elif not url.startswith(("http://", "https://", "unix:/")):
+    elif not (url.startswith("unix:/") or http_url(url)):
         raise UsageError(f"gpu-supervisor: --url {url!r}: expected http://HOST:PORT or unix:/path")
     elif not url.startswith("unix:"):
         import httpx

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -163,6 +164,14 @@ class GpuSection(_Strict):
     backend: Literal["auto", "nvml", "sim", "none"] = "auto"
     sim_dir: Path = Path("./sim")
     sim_devices: int = Field(default=2, ge=0, le=64)
+
+    @field_validator("sim_dir", mode="before")
+    @classmethod
+    def _sim_dir_named(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():  # regression: the cwd was the world
+            raise ValueError('an empty path (write "." for the current directory)')
+        return value
+
     reserve_mb: float = Field(default=512, ge=0)
     release_timeout_s: NonNegativeSeconds = 10.0
     # Thermal/power: hot = a heat or power clock-event reason, or within thermal_margin_c of the
@@ -780,6 +789,12 @@ def _check_env_names(source: str, environ: Mapping[str, str]) -> None:
                 f"{source}: environment variable {name}: unknown section {section.lower()!r}"
                 f" (overrides are {known})"
             )
+        if delimiter and section == "WORKERS":  # a list: no keys of its own to reach
+            raise ConfigError(
+                f"{source}: environment variable {name}: the worker groups are a list, not "
+                f"reachable key by key: set {ENV_PREFIX}WORKERS to the whole list as JSON, or "
+                "edit the config file"
+            )
         if delimiter or upper in NOT_OVERRIDES:
             continue
         for known_section in sections:
@@ -805,10 +820,34 @@ def parse_settings(data: Mapping[str, Any], source: str = "<config>") -> Setting
 
 def _env_parse_error(source: str, exc: SettingsError) -> str:
     field = re.search(r'field "([^"]+)"', str(exc))
-    name = ENV_PREFIX + (field.group(1) if field else "").upper()
+    section = field.group(1) if field else ""
+    name = ENV_PREFIX + section.upper()
     value = next((v for k, v in os.environ.items() if k.upper() == name), None)
+    if value is None:  # a key of the section: the one whose value is JSON to be, and is not
+        name, value = _bad_json_override(section) or (name, None)
     why = f"not valid JSON ({exc.__cause__})" if exc.__cause__ else str(exc)
     return f"{source}: environment variable {name}: {why} (got {_short(value)})"
+
+
+def _bad_json_override(section: str) -> tuple[str, str] | None:
+    """The ``GPU_SUPERVISOR_<SECTION>__<KEY>`` whose key takes a list or a table (given as
+    JSON) and whose value is no JSON."""
+    info = Settings.model_fields.get(section)
+    model = info.annotation if info is not None else None
+    if not isinstance(model, type) or not issubclass(model, BaseModel):
+        return None
+    prefix = f"{ENV_PREFIX}{section}{ENV_DELIMITER}".upper()
+    for name, value in os.environ.items():
+        if not name.upper().startswith(prefix):
+            continue
+        key = model.model_fields.get(name[len(prefix) :].lower())
+        if key is None or typing.get_origin(key.annotation) not in (list, tuple, dict, set):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            return name, value
+    return None
 
 
 def load_settings(
@@ -851,10 +890,19 @@ def load_client_settings(path: str | os.PathLike[str]) -> tuple[Settings, str | 
         )
 
 
+#: A config file is read up to this size (a few kB in practice).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with open(path, "rb") as fh:  # bounded: /dev/zero or a log file by mistake
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{source}: larger than {MAX_CONFIG_BYTES // 2**20} MiB: not a config file"
+            )
     except FileNotFoundError:
         raise ConfigError(f"{source}: config file not found") from None
     except OSError as exc:

@@ -330,7 +330,7 @@ class PostmortemStore:
         """Every post-mortem id, newest first (in write order: see the class)."""
         try:
             names = os.listdir(self.directory)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.match(n[:-5])]
         with self._order_lock:
@@ -374,7 +374,9 @@ class PostmortemStore:
                 doc = self.read(id_)
             except (OSError, ValueError):
                 continue
-            worker = doc.get("worker") or {}
+            worker = doc.get("worker")
+            if not isinstance(worker, dict):  # written by hand or by something else
+                worker = {}
             out.append(
                 {
                     "id": id_,

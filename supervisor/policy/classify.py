@@ -87,8 +87,10 @@ def classify(
         # An operator's drain is no death (as a stop is not): the worker finished and exited,
         # or its drain signal's default action ended it. One that died otherwise while it
         # drained (a crash, an error exit) is judged as any death, and says when.
-        if status is None or status.code == 0 or (
-            drain_signal is not None and status.signal == drain_signal
+        if (
+            status is None
+            or status.code == 0
+            or (drain_signal is not None and status.signal == drain_signal)
         ):
             return None
         reason = ExitReason.SIGNAL if status.signal is not None else ExitReason.EXIT

@@ -197,6 +197,14 @@ def test_client_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert code == 2 and "the API is off" in err
     code, _, err = run(capsys, "status", "--url", "ftp://x")
     assert code == 2 and "expected http://HOST:PORT" in err
+    for url in ("http://127.0.0.1:99999", "http://"):  # regression: asked, exit 1
+        code, _, err = run(capsys, "status", "--url", url)
+        assert code == 2 and "expected http://HOST:PORT" in err, (url, err)
+    # regression: a bad level was taken as info; a config file without end was read on
+    code, _, err = run(capsys, "run", "-c", str(cfg), "--log-level", "bogus")
+    assert code == 2 and "invalid choice: 'bogus'" in err
+    code, _, err = run(capsys, "check-config", "-c", "/dev/zero")
+    assert code == 2 and "larger than 16 MiB: not a config file" in err
     assert run(capsys, "drain")[0] == 2
     code, _, err = run(capsys, "status", "--url", "http://127.0.0.1:1", "--timeout", "2")
     assert code == 1 and "is it running? (connection refused)" in err
@@ -346,3 +354,30 @@ def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
     assert client.returncode == 1, (out, err)
     assert out.startswith("reload accepted: changed a"), out
     assert "stopped before the reload's roll-outs finished" in err and "is it running" not in err
+
+
+def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a state_dir that is a file was a traceback, one that does not exist listed
+    "no post-mortems" (exit 0); a post-mortem written by hand whose parts are of other types,
+    or a directory by a post-mortem's name, were tracebacks."""
+    code, _, err = run(capsys, "postmortem", "list", "--state-dir", "/etc/passwd")
+    assert code == 2 and "'/etc/passwd': not a directory" in err
+    code, _, err = run(capsys, "postmortem", "list", "--state-dir", str(tmp_path / "nope"))
+    assert code == 2 and "no such directory" in err
+    pms = tmp_path / "postmortems"
+    pms.mkdir()
+    odd = "20261206T010101.000000Z-w-0-exit"
+    (pms / f"{odd}.json").write_text(
+        json.dumps({"id": odd, "worker": "w-0", "samples": [1], "devices": {}, "log_tail": "x"})
+    )
+    (pms / "20261206T010102.000000Z-w-0-exit.json").mkdir()
+    code, out, _ = run(capsys, "postmortem", "list", "--state-dir", str(tmp_path))
+    assert code == 0 and odd in out
+    code, out, _ = run(capsys, "postmortem", "show", odd, "--state-dir", str(tmp_path))
+    assert code == 0 and f"post-mortem {odd}" in out
+    code, _, err = run(
+        capsys, "postmortem", "show", "20261206T010102", "--state-dir", str(tmp_path)
+    )
+    assert code == 2 and "cannot read it" in err and err.count("\n") <= 1, err

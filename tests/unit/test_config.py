@@ -109,6 +109,7 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "ready": "tcp://x"}]},
             'workers[0].ready: expected "notify", "none" or an http:// (or https://) health URL',
         ),
+        ({"gpu": {"sim_dir": " "}}, "gpu.sim_dir: an empty path"),
         (  # regression: a traceback (OverflowError) from check-config and run
             {"workers": [{**W, "health": {"watchdog_s": 1e308}}]},
             "workers[0].health.watchdog_s: Input should be less than or equal to 1000000000",
@@ -398,3 +399,24 @@ def test_a_misspelled_environment_override_is_an_error(
         parse_settings({}, "cfg.toml")
     assert str(err.value).startswith(f"cfg.toml: environment variable {name}: ")
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        # regression: named GPU_SUPERVISOR_API and "got None", not the variable and its value
+        ("GPU_SUPERVISOR_API__ALLOWED_HOSTS", "notjson", "not valid JSON (Expecting value"),
+        # regression: "workers: Input should be a valid list", the variable never named
+        ("GPU_SUPERVISOR_WORKERS__0__REPLICAS", "5", "the worker groups are a list"),
+    ],
+)
+def test_a_bad_override_names_its_variable_and_value(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        parse_settings({}, "cfg.toml")
+    assert str(err.value).startswith(f"cfg.toml: environment variable {name}: ")
+    assert message in str(err.value)
+    if "JSON" in message:
+        assert str(err.value).endswith(f"(got {value!r})")
