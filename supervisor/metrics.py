@@ -191,7 +191,12 @@ class RuntimeCollector(Collector):
         )
         for (action, why), count in sorted(rt.actions_total.items()):
             actions.add_metric([action, why], count)
-        postmortems = _counter("postmortems", "Post-mortem files written, by reason.", ["reason"])
+        postmortems = _counter(
+            "postmortems",
+            "Post-mortems made, by reason (written to state_dir as soon as it takes them: see "
+            "record_write_errors_total).",
+            ["reason"],
+        )
         for why, count in sorted(rt.postmortems_total.items()):
             postmortems.add_metric([why], count)
         health = rt.write_health
