@@ -1253,7 +1253,7 @@ class _GuardedHttp(HttpToolsProtocol):
     ) -> None:
         self._in_head = True  # the bytes coming in are a request line or headers
         self._head_bytes = 0  # of the current request's head, so far
-        self._heads = 0  # request heads parsed on this connection
+        self._head_tail = b""  # its last 3 bytes (the blank line may be cut between reads)
         self._head_refused = False
         super().connection_made(transport)
         self._since = self.loop.time()  # when the wait for the current request began
@@ -1273,23 +1273,28 @@ class _GuardedHttp(HttpToolsProtocol):
         """Parse ``data``; refuse a request head over :data:`MAX_HEAD_BYTES` (431)."""
         if self._head_refused:
             return
-        counting, heads = self._in_head, self._heads
-        super().data_received(data)
-        if counting and self._in_head and heads == self._heads:  # all of it was head
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+        if self._in_head:  # counted before the parser sees it, up to the head's blank line
+            seen = self._head_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._head_tail))
+            self._head_tail = seen[-3:]
+            # (regression: only reads that left the head unfinished were counted, so a head
+            # of any size whose last read finished it got through)
+            if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_refused = True
-                self.transport.write(_HEAD_REFUSAL)
-                self.transport.close()
+                if not self.transport.is_closing():
+                    self.transport.write(_HEAD_REFUSAL)
+                    self.transport.close()
+                return
+        super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes = False, 0
-        self._heads += 1
+        self._in_head, self._head_bytes, self._head_tail = False, 0, b""
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._head_tail = True, 0, b""
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gate.forget(self)

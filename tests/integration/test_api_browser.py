@@ -75,6 +75,11 @@ def test_an_oversized_request_head_is_refused(supervisor: SupervisorFactory) -> 
             pass
         answer = s.recv(64)
     assert answer.startswith(b"HTTP/1.1 431"), answer
+    # the same head in one piece that ends it (regression: counted only while unfinished)
+    with socket.create_connection(address, timeout=5) as s:
+        head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 100_000
+        s.sendall(head + b"\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 431")
     # a big but reasonable head (cookies, long tokens) still works, on a kept-alive connection
     with sup.api() as http:
         for _ in range(2):
