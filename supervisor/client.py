@@ -390,34 +390,46 @@ def main(args: argparse.Namespace) -> int:
         _check_name("worker or group", args.name)
     url, token = resolve(args.url, args.config, warn=args.command not in ("reload", "health"))
     with Client(url, token, args.timeout) as client:
-        if args.command == "status":
-            return status(client, args.json)
-        if args.command == "health":
-            return health(client, args.ready)
-        if args.command in ("cordon", "uncordon"):
-            body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
-            verb = "cordoned" if body["cordoned"] else "uncordoned"
-            devices = client.request("GET", f"{API}/gpu/status").json()["devices"]
-            if any(d["uuid"] == body["uuid"] and d.get("quarantined") for d in devices):
-                # a cordon is lifted, a quarantine (a device-fatal XID) is not: say so
-                verb += ", but still quarantined (a device-fatal XID or lost: nothing is placed"
-                verb += " on it until the supervisor restarts)"
-            print(f"GPU {body['id']} ({body['uuid']}) {verb}")
-            return 0
-        if args.command == "reload":
-            seen = _last_seq(client)
-            request = client.request("POST", f"{API}/reload", ok=(202,)).json()["request"]
-            return _wait_reload(client, int(request), seen, args.wait)
-        if args.command == "restart" and args.rolling:
-            seen = _last_seq(client) if args.wait else 0
-            client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))
-            print(f"{args.name}: rolling restart started (one worker at a time)", flush=True)
-            if args.wait:
-                return _wait_rollout(client, args.name, seen)
-            return 0
-        if getattr(args, "wait", False):
-            raise UsageError("gpu-supervisor restart: --wait goes with --rolling")
-        return command(client, args.command, args.name)
+        try:
+            return _run(client, args)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            # not JSON, or not the JSON of a gpu-supervisor (--url names some other server)
+            raise ApiClientError(
+                f"the answer from {url} is not a gpu-supervisor's "
+                f"({type(exc).__name__}: {str(exc)[:200]}): is --url right?"
+            ) from None
+
+
+def _run(client: Client, args: argparse.Namespace) -> int:
+    """The command ``args`` names, against ``client``."""
+    if args.command == "status":
+        return status(client, args.json)
+    if args.command == "health":
+        return health(client, args.ready)
+    if args.command in ("cordon", "uncordon"):
+        body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
+        verb = "cordoned" if body["cordoned"] else "uncordoned"
+        devices = client.request("GET", f"{API}/gpu/status").json()["devices"]
+        if any(d["uuid"] == body["uuid"] and d.get("quarantined") for d in devices):
+            # a cordon is lifted, a quarantine (a device-fatal XID) is not: say so
+            verb += ", but still quarantined (a device-fatal XID or lost: nothing is placed"
+            verb += " on it until the supervisor restarts)"
+        print(f"GPU {body['id']} ({body['uuid']}) {verb}")
+        return 0
+    if args.command == "reload":
+        seen = _last_seq(client)
+        request = client.request("POST", f"{API}/reload", ok=(202,)).json()["request"]
+        return _wait_reload(client, int(request), seen, args.wait)
+    if args.command == "restart" and args.rolling:
+        seen = _last_seq(client) if args.wait else 0
+        client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))
+        print(f"{args.name}: rolling restart started (one worker at a time)", flush=True)
+        if args.wait:
+            return _wait_rollout(client, args.name, seen)
+        return 0
+    if getattr(args, "wait", False):
+        raise UsageError("gpu-supervisor restart: --wait goes with --rolling")
+    return command(client, args.command, args.name)
 
 
 def _quote(segment: str) -> str:
@@ -466,6 +478,10 @@ def status(client: Client, as_json: bool) -> int:
     """``status``: GPUs, then workers."""
     gpu = client.json(f"{API}/gpu/status")
     workers = client.json(f"{API}/workers")
+    if not (isinstance(gpu, dict) and isinstance(gpu.get("devices"), list)) or not isinstance(
+        workers, list
+    ):
+        raise TypeError("not the shape of /api/v1/gpu/status and /api/v1/workers")
     if as_json:
         print(json.dumps({"gpu": gpu, "workers": workers}, indent=2))
         return 0

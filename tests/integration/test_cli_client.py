@@ -254,7 +254,7 @@ def test_health_follows_the_config_and_exits_1_for_every_failure(
         (("status", "--timeout", "-1"), "argument --timeout: expected seconds > 0"),
         (("status", "--timeout", "nan"), "(got 'nan')"),
         (("status", "--timeout", "inf"), "(got 'inf')"),
-        (("status", "--url", "http://x:abc"), "--url 'http://x:abc': Invalid port"),
+        (("status", "--url", "http://x:abc"), "--url 'http://x:abc': expected http://HOST:PORT"),
         (("restart", "a-0", "--url", "http://[::1"), "--url 'http://[::1'"),
         (("stop", "."), "worker or group '.': no such name can exist"),
         (("restart", ""), "worker or group '': no such name"),
@@ -381,3 +381,37 @@ def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
         capsys, "postmortem", "show", "20261206T010102", "--state-dir", str(tmp_path)
     )
     assert code == 2 and "cannot read it" in err and err.count("\n") <= 1, err
+
+
+def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Regression: ``status``/``health`` with --url at another server (its own JSON, or text)
+    were tracebacks (AttributeError, TypeError, JSONDecodeError)."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"ok" if self.path == "/healthz" else b'[{"x": 1}]'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for argv in (("status",), ("health",), ("status", "--json")):
+            code, _, err = run(capsys, *argv, "--url", url)
+            assert code == 1 and "is not a gpu-supervisor's" in err, (argv, err)
+            assert err.count("\n") <= 1, err
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
