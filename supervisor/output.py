@@ -17,6 +17,7 @@ keep every byte.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 from collections import deque
@@ -42,6 +43,10 @@ _READ_SIZE = 65536
 MAX_LINE = 16384
 #: Appended to the start of a line that was cut for the tail (the log file has the whole line).
 CUT_MARK = " [... line cut: {total} bytes]"
+#: What a log emptied on a full disk starts with (``RotatingFile.write``).
+TRIMMED_MARK = b"--- gpu-supervisor: disk full: the earlier content of this log was removed ---\n"
+#: A log capped after a full disk still rotates at this size at least.
+TRIMMED_MIN_BYTES = 64 * 1024
 #: ``drain()`` takes at most this much from each pipe (a process that exited left at most a
 #: pipe's capacity; more is its children writing on).
 DRAIN_LIMIT = 1024 * 1024
@@ -61,6 +66,9 @@ class RotatingFile:
         #: Called with the error on the first failed write of a run of failures, and with None
         #: on the first good write after it (write-failure reporting).
         self.on_health: Callable[[OSError | None], None] | None = None
+        #: Bytes given up on a full disk (see ``write``), and who is told (with the bytes).
+        self.trimmed = 0
+        self.on_trim: Callable[[int, int], None] | None = None
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
@@ -86,14 +94,24 @@ class RotatingFile:
             os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
 
     def write(self, data: bytes) -> None:
-        """Append ``data``, rotating first when it would pass ``max_bytes``."""
+        """Append ``data``, rotating first when it would pass ``max_bytes``.
+
+        On a full disk (ENOSPC, EDQUOT) the log gives up its own space first, once per run of
+        failures: its rotated files, then what the current one holds (``trimmed`` says how
+        much), and from then on it rotates at a size that keeps it and its rotated files to
+        half of that. A worker's log is what fills ``state_dir`` in practice, and before, it
+        never rotated again (it could not grow to ``max_bytes``), so ``state.json`` and the
+        post-mortems, which matter more, got no space until someone deleted it by hand.
+        """
         try:
-            if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
-                self._rotate()
-            fh = self._open()
-            fh.write(data)
-            fh.flush()
-            self._size += len(data)
+            try:
+                self._append(data)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or self.failing:
+                    raise
+                if not self._trim():
+                    raise
+                self._append(data)
         except OSError as exc:
             # A full or read-only disk must not stop supervision; the tail stays in memory.
             self.write_errors += 1
@@ -107,6 +125,46 @@ class RotatingFile:
                 self.failing = False
                 if self.on_health is not None:
                     self.on_health(None)
+
+    def _append(self, data: bytes) -> None:
+        if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
+            self._rotate()
+        fh = self._open()
+        try:
+            fh.write(data)
+            fh.flush()
+        except OSError:
+            self.close()  # what the buffer held is dropped with it: not written twice
+            raise
+        self._size += len(data)
+
+    def _trim(self) -> bool:
+        """Free this log's space: its rotated files, then the current file's content (a
+        marker says so). True if anything was freed."""
+        freed = 0
+        self.close()
+        for i in range(self.backups, 0, -1):
+            old = self.path.with_name(f"{self.path.name}.{i}")
+            with contextlib.suppress(OSError):
+                size = old.stat().st_size
+                old.unlink()
+                freed += size
+        with contextlib.suppress(OSError):
+            size = self.path.stat().st_size
+            if size:
+                with open(self.path, "wb") as fh:  # truncated: the tail is still in memory
+                    fh.write(TRIMMED_MARK)
+                freed += size
+        self._size = 0
+        self.trimmed += freed
+        if freed:
+            # From now on this log and its rotated files take at most half of what it held:
+            # grown back into all of it, the next post-mortem would find the disk full again.
+            cap = max(TRIMMED_MIN_BYTES, freed // (2 * (self.backups + 1)))
+            self.max_bytes = min(self.max_bytes, cap) if self.max_bytes else cap
+            if self.on_trim is not None:
+                self.on_trim(freed, self.max_bytes)
+        return freed > 0
 
     def close(self) -> None:
         """Close the file (it is reopened on the next write)."""

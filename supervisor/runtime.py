@@ -1020,6 +1020,7 @@ class Runtime:
             passthrough=group.log_passthrough,
         )
         output.file.on_health = self._on_log_health
+        output.file.on_trim = functools.partial(self._on_log_trim, spec.name)
         runner = WorkerRunner(
             spec,
             lc.timing_for(group),
@@ -1318,6 +1319,16 @@ class Runtime:
                 self.write_health.ok("log")
         else:
             self.write_health.failed("log", exc)
+
+    def _on_log_trim(self, name: str, freed: int, capped: int) -> None:
+        self.log.warning(
+            "output.log_trimmed",
+            worker=name,
+            freed_bytes=freed,
+            rotates_at_bytes=capped,
+            reason="state_dir is full: the worker's log gave up its space (state.json and "
+            "post-mortems come first); its last lines are still in memory",
+        )
 
     def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)

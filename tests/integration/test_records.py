@@ -746,6 +746,31 @@ def test_full_disk_does_not_stop_supervision(supervisor: SupervisorFactory, smal
     validate_file(small_fs / "state.json")
 
 
+def test_a_worker_log_that_fills_state_dir_gives_up_its_space(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """Regression: a chatty worker's log filled state_dir (1 MiB here; it never reached
+    log_max_bytes, so it never rotated) and state.json and post-mortems got no space until
+    someone deleted the log by hand. Now the log gives its space up and rotates small."""
+    chatty = {
+        "name": "chat",
+        "command": [sys.executable, "-c", "while True: print('x' * 4000, flush=True)"],
+        "ready": "none",
+    }
+    config = _crashing()
+    config["workers"].append(chatty)
+    sup = supervisor(config)
+    trimmed = sup.wait_event(event="output.log_trimmed", worker="chat-0", timeout=20)
+    assert trimmed["freed_bytes"] > 0 and trimmed["rotates_at_bytes"] < 1024 * 1024
+    mark = sup.mark()
+    sup.wait_events(3, after=mark, event="records.postmortem", worker="c-0", timeout=20)
+    assert sup.stop() == 0
+    validate_file(small_fs / "state.json")
+    logs = small_fs / "logs"
+    held = sum(p.stat().st_size for p in logs.glob("chat-0.log*"))
+    assert held <= 1024 * 1024 // 2 + 8192, held
+
+
 def test_a_full_state_dir_at_start_still_marks_the_workers(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:
