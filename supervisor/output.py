@@ -52,6 +52,12 @@ TRIMMED_MIN_BYTES = 64 * 1024
 DRAIN_LIMIT = 1024 * 1024
 
 
+def _private(path: str, flags: int) -> int:
+    """Open as ``open()`` does, a new file readable by its user and group only (a log holds
+    whatever the worker prints)."""
+    return os.open(path, flags, 0o640)
+
+
 class RotatingFile:
     """Append-only file rotated by size: ``x.log`` -> ``x.log.1`` ... ``x.log.<backups>``."""
 
@@ -73,10 +79,10 @@ class RotatingFile:
     def _open(self) -> BinaryIO:
         if self._fh is None:
             try:
-                self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open across writes
+                self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115 - kept open
             except FileNotFoundError:  # first use, or the directory was removed
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.path, "ab")  # noqa: SIM115
+                self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+                self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115
             self._size = self._fh.tell()
         return self._fh
 

@@ -34,6 +34,8 @@ from supervisor.model import finite
 TMP_PREFIX = ".tmp-"
 POSTMORTEM_DIR = "postmortems"
 STATE_FILE = "state.json"
+#: What the records are made with (less the umask): the service's user and group read them.
+FILE_MODE = 0o640
 LOCK_FILE = "lock"  # held by the running supervisor (flock), with its pid inside
 INSTANCE_FILE = "instance"  # the state_dir's random id, in its workers' environment
 CORDONS_FILE = "cordons"  # the GPUs an operator cordoned, one UUID a line
@@ -120,7 +122,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             view = memoryview(data)
             while view:
@@ -641,7 +643,7 @@ class Recorder:
         lost = not self.state_dir.is_dir() or (
             self._intact_seen and not self.store.directory.is_dir()
         )
-        self.store.directory.mkdir(parents=True, exist_ok=True)
+        self.store.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._intact_seen = True
         if lost:
             self._log.warning(

@@ -1097,8 +1097,12 @@ class Runtime:
         """
         state_dir = self.settings.supervisor.state_dir
         try:
+            # Not for everyone to read: post-mortems hold command lines, logs what the workers
+            # print. (0750/0640: the service's group may read; systemd's StateDirectoryMode
+            # says the same for the directory it makes.)
+            state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
             for sub in ("logs", POSTMORTEM_DIR):
-                (state_dir / sub).mkdir(parents=True, exist_ok=True)
+                (state_dir / sub).mkdir(mode=0o750, parents=True, exist_ok=True)
         except OSError as exc:
             self.write_health.failed("state", exc)
         # before anything in state_dir is touched: a second supervisor there stops here

@@ -521,3 +521,21 @@ async def test_state_json_removed_by_hand_is_written_again(tmp_path: Path) -> No
     recorder._last_at -= 1
     await recorder._step()
     assert json.loads(recorder.state_path.read_text())["workers"] == []
+
+
+def test_records_and_logs_are_not_for_everyone_to_read(tmp_path: Path) -> None:
+    """Post-mortems hold command lines and log tails, logs what the workers print: 0640
+    (regression: 0644, readable by every user of the host)."""
+    from supervisor.output import RotatingFile
+
+    old = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "state.json", b"{}")
+        log = RotatingFile(tmp_path / "logs" / "w-0.log", 0, 0)
+        log.write(b"secret\n")
+        log.close()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "state.json").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "logs" / "w-0.log").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "logs").stat().st_mode & 0o777 == 0o750
