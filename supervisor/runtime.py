@@ -1792,7 +1792,8 @@ class Runtime:
             "supervisor.stopping", reason="shutdown", signal=signal_name, workers=len(runners)
         )
         for runner in runners:
-            runner.post(lc.Stop(ExitReason.SHUTDOWN))
+            if runner.state is not WorkerState.FATAL:  # nothing runs; the last state says fatal
+                runner.post(lc.Stop(ExitReason.SHUTDOWN))
         timeout = self.settings.supervisor.shutdown_timeout_s
         if not await self.wait_until(lambda: all(is_idle(r) for r in self.workers()), timeout):
             self.log.warning("supervisor.shutdown_timeout", reason="shutdown_timeout_s passed")

@@ -147,6 +147,9 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
     )
     assert 'reason="exit"' not in metrics
     assert sup.stop() == 0
+    # the last-known state keeps it fatal (regression: the shutdown's stop made it "stopped")
+    state = validate_file(sup.state_dir / "state.json")
+    assert [w["state"] for w in state["workers"]] == ["fatal"]
     docs = postmortems(sup)
     assert docs and all(d["reason"] == "cuda_oom" for d in docs)
     # the last death (after which it was given up on) says so, the others do not
