@@ -518,7 +518,7 @@ class Healer:
                 reported = memory == "gpu" and w.gpu_leak_source == "worker"
                 if reported:
                     what = "GPU memory in use (reported by the worker)"
-                self._add(
+                self._add(  # the newest projection (an imminent one is not deferred)
                     Finding(
                         "leak",
                         f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
@@ -534,7 +534,8 @@ class Healer:
                             "oom_horizon_s": health.oom_horizon_s,
                             "leak_min_mb_per_min": health.leak_min_mb_per_min,
                         },
-                    )
+                    ),
+                    newest=True,
                 )
 
     def _judge_devices(self, sample: Sample, now: float) -> None:

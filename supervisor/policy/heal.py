@@ -84,6 +84,21 @@ COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
 #: NVML does not say whose: its siblings wait), but it is for the one worker running on the GPU
 #: (:func:`_sole_on`): its CUDA context is gone.
 BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "log_pattern"})
+#: A leak projected to run out of memory within this long is acted on whatever
+#: ``max_unavailable`` says: the worker is about to die of it anyway, and waiting only turns a
+#: drain into a crash (requests in flight lost; on a shared GPU, its neighbours' allocations
+#: failing too). A group with a stopped or fatal replica deferred its leaks until then.
+LEAK_IMMINENT_S = 60.0
+
+
+def _imminent(f: Finding) -> bool:
+    """``f`` is a leak that runs out of memory within ``LEAK_IMMINENT_S``."""
+    if f.kind != "leak":
+        return False
+    left = f.evidence.get("projected_oom_s")
+    return isinstance(left, int | float) and left <= LEAK_IMMINENT_S
+
+
 #: Findings whose restart cuts a drain short: a worker with a sticky error or a worker-fatal
 #: XID serves nothing, so waiting out ``drain_timeout_s`` only holds its GPU memory.
 CUTS_DRAIN: frozenset[str] = frozenset({"xid_worker", "log_pattern"})
@@ -321,7 +336,11 @@ def decide(
                 act = replace(act, redirect_only=True)
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
-                broken = f.kind in BROKEN or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
+                broken = (
+                    f.kind in BROKEN
+                    or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
+                    or _imminent(f)
+                )
                 if not broken and down.get(view.group, 0) >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (

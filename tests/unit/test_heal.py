@@ -13,6 +13,7 @@ from supervisor.model import ExitReason, ExitStatus, WorkerState
 from supervisor.policy.classify import classify
 from supervisor.policy.heal import (
     COOLDOWN_S,
+    LEAK_IMMINENT_S,
     Finding,
     GroupPolicy,
     WorkerView,
@@ -162,6 +163,24 @@ def test_a_worker_already_down_counts_against_max_unavailable() -> None:
     assert d.acts == () and [f.worker for f in d.deferred] == ["w-1"]
     d2 = decide([leak("w-1")], workers, {"w": GroupPolicy(max_unavailable=2)}, 0.0, {})
     assert acts_of(d2) == [("drain", "w-1", None, "leak")]
+
+
+@pytest.mark.parametrize("down", [WorkerState.FATAL, WorkerState.STOPPED])
+def test_a_leak_about_to_run_out_is_acted_on_whatever_max_unavailable_says(
+    down: WorkerState,
+) -> None:
+    """A replica stopped or given up on held the group at max_unavailable, so a leak of the
+    other one was deferred until it died of it (a crash instead of a drain). A leak projected
+    to run out within LEAK_IMMINENT_S goes now; one further off still waits."""
+    workers = views(w_0=down, w_1=R)
+
+    def projected(seconds: float) -> Finding:
+        return Finding("leak", "grows", worker="w-1", evidence={"projected_oom_s": seconds})
+
+    far = decide([projected(LEAK_IMMINENT_S + 60)], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert far.acts == () and [f.worker for f in far.deferred] == ["w-1"]
+    near = decide([projected(LEAK_IMMINENT_S - 1)], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(near) == [("drain", "w-1", None, "leak")] and near.deferred == ()
 
 
 def test_acting_on_a_worker_that_is_not_ready_is_always_allowed() -> None:
