@@ -140,16 +140,27 @@ def sigpipe_ignored(text: str) -> bool:
     return bool(mask & (1 << (signal.SIGPIPE - 1)))
 
 
-@pytest.mark.parametrize("stdout_too", [False, True], ids=["stderr", "stderr+stdout"])
-def test_supervision_goes_on_when_the_log_reader_goes_away(
-    tmp_path: Path, reports: Reports, stdout_too: bool
-) -> None:
-    """stderr's reader is gone: a worker crash (logged: EPIPE) is still handled (the worker is
-    restarted), the API still answers, and SIGTERM still stops the worker with SIGTERM and the
-    supervisor with exit 0. Before: the first log line after the reader left ended the
-    supervisor (exit 141), and its workers were SIGKILLed by PDEATHSIG. ``stdout_too``: the
-    workers' passthrough output went to the same pipe (``2>&1 | tee``); what was left in
-    stdout's buffer made the exit code 1."""
+def end_all(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
+    """What a test that failed midway left: the supervisor's session, then the workers."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+
+
+def start_logging_to_a_pipe(
+    tmp_path: Path,
+    reports: Reports,
+    stdout_too: bool,
+    restart: dict[str, Any],
+    pipe_size: int | None,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The supervisor (one reporting worker ``w``, restarted at once) with its stderr, and with
+    ``stdout_too`` its stdout (the worker's output passed through), into a pipe; ``(process,
+    the pipe's read end)``. The test reads the pipe, or not."""
     script = tmp_path / "report_worker.py"
     script.write_text(WORKER)
     config = {
@@ -161,7 +172,7 @@ def test_supervision_goes_on_when_the_log_reader_goes_away(
                 "command": ["/bin/sh", "-c", SHELL, sys.executable, str(script), reports.name],
                 "ready": "none",
                 "log_passthrough": stdout_too,
-                "restart": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "stable_s": 0.1},
+                "restart": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, **restart},
             }
         ],
     }
@@ -170,6 +181,8 @@ def test_supervision_goes_on_when_the_log_reader_goes_away(
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
     argv = [sys.executable, "-m", "supervisor", "run", "-c", str(config_path)]
     r, w = os.pipe()
+    if pipe_size is not None:
+        fcntl.fcntl(w, F_SETPIPE_SZ, pipe_size)
     proc = subprocess.Popen(
         [*argv, "--log-format", "json", "--log-level", "info"],
         stdin=subprocess.DEVNULL,
@@ -180,6 +193,22 @@ def test_supervision_goes_on_when_the_log_reader_goes_away(
         start_new_session=True,
     )
     os.close(w)
+    return proc, r
+
+
+@pytest.mark.parametrize("stdout_too", [False, True], ids=["stderr", "stderr+stdout"])
+def test_supervision_goes_on_when_the_log_reader_goes_away(
+    tmp_path: Path, reports: Reports, stdout_too: bool
+) -> None:
+    """stderr's reader is gone: a worker crash (logged: EPIPE) is still handled (the worker is
+    restarted), the API still answers, and SIGTERM still stops the worker with SIGTERM and the
+    supervisor with exit 0. Before: the first log line after the reader left ended the
+    supervisor (exit 141), and its workers were SIGKILLed by PDEATHSIG. ``stdout_too``: the
+    workers' passthrough output went to the same pipe (``2>&1 | tee``); what was left in
+    stdout's buffer made the exit code 1."""
+    proc, r = start_logging_to_a_pipe(
+        tmp_path, reports, stdout_too, {"stable_s": 0.1}, pipe_size=None
+    )
     pids: list[int] = []
     try:
         try:
@@ -208,13 +237,7 @@ def test_supervision_goes_on_when_the_log_reader_goes_away(
         state = json.loads((tmp_path / "state" / "state.json").read_text())
         assert state, "state.json was written"
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
+        end_all(proc, pids)
 
 
 def test_worker_starts_with_sigpipe_at_its_default(supervisor: SupervisorFactory) -> None:
@@ -246,37 +269,8 @@ def test_supervision_goes_on_when_the_log_reader_stops_reading(
     hung log shim): crashes are still handled and the API answers; once it reads again, the log
     says how many lines it lost. Before: the first line that found the pipe full blocked the
     supervisor in write() until the reader read again (no restart, /healthz timing out)."""
-    script = tmp_path / "report_worker.py"
-    script.write_text(WORKER)
-    config = {
-        "supervisor": {"state_dir": str(tmp_path / "state")},
-        "api": {"listen": "127.0.0.1:0"},
-        "workers": [
-            {
-                "name": "w",
-                "command": ["/bin/sh", "-c", SHELL, sys.executable, str(script), reports.name],
-                "ready": "none",
-                "log_passthrough": stdout_too,
-                "restart": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "burst": 100},
-            }
-        ],
-    }
-    config_path = tmp_path / "config.toml"
-    config_path.write_text(tomlw.dumps(config))
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
-    argv = [sys.executable, "-m", "supervisor", "run", "-c", str(config_path)]
-    r, w = os.pipe()
-    fcntl.fcntl(w, F_SETPIPE_SZ, 4096)  # one page: a few log lines fill it
-    proc = subprocess.Popen(
-        [*argv, "--log-format", "json", "--log-level", "info"],
-        stdin=subprocess.DEVNULL,
-        stdout=w if stdout_too else subprocess.DEVNULL,
-        stderr=w,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    os.close(w)
+    # a pipe of one page: a few log lines fill it
+    proc, r = start_logging_to_a_pipe(tmp_path, reports, stdout_too, {"burst": 100}, 4096)
     pids: list[int] = []
     try:
         seen = read_events(r, {"supervisor.start", "api.listening"})
@@ -301,10 +295,4 @@ def test_supervision_goes_on_when_the_log_reader_stops_reading(
         assert proc.wait(30) == 0
     finally:
         os.close(r)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
+        end_all(proc, pids)
