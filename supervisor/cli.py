@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpus.add_argument(
         "--backend", choices=["auto", "nvml", "sim", "none"], help="override [gpu] backend"
     )
-    gpus.add_argument("--sim-dir", help="override [gpu] sim_dir")
+    gpus.add_argument("--sim-dir", help="override [gpu] sim_dir (and read it: backend sim)")
     gpus.add_argument("--json", action="store_true", help="print JSON")
 
     pm = sub.add_parser("postmortem", help="read post-mortem files")
@@ -255,10 +255,14 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
 
 def _gpus(args: argparse.Namespace) -> int:
     gpu = client.client_settings(args.config).gpu if args.config else GpuSection()
-    if args.backend:
+    if args.sim_dir and args.backend not in (None, "sim"):
+        raise UsageError(
+            f"gpu-supervisor gpus: --sim-dir goes with --backend sim (not {args.backend!r})"
+        )
+    if args.sim_dir:  # a sim world named: the sim backend is meant (regression: ignored)
+        gpu = gpu.model_copy(update={"sim_dir": Path(args.sim_dir), "backend": "sim"})
+    elif args.backend:
         gpu = gpu.model_copy(update={"backend": args.backend})
-    if args.sim_dir:
-        gpu = gpu.model_copy(update={"sim_dir": Path(args.sim_dir)})
     backend = make_backend(gpu, create=False)
     error: str | None = None
     devices: tuple[DeviceSample, ...] = ()

@@ -133,9 +133,7 @@ def test_not_supported_fields_are_null(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "supervisor",
-            "gpus",
-            "--backend",
-            "sim",
+            "gpus",  # --sim-dir alone means the sim backend (regression: ignored, no GPUs)
             "--sim-dir",
             str(world),
             "--json",
@@ -150,6 +148,14 @@ def test_not_supported_fields_are_null(tmp_path: Path) -> None:
     assert dev["temperature_celsius"] is None
     assert dev["utilization_percent"] == 0.0
     assert dev["memory"]["total_mb"] == 81920.0
+    clash = subprocess.run(
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--sim-dir", str(world)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert clash.returncode == 2 and "--sim-dir goes with --backend sim" in clash.stderr
     # without telemetry the error says so, as the API does (regression: null)
     none = subprocess.run(
         [sys.executable, "-m", "supervisor", "gpus", "--backend", "none", "--json"],
