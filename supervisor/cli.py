@@ -30,7 +30,6 @@ from supervisor.config import GpuSection, Settings, load_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
-    SpawnError,
     SupervisorError,
     UsageError,
 )
@@ -43,7 +42,7 @@ from supervisor.processes import (
     protect_from_oom_killer,
     raise_open_files_limit,
     release_held_signals,
-    resolve_program,
+    unrunnable,
 )
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
 from supervisor.runtime import Runtime, Service
@@ -145,15 +144,8 @@ def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None
 def _unrunnable(plan: Plan) -> list[str]:
     """A warning per group whose program cannot be executed from here (``run`` would start,
     and report each failed spawn: the program may be installed later, or only at run time)."""
-    out = []
-    for group in plan.groups:
-        for spec in group.workers[:1]:
-            env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
-            try:
-                resolve_program(spec.argv[0], env, spec.cwd)
-            except SpawnError as exc:
-                out.append(f"group {group.group.name}: {exc} (its workers would fail to start)")
-    return out
+    firsts = [(g.group.name, g.workers[0]) for g in plan.groups if g.workers]
+    return [f"{line} (its workers would fail to start)" for line in unrunnable(firsts)]
 
 
 def check_config(settings: Settings, as_json: bool) -> str:

@@ -343,7 +343,7 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
             if e["type"] == "reload.rejected":
                 why = f"{e['reason']}: {e['error']}" if e.get("error") else e["reason"]
                 print(f"gpu-supervisor: reload rejected ({why}); nothing changed", file=sys.stderr)
-                return 2 if e["reason"] == "bad config" else 1
+                return 2 if e["reason"] in ("bad config", "command") else 1
             if e["type"] == "reload.accepted":
                 accepted = True
                 print(_reload_summary(e), flush=True)

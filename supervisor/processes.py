@@ -275,6 +275,19 @@ def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> st
     return found
 
 
+def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
+    """One line per ``(group, spec)`` whose program cannot be executed from here, as
+    ``execvpe`` would look for it (its PATH, its working directory)."""
+    out = []
+    for group, spec in specs:
+        env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
+        try:
+            resolve_program(spec.argv[0], env, spec.cwd)
+        except SpawnError as exc:
+            out.append(f"group {group}: {exc}")
+    return out
+
+
 #: The open-files limit the supervisor raises its own soft limit to (where the hard limit
 #: allows): two descriptors a worker, the API's connections, /proc reads. Workers inherit it,
 #: as under supervisord (``minfds``) and in containers, where soft and hard are one value.

@@ -76,6 +76,7 @@ from supervisor.processes import (
     probe_spawn_helper,
     release_held_signals,
     set_child_subreaper,
+    unrunnable,
 )
 from supervisor.reclaim import KILL_WAIT_S as RECLAIM_KILL_WAIT_S
 from supervisor.reclaim import TERM_WAIT_S, reclaim
@@ -1967,6 +1968,22 @@ class Runtime:
             self.settings = old
             self.log.exception("supervisor.reload_rejected", reason="internal error")
             self._journal_reload(request, False, reason="internal error", error=repr(exc))
+            self._reload_over()
+            return False
+        # The supervisor runs where the workers do: a program a changed or added group cannot
+        # execute here is a mistake in the file, not something to roll onto running workers
+        # (which would halt with a worker in backoff, "spawn_failed").
+        touched = {*diff.changed, *diff.added}
+        missing = unrunnable(
+            (g.group.name, g.workers[0])
+            for g in plan.groups
+            if g.group.name in touched and g.workers
+        )
+        if missing:
+            self.settings = old
+            error = "; ".join(missing)
+            self.log.error("supervisor.reload_rejected", reason="command", error=error)
+            self._journal_reload(request, False, reason="command", error=error)
             self._reload_over()
             return False
         self.journal.append(

@@ -305,6 +305,14 @@ def test_reload_command_says_what_became_of_the_file(
     assert err.strip().endswith("nothing changed"), err
     assert not sup.find(event="worker.state", new="stopping", after=mark)
 
+    # a program the supervisor cannot execute (regression: accepted, and the roll-out left
+    # the first worker in backoff, spawn_failed)
+    sup.write_config(config(keep, {**extra, "command": ["/nonexistent/prog"]}))
+    code, text, err = run(capsys, "reload", "-c", cfg)
+    assert code == 2 and err.startswith("gpu-supervisor: reload rejected (command: group extra:")
+    assert "'/nonexistent/prog'" in err and err.strip().endswith("nothing changed"), err
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+
     sup.write_config(config(keep, {**extra, "replicas": 2}))
     code, text, err = run(capsys, "reload", "--wait", "-c", cfg)
     assert code == 0, err
