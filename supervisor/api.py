@@ -761,14 +761,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
 
     @get(f"{API_PREFIX}/events", list[Event], 422)
     async def events(
-        since: Annotated[
-            int,
-            Query(
-                ge=0,
-                description="only events with a greater seq (one beyond the newest, from "
-                "before a restart of the supervisor, gives every event held)",
-            ),
-        ] = 0,
+        since: Annotated[int, Query(ge=0, description="only events with a greater seq")] = 0,
         limit: Annotated[int, Query(ge=1, le=JOURNAL_SIZE)] = JOURNAL_SIZE,
     ) -> list[dict[str, Any]]:
         """Recent lifecycle events, oldest first, with increasing ``seq``."""

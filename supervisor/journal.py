@@ -64,14 +64,7 @@ class Journal:
         return event
 
     def since(self, seq: int, limit: int | None = None) -> list[Event]:
-        """Events with ``seq`` greater than the given one, oldest first (at most ``limit``).
-
-        A ``seq`` beyond the newest was handed out by an earlier run of the supervisor (the
-        numbering starts at 1 in each): every event held comes back, so that a client polling
-        across a restart sees the new run's events (their lower ``seq`` says the numbering
-        started again) instead of an empty list for ever."""
-        if seq > self._seq:
-            seq = 0
+        """Events with ``seq`` greater than the given one, oldest first (at most ``limit``)."""
         out = [e for e in self._events if e.seq > seq] if seq > 0 else list(self._events)
         return out if limit is None else out[:limit]
 
