@@ -47,7 +47,7 @@ from typing import Any, Literal, TextIO
 
 import structlog
 
-from supervisor.streams import STALL_WAIT_S, write_unblocked
+from supervisor.streams import STALL_WAIT_S, UnblockedWriter
 
 LogFormat = Literal["auto", "json", "console"]
 
@@ -91,6 +91,7 @@ class LogSink:
         "_lock",
         "_put",
         "_unreported",
+        "_writer",
         "broken",
         "dropped",
         "fault",
@@ -106,6 +107,7 @@ class LogSink:
         self._encoding: str = getattr(stream, "encoding", None) or "utf-8"
         self._errors: str = getattr(stream, "errors", None) or "backslashreplace"
         self._put: Callable[[str], None] = self._put_fd if self._fd is not None else self._put_text
+        self._writer = UnblockedWriter(self._fd) if self._fd is not None else None
         self._lock = threading.Lock()
         #: False during a run of failures (and for good once broken): the fast path is off.
         self.healthy = stream is not None
@@ -137,6 +139,13 @@ class LogSink:
         else:
             self.dropped += 1  # approximate under threads: no lock on the discarding path
 
+    def close(self) -> None:
+        """Release the sink's own description of the stream (the stream is the caller's): a
+        reader of the pipe sees its end once every writer is gone, this one included."""
+        if self._writer is not None:
+            with self._lock:
+                self._writer.close()
+
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
 
@@ -146,8 +155,8 @@ class LogSink:
         assert fd is not None
         # A reader that stopped reading must not stop supervision: a line waits for room at
         # most STALL_WAIT_S, and not at all while the stream is known to be stalled.
-        wait = STALL_WAIT_S if self.healthy else 0.0
-        written = write_unblocked(fd, data, wait)
+        assert self._writer is not None
+        written = self._writer.write(data, STALL_WAIT_S if self.healthy else 0.0)
         if written < len(data):
             if written:
                 self._cut = True  # the next line that gets through starts a new line first
@@ -198,6 +207,8 @@ class LogSink:
                 os.dup2(devnull, fd, inheritable=inheritable)
             finally:
                 os.close(devnull)
+        if self._writer is not None:  # its own description of the stream that is gone
+            self._writer.close()
 
     def _retry(self, message: str) -> None:
         """A line after a failure that was not for good: the notice of what was lost, then it."""
@@ -284,6 +295,8 @@ def configure_logging(
         renderer = structlog.dev.ConsoleRenderer(colors=tty)
     else:
         renderer = structlog.processors.JSONRenderer()
+    if _sink is not None:  # replaced: its own description of its stream goes
+        _sink.close()
     sink = LogSink(stream)
     stamp: list[structlog.typing.Processor] = [
         structlog.processors.add_log_level,

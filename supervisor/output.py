@@ -29,7 +29,7 @@ import anyio
 import anyio.lowlevel
 import structlog
 
-from supervisor.streams import STALL_WAIT_S, write_unblocked
+from supervisor.streams import STALL_WAIT_S, UnblockedWriter
 
 TAIL_LINES = 200
 #: The tail also holds at most this many characters (the newest lines that fit, and always the
@@ -206,50 +206,88 @@ class Tail:
 
 
 class _Shown:
-    """The line a terminal shows while it is written, from its pieces: its first bytes (a
-    little over ``MAX_LINE``, cut between characters when read) and its length.
+    """The line a terminal shows while it is written, from its pieces.
 
-    A carriage return sends the terminal back to the line's start, so the text after it is the
-    line (what came before was overwritten: a progress bar's earlier updates). A carriage
+    A carriage return sends the terminal back to the line's start: the text after it
+    overwrites what was there, as far as it goes (``abcdef``, a carriage return and ``xy`` show
+    ``xycdef``; a progress bar's updates, each as long as the last, show the last). Each
+    stretch between carriage returns is a *segment*; ``on_line`` gets every segment (the
+    sticky-error patterns see text a later segment overwrote), the tail gets what the terminal
+    shows. A carriage
     return that ends a piece is held back: it may be a CRLF line end, whose newline comes next.
+    Only the first bytes of each (a little over ``MAX_LINE``) are held.
     """
 
-    __slots__ = ("cr", "head", "size", "told")
+    __slots__ = ("cr", "cur", "cur_len", "told", "under", "under_len")
 
     def __init__(self) -> None:
-        self.head = b""
-        self.size = 0
+        self.under = b""  # the line as the segments before the current one left it
+        self.under_len = 0
+        self.cur = b""  # the current segment
+        self.cur_len = 0
         self.cr = False  # a carriage return held back
-        self.told = False  # on_line has had the head of this (too long) line
+        self.told = False  # on_line has had the current segment (it grew too long)
 
     def empty(self) -> bool:
-        return not self.size and not self.cr
+        return not self.cur_len and not self.under_len and not self.cr
 
-    def add(self, piece: bytes) -> bool:
-        """Add bytes of the current line (no newline); True when it has just grown too long."""
+    def size(self) -> int:
+        """The length of the line shown."""
+        return max(self.under_len, self.cur_len)
+
+    def add(self, piece: bytes, on_line: Callable[[str], None] | None) -> None:
+        """Add bytes of the current line (no newline)."""
         if not piece:
-            return False
-        if self.cr:  # not a CRLF after all: what follows overwrites the line
-            self.reset()
-        if piece.endswith(b"\r"):
+            return
+        if self.cr:  # not a CRLF after all: a carriage return
+            self.carriage(on_line)
+        held_back = piece.endswith(b"\r")
+        if held_back:
             piece = piece[:-1]
-            self.cr = True
-        back = piece.rfind(b"\r")
-        if back >= 0:
-            self.head, self.size, self.told = b"", 0, False
-            piece = piece[back + 1 :]
-        room = MAX_LINE + 3 - len(self.head)  # + 3: cut between characters when read
-        if room > 0:
-            self.head += piece[:room]
-        self.size += len(piece)
-        return self.size > MAX_LINE and not self.told
+        for i, part in enumerate(piece.split(b"\r") if b"\r" in piece else (piece,)):
+            if i:
+                self.carriage(on_line)
+            room = _HELD - len(self.cur)
+            if room > 0:
+                self.cur += part[:room]
+            self.cur_len += len(part)
+            if self.cur_len > MAX_LINE and not self.told:  # its start is where the error is
+                self.told = True
+                if on_line is not None:
+                    on_line(_text(self.cur))
+        self.cr = held_back
 
-    def text(self) -> str:
-        """The line's start as text (its first ``MAX_LINE`` bytes at most)."""
-        return self.head[: _cut_at(self.head, 0, MAX_LINE)].decode("utf-8", errors="replace")
+    def carriage(self, on_line: Callable[[str], None] | None) -> None:
+        """The current segment ends (a carriage return): told, then overwritten in part."""
+        self.cr = False
+        if self.cur_len and not self.told and on_line is not None:
+            on_line(_text(self.cur))
+        self.under = (self.cur + self.under[len(self.cur) :])[:_HELD]
+        self.under_len = max(self.under_len, self.cur_len)
+        self.cur, self.cur_len, self.told = b"", 0, False
+
+    def end(self, on_line: Callable[[str], None] | None) -> str:
+        """The line ends: its last segment told; what the terminal shows, cut when too long."""
+        self.cr = False  # a CRLF line end
+        if self.cur_len and not self.told and on_line is not None:
+            on_line(_text(self.cur))
+        size = self.size()
+        shown = _text(self.cur + self.under[len(self.cur) :])
+        self.under, self.under_len, self.cur, self.cur_len, self.told = b"", 0, b"", 0, False
+        return shown + CUT_MARK.format(total=size) if size > MAX_LINE else shown
 
     def reset(self) -> None:
-        self.head, self.size, self.cr, self.told = b"", 0, False, False
+        self.under, self.under_len, self.cur, self.cur_len = b"", 0, b"", 0
+        self.cr = self.told = False
+
+
+#: The bytes of a line held for the tail: a little over ``MAX_LINE``, to cut between characters.
+_HELD = MAX_LINE + 3
+
+
+def _text(held: bytes) -> str:
+    """The first ``MAX_LINE`` bytes of ``held`` as text (cut between UTF-8 characters)."""
+    return held[: _cut_at(held, 0, MAX_LINE)].decode("utf-8", errors="replace")
 
 
 class WorkerOutput:
@@ -287,36 +325,32 @@ class WorkerOutput:
         self.file.write(data)
         pieces = data.split(b"\n")
         last = pieces.pop()
-        shown, tail, on_line = self._shown, self.tail, self.on_line
+        shown, on_line, append = self._shown, self.on_line, self.tail.append
+        if pieces and not shown.empty():  # the line in progress ends here
+            shown.add(pieces[0], on_line)
+            append(shown.end(on_line))
+            del pieces[0]
+        plain = b"\r" not in data  # one look for the whole chunk: most output has none
         for piece in pieces:
-            if shown.empty() and len(piece) <= MAX_LINE and b"\r" not in piece:  # most lines
-                text = piece.decode("utf-8", errors="replace")
-                tail.append(text)
-                if on_line is not None:
-                    on_line(text)
-            else:
-                self._add_shown(piece)
-                self._end_shown()
-        self._add_shown(last)
+            if not plain:
+                cr = piece.find(b"\r")
+                if cr == len(piece) - 1:
+                    piece = piece[:-1]  # a CRLF line end
+                elif cr >= 0:
+                    shown.add(piece, on_line)
+                    append(shown.end(on_line))
+                    continue
+            if len(piece) > MAX_LINE:
+                shown.add(piece, on_line)
+                append(shown.end(on_line))
+                continue
+            text = piece.decode("utf-8", errors="replace")
+            append(text)
+            if on_line is not None:
+                on_line(text)
+        shown.add(last, on_line)
         if self.passthrough:
             self._pass(data)
-
-    def _add_shown(self, piece: bytes) -> None:
-        if self._shown.add(piece):  # too long: its start is out now, where the error text is
-            self._shown.told = True
-            if self.on_line is not None:
-                self.on_line(self._shown.text())
-
-    def _end_shown(self) -> None:
-        shown = self._shown
-        text = shown.text()
-        if shown.size > MAX_LINE:
-            self.tail.append(text + CUT_MARK.format(total=shown.size))
-        else:
-            self.tail.append(text)
-            if self.on_line is not None:
-                self.on_line(text)
-        shown.reset()
 
     def _pass(self, data: bytes) -> None:
         """Passthrough: every byte, in lines of at most ``MAX_LINE`` bytes."""
@@ -356,8 +390,8 @@ class WorkerOutput:
 
     def flush_partial(self) -> None:
         """The pipe closed: keep an unterminated last line too."""
-        if self._shown.size:  # an unterminated line that shows something
-            self._end_shown()
+        if self._shown.size():  # an unterminated line that shows something
+            self.tail.append(self._shown.end(self.on_line))
         else:
             self._shown.reset()
         if self._long or self._partial:
@@ -450,6 +484,7 @@ class Passthrough:
         self.dropped_bytes = 0  # in all
         self._lost = 0  # in the current stall
         self._cut = False  # a line was cut short: the next write ends it first
+        self._writer: UnblockedWriter | None = None
 
     def __call__(self, data: bytes) -> None:
         fd = self.fd if self.fd is not None else _stdout_fd()
@@ -457,8 +492,10 @@ class Passthrough:
             return
         if self._cut:
             data = b"\n" + data
+        if self._writer is None or self._writer.fd != fd:
+            self._writer = UnblockedWriter(fd)
         try:
-            written = write_unblocked(fd, data, 0.0 if self.stalled else STALL_WAIT_S)
+            written = self._writer.write(data, 0.0 if self.stalled else STALL_WAIT_S)
         except OSError:
             return  # gone (EPIPE, EBADF) or failing (ENOSPC): nothing to do but drop it
         if written < len(data):

@@ -117,7 +117,7 @@ def test_on_health_is_told_once_and_may_log(pipe: tuple[int, TextIO]) -> None:
 def test_lines_are_whole_json_lines_from_threads(pipe: tuple[int, TextIO]) -> None:
     """The fast path writes each line whole (non-ASCII included), threads never interleave."""
     r, stream = pipe
-    logs.configure_logging("json", "info", stream=stream)
+    sink = logs.configure_logging("json", "info", stream=stream)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.extend(iter(lambda: os.read(r, 65536), b"")))
     reader.start()
@@ -132,6 +132,7 @@ def test_lines_are_whole_json_lines_from_threads(pipe: tuple[int, TextIO]) -> No
         t.start()
     for t in threads:
         t.join()
+    sink.close()  # its own non-blocking description of the pipe is a writer too
     stream.close()
     reader.join(10)
     lines = events(b"".join(got).decode())
@@ -351,3 +352,50 @@ def test_passthrough_drops_what_a_stalled_stdout_cannot_take(pipe: tuple[int, Te
         "output.passthrough_recovered",
     ]
     assert said[1]["dropped_bytes"] == out.dropped_bytes > 9000 - 4096
+
+
+def test_a_terminal_that_stops_reading_does_not_block_the_logger() -> None:
+    """A terminal polls writable with a few bytes of room, and a write of more then blocks
+    until it has them all (an ssh session whose network stalled, a hung terminal emulator):
+    polling before each write was not enough. Writes go through a non-blocking description of
+    the terminal of their own; the terminal itself stays blocking for everyone else."""
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w", encoding="utf-8", closefd=False) as tty:
+            sink = logs.configure_logging("json", "info", stream=tty)
+            log = structlog.get_logger()
+            for i in range(2000):  # ~400 kB: far more than the terminal holds
+                log.info("line", i=i, text="y" * 150)
+            assert sink.dropped > 0 and not sink.broken
+            assert os.get_blocking(slave)  # not changed under the others who share it
+            sink.close()
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_socket_that_stops_reading_does_not_block_the_logger() -> None:
+    """journald hands a service a stream socket for stderr: the same, with send(MSG_DONTWAIT)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    try:
+        with os.fdopen(ours.fileno(), "w", encoding="utf-8", closefd=False) as stream:
+            sink = logs.configure_logging("json", "info", stream=stream)
+            log = structlog.get_logger()
+            for i in range(5000):  # ~1 MB: more than the socket's buffers hold
+                log.info("line", i=i, text="y" * 150)
+            assert sink.dropped > 0 and not sink.broken
+            theirs.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while theirs.recv(1 << 20):
+                    pass
+            log.info("back")
+            sink.close()
+        theirs.setblocking(True)
+        theirs.settimeout(5)
+        tail = theirs.recv(1 << 16).decode()
+        assert logs.RECOVERED_EVENT in tail and '"event": "back"' in tail
+    finally:
+        ours.close()
+        theirs.close()

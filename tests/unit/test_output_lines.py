@@ -219,37 +219,44 @@ def test_a_marker_ends_a_long_line_in_progress(make: Make) -> None:
 def test_the_error_after_a_progress_bar_is_the_tail_s_last_line(make: Make, tmp_path: Path) -> None:
     """The defect: 3000 progress updates without a newline, then the error, made one line of
     225 kB whose first 16 KiB (the bar) was all the tail and the patterns saw; the error was
-    lost and the death filed as a plain exit. Now the error is the line."""
+    lost and the death filed as a plain exit. Now the tail has what a terminal shows (the
+    error over the start of the last update) and on_line gets the error as it was printed."""
     seen: list[str] = []
     out = make()
     out.on_line = seen.append
     bar = b"".join(b"\r%5.1f%%|%-50s| %d/3000" % (i / 30, b"#" * (i // 60), i) for i in range(3000))
-    data = b"loading\n" + bar + b"\rRuntimeError: CUDA error: out of memory\n"
+    error = "RuntimeError: CUDA error: out of memory"
+    data = b"loading\n" + bar + b"\r" + error.encode() + b"\n"
     for chunk in chunks(data, 4096):
         out.feed(chunk)
-    assert out.lines() == ["loading", "RuntimeError: CUDA error: out of memory"]
-    assert seen == out.lines()
+    last_update = bar.rsplit(b"\r", 1)[1].decode()
+    assert out.lines() == ["loading", error + last_update[len(error) :]]
+    assert seen[0] == "loading" and seen[-1] == error and len(seen) == 3001 + 1
     assert (tmp_path / "w.log").read_bytes() == data  # the file keeps every byte
 
 
 def test_a_crlf_split_between_reads_is_a_line_end(make: Make) -> None:
     out = make()
-    for chunk in (b"hello\r", b"\nworld\r\n", b"a\rb\r", b"\n", b"x\r", b"y\n"):
+    for chunk in (b"hello\r", b"\nworld\r\n", b"a\rb\r", b"\n", b"x\r", b"y\n", b"abc\r", b"\r\n"):
         out.feed(chunk)
-    assert out.lines() == ["hello", "world", "b", "y"]
+    assert out.lines() == ["hello", "world", "b", "y", "abc"]
 
 
-def _terminal_view(data: bytes) -> list[str]:
-    """The oracle: each line (a CRLF end is a line end) as the text after its last \\r."""
+def _lines(data: bytes) -> list[bytes]:
+    """``data``'s lines without their ends (a CRLF end included); an unterminated last one."""
     lines = data.split(b"\n")
     if lines[-1] == b"":
         lines.pop()
-    out = []
-    for line in lines:
-        line = line.removesuffix(b"\r")
-        line = line[line.rfind(b"\r") + 1 :]
-        out.append(line.decode("utf-8", errors="replace"))
-    return out
+    return [line.removesuffix(b"\r") for line in lines]
+
+
+def _shown(line: bytes) -> str:
+    """The oracle: what a terminal shows of ``line``: each carriage return goes back to the
+    start, and what follows overwrites as far as it goes."""
+    screen = b""
+    for segment in line.split(b"\r"):
+        screen = segment + screen[len(segment) :]
+    return screen.decode("utf-8", errors="replace")
 
 
 @settings(max_examples=300, deadline=None)
@@ -258,17 +265,24 @@ def _terminal_view(data: bytes) -> list[str]:
     size=st.integers(1, 7),
 )
 def test_the_tail_is_the_terminal_view_however_reads_fall(parts: list[bytes], size: int) -> None:
+    """Whatever the reads: the tail is what a terminal shows of each line, and on_line gets
+    every stretch of text between carriage returns (an error a progress bar overwrote too)."""
+    told: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = WorkerOutput("w-0", Path(tmp) / "w.log", 0, 0)
+        out.on_line = told.append
         data = b"".join(parts)
         for chunk in chunks(data, size):
             out.feed(chunk)
         out.flush_partial()
         out.close()
-    expected = _terminal_view(data)
+    lines = _lines(data)
+    expected = [_shown(line) for line in lines]
     if data and not data.endswith(b"\n") and expected and not expected[-1]:
-        expected.pop()  # an unterminated last line that shows nothing (ends in \r) is no line
+        expected.pop()  # an unterminated last line that shows nothing is no line
     assert out.lines() == expected
+    segments = [seg for line in lines for seg in line.split(b"\r") if seg]
+    assert [t for t in told if t] == [seg.decode("utf-8", errors="replace") for seg in segments]
 
 
 # --- the pipe -----------------------------------------------------------------------------
@@ -327,3 +341,14 @@ async def test_drain_takes_the_last_words_before_the_exit_is_judged(make: Make) 
         os.close(w)
     assert out.lines()[-1] == "torch.OutOfMemoryError: CUDA out of memory"  # nothing twice
     assert len(out.lines()) == 3
+
+
+def test_a_too_long_segment_is_told_once_and_overwritten_as_a_terminal_does(make: Make) -> None:
+    told: list[str] = []
+    out = make()
+    out.on_line = told.append
+    data = b"x" * 20_000 + b"\rshort\r\n"
+    for chunk in chunks(data, 3000):
+        out.feed(chunk)
+    assert told == ["x" * MAX_LINE, "short"]
+    assert out.lines() == ["short" + "x" * (MAX_LINE - 5) + CUT_MARK.format(total=20_000)]
