@@ -7,11 +7,11 @@ it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its 
 line, so that output from several workers never mixes within a line), and the in-memory tail and
 ``on_line`` get its first ``MAX_LINE`` bytes, where the timestamp, level and error text are.
 
-The tail and ``on_line`` read a carriage return inside a line (a progress bar redrawing itself)
-as a terminal shows it: the text after it is the line, what came before was overwritten. So a
-progress bar of thousands of updates without a newline, then the error that ended the run, is
-kept as the error, not as one line cut to the bar's first 16 KiB. The log file and passthrough
-keep every byte.
+The tail reads a carriage return inside a line (a progress bar redrawing itself) as a terminal
+shows it: back to the line's start, the text after it overwriting what was there; ``on_line``
+gets every stretch between carriage returns. So a progress bar of thousands of updates without a
+newline, then the error that ended the run, is kept as the error (over the last update), not as
+one line cut to the bar's first 16 KiB. The log file and passthrough keep every byte.
 """
 
 from __future__ import annotations
