@@ -459,12 +459,20 @@ class Healer:
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         w.host_floor.add(now, usage.host_rss_mb)
         w.gpu_mb = usage.gpu_memory_mb
-        w.gpu_streak = budget_streak(w.gpu_streak, usage.gpu_memory_mb, health.gpu_memory_limit_mb)
+        # The GPU budget is per GPU (placement reserves it on each GPU of the worker, and the
+        # worker gets it as a per-device cap): a worker on two GPUs is over it when one of
+        # them holds more, not when the two together do.
+        on_one = (
+            max(usage.gpu_memory_by_gpu.values())
+            if usage.gpu_memory_by_gpu and usage.gpu_memory_mb is not None
+            else usage.gpu_memory_mb
+        )
+        w.gpu_streak = budget_streak(w.gpu_streak, on_one, health.gpu_memory_limit_mb)
         w.host_streak = budget_streak(w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb)
         # A breach deferred (max_unavailable) is acted on only while it lasts, with the newest
         # figures: one that ended meanwhile must not restart a healthy worker later.
         for kind, streak, used in (
-            ("gpu_memory_limit", w.gpu_streak, usage.gpu_memory_mb),
+            ("gpu_memory_limit", w.gpu_streak, on_one),
             ("host_memory_limit", w.host_streak, usage.host_rss_mb),
         ):
             if streak >= BUDGET_SAMPLES:
@@ -495,11 +503,12 @@ class Healer:
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
         w.gpu_leak_source = "worker" if in_use is not None else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
+        gpus_held = max(1, len(usage.gpu_memory_by_gpu))  # the budget is per GPU
         w.gpu_leak = judge_leak(
             gpu_floor.points(),
             now,
             settings,
-            headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb, device_free),
+            headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb * gpus_held, device_free),
         )
         w.host_leak = judge_leak(
             w.host_floor.points(),

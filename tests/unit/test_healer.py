@@ -458,3 +458,34 @@ def test_migrate_of_a_worker_with_an_explicit_gpu_list_says_why_it_cannot() -> N
     assert healer._can_migrate([Finding("thermal", "hot", gpu=GPUS[0])]) == {
         "m-0": 'its GPUs are listed (gpus = [...]): only gpus = "auto" workers move'
     }
+
+
+def test_the_gpu_budget_is_per_gpu_for_a_worker_on_two() -> None:
+    """Placement reserves gpu_memory_limit_mb on each GPU of a worker, and the worker gets it as
+    a per-device cap; the check summed the GPUs, so a worker with 12000 MiB on each of two GPUs
+    and a budget of 20000 was restarted until it went fatal. Now one GPU over it is a breach."""
+    from supervisor.model import WorkerUsage
+
+    w0 = Runner("w-0", GPUS[0])
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {"name": "w", "command": ["x"], "health": {"gpu_memory_limit_mb": 20000}},
+        ],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    healer = Healer(host)  # type: ignore[arg-type]
+
+    def sample(a: float, b: float) -> None:
+        host.clock.advance(1.0)
+        usage = WorkerUsage("w-0", (100,), a + b, {GPUS[0]: a, GPUS[1]: b}, "pid", 100.0, 1.0)
+        healer.on_sample(
+            Sample(host.clock.now(), tuple(host.devices.values()), {"w-0": usage}, True)
+        )
+
+    for _ in range(4):
+        sample(12000, 12000)
+    assert not w0.posted
+    for _ in range(2):
+        sample(21000, 100)
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]
