@@ -36,6 +36,8 @@ from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
 T = TypeVar("T")
 MIB = 1024 * 1024
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
+#: An XID event set that could not be made is tried again this often (``wait_xid``).
+EVENTS_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
 
@@ -82,6 +84,10 @@ class NvmlBackend:
         self._temperature_v = True
         self._threshold_fields = True
         self._event_set: Any = None
+        #: Why no event set could be made (None: made, or no GPU supports XID events), and
+        #: when to try again: a passing failure must not leave XIDs unwatched for good.
+        self._events_error: str | None = None
+        self._events_retry_at = 0.0
         self._initialized = False
         self._lock = threading.Lock()
 
@@ -159,11 +165,16 @@ class NvmlBackend:
         return True
 
     def _register_events(self) -> None:
+        """Make the XID event set; on a failure other than "not supported", say why in
+        ``_events_error`` and try again after ``EVENTS_RETRY_S`` (``wait_xid``)."""
+        self._events_error = None
         try:
             event_set = pynvml.nvmlEventSetCreate()
-        except pynvml.NVMLError:
+        except pynvml.NVMLError as exc:
+            self._events_failed(f"nvmlEventSetCreate: {_describe(exc)}")
             return
         registered = 0
+        failure = None
         for handle in self._handles:
             if handle is None:
                 continue
@@ -173,12 +184,20 @@ class NvmlBackend:
                 if mask:
                     pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
                     registered += 1
-            except pynvml.NVMLError:
-                continue  # NOT_SUPPORTED leaves the set usable
+            except pynvml.NVMLError as exc:  # NOT_SUPPORTED leaves the set usable
+                if _code(exc) != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    failure = f"nvmlDeviceRegisterEvents: {_describe(exc)}"
         if registered:
             self._event_set = event_set
         else:
-            pynvml.nvmlEventSetFree(event_set)
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlEventSetFree(event_set)
+            if failure is not None:
+                self._events_failed(failure)
+
+    def _events_failed(self, why: str) -> None:
+        self._events_error = why
+        self._events_retry_at = self._clock() + EVENTS_RETRY_S
 
     def close(self) -> None:
         """Free the event set and shut NVML down."""
@@ -332,6 +351,16 @@ class NvmlBackend:
     def wait_xid(self, timeout_s: float) -> list[XidEvent]:
         """One bounded ``nvmlEventSetWait_v2``; TIMEOUT is the normal "nothing happened"."""
         with self._lock:  # close() waits for a wait in progress instead of freeing under it
+            if (
+                self._event_set is None
+                and self._events_error is not None
+                and self._initialized
+                and self._clock() >= self._events_retry_at
+            ):
+                self._register_events()
+            if self._event_set is None and self._events_error is not None:
+                # said by the sampler (gpu.xid_wait_failed, once a minute), tried again later
+                raise BackendError(f"XIDs are not watched: {self._events_error}")
             event_set = self._event_set
             if event_set is None:
                 data = None

@@ -639,3 +639,62 @@ def test_an_unplaced_worker_is_not_started_on_every_gpu_while_nvml_is_down(
     assert not sup.find(event="worker.moved", worker="inf-1")
     assert not sup.find(event="worker.spawned", worker="inf-1")
     assert sup.stop() == 0
+
+
+def test_an_xid_event_set_that_failed_once_is_made_again(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: one failure making the XID event set (nvmlEventSetCreate at NVML's open)
+    left XIDs unwatched for the supervisor's lifetime, without a word. Now each wait says why
+    (the sampler logs it once a minute) and the set is made again after EVENTS_RETRY_S."""
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    (world / "nvml").write_text("rc_nvmlEventSetCreate 999\n")
+    script = f"""
+import time, pathlib
+import supervisor.backends.nvml as n
+from supervisor.errors import BackendError
+n.EVENTS_RETRY_S = 0.05
+b = n.NvmlBackend()
+b.open()
+try:
+    b.wait_xid(0.05)
+    raise SystemExit("no error while XIDs were not watched")
+except BackendError as exc:
+    print("said:", exc)
+pathlib.Path({str(world / "nvml")!r}).write_text("")
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:  # made again at a wait after EVENTS_RETRY_S
+    try:
+        b.wait_xid(0.05)
+        break
+    except BackendError:
+        time.sleep(0.05)
+with open({str(world / "events")!r}, "a") as fh:
+    fh.write("0 79\\n")
+got = []
+deadline = time.monotonic() + 10
+while not got and time.monotonic() < deadline:
+    got = b.wait_xid(0.5)
+print("xids:", [e.xid for e in got])
+b.close()
+"""
+    env = {
+        **os.environ,
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "said: XIDs are not watched: nvmlEventSetCreate" in out.stdout, out.stdout
+    assert "xids: [79]" in out.stdout, out.stdout
