@@ -83,6 +83,7 @@ class NvmlBackend:
         self._procs_v3 = True
         self._temperature_v = True
         self._threshold_fields = True
+        self._clocks_event = True  # nvmlDeviceGetCurrentClocksEventReasons is there
         self._event_set: Any = None
         #: Why no event set could be made (None: made, or no GPU supports XID events), and
         #: when to try again: a passing failure must not leave XIDs unwatched for good.
@@ -213,6 +214,18 @@ class NvmlBackend:
 
     # --- sampling --------------------------------------------------------------------------
 
+    def _clock_reasons(self, handle: Any) -> int:
+        """The clock-event reasons; drivers before the call's new name (R535) have only
+        ``nvmlDeviceGetCurrentClocksThrottleReasons``, which gives the same bits."""
+        if self._clocks_event:
+            try:
+                return int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
+            except pynvml.NVMLError as exc:
+                if _code(exc) != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    raise
+                self._clocks_event = False
+        return int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
+
     def _query(self, index: int, field: str, fn: Callable[[], T]) -> T | None:
         if (index, field) in self._unsupported:
             return None
@@ -277,7 +290,7 @@ class NvmlBackend:
         limit = q(i, "power_limit", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
         dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
-        clocks = q(i, "clocks", lambda: pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+        clocks = q(i, "clocks", lambda: self._clock_reasons(h))
         if self._procs_v3:
             procs = q(i, "processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h))
         else:

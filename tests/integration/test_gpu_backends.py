@@ -698,3 +698,33 @@ b.close()
     assert out.returncode == 0, out.stderr
     assert "said: XIDs are not watched: nvmlEventSetCreate" in out.stdout, out.stdout
     assert "xids: [79]" in out.stdout, out.stdout
+
+
+def test_drivers_before_clocks_event_reasons_still_give_the_throttle_reasons(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Drivers before R535 have nvmlDeviceGetCurrentClocksThrottleReasons only. Regression:
+    no reasons at all there (null), so heat was seen by temperature only."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.fakenvml.build import build_fake_nvml
+
+    del fake_nvml_libdir  # only for its skip when gcc is missing
+    libdir = build_fake_nvml(tmp_path / "old", defines=["FAKENVML_NO_CLOCKS_EVENT_REASONS"])
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("clocks_event_reasons 64\n")  # hardware thermal slowdown
+    env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=True,
+    )
+    (dev,) = json.loads(out.stdout)["devices"]
+    assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
