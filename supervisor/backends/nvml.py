@@ -36,6 +36,15 @@ from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
 T = TypeVar("T")
 MIB = 1024 * 1024
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
+#: What a call answers where its entry point or struct version does not exist (or the device
+#: does not do that version): the older version is asked instead.
+VERSION_CODES = frozenset(
+    {
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+    }
+)
 #: An XID event set that could not be made is tried again this often (``wait_xid``).
 EVENTS_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
@@ -84,6 +93,7 @@ class NvmlBackend:
         self._temperature_v = True
         self._threshold_fields = True
         self._clocks_event = True  # nvmlDeviceGetCurrentClocksEventReasons is there
+        self._older: set[tuple[int, str]] = set()  # (GPU, field) answered by the older call
         self._event_set: Any = None
         #: Why no event set could be made (None: made, or no GPU supports XID events), and
         #: when to try again: a passing failure must not leave XIDs unwatched for good.
@@ -158,11 +168,7 @@ class NvmlBackend:
         except pynvml.NVMLLibraryMismatchError:
             return False
         except pynvml.NVMLError as exc:
-            return _code(exc) not in (
-                pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-                pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
-                pynvml.NVML_ERROR_NOT_SUPPORTED,
-            )
+            return _code(exc) not in VERSION_CODES
         return True
 
     def _register_events(self) -> None:
@@ -213,6 +219,28 @@ class NvmlBackend:
                 self._initialized = False
 
     # --- sampling --------------------------------------------------------------------------
+
+    def _versioned(
+        self,
+        index: int,
+        field: str,
+        newer_exists: bool,
+        newer: Callable[[], T],
+        older: Callable[[], T],
+    ) -> T:
+        """The newer version of a call, else the older one, GPU by GPU: the versions are
+        probed on the first GPU, and on a host with GPUs of different generations another may
+        have only the older (regression: its field was then null for good)."""
+        if newer_exists and (index, field) not in self._older:
+            try:
+                return newer()
+            except pynvml.NVMLLibraryMismatchError:
+                pass
+            except pynvml.NVMLError as exc:
+                if _code(exc) not in VERSION_CODES:
+                    raise
+            self._older.add((index, field))
+        return older()
 
     def _clock_reasons(self, handle: Any) -> int:
         """The clock-event reasons; drivers before the call's new name (R535) have only
@@ -268,33 +296,47 @@ class NvmlBackend:
     def _sample_device(self, ident: DeviceIdentity, h: Any) -> DeviceSample:
         i = ident.index
         q = self._query
-        if self._memory_v2:
-            mem = q(i, "memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2))
-        else:
-            mem = q(i, "memory", lambda: pynvml.nvmlDeviceGetMemoryInfo(h))
+        v = self._versioned
+        mem = q(
+            i,
+            "memory",
+            lambda: v(
+                i,
+                "memory",
+                self._memory_v2,
+                lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2),
+                lambda: pynvml.nvmlDeviceGetMemoryInfo(h),
+            ),
+        )
         util = q(i, "utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
-        if self._temperature_v:
-            temp = q(
+        temp = q(
+            i,
+            "temperature",
+            lambda: v(
                 i,
                 "temperature",
+                self._temperature_v,
                 lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
-            )
-        else:
-            temp = q(
-                i,
-                "temperature",
                 lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-            )
+            ),
+        )
         slowdown, shutdown = self._thresholds(i, h)
         power = q(i, "power", lambda: pynvml.nvmlDeviceGetPowerUsage(h))
         limit = q(i, "power_limit", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
         dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
         clocks = q(i, "clocks", lambda: self._clock_reasons(h))
-        if self._procs_v3:
-            procs = q(i, "processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h))
-        else:
-            procs = q(i, "processes", lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h))
+        procs = q(
+            i,
+            "processes",
+            lambda: v(
+                i,
+                "processes",
+                self._procs_v3,
+                lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
+                lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
+            ),
+        )
         total = used = free = None
         if mem is not None:
             total, used, free = mem.total / MIB, mem.used / MIB, mem.free / MIB

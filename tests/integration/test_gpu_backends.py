@@ -728,3 +728,37 @@ def test_drivers_before_clocks_event_reasons_still_give_the_throttle_reasons(
     )
     (dev,) = json.loads(out.stdout)["devices"]
     assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
+
+
+def test_a_gpu_with_only_the_older_calls_is_read_through_them(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """The call versions are probed on the first GPU; a second GPU of another generation that
+    answers the newer ones NOT_SUPPORTED is asked the older ones. Regression: its temperature
+    and memory were null for good (the thermal check blind there, budgets unplaceable)."""
+    import json
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write(
+            "temperature_c 86\nrc_nvmlDeviceGetTemperatureV 3\nrc_nvmlDeviceGetMemoryInfo_v2 3\n"
+        )
+    env = {
+        **os.environ,
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=True,
+    )
+    first, second = json.loads(out.stdout)["devices"]
+    assert second["temperature_celsius"] == 86
+    assert second["memory"]["total_mb"] == first["memory"]["total_mb"] == 81920
