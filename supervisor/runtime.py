@@ -1474,6 +1474,7 @@ class Runtime:
             oom_baseline=self.healer.oom_baseline(runner.name) if sigkill else None,
             journal_seq=self.journal.last_seq,
             restarted=restarted,
+            last_probe=runner.last_probe,
         )
         runner.after_step(functools.partial(self._write_postmortem, dead))
 
@@ -1501,6 +1502,7 @@ class Runtime:
             # the drain's time ran out: it was being stopped (stop_signal) when it exited
             drain_timed_out=before.state is WorkerState.STOPPING,
             drain_signal=timing.drain_signal,
+            last_probe=dead.last_probe,
         )
         # The restart is counted under what the death was found to be (a CUDA OOM, not
         # "exit"), as the post-mortem and the worker object's last_exit say.
@@ -2195,3 +2197,4 @@ class _Death:
     oom_baseline: int | None
     journal_seq: int
     restarted: bool  # the lifecycle restarts it (or backs off to): counted in restarts_total
+    last_probe: str | None = None  # what its last readiness probe got (HTTP readiness)

@@ -34,7 +34,13 @@ from supervisor.policy import lifecycle as lc
 from supervisor.processes import Child, Reaped, Reaper, descendants, kill_tree, signal_group, spawn
 
 HEALTH_POLL_S = 0.2
-HEALTH_TIMEOUT_S = 1.0
+#: One readiness probe may take this long (a model server's /health can be slow while it warms
+#: up; a probe that gave up at 1 s never saw its 200); the probes go on until start_timeout_s.
+HEALTH_TIMEOUT_S = 5.0
+#: A deadline noticed this long after it passed means the supervisor was stalled (see
+#: ``_next_event``), and the heartbeats of the stall get ``STALL_GRACE_S`` to come in.
+LATE_S = 0.25
+STALL_GRACE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,10 @@ class WorkerRunner:
         self.last_exit_pid: int | None = None
         self._exit_reason: str | None = None  # the last exit as classified (cuda_oom, ...)
         self._spawn_token = 0
+        self._graced: float | None = None  # the deadline a stall's grace was given for
+        #: What the last readiness probe got ("HTTP 503", "timed out after 5 s"...): said
+        #: when the start times out, where it is the only clue.
+        self.last_probe: str | None = None
         self._gpu_wait_reason = ""  # the last "no GPU to place on" said (said again on change)
         self._after_step: list[Callable[[], None]] = []
         self.last_exit_at: float | None = None
@@ -275,6 +285,19 @@ class WorkerRunner:
             self._read_notify()
             with contextlib.suppress(anyio.WouldBlock):
                 return self._recv.receive_nowait()
+        late = self._clock.now() - deadline
+        if late > LATE_S and self._graced != deadline and self._read_notify is not None:
+            # Noticed long after it passed: the supervisor itself was stalled. The socket's
+            # queue is small (net.unix.max_dgram_qlen: 10 in a container), so heartbeats sent
+            # meanwhile may still wait in the workers' sendto(), to come in once it has room:
+            # they get STALL_GRACE_S before the deadline is judged (once a deadline).
+            self._graced = deadline
+            with anyio.move_on_after(STALL_GRACE_S):
+                while True:
+                    self._read_notify()
+                    with contextlib.suppress(anyio.WouldBlock):
+                        return self._recv.receive_nowait()
+                    await anyio.sleep(STALL_GRACE_S / 5)
         return lc.Timer()
 
     def _apply(self, first: lc.Event) -> None:
@@ -489,23 +512,39 @@ class WorkerRunner:
     async def _probe_health(self, pid: int, url: str) -> None:
         import httpx  # only groups with an HTTP health URL pay for the import
 
-        # never through http_proxy: the worker is on this machine
-        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+        self.last_probe = None
+        # never through http_proxy: the worker is on this machine; a redirect is followed (a
+        # framework's /health -> /health/), the first 2xx at the end of it is ready
+        async with httpx.AsyncClient(
+            timeout=HEALTH_TIMEOUT_S, trust_env=False, follow_redirects=True
+        ) as client:
             # The process, not the record: a start after the pre-start hook queues its
             # ``Spawned`` and this task may run before the record has the pid.
             while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
                 try:
                     response = await client.get(url)
-                except httpx.HTTPError:
-                    pass
+                except httpx.TimeoutException:
+                    self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
+                except httpx.HTTPError as exc:
+                    self.last_probe = _probe_error(exc)
                 except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
                     self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
+                    self.last_probe = f"cannot be asked: {exc!r}"
                     return
                 else:
                     if response.is_success:
                         self.post(lc.Ready(pid))
                         return
+                    self.last_probe = f"HTTP {response.status_code}"
                 await anyio.sleep(HEALTH_POLL_S)
+
+
+def _probe_error(exc: Exception) -> str:
+    """A failed probe in a few words (``connection refused``...)."""
+    text = str(exc) or type(exc).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused"
+    return text[:200]
 
 
 def is_idle(runner: WorkerRunner) -> bool:

@@ -69,6 +69,7 @@ def classify(
     oom_scope: str = "cgroup",
     drain_timed_out: bool = False,
     drain_signal: int | None = None,
+    last_probe: str | None = None,
 ) -> Classified | None:
     """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
 
@@ -116,8 +117,10 @@ def classify(
             },
         )
     if reason is ExitReason.START_TIMEOUT:
+        # with an HTTP readiness URL, what its last probe got: the clue to why it never was
+        probe = {"last_probe": last_probe} if last_probe is not None else {}
         return Classified(
-            "start_timeout", {**base, "start_timeout_s": timing.get("start_timeout_s")}
+            "start_timeout", {**base, "start_timeout_s": timing.get("start_timeout_s"), **probe}
         )
     # a drain that did not end within drain_timeout_s: the worker was stopped by force
     return Classified("drain", {**base, "drain_timeout_s": timing.get("drain_timeout_s")})

@@ -206,6 +206,44 @@ def test_ready_from_a_descendant_and_by_http(supervisor: SupervisorFactory) -> N
     assert sup.stop() == 0
 
 
+def test_http_readiness_follows_a_redirect_and_says_its_last_answer(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A framework answers /health with a redirect to /health/ (a route with a slash): it is
+    followed (regression: never, and the worker cycled through start timeouts). A worker that
+    is never ready: its start_timeout post-mortem says what the last probe got (regression:
+    nothing but "killed by SIGTERM")."""
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "web",
+                    "http_ready",
+                    "0.2",
+                    "--redirect",
+                    ready="http://127.0.0.1:{port}/health",
+                    port_base=18941,
+                ),
+                group(
+                    "slow",
+                    "http_ready",
+                    "600",
+                    ready="http://127.0.0.1:{port}/health",
+                    port_base=18942,
+                    start_timeout_s=1.5,
+                    restart={"burst": 1},
+                ),
+            ]
+        },
+    )
+    sup.ready("web-0")
+    written = sup.wait_event(event="records.postmortem", worker="slow-0", timeout=20)
+    assert written["reason"] == "start_timeout"
+    doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
+    assert doc["evidence"]["last_probe"] == "HTTP 503"
+    assert sup.stop() == 0
+
+
 def test_environment_and_placeholders(supervisor: SupervisorFactory) -> None:
     """Each worker gets PORT, names, CUDA_* per `gpus`, the group env and expanded argv."""
     sup = supervisor(

@@ -145,3 +145,37 @@ async def _stop_during_prepare(tmp_path: Path) -> None:
             os.kill(r._child.pid, signal.SIGKILL)
             os.waitpid(r._child.pid, 0)  # noqa: ASYNC222 - killed: at once
         closed(r)
+
+
+def test_after_a_stall_heartbeats_still_on_their_way_are_waited_for(tmp_path: Path) -> None:
+    """The socket's queue is small (10 datagrams in a container): during a stall of the
+    supervisor, the heartbeats of most workers wait in their sendto() and come in only once
+    the queue was read. Regression: the deadline was judged right after that first read, and
+    healthy workers were restarted for a hang after stalls (1-2 of 16 a time)."""
+    anyio.run(_late_heartbeat, tmp_path)
+
+
+async def _late_heartbeat(tmp_path: Path) -> None:
+    holder: list[WorkerRunner] = []
+    reads = 0
+
+    def read_notify() -> int:  # nothing at the first read; the heartbeat at a later one
+        nonlocal reads
+        reads += 1
+        if reads < 3:
+            return 0
+        holder[0].on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
+        return 1
+
+    r = runner(tmp_path, read_notify)
+    holder.append(r)
+    r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=0.0)  # long passed
+    with anyio.fail_after(5):
+        event = await r._next_event()
+    assert isinstance(event, lc.Heartbeat)
+    # a deadline only just passed (no stall) is judged at once, as before
+    r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=r._clock.now())
+    reads = -100
+    with anyio.fail_after(5):
+        assert isinstance(await r._next_event(), lc.Timer)
+    closed(r)
