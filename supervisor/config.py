@@ -518,7 +518,10 @@ def _placeholder_errors(text: str) -> str | None:
             continue
         if field not in PLACEHOLDERS or spec or conversion:
             known = " ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
-            return f"unknown placeholder {{{field}}} (known: {known})"
+            return (
+                f"unknown placeholder {{{field}}} (known: {known}; write {{{{ and }}}} for "
+                "literal braces)"
+            )
     return None
 
 
