@@ -437,6 +437,15 @@ class WorkerOutput:
             self.flush_partial()
             os.close(fd)
 
+    def pipe_inodes(self) -> frozenset[int]:
+        """The inodes of the pipes being pumped: a process that holds one writes to this log
+        (a worker's leftover that left its process group and its environment behind)."""
+        out = set()
+        for fd in list(self._fds):
+            with contextlib.suppress(OSError):
+                out.add(os.fstat(fd).st_ino)
+        return frozenset(out)
+
     def drain(self, limit: int = DRAIN_LIMIT) -> None:
         """Take what the pipes hold now, without waiting: a process that has just exited may
         have written its last lines (the traceback that says why it died) after the last read,

@@ -1396,6 +1396,7 @@ class Runtime:
         # before. So its children are taken with it, and our children are read again until
         # no new one of this worker turns up.
         looked: set[int] = {pid, *killed}
+        pipes = runner.output.pipe_inodes()
         for _ in range(LEFTOVER_ROUNDS):
             try:
                 orphans = procfs.own_children() - self._pids.keys() - looked
@@ -1406,7 +1407,7 @@ class Runtime:
             for child in sorted(orphans):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc = psutil.Process(child)
-                    if not _left_by(proc, pid, runner.name):
+                    if not _left_by(proc, pid, runner.name, pipes):
                         continue
                     dying = True
                     if proc.status() == "zombie":
@@ -2167,15 +2168,25 @@ def _children() -> list[psutil.Process]:
         return []
 
 
-def _left_by(proc: psutil.Process, leader: int, worker: str) -> bool:
+def _left_by(proc: psutil.Process, leader: int, worker: str, pipes: frozenset[int]) -> bool:
     """``proc``, re-parented to us, was part of ``worker`` whose main process was ``leader``:
     in its process group (a member killed with the group but not dead yet has no environment
-    left to read), or carrying its name in its environment (a daemon that left the group)."""
+    left to read), carrying its name in its environment (a daemon that left the group), or
+    holding the worker's output pipe (one that left both: ``setsid`` and an empty
+    environment, still writing to the worker's log)."""
     with contextlib.suppress(OSError):
         if os.getpgid(proc.pid) == leader:
             return True
     with contextlib.suppress(psutil.Error, OSError):
-        return proc.environ().get(WORKER_VAR) == worker
+        if proc.environ().get(WORKER_VAR) == worker:
+            return True
+    if pipes:
+        wanted = {f"pipe:[{inode}]" for inode in pipes}
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{proc.pid}/fd/{fd}") in wanted:
+                        return True
     return False
 
 

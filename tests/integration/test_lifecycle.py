@@ -431,6 +431,22 @@ def test_a_crash_takes_the_daemon_it_left(supervisor: SupervisorFactory) -> None
     assert sup.stop() == 0
 
 
+def test_a_crash_takes_the_daemon_that_left_its_environment_too(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A daemon that left the process group and runs with an empty environment (no name of
+    the worker to find) still holds the worker's output pipe: that names it. Regression: it
+    lived on, one more at each crash of a crash loop, writing into the next process's log."""
+    sup = supervisor({"workers": [group("bare", "fork_grandchild", "--daemon", "--clean-env")]})
+    if sup.wait_event(event="cgroup.mode")["containment"] == "cgroup":  # pragma: no cover
+        pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
+    leader, daemon = _grandchild(sup, "bare-0")
+    assert psutil.Process(daemon).ppid() == sup.pid
+    _crash(sup, "bare-0", leader, daemon)
+    assert sup.wait_event(event="worker.killed_leftovers", worker="bare-0")["pids"] == [daemon]
+    assert sup.stop() == 0
+
+
 def _cgroup_home(tmp_path: Path) -> Path:
     from supervisor.cgroups import own_cgroup
 

@@ -1,7 +1,8 @@
 """Fork a grandchild that ignores SIGTERM and sleeps (``--setsid``: it leaves the group too;
 ``--daemon``: it double-forks, so it is re-parented to the supervisor and in no tree;
 ``--via-child``: a child that stays in the group forks it, with setsid, and the worker exits
-with code 3 0.2 s after it is ready)."""
+with code 3 0.2 s after it is ready; ``--clean-env``: the grandchild then runs with an empty
+environment, so that only the output pipe it still holds tells whose it is)."""
 
 import os
 import signal
@@ -23,6 +24,10 @@ if pid == 0:
     if "--daemon" in sys.argv and os.fork() != 0:
         os._exit(0)  # the middle process: its child is adopted by the supervisor
     say("grandchild")
+    if "--clean-env" in sys.argv:
+        loop = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        loop += "while True: time.sleep(60)"
+        os.execve(sys.executable, [sys.executable, "-S", "-c", loop], {})  # noqa: S606
     forever()
 if "--daemon" in sys.argv:
     os.waitpid(pid, 0)
