@@ -718,6 +718,9 @@ class Runtime:
         deadline = anyio.current_time() + timeout
         after = anyio.current_time()
         held: dict[str, frozenset[int]] = {}
+        # A process of the old tree in a PID namespace of its own is listed by NVML under its
+        # pid there (regression: not waited for, as attribution already knew to map it).
+        inner = procfs.inner_pids(old)
         while True:
             left = max(deadline - anyio.current_time(), 0.0)
             sample = await self._fresh_sample(after, left)
@@ -728,7 +731,10 @@ class Runtime:
                 d = sample.device(uuid)
                 if d is None or d.processes is None:
                     continue  # cannot tell: do not block on it
-                pids = frozenset(p.pid for p in d.processes) & old
+                listed = {p.pid for p in d.processes}
+                # (only while our process lives: gone, a pid 1 listed is another namespace's)
+                mapped = {inner[p] for p in listed if p in inner and _lives(inner[p])}
+                pids = frozenset(listed | mapped) & old
                 if pids:
                     held[uuid] = pids
             if not held or anyio.current_time() >= deadline:
@@ -2166,6 +2172,12 @@ def _children() -> list[psutil.Process]:
         return psutil.Process().children()
     except psutil.Error:
         return []
+
+
+def _lives(pid: int) -> bool:
+    """``pid`` is a process that has not exited (a zombie has: it holds no memory)."""
+    st = procfs.read_stat(pid)
+    return st is not None and not st.zombie
 
 
 def _left_by(proc: psutil.Process, leader: int, worker: str, pipes: frozenset[int]) -> bool:

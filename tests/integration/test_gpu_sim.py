@@ -361,6 +361,33 @@ def test_a_worker_in_its_own_pid_namespace_is_attributed_through_nspid(
     assert sup.stop() == 0
 
 
+def test_the_release_barrier_waits_for_a_process_listed_under_its_namespace_pid(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The old process of a worker in a PID namespace of its own is listed (pid 1 there) and
+    cannot be ended (stuck in the kernel): the restart waits for its memory, then marks the GPU
+    suspect and moves. Regression: the barrier compared NVML's pids with ours only, and the
+    replacement started at once next to the memory still held."""
+    assert UNSHARE is not None
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "ns", "command": [UNSHARE, "--pid", "--fork", *worker_cmd("gpu_user", "700")]},
+            release_timeout_s=1,
+        ),
+        log_level="debug",
+    )
+    leader = sup.ready("ns-0")["pid"]
+    worker_mb(sup, "ns-0", 700.0)
+    (inner,) = psutil.Process(leader).children()  # pid 1 in its namespace
+    with stuck(inner.pid, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        with sup.api() as http:
+            assert http.post("/api/v1/workers/ns-0/restart").status_code == 202
+        assert sup.wait_event(event="gpu.suspect", worker="ns-0", timeout=20)["gpu"] == UUID0
+    assert wait_dead([inner.pid]) == []
+    assert sup.stop() == 0
+
+
 def test_an_http_ready_worker_on_a_gpu_is_ready_again_after_a_restart(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
