@@ -220,27 +220,31 @@ class NvmlBackend:
 
     # --- sampling --------------------------------------------------------------------------
 
-    def _versioned(
+    def _query_versions(
         self,
         index: int,
         field: str,
         newer_exists: bool,
         newer: Callable[[], T],
         older: Callable[[], T],
-    ) -> T:
-        """The newer version of a call, else the older one, GPU by GPU: the versions are
-        probed on the first GPU, and on a host with GPUs of different generations another may
-        have only the older (regression: its field was then null for good)."""
-        if newer_exists and (index, field) not in self._older:
-            try:
-                return newer()
-            except pynvml.NVMLLibraryMismatchError:
-                pass
-            except pynvml.NVMLError as exc:
-                if _code(exc) not in VERSION_CODES:
-                    raise
-            self._older.add((index, field))
-        return older()
+    ) -> T | None:
+        """``_query`` of the newer version of a call, else of the older one, GPU by GPU: the
+        versions are probed on the first GPU, and on a host with GPUs of different generations
+        another may have only the older (regression: its field was then null for good)."""
+
+        def ask() -> T:
+            if newer_exists and (index, field) not in self._older:
+                try:
+                    return newer()
+                except pynvml.NVMLLibraryMismatchError:
+                    pass
+                except pynvml.NVMLError as exc:
+                    if _code(exc) not in VERSION_CODES:
+                        raise
+                self._older.add((index, field))
+            return older()
+
+        return self._query(index, field, ask)
 
     def _clock_reasons(self, handle: Any) -> int:
         """The clock-event reasons; drivers before the call's new name (R535) have only
@@ -296,29 +300,21 @@ class NvmlBackend:
     def _sample_device(self, ident: DeviceIdentity, h: Any) -> DeviceSample:
         i = ident.index
         q = self._query
-        v = self._versioned
-        mem = q(
+        v = self._query_versions
+        mem = v(
             i,
             "memory",
-            lambda: v(
-                i,
-                "memory",
-                self._memory_v2,
-                lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2),
-                lambda: pynvml.nvmlDeviceGetMemoryInfo(h),
-            ),
+            self._memory_v2,
+            lambda: pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2),
+            lambda: pynvml.nvmlDeviceGetMemoryInfo(h),
         )
         util = q(i, "utilization", lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
-        temp = q(
+        temp = v(
             i,
             "temperature",
-            lambda: v(
-                i,
-                "temperature",
-                self._temperature_v,
-                lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
-                lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-            ),
+            self._temperature_v,
+            lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
+            lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
         )
         slowdown, shutdown = self._thresholds(i, h)
         power = q(i, "power", lambda: pynvml.nvmlDeviceGetPowerUsage(h))
@@ -326,16 +322,12 @@ class NvmlBackend:
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
         dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
         clocks = q(i, "clocks", lambda: self._clock_reasons(h))
-        procs = q(
+        procs = v(
             i,
             "processes",
-            lambda: v(
-                i,
-                "processes",
-                self._procs_v3,
-                lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
-                lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
-            ),
+            self._procs_v3,
+            lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
+            lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
         )
         total = used = free = None
         if mem is not None:

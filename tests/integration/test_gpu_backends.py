@@ -457,25 +457,14 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     assert not sup.find(event="gpu.close_skipped")
 
 
-def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
-    tmp_path: Path, fake_nvml_libdir: Path
-) -> None:
-    """Older GPUs answer the threshold field values NOT_SUPPORTED (the call itself succeeds).
-    Regression: the thresholds were null, and the thermal check within a margin of slowdown
-    was lost there; nvmlDeviceGetTemperatureThreshold answers them."""
+def gpus_on_nvml(world: Path, libdir: Path) -> list[dict[str, Any]]:
+    """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
+    over ``world``: the device objects."""
     import json
     import subprocess
     import sys
 
-    world = tmp_path / "sim"
-    SimBackend(world, 1).open()
-    with open(world / "gpus" / "0", "a") as fh:
-        fh.write("rc_field_194 3\nrc_field_193 3\n")  # NVML_FI_DEV_TEMPERATURE_SLOWDOWN/SHUTDOWN
-    env = {
-        **os.environ,
-        "GPU_SUPERVISOR_SIM_DIR": str(world),
-        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
-    }
+    env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
     out = subprocess.run(
         [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
         capture_output=True,
@@ -484,7 +473,22 @@ def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
         timeout=30,
         check=True,
     )
-    (dev,) = json.loads(out.stdout)["devices"]
+    devices: list[dict[str, Any]] = json.loads(out.stdout)["devices"]
+    return devices
+
+
+def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Older GPUs answer the threshold field values NOT_SUPPORTED (the call itself succeeds).
+    Regression: the thresholds were null, and the thermal check within a margin of slowdown
+    was lost there; nvmlDeviceGetTemperatureThreshold answers them."""
+
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("rc_field_194 3\nrc_field_193 3\n")  # NVML_FI_DEV_TEMPERATURE_SLOWDOWN/SHUTDOWN
+    (dev,) = gpus_on_nvml(world, fake_nvml_libdir)
     assert (dev["temperature_slowdown_celsius"], dev["temperature_shutdown_celsius"]) == (87, 92)
 
 
@@ -705,9 +709,6 @@ def test_drivers_before_clocks_event_reasons_still_give_the_throttle_reasons(
 ) -> None:
     """Drivers before R535 have nvmlDeviceGetCurrentClocksThrottleReasons only. Regression:
     no reasons at all there (null), so heat was seen by temperature only."""
-    import json
-    import subprocess
-    import sys
 
     from tests.fakenvml.build import build_fake_nvml
 
@@ -717,16 +718,7 @@ def test_drivers_before_clocks_event_reasons_still_give_the_throttle_reasons(
     SimBackend(world, 1).open()
     with open(world / "gpus" / "0", "a") as fh:
         fh.write("clocks_event_reasons 64\n")  # hardware thermal slowdown
-    env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
-    out = subprocess.run(
-        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=30,
-        check=True,
-    )
-    (dev,) = json.loads(out.stdout)["devices"]
+    (dev,) = gpus_on_nvml(world, libdir)
     assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
 
 
@@ -736,9 +728,6 @@ def test_a_gpu_with_only_the_older_calls_is_read_through_them(
     """The call versions are probed on the first GPU; a second GPU of another generation that
     answers the newer ones NOT_SUPPORTED is asked the older ones. Regression: its temperature
     and memory were null for good (the thermal check blind there, budgets unplaceable)."""
-    import json
-    import subprocess
-    import sys
 
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
@@ -746,19 +735,6 @@ def test_a_gpu_with_only_the_older_calls_is_read_through_them(
         fh.write(
             "temperature_c 86\nrc_nvmlDeviceGetTemperatureV 3\nrc_nvmlDeviceGetMemoryInfo_v2 3\n"
         )
-    env = {
-        **os.environ,
-        "GPU_SUPERVISOR_SIM_DIR": str(world),
-        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
-    }
-    out = subprocess.run(
-        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=30,
-        check=True,
-    )
-    first, second = json.loads(out.stdout)["devices"]
+    first, second = gpus_on_nvml(world, fake_nvml_libdir)
     assert second["temperature_celsius"] == 86
     assert second["memory"]["total_mb"] == first["memory"]["total_mb"] == 81920

@@ -418,32 +418,30 @@ def test_a_crash_takes_what_a_child_in_the_group_started_with_setsid(
     assert sup.stop() == 0
 
 
-def test_a_crash_takes_the_daemon_it_left(supervisor: SupervisorFactory) -> None:
+@pytest.mark.parametrize(
+    "how",
+    [
+        # found by the worker's name in its environment
+        ("--daemon",),
+        # found by the worker's output pipe it still holds (regression: it lived on, one more
+        # at each crash of a crash loop, writing into the next process's log)
+        ("--daemon", "--clean-env"),
+    ],
+    ids=["environment", "pipe"],
+)
+def test_a_crash_takes_the_daemon_it_left(
+    supervisor: SupervisorFactory, how: tuple[str, ...]
+) -> None:
     """A daemon (double fork) is re-parented to the supervisor at once and is in no tree: it
-    is found by the worker's name in its environment, and killed with the crash."""
-    sup = supervisor({"workers": [group("dmn", "fork_grandchild", "--daemon")]})
+    is found (by the worker's name in its environment, or, with an empty environment, by the
+    output pipe it still holds) and killed with the crash."""
+    sup = supervisor({"workers": [group("dmn", "fork_grandchild", *how)]})
     if sup.wait_event(event="cgroup.mode")["containment"] == "cgroup":  # pragma: no cover
         pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
     leader, daemon = _grandchild(sup, "dmn-0")
     assert psutil.Process(daemon).ppid() == sup.pid
     _crash(sup, "dmn-0", leader, daemon)
     assert sup.wait_event(event="worker.killed_leftovers", worker="dmn-0")["pids"] == [daemon]
-    assert sup.stop() == 0
-
-
-def test_a_crash_takes_the_daemon_that_left_its_environment_too(
-    supervisor: SupervisorFactory,
-) -> None:
-    """A daemon that left the process group and runs with an empty environment (no name of
-    the worker to find) still holds the worker's output pipe: that names it. Regression: it
-    lived on, one more at each crash of a crash loop, writing into the next process's log."""
-    sup = supervisor({"workers": [group("bare", "fork_grandchild", "--daemon", "--clean-env")]})
-    if sup.wait_event(event="cgroup.mode")["containment"] == "cgroup":  # pragma: no cover
-        pytest.skip("the supervisor has a cgroup of its own here: cgroup.kill is used")
-    leader, daemon = _grandchild(sup, "bare-0")
-    assert psutil.Process(daemon).ppid() == sup.pid
-    _crash(sup, "bare-0", leader, daemon)
-    assert sup.wait_event(event="worker.killed_leftovers", worker="bare-0")["pids"] == [daemon]
     assert sup.stop() == 0
 
 

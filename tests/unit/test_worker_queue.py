@@ -82,16 +82,27 @@ def test_a_passed_deadline_reads_the_socket_first(tmp_path: Path) -> None:
     anyio.run(_deadline, tmp_path)
 
 
-async def _deadline(tmp_path: Path) -> None:
+def stalled(tmp_path: Path, empty_reads: int) -> tuple[WorkerRunner, list[int]]:
+    """A ready worker whose watchdog deadline passed long ago, and whose notify socket gives a
+    heartbeat at the read after ``empty_reads`` empty ones; and the count of reads."""
     holder: list[WorkerRunner] = []
+    reads = [0]
 
-    def read_notify() -> int:  # what the socket held: a heartbeat sent during the stall
+    def read_notify() -> int:
+        reads[0] += 1
+        if reads[0] <= empty_reads:
+            return 0
         holder[0].on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
         return 1
 
     r = runner(tmp_path, read_notify)
     holder.append(r)
     r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=0.0)  # long passed
+    return r, reads
+
+
+async def _deadline(tmp_path: Path) -> None:
+    r, _ = stalled(tmp_path, 0)  # the socket held a heartbeat sent during the stall
     with anyio.fail_after(5):
         event = await r._next_event()
     assert isinstance(event, lc.Heartbeat)
@@ -156,26 +167,13 @@ def test_after_a_stall_heartbeats_still_on_their_way_are_waited_for(tmp_path: Pa
 
 
 async def _late_heartbeat(tmp_path: Path) -> None:
-    holder: list[WorkerRunner] = []
-    reads = 0
-
-    def read_notify() -> int:  # nothing at the first read; the heartbeat at a later one
-        nonlocal reads
-        reads += 1
-        if reads < 3:
-            return 0
-        holder[0].on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
-        return 1
-
-    r = runner(tmp_path, read_notify)
-    holder.append(r)
-    r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=0.0)  # long passed
+    r, reads = stalled(tmp_path, 2)  # nothing at the first reads; the heartbeat at a later one
     with anyio.fail_after(5):
         event = await r._next_event()
     assert isinstance(event, lc.Heartbeat)
     # a deadline only just passed (no stall) is judged at once, as before
     r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42, deadline=r._clock.now())
-    reads = -100
+    reads[0] = -100
     with anyio.fail_after(5):
         assert isinstance(await r._next_event(), lc.Timer)
     closed(r)
