@@ -19,9 +19,9 @@ with the shell or the service manager that handed it over, and would change unde
 
 A write waits for room at most the time it is given; what does not fit then is left to the
 caller, which drops it, counts it and says so once the stream takes bytes again. A stream that
-made one write wait is *congested*: the writes after it do not wait at all until one goes
-through at once, so a reader that is only slow (a page now and then) costs dropped lines, not
-an event loop held most of the time.
+cut a write short or made one wait ``CONGESTED_AFTER_S`` or more is *congested*: the writes
+after it do not wait at all until one goes through at once, so a reader that is only slow (a
+page now and then) costs dropped lines, not an event loop held most of the time.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import time
 #: The most a write waits for a stream that takes nothing (see the module's docstring): long
 #: enough for a burst of lines or a busy journald, short enough not to be noticed elsewhere.
 STALL_WAIT_S = 0.25
+#: A write that waited this long for room marks the stream congested (see the docstring).
+CONGESTED_AFTER_S = 0.05
 #: The piece written at once where only ``poll()`` can tell: a pipe that polls writable has
 #: room for at least this much.
 PIECE = select.PIPE_BUF
@@ -61,8 +63,9 @@ class UnblockedWriter:
             self._choose()
         if self._how == "plain":
             return _write_all(self.fd, data)
-        deadline = time.monotonic() + (0.0 if self.congested else wait_s)
-        waited = False
+        start = time.monotonic()
+        deadline = start + (0.0 if self.congested else wait_s)
+        full = False  # the stream was found full at least once
         written = 0
         with memoryview(data) as view:
             while written < len(view):
@@ -75,11 +78,16 @@ class UnblockedWriter:
                     if written:
                         break
                     raise
-                waited = True
+                full = True
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._wait(left):
                     break
-        self.congested = waited
+        # congested: the write had to be cut, or waited long (a reader that is only slow); a
+        # pipe that was full for a moment (a burst, a reader thread that was not scheduled)
+        # is not, and the next write may wait for it again
+        self.congested = full and (
+            written < len(data) or time.monotonic() - start >= CONGESTED_AFTER_S
+        )
         return written
 
     def close(self) -> None:
