@@ -27,6 +27,7 @@ import importlib.resources
 import json
 import logging
 import math
+import os
 import re
 import resource
 import socket
@@ -759,12 +760,32 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             raise _problem(503, f"cannot read post-mortem {id!r}: {exc.strerror or exc}") from None
         return doc
 
-    @get(f"{API_PREFIX}/events", list[Event], 422)
+    run = f"{os.getpid()}-{int(rt.started_wall * 1000)}"
+
+    @get(
+        f"{API_PREFIX}/events",
+        list[Event],
+        422,
+        responses_extra={
+            200: {
+                "headers": {
+                    RUN_HEADER: {
+                        "description": "this run of the supervisor: ``seq`` starts at 1 again "
+                        "in another (a client polling ``since`` across a restart sees it change)",
+                        "schema": {"type": "string"},
+                    }
+                }
+            }
+        },
+    )
     async def events(
+        response: Response,
         since: Annotated[int, Query(ge=0, description="only events with a greater seq")] = 0,
         limit: Annotated[int, Query(ge=1, le=JOURNAL_SIZE)] = JOURNAL_SIZE,
     ) -> list[dict[str, Any]]:
-        """Recent lifecycle events, oldest first, with increasing ``seq``."""
+        """Recent lifecycle events, oldest first, with increasing ``seq``; the header
+        ``X-Gpu-Supervisor-Run`` names the supervisor's run they are numbered in."""
+        response.headers[RUN_HEADER] = run
         return [e.to_json() for e in rt.journal.since(since, limit)]
 
     # --- probes, metrics, schema ---
@@ -1112,6 +1133,9 @@ _REFUSAL = (
 #: closed: the parser gathers a header's pieces by copying, so one endless header line (before
 #: any token is checked) would keep the loop busy until the request deadline.
 MAX_HEAD_BYTES = 64 * 1024
+#: The response header of ``/api/v1/events`` that names the supervisor's run (its events are
+#: numbered from 1 in each run).
+RUN_HEADER = "X-Gpu-Supervisor-Run"
 _HEAD_BODY = json.dumps(
     {"error": f"request line and headers over {MAX_HEAD_BYTES // 1024} KiB"}
 ).encode()

@@ -296,18 +296,50 @@ def _error_text(response: httpx.Response) -> str:
 ROLLOUT_POLL_S = 0.5
 
 
+#: ``/api/v1/events``' header naming the supervisor's run (its ``seq`` starts at 1 in each).
+RUN_HEADER = "X-Gpu-Supervisor-Run"
+RESTARTED = "gpu-supervisor: the supervisor restarted meanwhile: what it was doing is not known"
+
+
 def _last_seq(client: Client) -> int:
     events = client.request("GET", f"{API}/events").json()
     return int(events[-1]["seq"]) if events else 0
 
 
+class _Journal:
+    """Polls ``/api/v1/events`` after ``seen``; ``restarted`` once the answers come from
+    another run of the supervisor than the first (its numbering started again)."""
+
+    def __init__(self, client: Client, seen: int) -> None:
+        self.client = client
+        self.seen = seen
+        self.run: str | None = None
+        self.restarted = False
+
+    def next(self) -> list[dict[str, Any]]:
+        answer = self.client.request("GET", f"{API}/events?since={self.seen}")
+        run = answer.headers.get(RUN_HEADER)
+        if self.run is None:
+            self.run = run
+        elif run is not None and run != self.run:
+            self.restarted = True
+            return []
+        events: list[dict[str, Any]] = answer.json()
+        for e in events:
+            self.seen = max(self.seen, int(e["seq"]))
+        return events
+
+
 def _wait_rollout(client: Client, group: str, seen: int) -> int:
     """Wait for the journal's ``rollout.done`` / ``rollout.halted`` of ``group``'s rolling
     restart (after event ``seen``); 0 when done, 1 when halted."""
+    journal = _Journal(client, seen)
     while True:
-        events = client.request("GET", f"{API}/events?since={seen}").json()
+        events = journal.next()
+        if journal.restarted:
+            print(RESTARTED, file=sys.stderr)
+            return 1
         for e in events:
-            seen = max(seen, int(e["seq"]))
             if e.get("group") == group and e.get("kind") == "rolling_restart":
                 if e["type"] == "rollout.done":
                     print(f"{group}: rolling restart done")
@@ -325,9 +357,10 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
     the file was taken (and, with ``rollouts``, every roll-out it started completed), 1 when a
     roll-out halted or it was rejected for something else, 2 for a bad config file."""
     accepted = False
+    journal = _Journal(client, seen)
     while True:
         try:
-            events = client.request("GET", f"{API}/events?since={seen}").json()
+            events = journal.next()
         except ApiClientError:
             if not accepted:
                 raise
@@ -336,8 +369,10 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
                 file=sys.stderr,
             )
             return 1
+        if journal.restarted:
+            print(RESTARTED, file=sys.stderr)
+            return 1
         for e in events:
-            seen = max(seen, int(e["seq"]))
             if not str(e["type"]).startswith("reload.") or int(e.get("request", 0)) < request:
                 continue
             if e["type"] == "reload.rejected":

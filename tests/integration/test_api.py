@@ -227,6 +227,9 @@ def test_read_endpoints_on_simulated_gpus(supervisor: SupervisorFactory, tmp_pat
         tail = http.get("/api/v1/events", params={"since": seqs[-3]}).json()
         assert [e["seq"] for e in tail] == seqs[-2:]
         assert http.get("/api/v1/events", params={"since": seqs[-1] + 100}).json() == []
+        # the run they are numbered in (seq starts at 1 again in another): pid and start
+        run = http.get("/api/v1/events").headers["X-Gpu-Supervisor-Run"]
+        assert run.split("-")[0] == str(sup.pid) and run.split("-")[1].isdigit()
         assert http.get("/api/v1/events", params={"since": 0, "limit": 2}).json() == events[:2]
         assert_error(http.get("/api/v1/events", params={"since": -1}), 422, "since")
         assert_error(http.get("/api/v1/events", params={"since": "abc"}), 422, "since")

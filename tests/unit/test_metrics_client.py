@@ -305,3 +305,26 @@ async def test_async_render_formats_off_the_loop_and_serves_a_young_one_meanwhil
     fresh = await metrics.render_async()
     assert b'action="drain"' in fresh and metrics.renders == 2
     assert await metrics.render_async() is fresh  # unchanged: cached
+
+
+def test_a_wait_on_the_journal_says_when_the_supervisor_restarted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``restart --rolling --wait`` and ``reload --wait`` follow the journal by ``seq``, which
+    starts at 1 again in a new run of the supervisor. Regression: after a restart (systemd's
+    Restart=) the wait polled ``since=N`` of the old run and got [] for ever. The events'
+    run header changes, and the wait ends saying so (exit 1)."""
+    import httpx
+
+    from supervisor import client as client_module
+    from supervisor.client import RUN_HEADER, Client, _wait_rollout
+
+    monkeypatch.setattr(client_module, "ROLLOUT_POLL_S", 0.0)
+    answers = iter(["run-a", "run-a", "run-b"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[], headers={RUN_HEADER: next(answers)})
+
+    with Client("http://127.0.0.1:1", transport=httpx.MockTransport(handler)) as client:
+        assert _wait_rollout(client, "g", 41) == 1
+    assert "the supervisor restarted meanwhile" in capsys.readouterr().err
