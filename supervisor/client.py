@@ -33,7 +33,7 @@ from supervisor.config import (
     parse_listen,
     token_problem,
 )
-from supervisor.errors import ApiClientError, ConfigError, UsageError
+from supervisor.errors import ApiClientError, ConfigError, UsageError, connection_reason
 
 if TYPE_CHECKING:
     import httpx
@@ -257,7 +257,8 @@ class Client:
             ) from None
         except httpx.TransportError as exc:
             raise ApiClientError(
-                f"cannot reach the supervisor at {self.url}: is it running? ({_reason(exc)})"
+                f"cannot reach the supervisor at {self.url}: is it running? "
+                f"({connection_reason(exc)})"
             ) from None
         if response.status_code in ok:
             return response
@@ -269,15 +270,6 @@ class Client:
     def json(self, path: str) -> Any:
         """GET ``path`` and return its JSON."""
         return self.request("GET", path).json()
-
-
-def _reason(exc: httpx.TransportError) -> str:
-    text = str(exc) or type(exc).__name__
-    if "Connection refused" in text or "Errno 111" in text:
-        return "connection refused"
-    if "No such file" in text or "Errno 2" in text:
-        return "no such socket"
-    return text
 
 
 def _error_text(response: httpx.Response) -> str:

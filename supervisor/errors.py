@@ -81,3 +81,14 @@ class SpawnError(WorkerError):
 
 class IllegalTransition(WorkerError):
     """A lifecycle transition that ``model.ALLOWED`` does not contain."""
+
+
+def connection_reason(exc: BaseException) -> str:
+    """A failed HTTP connection in a few words (``connection refused``, ``no such socket``),
+    else the error's own text."""
+    text = str(exc) or type(exc).__name__
+    if "Connection refused" in text or "Errno 111" in text:
+        return "connection refused"
+    if "No such file" in text or "Errno 2" in text:
+        return "no such socket"
+    return text

@@ -85,12 +85,6 @@ def floor_bucket_s(window_s: float) -> float:
     return FLOOR_BUCKET_S * window_s / DEFAULT_WINDOW_S
 
 
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie (a reporter that has exited holds nothing)."""
-    stat = procfs.read_stat(pid)
-    return stat is not None and not stat.zombie
-
-
 def parse_in_use(value: str) -> float | None:
     """The MiB of an ``X_GPU_MEMORY_IN_USE_MB`` report (None: not a finite number >= 0)."""
     try:
@@ -483,7 +477,7 @@ class Healer:
         # the processes that are still there (checked at each judgement: a replaced rank's
         # memory is gone with it, and an exited rank stays in the tree as a zombie a while).
         if judge:
-            for gone in [p for p in w.in_use_by_pid if not _running(p)]:
+            for gone in [p for p in w.in_use_by_pid if not procfs.running(p)]:
                 del w.in_use_by_pid[gone]
         in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
         if in_use is not None:

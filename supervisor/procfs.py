@@ -119,6 +119,12 @@ def scan() -> dict[int, ProcStat]:
     return out
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an exited process holds no memory)."""
+    st = read_stat(pid)
+    return st is not None and not st.zombie
+
+
 def nspids(pid: int) -> tuple[int, ...]:
     """``NSpid`` of ``/proc/<pid>/status``: the pid here, then in each nested PID namespace.
 

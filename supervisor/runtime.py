@@ -733,7 +733,7 @@ class Runtime:
                     continue  # cannot tell: do not block on it
                 listed = {p.pid for p in d.processes}
                 # (only while our process lives: gone, a pid 1 listed is another namespace's)
-                mapped = {inner[p] for p in listed if p in inner and _lives(inner[p])}
+                mapped = {inner[p] for p in listed if p in inner and procfs.running(inner[p])}
                 pids = frozenset(listed | mapped) & old
                 if pids:
                     held[uuid] = pids
@@ -2172,12 +2172,6 @@ def _children() -> list[psutil.Process]:
         return psutil.Process().children()
     except psutil.Error:
         return []
-
-
-def _lives(pid: int) -> bool:
-    """``pid`` is a process that has not exited (a zombie has: it holds no memory)."""
-    st = procfs.read_stat(pid)
-    return st is not None and not st.zombie
 
 
 def _left_by(proc: psutil.Process, leader: int, worker: str, pipes: frozenset[int]) -> bool:

@@ -25,7 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor import procfs
 from supervisor.clock import Clock
-from supervisor.errors import SpawnError
+from supervisor.errors import SpawnError, connection_reason
 from supervisor.journal import rfc3339
 from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState, WorkerUsage
 from supervisor.notify import NotifyMessage
@@ -526,7 +526,7 @@ class WorkerRunner:
                 except httpx.TimeoutException:
                     self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
                 except httpx.HTTPError as exc:
-                    self.last_probe = _probe_error(exc)
+                    self.last_probe = connection_reason(exc)[:200]
                 except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
                     self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
                     self.last_probe = f"cannot be asked: {exc!r}"
@@ -537,14 +537,6 @@ class WorkerRunner:
                         return
                     self.last_probe = f"HTTP {response.status_code}"
                 await anyio.sleep(HEALTH_POLL_S)
-
-
-def _probe_error(exc: Exception) -> str:
-    """A failed probe in a few words (``connection refused``...)."""
-    text = str(exc) or type(exc).__name__
-    if "Connection refused" in text or "Errno 111" in text:
-        return "connection refused"
-    return text[:200]
 
 
 def is_idle(runner: WorkerRunner) -> bool:
