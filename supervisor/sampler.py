@@ -357,6 +357,22 @@ class Sampler:
             out.append(ident if known is None else replace(ident, uuid=known.uuid, name=known.name))
         return tuple(out)
 
+    def _identified(self, devices: Iterable[DeviceSample]) -> None:
+        """Name a GPU that had only a placeholder identity (its handle or UUID could not be
+        read when the backend opened) once a sample names it: placement, metrics and the API
+        go by ``identities``."""
+        if not any(i.uuid.startswith(PLACEHOLDER) for i in self.identities):
+            return
+        named = {d.index: d for d in devices if not d.uuid.startswith(PLACEHOLDER)}
+        out = []
+        for ident in self.identities:
+            d = named.get(ident.index)
+            if ident.uuid.startswith(PLACEHOLDER) and d is not None:
+                self._log.info("gpu.identified", gpu=d.index, uuid=d.uuid, name=d.name)
+                ident = DeviceIdentity(ident.index, d.uuid, d.name, d.memory_total_mb)
+            out.append(ident)
+        self.identities = tuple(out)
+
     def _with_missing(self, devices: tuple[DeviceSample, ...]) -> tuple[DeviceSample, ...]:
         """``devices`` plus every GPU seen before that the driver no longer lists, as lost (a
         GPU that fell off the bus vanishes from the enumeration after a re-init: forgotten, its
@@ -518,6 +534,7 @@ class Sampler:
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
         elif sample.nvml_available:
             self._reopen_delay = REOPEN_INITIAL_S
+            self._identified(sample.devices)
         self.last = sample
         self._on_sample(sample)
         return sample

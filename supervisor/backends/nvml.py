@@ -1,6 +1,7 @@
 """The NVML backend (``nvidia-ml-py``'s ``pynvml``): the only module that imports ``pynvml``.
 
-- One long-lived ``nvmlInit``; identities (UUID, name, total memory) cached at ``open()``.
+- One long-lived ``nvmlInit``; identities (UUID, name, total memory) cached at ``open()``; a
+  GPU whose handle or UUID cannot be read then is asked again every ``HANDLE_RETRY_S``.
 - Versioned entry points are probed once: memory ``_v2`` (else v1), the process list ``_v3``
   (else ``_v2``), ``TemperatureV`` (else the deprecated ``GetTemperature``), slowdown/shutdown
   thresholds through field values 194/193 (else ``GetTemperatureThreshold``).
@@ -19,6 +20,7 @@ import ctypes
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pynvml
@@ -47,6 +49,8 @@ VERSION_CODES = frozenset(
 )
 #: An XID event set that could not be made is tried again this often (``wait_xid``).
 EVENTS_RETRY_S = 30.0
+#: A GPU whose handle or UUID could not be read is asked again this often (``sample``).
+HANDLE_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
 
@@ -65,6 +69,12 @@ def _describe(exc: BaseException) -> str:
 
 _SLOWDOWN = pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
 _SHUTDOWN = pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN
+
+
+def _replaced(
+    identities: tuple[DeviceIdentity, ...], position: int, ident: DeviceIdentity
+) -> tuple[DeviceIdentity, ...]:
+    return (*identities[:position], ident, *identities[position + 1 :])
 
 
 def _field_number(fv: Any) -> float | None:
@@ -101,6 +111,7 @@ class NvmlBackend:
         self._events_retry_at = 0.0
         self._initialized = False
         self._lock = threading.Lock()
+        self._handle_retry_at: dict[int, float] = {}  # position -> when to ask again
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -120,27 +131,72 @@ class NvmlBackend:
             raise BackendUnavailable(f"NVML device count failed: {_describe(exc)}") from exc
         handles: list[Any] = []
         identities: list[DeviceIdentity] = []
+        retry_at = self._clock() + HANDLE_RETRY_S
         for index in range(count):
             try:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = pynvml.nvmlDeviceGetUUID(handle)
-                name = pynvml.nvmlDeviceGetName(handle)
+                handle, ident = self._identify(index)
             except pynvml.NVMLError as exc:
                 handles.append(None)
                 identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
+                self._handle_retry_at[index] = retry_at
                 continue
-            total: float | None = None
-            try:
-                total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / MIB
-            except pynvml.NVMLError:
-                total = None
             handles.append(handle)
-            identities.append(DeviceIdentity(index, str(uuid), str(name), total))
+            identities.append(ident)
         self._handles = handles
         self._identities = tuple(identities)
         self._probe()
         self._register_events()
         return self._identities
+
+    @staticmethod
+    def _identify(index: int) -> tuple[Any, DeviceIdentity]:
+        """The handle and identity of GPU ``index`` (``NVMLError`` when either cannot be read)."""
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        total: float | None = None
+        try:
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / MIB
+        except pynvml.NVMLError:
+            total = None
+        return handle, DeviceIdentity(index, str(uuid), str(name), total)
+
+    def _retry_handle(self, position: int) -> Any:
+        """The handle of a GPU whose handle or UUID could not be read (at ``open()`` or since),
+        asked again every ``HANDLE_RETRY_S``: a GPU that failed with UNKNOWN or TIMEOUT while
+        the driver was still bringing it up was otherwise unusable until NVML was opened
+        again, i.e. for good on a host whose other GPUs answer. None while it still fails."""
+        now = self._clock()
+        if now < self._handle_retry_at.get(position, 0.0):
+            return None
+        self._handle_retry_at[position] = now + HANDLE_RETRY_S
+        old = self._identities[position]
+        try:
+            handle, ident = self._identify(old.index)
+        except pynvml.NVMLError as exc:
+            failed = replace(old, name=_describe(exc))  # the sample says why it is unhealthy
+            self._identities = _replaced(self._identities, position, failed)
+            return None
+        del self._handle_retry_at[position]
+        self._handles[position] = handle
+        self._identities = _replaced(self._identities, position, ident)
+        self._watch(handle)
+        return handle
+
+    def _watch(self, handle: Any) -> None:
+        """Register a GPU that answers only now for XID events."""
+        if self._event_set is None:
+            with self._lock:  # wait_xid reads the set under it
+                if self._event_set is None and self._events_error is None:
+                    self._register_events()  # no GPU could be watched before: maybe this one
+            return  # a set that failed is made again, with every handle, by wait_xid
+        try:
+            mask = _XID_EVENT & int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
+            if mask:
+                pynvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+        except pynvml.NVMLError as exc:
+            if _code(exc) != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                self._events_failed(f"nvmlDeviceRegisterEvents: {_describe(exc)}")
 
     def _first_handle(self) -> Any:
         return next((h for h in self._handles if h is not None), None)
@@ -281,7 +337,10 @@ class NvmlBackend:
         if not self._initialized:
             raise BackendUnavailable("NVML is not initialised")
         out = []
-        for ident, handle in zip(self._identities, self._handles, strict=True):
+        for position, handle in enumerate(self._handles):
+            if handle is None:
+                handle = self._retry_handle(position)
+            ident = self._identities[position]
             if handle is None:
                 out.append(
                     DeviceSample(

@@ -738,3 +738,70 @@ def test_a_gpu_with_only_the_older_calls_is_read_through_them(
     first, second = gpus_on_nvml(world, fake_nvml_libdir)
     assert second["temperature_celsius"] == 86
     assert second["memory"]["total_mb"] == first["memory"]["total_mb"] == 81920
+
+
+def test_a_gpu_whose_handle_failed_at_the_open_is_asked_again(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A GPU whose handle could not be had when NVML opened (UNKNOWN, or TIMEOUT while the
+    driver brings it up) is asked again every HANDLE_RETRY_S. Regression: it stayed a
+    placeholder, unhealthy and unwatched, until NVML was opened again: for good on a host whose
+    other GPUs answer."""
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    gpu1 = world / "gpus" / "1"
+    listed = gpu1.read_text()
+    gpu1.write_text(listed + "rc_nvmlDeviceGetHandleByIndex 999\n")
+    script = f"""
+import pathlib, time
+import anyio
+import supervisor.backends.nvml as n
+from supervisor.sampler import Sampler
+
+now = [0.0]
+backend = n.NvmlBackend(clock=lambda: now[0])
+sampler = Sampler(lambda: backend, interval_s=1.0, workers=dict,
+                  on_sample=lambda s: None, on_xid=lambda e: None)
+
+async def main() -> None:
+    assert await sampler.open()
+    s = await sampler.tick()
+    print("open:", sampler.identities[1].uuid, s.devices[1].healthy)
+    pathlib.Path({str(gpu1)!r}).write_text({listed!r})
+    s = await sampler.tick()
+    print("at once:", sampler.identities[1].uuid, s.devices[1].healthy)
+    now[0] += n.HANDLE_RETRY_S
+    s = await sampler.tick()
+    print("later:", sampler.identities[1].uuid, s.devices[1].uuid, s.devices[1].healthy)
+    with open({str(world / "events")!r}, "a") as fh:
+        fh.write("1 79\\n")
+    got = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        got = backend.wait_xid(0.5)
+    print("xids:", [(e.gpu_index, e.xid) for e in got])
+    backend.close()
+
+anyio.run(main)
+"""
+    env = {
+        **os.environ,
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "open: unknown-1 False" in out.stdout, out.stdout
+    assert "at once: unknown-1 False" in out.stdout, out.stdout  # not asked at every sample
+    assert f"later: {UUID1} {UUID1} True" in out.stdout, out.stdout
+    assert "xids: [(1, 79)]" in out.stdout, out.stdout
