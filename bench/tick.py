@@ -6,7 +6,8 @@ Builds the fake library (tests/fakenvml), writes a sim world with 8 devices and 
 (64 sleeping children of this script, 8 per GPU), then in a child process (ld.so reads
 LD_LIBRARY_PATH only at exec) times, interleaved in one run:
 
-- bare: the pynvml calls one tick needs, called directly (10 per device);
+- bare: the pynvml calls one tick needs, called directly (11 per device: 10 before the
+  graphics process list was read);
 - backend: ``NvmlBackend.sample()`` (the same calls plus our error mapping and dataclasses);
 - tick: the sampler's whole blocking tick (backend + /proc trees of 64 workers + attribution).
 
@@ -50,11 +51,14 @@ def bare():
         pynvml.nvmlDeviceGetDecoderUtilization(h)
         pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
         pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h)
+        if GRAPHICS:
+            pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h)
+GRAPHICS = hasattr(sys.modules["supervisor.backends.nvml"], "_processes")
 refs = {f"w-{i}": WorkerRef(pid, (ids[i % len(ids)].uuid,)) for i, pid in enumerate(pids)}
 sampler = Sampler(lambda: backend, 0.5, lambda: refs, lambda s: None, lambda e: None)
 sampler.backend = backend; sampler.available = True; sampler.identities = ids
 def tick():
-    sampler._tick_blocking(refs, True)
+    sampler._tick_blocking(refs, time.monotonic(), sampler._tick_token)
 out = {"bare": [], "backend": [], "tick": []}
 for fn in (bare, backend.sample, tick):
     fn()  # warm up
@@ -109,7 +113,7 @@ def main() -> int:
     print(f"8 GPUs x 64 processes, {args.ticks} interleaved ticks, medians:")
     print("| measure | median |")
     print("|---|---|")
-    print(f"| bare pynvml calls of one tick (80 calls) | {m['bare']:.3f} ms |")
+    print(f"| bare pynvml calls of one tick | {m['bare']:.3f} ms |")
     print(f"| NvmlBackend.sample() | {m['backend']:.3f} ms |")
     print(
         f"| whole sampler tick (backend + /proc trees + attribution, 64 workers) | {m['tick']:.3f} ms |"

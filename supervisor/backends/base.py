@@ -6,10 +6,10 @@ thread and ``wait_xid()`` in another, so nothing here runs on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from supervisor.model import DeviceIdentity, DeviceSample, XidEvent
+from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
 
 # NVML return codes we act on (nvml.h).
 NVML_SUCCESS = 0
@@ -69,7 +69,23 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
         "nvmlDeviceGetComputeRunningProcesses_v3",
         "nvmlDeviceGetComputeRunningProcesses_v2",
     ),
+    "graphics_processes": (
+        "nvmlDeviceGetGraphicsRunningProcesses",
+        "nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "nvmlDeviceGetGraphicsRunningProcesses_v2",
+    ),
 }
+
+
+def one_per_pid(processes: Iterable[GpuProcess]) -> tuple[GpuProcess, ...]:
+    """One entry per pid: NVML lists a process with compute and graphics contexts (nvidia-smi's
+    "C+G") in both lists with the same memory, so the larger figure counts, not the sum."""
+    used: dict[int, float | None] = {}
+    for p in processes:
+        had = used.get(p.pid)
+        mb = p.used_mb
+        used[p.pid] = mb if had is None else had if mb is None else max(had, mb)
+    return tuple(GpuProcess(pid, mb) for pid, mb in used.items())
 
 
 class GpuBackend(Protocol):

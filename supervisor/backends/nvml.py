@@ -2,9 +2,10 @@
 
 - One long-lived ``nvmlInit``; identities (UUID, name, total memory) cached at ``open()``; a
   GPU whose handle or UUID cannot be read then is asked again every ``HANDLE_RETRY_S``.
-- Versioned entry points are probed once: memory ``_v2`` (else v1), the process list ``_v3``
-  (else ``_v2``), ``TemperatureV`` (else the deprecated ``GetTemperature``), slowdown/shutdown
-  thresholds through field values 194/193 (else ``GetTemperatureThreshold``).
+- Versioned entry points are probed once: memory ``_v2`` (else v1), the process lists (compute
+  and graphics) ``_v3`` (else ``_v2``), ``TemperatureV`` (else the deprecated
+  ``GetTemperature``), slowdown/shutdown thresholds through field values 194/193 (else
+  ``GetTemperatureThreshold``).
 - Errors are mapped here (NVML.md section 2): not supported / no permission / function not found /
   version mismatch -> the field is None and is not asked again on that device; GPU lost, reset
   required, insufficient power, IRQ issue -> the device is unhealthy this tick; anything else ->
@@ -31,6 +32,7 @@ from supervisor.backends.base import (
     NVML_ERROR_UNINITIALIZED,
     PLACEHOLDER,
     UNSUPPORTED_CODES,
+    one_per_pid,
 )
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
@@ -75,6 +77,18 @@ def _replaced(
     identities: tuple[DeviceIdentity, ...], position: int, ident: DeviceIdentity
 ) -> tuple[DeviceIdentity, ...]:
     return (*identities[:position], ident, *identities[position + 1 :])
+
+
+def _processes(compute: Any, graphics: Any) -> tuple[GpuProcess, ...]:
+    """The compute and graphics lists as one: a process that renders only (EGL/Vulkan, some
+    video pipelines) is in the graphics list alone, and its memory is its worker's as much as
+    CUDA's is."""
+    listed = tuple(
+        GpuProcess(int(p.pid), None if p.usedGpuMemory is None else float(p.usedGpuMemory) / MIB)
+        for p in (*compute, *graphics)
+        if int(p.pid) > 0
+    )
+    return one_per_pid(listed) if graphics else listed
 
 
 def _field_number(fv: Any) -> float | None:
@@ -388,19 +402,19 @@ class NvmlBackend:
             lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
             lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
         )
+        graphics = None
+        if procs is not None:
+            graphics = v(
+                i,
+                "graphics_processes",
+                self._procs_v3,
+                lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h),
+                lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(h),
+            )
         total = used = free = None
         if mem is not None:
             total, used, free = mem.total / MIB, mem.used / MIB, mem.free / MIB
-        processes = None
-        if procs is not None:
-            processes = tuple(
-                GpuProcess(
-                    int(p.pid),
-                    None if p.usedGpuMemory is None else float(p.usedGpuMemory) / MIB,
-                )
-                for p in procs
-                if int(p.pid) > 0
-            )
+        processes = None if procs is None else _processes(procs, graphics or ())
         return DeviceSample(
             index=i,
             uuid=ident.uuid,

@@ -3,7 +3,9 @@
 ```
 <world>/gpus/<index>   key value lines (uuid, name, memory_total_mib, memory_base_mib, ...,
                        lost 0/1, rc_<nvml function> <code>)
-<world>/procs/<pid>    "<gpu uuid or index> <used_mib|na>" lines; files of dead pids are ignored
+<world>/procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; files of dead pids are
+                       ignored; a pid with compute and graphics lines on one GPU is one process
+                       (the larger figure), as NVML lists it in both lists
 <world>/events         appended "<gpu index> <xid>" lines, delivered once each
 ```
 
@@ -25,6 +27,7 @@ from supervisor.backends.base import (
     DEVICE_LOST_CODES,
     FIELD_FUNCTIONS,
     NVML_ERROR_GPU_IS_LOST,
+    one_per_pid,
 )
 from supervisor.errors import BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
@@ -49,6 +52,8 @@ DEFAULTS: Mapping[str, str] = {
 #: The largest pid Linux hands out (``pid_max`` is at most 2**22): a larger file name in
 #: ``procs/`` names no process (and overflows ``kill()``).
 MAX_PID = 2**22
+#: How ``_read_procs`` keys the lines tagged ``graphics`` (a graphics context).
+GRAPHICS = "graphics:"
 XID_POLL_S = 0.5  # how often wait_xid looks at the events file
 #: a device file modified less than this long ago is always read again (see ``_read_devices``)
 RACY_WRITE_NS = 20_000_000
@@ -232,9 +237,9 @@ class SimBackend:
                 continue
             for line in text.splitlines():
                 parts = line.split()
-                if len(parts) != 2:
-                    continue
-                key, amount = parts
+                if not 2 <= len(parts) <= 3 or parts[0].startswith("#"):
+                    continue  # a third word tags the line (`graphics`: a graphics context)
+                key, amount = parts[:2]
                 used: float | None
                 if amount == "na":
                     used = None
@@ -245,6 +250,8 @@ class SimBackend:
                         continue
                     if not math.isfinite(used) or used < 0:
                         continue
+                if parts[2:] == ["graphics"]:
+                    key = GRAPHICS + key
                 by_key.setdefault(key, []).append(GpuProcess(pid, used))
         return by_key
 
@@ -298,11 +305,12 @@ class SimBackend:
             return None if value is None else value * scale
 
         mine = [*procs.get(uuid, []), *procs.get(str(dev.index), [])]
+        graphics = [*procs.get(GRAPHICS + uuid, []), *procs.get(GRAPHICS + str(dev.index), [])]
         total = field("memory", "memory_total_mib")
         used = free = None
         if total is not None:
             base = dev.number("memory_base_mib") or 0.0
-            used = min(total, base + sum(p.used_mb or 0.0 for p in mine))
+            used = min(total, base + sum(p.used_mb or 0.0 for p in (*mine, *graphics)))
             free = total - used
         thresholds_ok = dev.rc("thresholds") is None
         clocks = field("clocks", "clocks_event_reasons")
@@ -322,8 +330,18 @@ class SimBackend:
             encoder_percent=field("encoder", "encoder_percent"),
             decoder_percent=field("decoder", "decoder_percent"),
             clocks_event_reasons=None if clocks is None else int(clocks),
-            processes=None if dev.rc("processes") is not None else tuple(mine),
+            processes=(
+                None if dev.rc("processes") is not None else self._processes(dev, mine, graphics)
+            ),
         )
+
+    @staticmethod
+    def _processes(
+        dev: _Device, compute: list[GpuProcess], graphics: list[GpuProcess]
+    ) -> tuple[GpuProcess, ...]:
+        if dev.rc("graphics_processes") is not None:
+            graphics = []  # as the NVML backend: that list failing leaves the compute one
+        return one_per_pid((*compute, *graphics))
 
     def _read_new_events(self) -> list[XidEvent]:
         path = self.world / "events"

@@ -805,3 +805,42 @@ anyio.run(main)
     assert "at once: unknown-1 False" in out.stdout, out.stdout  # not asked at every sample
     assert f"later: {UUID1} {UUID1} True" in out.stdout, out.stdout
     assert "xids: [(1, 79)]" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("name", ["sim", "nvml"])
+def test_graphics_contexts_count_once_per_process(
+    tmp_path: Path, fake_nvml_libdir: Path, name: str
+) -> None:
+    """A process that renders (EGL/Vulkan) is in NVML's graphics list, not the compute one;
+    one with both contexts is in both with the same memory. Regression: the graphics list was
+    never read, so a rendering worker's memory was no one's (no budget, no leak check)."""
+    import json
+    import subprocess
+    import sys
+
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with subprocess.Popen(["sleep", "60"]) as render, subprocess.Popen(["sleep", "60"]) as both:
+        try:
+            (world / "procs" / str(render.pid)).write_text("0 250 graphics\n")
+            (world / "procs" / str(both.pid)).write_text("0 300\n0 300 graphics\n")
+            env = {
+                **os.environ,
+                "GPU_SUPERVISOR_SIM_DIR": str(world),
+                "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+            }
+            out = subprocess.run(
+                [sys.executable, "-m", "supervisor", "gpus", "--backend", name, "--json"]
+                + (["--sim-dir", str(world)] if name == "sim" else []),
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=30,
+                check=True,
+            )
+        finally:
+            render.kill()
+            both.kill()
+    (dev,) = json.loads(out.stdout)["devices"]
+    used = {p["pid"]: p["used_mb"] for p in dev["processes"]}
+    assert used == {render.pid: 250.0, both.pid: 300.0}, dev["processes"]
