@@ -120,8 +120,10 @@ class _Device:
     def number(self, key: str) -> float | None:
         """The key's value; None where it is not a finite number of 0 or more (every figure
         of a device is: NVML never reports ``inf``, ``nan`` or less than nothing)."""
+        text = self.get(key)
         try:
-            value = float(self.get(key))
+            # a bitmask may be written in hex, as the fake NVML library reads it too
+            value = float(int(text, 16)) if text[:2] in ("0x", "0X") else float(text)
         except ValueError:
             return None
         return value if math.isfinite(value) and value >= 0 else None

@@ -325,6 +325,26 @@ static int parse_u64(const char *s, unsigned long long *out)
     return 0;
 }
 
+/* A process's memory in MiB as the sim backend reads it (a whole number, hex, or a fraction
+ * such as 1536.5), as bytes. -1 for anything else, negative, not finite or absurdly large. */
+static int parse_mib_bytes(const char *s, unsigned long long *bytes)
+{
+    unsigned long long whole;
+    if (parse_u64(s, &whole) == 0) {
+        if (whole > (1ULL << 40))
+            return -1;
+        *bytes = whole * MIB;
+        return 0;
+    }
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !(v >= 0.0) || v > (double)(1ULL << 40))
+        return -1;
+    *bytes = (unsigned long long)(v * (double)MIB + 0.5);
+    return 0;
+}
+
 static int parse_i64(const char *s, long long *out)
 {
     char *end = NULL;
@@ -635,7 +655,7 @@ struct proc_line {
     unsigned long long ref_index;
     enum proc_kind kind;
     int known;                   /* a number of MiB, not "na" */
-    unsigned long long mib;
+    unsigned long long bytes;    /* that number (fractions allowed), in bytes */
 };
 
 struct cached_proc {
@@ -1292,13 +1312,13 @@ static void proc_reread(struct cached_proc *p, const char *path)
         char *ref = strtok_r(line, " \t\r\n", &save);
         char *mem = strtok_r(NULL, " \t\r\n", &save);
         char *tag = strtok_r(NULL, " \t\r\n", &save);
-        unsigned long long mib = 0;
+        unsigned long long bytes = 0;
         int known;
         if (ref == NULL || ref[0] == '#' || mem == NULL)
             continue;
         if (strcmp(mem, "na") == 0)
             known = 0;
-        else if (parse_u64(mem, &mib) == 0)
+        else if (parse_mib_bytes(mem, &bytes) == 0)
             known = 1;
         else
             continue;
@@ -1321,7 +1341,7 @@ static void proc_reread(struct cached_proc *p, const char *path)
         l->ref_is_index = all_digits(ref) && parse_u64(ref, &l->ref_index) == 0;
         l->kind = (tag != NULL && strcmp(tag, "graphics") == 0) ? PROC_GRAPHICS : PROC_COMPUTE;
         l->known = known;
-        l->mib = mib;
+        l->bytes = bytes;
         p->n_lines++;
     }
     free(line);
@@ -1367,7 +1387,7 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             matched = 1;
             if (l->known) {
                 entry.known = 1;
-                entry.used_bytes += l->mib * MIB;
+                entry.used_bytes += l->bytes;
             }
         }
         if (!matched)

@@ -457,16 +457,17 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     assert not sup.find(event="gpu.close_skipped")
 
 
-def gpus_on_nvml(world: Path, libdir: Path) -> list[dict[str, Any]]:
+def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[str, Any]]:
     """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
-    over ``world``: the device objects."""
+    over ``world`` (or ``--backend sim`` on it): the device objects."""
     import json
     import subprocess
     import sys
 
     env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
     out = subprocess.run(
-        [sys.executable, "-m", "supervisor", "gpus", "--backend", "nvml", "--json"],
+        [sys.executable, "-m", "supervisor", "gpus", "--backend", backend, "--json"]
+        + (["--sim-dir", str(world)] if backend == "sim" else []),
         capture_output=True,
         text=True,
         env=env,
@@ -814,9 +815,7 @@ def test_graphics_contexts_count_once_per_process(
     """A process that renders (EGL/Vulkan) is in NVML's graphics list, not the compute one;
     one with both contexts is in both with the same memory. Regression: the graphics list was
     never read, so a rendering worker's memory was no one's (no budget, no leak check)."""
-    import json
     import subprocess
-    import sys
 
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
@@ -824,23 +823,31 @@ def test_graphics_contexts_count_once_per_process(
         try:
             (world / "procs" / str(render.pid)).write_text("0 250 graphics\n")
             (world / "procs" / str(both.pid)).write_text("0 300\n0 300 graphics\n")
-            env = {
-                **os.environ,
-                "GPU_SUPERVISOR_SIM_DIR": str(world),
-                "LD_LIBRARY_PATH": str(fake_nvml_libdir),
-            }
-            out = subprocess.run(
-                [sys.executable, "-m", "supervisor", "gpus", "--backend", name, "--json"]
-                + (["--sim-dir", str(world)] if name == "sim" else []),
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=30,
-                check=True,
-            )
+            (dev,) = gpus_on_nvml(world, fake_nvml_libdir, name)
         finally:
             render.kill()
             both.kill()
-    (dev,) = json.loads(out.stdout)["devices"]
     used = {p["pid"]: p["used_mb"] for p in dev["processes"]}
     assert used == {render.pid: 250.0, both.pid: 300.0}, dev["processes"]
+
+
+def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_libdir: Path) -> None:
+    """The world is read the same by both backends. Regression: the fake library skipped a
+    `procs` line of fractional MiB (the sim backend read it), and the sim backend read a
+    hex `clocks_event_reasons` as no reasons (the fake read it)."""
+    import subprocess
+
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("clocks_event_reasons 0x40\n")  # hardware thermal slowdown
+    with subprocess.Popen(["sleep", "60"]) as proc:
+        try:
+            (world / "procs" / str(proc.pid)).write_text("0 1536.5\n")
+            seen = [gpus_on_nvml(world, fake_nvml_libdir, name)[0] for name in ("sim", "nvml")]
+        finally:
+            proc.kill()
+    for dev in seen:
+        assert [(p["pid"], p["used_mb"]) for p in dev["processes"]] == [(proc.pid, 1536.5)], dev
+        assert dev["memory"]["used_mb"] == 1536.5, dev
+        assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
