@@ -406,8 +406,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
 
     if state in (S.STOPPED, S.FATAL):
         if isinstance(ev, Start | Restart):
-            if state is S.FATAL:
-                rec = replace(rec, history=FailureHistory())
+            # an operator's start (or a reload's) is a new beginning: the failures counted
+            # toward `burst` and the backoff were those of what ran before
+            rec = replace(rec, history=FailureHistory())
             return _start(rec, "start")
         if isinstance(ev, Stop) and state is S.FATAL:
             return _move(rec, S.STOPPED, ev.reason.value, history=FailureHistory())
@@ -419,7 +420,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, GpuFreed) and rec.gpu_waits:
             return _start(rec, "a GPU became usable")
         if isinstance(ev, Start | Restart):
-            return _start(rec, "start")
+            # as from stopped: a reload's new definition or an operator's start gets a full
+            # `burst` (it kept the old one's failures: fatal after one or two tries)
+            return _start(replace(rec, history=FailureHistory()), "start")
         if isinstance(ev, Stop):
             return _move(rec, S.STOPPED, ev.reason.value, deadline=None, gpu_waits=0)
         return rec, []

@@ -370,6 +370,22 @@ def test_fatal_is_cleared_by_start() -> None:
     assert rec.state is S.STARTING and rec.history == FailureHistory()
 
 
+@pytest.mark.parametrize("event", [lc.Start(), lc.Restart(), lc.Restart(ExitReason.RELOAD)])
+@pytest.mark.parametrize("state", [S.BACKOFF, S.STOPPED])
+def test_a_start_from_backoff_or_stopped_begins_a_new_failure_history(
+    event: lc.Event, state: S
+) -> None:
+    """Regression: a worker in backoff (or stopped by an operator after failures) kept its
+    failures across an operator's start or a reload's new definition, which then got one or
+    two tries before `fatal`, with the old backoff (fatal cleared the history; these did not)."""
+    crashed = at(started(), lc.Exited(10, CRASH), 100.5)
+    assert crashed.state is S.BACKOFF and crashed.history.consecutive == 1
+    rec = crashed if state is S.BACKOFF else at(crashed, lc.Stop(), 100.6)
+    assert rec.state is state and rec.history.consecutive == 1
+    rec = at(rec, event, 100.7)
+    assert rec.state is S.STARTING and rec.history == FailureHistory()
+
+
 @pytest.mark.parametrize(
     ("policy", "exit_at"),
     [
