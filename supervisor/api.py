@@ -594,8 +594,15 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         """One worker."""
         return rt.worker_object(runner_of(name))
 
+    def refuse_while_stopping() -> None:
+        if rt.shutting_down:  # the command would be dropped: 202 said it was taken
+            raise _problem(409, "the supervisor is stopping")
+
     def worker_command(request: Request, name: str, command: Command) -> dict[str, Any]:
         runner = runner_of(name)
+        refuse_while_stopping()
+        if name in rt.removing:
+            raise _problem(409, f"cannot {command} {name}: a reload is removing it")
         why = refusal(command, runner.state)
         if why is not None:
             raise _problem(409, f"cannot {command} {name}: {why}")
@@ -606,6 +613,10 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
 
     def group_command(request: Request, group: str, command: Command) -> dict[str, Any]:
         names = group_names(group)
+        refuse_while_stopping()
+        if names and all(n in rt.removing for n in names):
+            raise _problem(409, f"cannot {command} group {group}: a reload is removing it")
+        names = [n for n in names if n not in rt.removing]
         states = [rt.runners[n].state for n in names]
         why = group_refusal(command, states)
         if why is not None:
@@ -630,6 +641,9 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     async def rolling_restart(request: Request, group: str) -> dict[str, Any]:
         """Restart the group one worker at a time, each waiting for readiness."""
         names = group_names(group)
+        refuse_while_stopping()
+        if rt.settings.group(group) is None:
+            raise _problem(409, f"group {group} is being removed by a reload")
         if group in rt.rolling:
             raise _problem(409, f"a {rt.rolling[group]} of group {group} is already running")
         running = [n for n in names if rt.runners[n].state not in _IDLE]

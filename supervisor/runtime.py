@@ -252,6 +252,8 @@ class Runtime:
         self._intent_send, self._intent_recv = anyio.create_memory_object_stream[Intent](math.inf)
         self._tg: anyio.abc.TaskGroup | None = None
         self._shutting_down = False
+        #: workers a reload is stopping for good (their group or replica is gone)
+        self.removing: set[str] = set()
         self._forced = False
         self._done = anyio.Event()
         self._reloading = False
@@ -1073,7 +1075,18 @@ class Runtime:
             await self._start_runner(self._make_runner(group, i, plan))
 
     async def _remove_runner(self, runner: WorkerRunner, reason: ExitReason) -> None:
-        """Stop ``runner`` and forget it: out of its group's list first, then out of ``runners``."""
+        """Stop ``runner`` and forget it: out of its group's list first, then out of ``runners``.
+
+        Named in ``removing`` meanwhile: operators' commands to it are refused (a start or a
+        restart of a worker a reload removes brought it back, routed to, until the removal's
+        stop budget ran out and it was killed)."""
+        self.removing.add(runner.name)
+        try:
+            await self._stop_and_forget(runner, reason)
+        finally:
+            self.removing.discard(runner.name)
+
+    async def _stop_and_forget(self, runner: WorkerRunner, reason: ExitReason) -> None:
         runner.post(lc.Stop(reason))
         await self.wait_until(lambda: is_idle(runner), self._stop_budget(runner))
         if not is_idle(runner):
@@ -1626,7 +1639,8 @@ class Runtime:
         self.actions_total[key] = self.actions_total.get(key, 0) + 1
         self.journal.append(self.clock.wall(), "operator." + action, None, target=cmd.target)
         for runner in self._targets(cmd.target):
-            runner.post(cmd.event)
+            if runner.name not in self.removing:  # a reload's stop of it stays in force
+                runner.post(cmd.event)
 
     def _cordon(self, cmd: Cordon) -> None:
         was = cmd.uuid in self.cordoned
@@ -2013,6 +2027,10 @@ class Runtime:
             if support is not self.cgroups.support:  # the first budget: probed now
                 self.cgroups.support = support
                 self.log.info("cgroup.mode", mode=support.mode, reason=support.why or "reload")
+        for name in diff.unchanged:  # a reload clears fatal (first: removals, roll-outs take long)
+            for runner in self._targets(name):
+                if runner.state is WorkerState.FATAL and not self._shutting_down:
+                    runner.post(lc.Start())
         for name in diff.removed:
             await self._stop_group(name)
         for name in diff.added:
@@ -2046,10 +2064,6 @@ class Runtime:
             self.settings = self.settings.model_copy(
                 update={"workers": tuple(by_name.get(g.name, g) for g in self.settings.workers)}
             )
-        for name in diff.unchanged:  # a reload clears fatal
-            for runner in self._targets(name):
-                if runner.state is WorkerState.FATAL:
-                    runner.post(lc.Start())
         self._changed_now()
         self._reload_over()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
@@ -2110,10 +2124,13 @@ class Runtime:
                 attempts = 0
                 await self._start_runner(runner)
             else:
-                if scaled and runner.planned(spec, timing):
-                    runner.reconfigure(spec, timing, group.log_passthrough)  # as it runs
-                    if runner.state is WorkerState.FATAL:  # a reload clears fatal
-                        runner.post(lc.Start())
+                if (scaled and runner.planned(spec, timing)) or runner.launches(spec):
+                    # as it runs: only replicas changed, or only what the supervisor uses
+                    # (restart policy, timeouts, health thresholds): a new threshold is no
+                    # reason to load every model again
+                    runner.reconfigure(spec, timing, group.log_passthrough)
+                    if runner.state is WorkerState.FATAL and not self._shutting_down:
+                        runner.post(lc.Start())  # a reload clears fatal
                     continue
                 if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
                     continue

@@ -75,6 +75,7 @@ class WorkerRunner:
         self.timing = timing
         self._configured = (spec, timing)  # as planned (``spec`` may be re-placed at a start)
         self._started_as: tuple[LaunchSpec, lc.Timing] | None = None
+        self._spawned: LaunchSpec | None = None
         self.record = lc.WorkerRecord()
         self.output = output
         self.status_text = ""
@@ -167,6 +168,14 @@ class WorkerRunner:
     def runs(self, spec: LaunchSpec, timing: lc.Timing) -> bool:
         """True when the current process was started from exactly this plan (reload)."""
         return self.record.pid is not None and self._started_as == (spec, timing)
+
+    def launches(self, spec: LaunchSpec) -> bool:
+        """True when a restart would launch nothing new: the process runs ``spec`` (or, with
+        none, the next start is of ``spec``). A reload that changes only what the supervisor
+        uses (timeouts, restart policy, health thresholds) applies to such a worker in place."""
+        if self.record.pid is not None:
+            return self._spawned == spec
+        return self.spec == spec
 
     def on_notify(self, msg: NotifyMessage) -> None:
         """A datagram from this worker or one of its descendants."""
@@ -378,6 +387,7 @@ class WorkerRunner:
             return lc.SpawnFailed(str(exc))
         self._child = child
         self._started_as = self._configured
+        self._spawned = self.spec  # as run: placed where the pre-start hook said
         self._last_pid = child.pid
         self._tree = []
         self.stopping_notified = False

@@ -337,10 +337,11 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     assert sup.stop() == 0
 
 
-@pytest.mark.parametrize("change", ["none", "replicas"])
+@pytest.mark.parametrize("change", ["none", "replicas", "policy"])
 def test_reload_clears_fatal(supervisor: SupervisorFactory, change: str) -> None:
-    """A reload clears fatal (DESIGN.md section 5), also one that only scales the group.
-    Regression: a scale left the fatal workers fatal and started only the new one."""
+    """A reload clears fatal (DESIGN.md section 5), also one that only scales the group or
+    changes only its restart policy (applied in place). Regression: a scale left the fatal
+    workers fatal and started only the new one."""
     restart = {"backoff_initial_s": 0.01, "burst": 1}
     group = g("dead", "exit_with_code", "4", port_base=9370, restart=restart)
     sup = supervisor({"workers": [group]})
@@ -348,11 +349,107 @@ def test_reload_clears_fatal(supervisor: SupervisorFactory, change: str) -> None
     mark = sup.mark()
     if change == "replicas":
         sup.write_config({"workers": [{**group, "replicas": 2}]})
+    if change == "policy":
+        sup.write_config({"workers": [{**group, "restart": {**restart, "burst": 2}}]})
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="worker.spawned", worker="dead-0", after=mark)
     if change == "replicas":
         sup.wait_event(event="worker.spawned", worker="dead-1", after=mark)
     assert sup.stop() == 0
+
+
+def test_a_reload_of_what_only_the_supervisor_uses_restarts_no_worker(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Restart policy, timeouts, health thresholds and passthrough are the supervisor's: a
+    reload that changes only those applies them to the running workers, which keep running.
+    Regression: any change to a group restarted every worker of it (reloading every model to
+    tune a leak threshold)."""
+    group = g("a", "ignore_sigterm", replicas=2, port_base=9390, stop_timeout_s=30)
+    group["log_passthrough"] = False
+    sup = supervisor({"workers": [group]})
+    pids = {w: sup.ready(w)["pid"] for w in ("a-0", "a-1")}
+    mark = sup.mark()
+    tuned = {
+        **group,
+        "stop_timeout_s": 0.3,
+        "start_timeout_s": 60,
+        "log_passthrough": True,
+        "restart": {"stable_s": 0.2, "burst": 9},
+        "health": {"leak_min_mb_per_min": 25, "max_unavailable": 2},
+    }
+    sup.write_config({"workers": [tuned]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.reload", after=mark)["changed"] == ["a"]
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark)
+    assert not sup.find(event="worker.spawned", after=mark)
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+    with sup.api() as api:
+        workers = api.get("/api/v1/workers").json()
+        assert {w["name"]: w["pid"] for w in workers} == pids
+        assert all(w["restarts"] == 0 for w in workers)
+        # the new stop_timeout_s is in force: a-0 ignores SIGTERM, killed after 0.3 s, not 30
+        assert api.post("/api/v1/workers/a-0/stop").status_code == 202
+        kill = sup.wait_event(event="worker.kill", worker="a-0", after=mark, timeout=10)
+        assert kill["reason"] != "", kill
+    sup.wait_event(event="worker.state", worker="a-0", new="stopped", after=mark, timeout=10)
+    assert sup.stop() == 0
+
+
+def test_commands_to_a_worker_a_reload_removes_are_refused(supervisor: SupervisorFactory) -> None:
+    """A worker of a removed group takes a while to stop: a start (or restart) asked for
+    meanwhile is refused with 409, as is any worker command once the supervisor stops.
+    Regression: it was started again, routed to, then killed when the removal's stop budget
+    ran out; during a stop, commands were answered 202 and dropped."""
+    slow = g("x", "ignore_sigterm", port_base=9395, stop_timeout_s=3)
+    kept = g("a", "ignore_sigterm", port_base=9396, stop_timeout_s=3)
+    sup = supervisor({"workers": [kept, slow]})
+    sup.ready("a-0")
+    sup.ready("x-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [kept]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.state", worker="x-0", new="stopping", after=mark)
+    with sup.api() as api:
+        for verb in ("start", "restart"):
+            answer = api.post(f"/api/v1/workers/x-0/{verb}")
+            assert answer.status_code == 409, answer.text
+            assert "a reload is removing it" in answer.json()["error"]
+        answer = api.post("/api/v1/groups/x/restart")
+        assert answer.status_code == 409, answer.text
+        sup.wait_event(event="supervisor.reload_done", after=mark, timeout=10)
+        assert not sup.find(event="worker.spawned", worker="x-0", after=mark)
+        assert api.get("/api/v1/route", params={"group": "x"}).status_code == 404
+        sup.signal(signal.SIGTERM)  # a-0 takes 3 s to stop
+        sup.wait_event(event="supervisor.stopping", after=mark)
+        for path in ("workers/a-0/restart", "groups/a/start", "groups/a/rolling-restart"):
+            answer = api.post(f"/api/v1/{path}")
+            assert answer.status_code == 409, (path, answer.text)
+            assert answer.json()["error"] == "the supervisor is stopping", path
+    assert sup.wait_exit() == 0
+
+
+def test_a_reload_cut_short_by_a_stop_starts_nothing(supervisor: SupervisorFactory) -> None:
+    """A reload removes a group that takes 3 s to stop, and the supervisor is stopped
+    meanwhile. Regression: once the removal was over, the reload cleared the fatal worker
+    of another group by starting it, during the stop (a process left running, a dead pid as
+    `starting` in the last state.json)."""
+    dead = g("f", "exit_with_code", "4", port_base=9397, restart={"burst": 1})
+    dead["restart"]["backoff_initial_s"] = 0.01
+    slow = g("slow", "ignore_sigterm", port_base=9398, stop_timeout_s=3)
+    sup = supervisor({"workers": [dead, slow]})
+    sup.wait_event(event="worker.state", worker="f-0", new="fatal")
+    sup.ready("slow-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [dead]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.state", worker="slow-0", new="stopping", after=mark)
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    stopping = sup.wait_event(event="supervisor.stopping", after=mark)
+    assert not sup.find(event="worker.spawned", after=sup.events.index(stopping)), sup.events
+    state = json.loads((sup.state_dir / "state.json").read_text())
+    assert all(w["state"] in ("stopped", "fatal") for w in state["workers"]), state
 
 
 def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
