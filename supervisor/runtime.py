@@ -1683,9 +1683,18 @@ class Runtime:
             if not self._shutting_down:
                 self._journal_rollout(group, "rolling_restart", done)
 
+    def _serving(self, name: str) -> bool:
+        """Sort key of a roll-out: the workers that serve nothing now (in backoff, loading,
+        stopped) are replaced first, the ready ones last. Regression: in index order, a
+        group with one ready worker and one in backoff lost the ready one first and served
+        nothing until its replacement had loaded."""
+        runner = self.runners.get(name)
+        return runner is not None and runner.state is WorkerState.READY
+
     async def _others_back(self, group: str, runner: WorkerRunner) -> bool:
         """Before a roll-out takes ready ``runner`` down: wait until no other worker of the
-        group is on its way down or back up (a healing drain, a restart, a start); False
+        group is on its way down or back up (a healing drain, a restart, a start, a backoff
+        after a crash); False
         (halted, logged) when one is not back in time. Regression: a roll-out took the last
         ready worker down while healing drained the other one (the group served nothing)."""
         if runner.state is not WorkerState.READY:
@@ -1699,6 +1708,8 @@ class Runtime:
                 and (
                     r.state in (WorkerState.DRAINING, WorkerState.STOPPING)
                     or (r.state is WorkerState.STARTING and r.record.pid is not None)
+                    # after a crash; not one waiting for a GPU (that can be for good)
+                    or (r.state is WorkerState.BACKOFF and not r.record.gpu_waits)
                 )
             ]
 
@@ -1755,7 +1766,7 @@ class Runtime:
         key = ("rolling_restart", "operator")
         self.actions_total[key] = self.actions_total.get(key, 0) + 1
         replaced: list[WorkerRunner] = []
-        for name in list(self.groups.get(group, [])):
+        for name in sorted(self.groups.get(group, []), key=self._serving):
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
@@ -2117,7 +2128,7 @@ class Runtime:
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
         new_names = [s.name for s in specs]
         replaced: list[WorkerRunner] = []
-        for index, spec in enumerate(specs):
+        for index, spec in sorted(enumerate(specs), key=lambda p: self._serving(p[1].name)):
             runner = self.runners.get(spec.name)
             if runner is None:
                 runner = self._make_runner(group, index, plan)

@@ -107,7 +107,9 @@ def test_scaling_a_group_touches_only_the_workers_added_or_removed(
         assert ports(api) == {**before, "b-1": 8004}
         assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
         mark = reload(3, 2)  # a would grow into b's ports: a moves, b stays
-        sup.ready("a-2", after=mark)
+        sup.ready("a-2", after=mark)  # the new worker first, then a-0 and a-1 move
+        begun = sup.events.index(sup.wait_event(event="supervisor.reload", after=mark))
+        sup.wait_event(event="supervisor.reload_done", halted=[], after=begun)
         assert [ports(api)[w] for w in ("a-0", "a-1", "a-2", "b-0", "b-1")] == [
             8005,
             8006,
@@ -509,6 +511,35 @@ def test_a_roll_out_does_not_take_the_last_ready_worker_down(
             sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=30)
     states = sup.find(event="worker.state", after=mark)
     assert most_not_ready(states) <= 1, states
+    assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_replaces_the_workers_that_serve_nothing_first(
+    supervisor: SupervisorFactory, how: str
+) -> None:
+    """a-1 crash-loops (in backoff), a-0 serves: a roll-out replaces a-1 first, and halts
+    there when a-1 does not come up, leaving a-0 serving. Regression: in index order a-0 was
+    taken down first and the group served nothing while it loaded again."""
+    py, script = worker_cmd("ready_then_sleep")
+    command = ["sh", "-c", f"[ {{index}} = 1 ] && exit 3; exec {py} {script}"]
+    group = {**g("a", replicas=2, port_base=9340), "command": command}
+    group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 30}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.wait_event(event="worker.state", worker="a-1", new="backoff")
+    mark = sup.mark()
+    with sup.api() as http:
+        if how == "rolling-restart":
+            assert http.post("/api/v1/groups/a/rolling-restart").status_code == 202
+            done = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=30)
+        else:
+            sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+            sup.signal(signal.SIGHUP)
+            done = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=30)
+        assert done["worker"] == "a-1", done
+        assert not sup.find(event="worker.state", worker="a-0", old="ready", after=mark)
+        assert http.get("/api/v1/workers/a-0").json()["state"] == "ready"
     assert sup.stop() == 0
 
 
