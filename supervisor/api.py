@@ -805,7 +805,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     # --- probes, metrics, schema ---
 
     def healthz_body() -> bytes:
-        uptime = round(max(0.0, rt.clock.wall() - rt.started_wall), 3)
+        uptime = round(max(0.0, rt.clock.now() - rt.started_mono), 3)
         return json.dumps({"status": "ok", "version": __version__, "uptime_s": uptime}).encode()
 
     @app.get("/healthz", response_model=Health)
@@ -1057,6 +1057,9 @@ class Front:
             if why is not None:
                 await _refuse(send, 403, why)
                 return
+            if scope["method"] == "HEAD":  # RFC 9110 9.1: a GET's head (`curl -I`, uptime checks)
+                scope = {**scope, "method": "GET"}
+                send = _headless(send)
         if scope["type"] != "http" or scope["path"].startswith(self.exempt):
             await self.app(scope, receive, send)
             return
@@ -1132,6 +1135,18 @@ class Front:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _headless(send: Any) -> Any:
+    """``send`` for a HEAD answered as a GET: the headers (its Content-Length included), no
+    body."""
+
+    async def send_head(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
 
 
 # --- connections ----------------------------------------------------------------------------

@@ -266,6 +266,9 @@ class Runtime:
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
         self.listener = NotifyListener(self.notify_path, self._on_notify)
         self.started_wall = self.clock.wall()
+        #: the monotonic start (set in ``run``, on the loop's clock): uptime is not moved by
+        #: a step of the wall clock
+        self.started_mono = 0.0
         self.exit_code = 0
         self.sampler = Sampler(
             lambda: make_backend(self.settings.gpu),
@@ -388,6 +391,7 @@ class Runtime:
         initialises, say) is a graceful stop, not a kill.
         """
         install_loop_exception_handler()  # the loop's errors as rate-limited JSON lines
+        self.started_mono = self.clock.now()
         sup = self.settings.supervisor
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()

@@ -222,7 +222,9 @@ class WorkerRunner:
         rec = self.record
         last = rec.last_exit
         uptime = self.uptime_s()
-        running = rec.pid is not None and usage is not None
+        # the sample must have seen this process: one taken before a (re)spawn saw none, and
+        # its 0 MiB would be a made-up figure for the new one until the next tick
+        running = rec.pid is not None and usage is not None and rec.pid in usage.pids
         return {
             "name": self.spec.name,
             "group": self.spec.group,

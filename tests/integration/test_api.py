@@ -538,3 +538,19 @@ def test_a_worker_added_again_by_a_reload_counts_restarts_from_zero(
         assert http.get("/api/v1/workers/c-1").json()["restarts"] == 0
         assert restarts() == []
     assert sup.stop() == 0
+
+
+def test_head_is_answered_as_a_get_without_its_body(supervisor: SupervisorFactory) -> None:
+    """`curl -I` and uptime checkers send HEAD (RFC 9110 9.1: a general-purpose server
+    supports it). Regression: 405 on every endpoint, which reads as "down"."""
+    sup = supervisor({"workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}]})
+    sup.ready("c-0")
+    with sup.api() as http:
+        for path in ("/healthz", "/metrics", "/api/v1/workers", "/api/v1/workers/c-0", "/"):
+            get, head = http.get(path), http.head(path)
+            assert head.status_code == get.status_code == 200, (path, head.status_code)
+            assert head.content == b"", path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+            assert int(head.headers["content-length"]) > 0, path
+        assert http.head("/api/v1/workers/nope").status_code == 404
+    assert sup.stop() == 0

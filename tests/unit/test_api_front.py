@@ -270,3 +270,26 @@ def test_allowed_hosts_let_a_local_reverse_proxy_through() -> None:
     assert "api.allowed_hosts" in str(browser_refusal("GET", headers, True))
     assert browser_refusal("GET", headers, True, ("sup.example.com",)) is None
     assert browser_refusal("GET", [(b"host", b"other.example.com")], True, ("sup.example.com",))
+
+
+async def test_healthz_uptime_is_not_moved_by_the_wall_clock() -> None:
+    """Regression: /healthz's uptime_s was wall time since the start: an NTP step back made
+    it 0 (the status page then took the supervisor for restarted and dropped its history)."""
+    import httpx
+
+    from supervisor.api import create_app
+    from supervisor.clock import FakeClock
+    from supervisor.config import Settings
+    from supervisor.metrics import Metrics
+    from tests.unit.test_metrics_client import FakeRuntime, FakeSampler
+
+    clock = FakeClock()
+    rt: Any = FakeRuntime(FakeSampler(None))
+    rt.settings, rt.clock = Settings(), clock
+    rt.started_wall, rt.started_mono = clock.wall(), clock.now()
+    app = create_app(rt, Metrics(rt))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        clock.advance(5.0)
+        clock._wall_offset -= 3600.0  # the wall clock stepped back an hour
+        assert (await client.get("/healthz")).json()["uptime_s"] == 5.0

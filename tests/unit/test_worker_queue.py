@@ -11,7 +11,7 @@ import anyio
 import anyio.lowlevel
 
 from supervisor.clock import FakeClock
-from supervisor.model import LaunchSpec, WorkerState
+from supervisor.model import LaunchSpec, WorkerState, WorkerUsage
 from supervisor.notify import NotifyMessage
 from supervisor.output import WorkerOutput
 from supervisor.policy import lifecycle as lc
@@ -176,4 +176,21 @@ async def _late_heartbeat(tmp_path: Path) -> None:
     reads[0] = -100
     with anyio.fail_after(5):
         assert isinstance(await r._next_event(), lc.Timer)
+    closed(r)
+
+
+def test_a_sample_that_has_not_seen_the_process_gives_no_figures(tmp_path: Path) -> None:
+    """Regression: right after a (re)spawn, the last sample (taken while the worker had no
+    process) gave the new process 0.0 MiB of GPU memory until the next tick."""
+    anyio.run(_not_seen, tmp_path)
+
+
+async def _not_seen(tmp_path: Path) -> None:
+    r = runner(tmp_path)
+    before = WorkerUsage("w-0", (), 0.0, {}, "pid", None, None)
+    view = r.view(before)
+    assert view["gpu_memory_mb"] is None and view["attribution"] == "none", view
+    seen = WorkerUsage("w-0", (42, 43), 700.0, {"GPU-a": 700.0}, "pid", 12.5, 3.0)
+    view = r.view(seen)
+    assert view["gpu_memory_mb"] == 700.0 and view["host_rss_mb"] == 12.5, view
     closed(r)
