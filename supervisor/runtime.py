@@ -1295,8 +1295,15 @@ class Runtime:
 
     def _on_state_dir_recreated(self) -> None:
         """``state_dir`` was removed: lock it again (the lock file went with it), bind the
-        notify socket again, reopen the log files."""
+        notify socket again, reopen the log files, write the operator's cordons again (the
+        next supervisor keeps them: they went with the directory)."""
         self._relock_state_dir()
+        operator = self.cordoned - self.healer.state.thermal_cordoned
+        if operator:
+            try:
+                write_cordons(self.settings.supervisor.state_dir, operator)
+            except OSError as exc:
+                self.write_health.failed("state", exc)
         with contextlib.suppress(OSError):
             if not self.listener.bound():
                 self.listener.rebind()

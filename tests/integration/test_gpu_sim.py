@@ -453,6 +453,14 @@ def test_an_operator_cordon_outlives_a_restart_of_the_supervisor(
     with first.api() as http:
         assert http.post("/api/v1/gpus/1/cordon").status_code == 200
     assert (first.state_dir / "cordons").read_text() == f"{UUID1}\n"
+    # state_dir removed while running (`rm -rf`): the cordon is written again with it
+    # (regression: it went with the directory, and the next supervisor forgot it)
+    gone = first.state_dir.with_name("removed")
+    first.state_dir.rename(gone)
+    shutil.rmtree(gone)
+    first.wait_event(event="records.state_dir_recreated", timeout=15)
+    first.wait_event(event="notify.rebound")  # said after the cordons are written again
+    assert (first.state_dir / "cordons").read_text() == f"{UUID1}\n"
     assert first.stop() == 0
     second = supervisor(cfg)
     assert second.wait_event(event="gpu.cordons_kept")["gpus"] == [UUID1]
