@@ -726,6 +726,18 @@ class Healer:
             if runner is None:
                 return
             reason = ExitReason(act.reason)
+            if runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
+                WorkerState.DRAINING,
+                WorkerState.STOPPING,
+            ):
+                # being stopped for good (an operator's drain or stop, a reload): nothing is
+                # restarted, drained or moved. A broken one (a restart) is stopped now, its
+                # drain cut short; and what is done is said as it is (it said "restart")
+                if act.action != "restart":
+                    return
+                act = replace(
+                    act, action="stop", message=f"{act.message} (being stopped: stopped now)"
+                )
             if act.action == "migrate" and act.gpu is not None:
                 self.avoid.setdefault(runner.name, set()).add(act.gpu)
                 self._migrating.add(runner.name)
@@ -742,8 +754,8 @@ class Healer:
                     "action": act.action,
                     "message": act.message,
                 }
-                if act.action == "restart":
-                    runner.post(lc.Restart(reason=reason))
+                if act.action in ("restart", "stop"):
+                    runner.post(lc.Restart(reason=reason))  # a stop when stopping for good
                 else:
                     runner.post(lc.Drain(restart=True, reason=reason))
         elif act.action == "derate":

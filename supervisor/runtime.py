@@ -1506,6 +1506,7 @@ class Runtime:
             journal_seq=self.journal.last_seq,
             restarted=restarted,
             last_probe=runner.last_probe,
+            watchdog_triggered=runner.watchdog_triggered,
         )
         runner.after_step(functools.partial(self._write_postmortem, dead))
 
@@ -1534,6 +1535,7 @@ class Runtime:
             drain_timed_out=before.state is WorkerState.STOPPING,
             drain_signal=timing.drain_signal,
             last_probe=dead.last_probe,
+            watchdog_triggered=dead.watchdog_triggered,
         )
         # The restart is counted under what the death was found to be (a CUDA OOM, not
         # "exit"), as the post-mortem and the worker object's last_exit say.
@@ -2254,3 +2256,4 @@ class _Death:
     journal_seq: int
     restarted: bool  # the lifecycle restarts it (or backs off to): counted in restarts_total
     last_probe: str | None = None  # what its last readiness probe got (HTTP readiness)
+    watchdog_triggered: bool = False  # it sent WATCHDOG=trigger

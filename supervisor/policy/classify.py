@@ -70,6 +70,7 @@ def classify(
     drain_timed_out: bool = False,
     drain_signal: int | None = None,
     last_probe: str | None = None,
+    watchdog_triggered: bool = False,
 ) -> Classified | None:
     """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
 
@@ -114,6 +115,9 @@ def classify(
                 **base,
                 "watchdog_s": timing.get("watchdog_s"),
                 "silent_for_s": None if silent_for_s is None else round(silent_for_s, 3),
+                # the worker said it was hung itself (WATCHDOG=trigger), however recent its
+                # last heartbeat
+                "watchdog_trigger": watchdog_triggered,
             },
         )
     if reason is ExitReason.START_TIMEOUT:

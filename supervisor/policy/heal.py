@@ -44,6 +44,7 @@ FindingKind = Literal[
 ActionKind = Literal[
     "drain",  # out of routing, wait drain_timeout_s, stop, restart (via the release barrier)
     "restart",
+    "stop",  # a restart of a worker being stopped for good (an operator's drain): stopped now
     "migrate",  # drain, then start on another GPU
     "derate",  # out of routing, keeps running
     "restore",  # back into routing

@@ -532,8 +532,9 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return rec, [*acts, SendSignal(t.stop_signal)]
         if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
             # draining toward a stop, and now broken (an XID, a sticky error): stop it now,
-            # and keep it stopped
-            return _begin_stop(rec, now, t, AfterExit.STOP, rec.stop_reason or ExitReason.STOP)
+            # keep it stopped, and say why (its post-mortem is the healing action's, not a
+            # drain that ran out of time)
+            return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
         if isinstance(ev, Stop | Restart):
             after = AfterExit.STOP if isinstance(ev, Stop) else _restart_after(ev.reason)
             return _begin_stop(rec, now, t, after, ev.reason)

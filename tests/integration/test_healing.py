@@ -365,7 +365,9 @@ def test_a_worker_fatal_xid_cuts_an_operators_drain_short(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     """A worker being drained by an operator gets XID 13: it is stopped at once (not after its
-    30 s drain) and stays stopped, and the action is logged. Regression: the XID was dropped."""
+    30 s drain) and stays stopped, and the action is logged as the stop it is, with an `xid`
+    post-mortem. Regressions: the XID was dropped; then it was logged as a "restart" and the
+    post-mortem blamed a drain that ran out of time."""
     sup = supervisor(
         config(tmp_path, {"name": "g", "command": sim("100"), "drain_timeout_s": 30}, sim_devices=1)
     )
@@ -376,10 +378,13 @@ def test_a_worker_fatal_xid_cuts_an_operators_drain_short(
         sup.wait_event(event="worker.state", worker="g-0", new="draining", after=mark)
         xid(tmp_path, 0, 13)
         action = sup.wait_event(event="heal.action", reason="xid", after=mark, timeout=20)
-        assert (action["action"], action["worker"]) == ("restart", "g-0")
+        assert (action["action"], action["worker"]) == ("stop", "g-0")
         sup.wait_event(event="worker.state", worker="g-0", new="stopped", after=mark)
         assert api.get("/api/v1/workers/g-0").json()["state"] == "stopped"
+        doc = postmortem(sup, "xid")
+        assert doc["evidence"]["xid"] == 13 and doc["evidence"]["action"] == "stop", doc
     assert len(sup.find(event="worker.spawned", worker="g-0")) == 1
+    assert not sup.find(event="records.postmortem", reason="drain")
     assert sup.stop() == 0
 
 

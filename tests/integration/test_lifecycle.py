@@ -620,5 +620,8 @@ def test_watchdog_trigger_restarts_the_worker_for_a_hang(
     action = sup.wait_event(event="heal.action", worker="t-0", reason="hang")
     assert action["action"] == "restart"
     assert action["message"].startswith("the worker sent WATCHDOG=trigger")
-    assert sup.wait_event(event="records.postmortem", worker="t-0")["reason"] == "hang"
+    written = sup.wait_event(event="records.postmortem", worker="t-0")
+    assert written["reason"] == "hang"
+    doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
+    assert doc["evidence"]["watchdog_trigger"] is True, doc["evidence"]  # it said so itself
     assert sup.stop() == 0

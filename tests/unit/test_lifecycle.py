@@ -342,8 +342,12 @@ def test_a_healing_restart_does_not_undo_a_stop() -> None:
         rec = at(rec, lc.Restart(ExitReason.LOG_PATTERN), 101.1)
         # a draining one is not left to finish its drain on a broken GPU: stopped now
         assert rec.state is S.STOPPING and rec.after_exit is lc.AfterExit.STOP
-        rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
+        rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5, T)
         assert rec.state is S.STOPPED, stopping
+        (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+        # regression: a drain cut short by an XID was recorded as a drain that timed out
+        want = ExitReason.LOG_PATTERN if isinstance(stopping, lc.Drain) else ExitReason.STOP
+        assert exit_.outcome.reason is want, exit_
     rec = at(at(ready(), lc.Stop(), 101), lc.Restart(), 101.1)
     rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.5)
     assert rec.state is S.STARTING
