@@ -27,7 +27,7 @@ import structlog
 from supervisor import procfs
 from supervisor.alerts import Alerter, alert_doc
 from supervisor.errors import PlacementError
-from supervisor.model import ExitReason, Sample, WorkerState, XidEvent
+from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState, XidEvent
 from supervisor.plan import GpuSlot, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.detect import (
@@ -74,6 +74,9 @@ OOM_GUARD_S = 5.0
 #: Reasons of findings about one process: a new process of the worker is judged afresh.
 #: (``xid`` too: a new process is only concerned by XIDs after its start, ``_came_after``, and
 #: one on the replacement within a minute of the last restart is news, not the same burst)
+#: A GPU that stays hot is looked at again for workers to migrate off it every
+#: ``thermal_sustain_s`` (10 s by default), and at most this often.
+MIGRATE_AGAIN_MIN_S = 1.0
 PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
@@ -172,6 +175,7 @@ class Healer:
         self.need_mb: dict[str, float] = {}
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
+        self._migrate_again_at: dict[str, float] = {}  # GPU -> when to look at it again
         self._host_available_mb = host_available_mb or _host_available_mb
         self._host_free_at: float | None = None
         self._host_free_mb: float | None = None
@@ -566,6 +570,8 @@ class Healer:
             track, change = thermal_step(track, d, now, settings)
             self.state.thermal[d.uuid] = track
             if change is None:
+                if track.hot:
+                    self._migrate_again(d, track, now)
                 continue
             evidence = {
                 "gpu_index": d.index,
@@ -610,6 +616,43 @@ class Healer:
             self._pending[finding.key] = finding
             return
         self._pending.setdefault(finding.key, finding)
+
+    def _migrate_again(self, d: DeviceSample, track: ThermalTrack, now: float) -> None:
+        """A GPU that stays hot with workers of ``on_thermal = "migrate"`` groups on it that
+        are not moving (no cooler GPU had room when it turned hot; placed there since, all
+        others full): judged again every ``thermal_sustain_s`` (regression: they stayed on
+        the hot GPU for good, not derated either)."""
+        if now < self._migrate_again_at.get(d.uuid, -math.inf) or self._pending.get(
+            ("thermal", d.uuid)
+        ):
+            return
+        again_s = max(self.host.settings.gpu.thermal_sustain_s, MIGRATE_AGAIN_MIN_S)
+        self._migrate_again_at[d.uuid] = now + again_s
+        for r in self.host.workers():
+            group = self._group(r)
+            if (
+                d.uuid in (r.spec.gpus or ())
+                and r.state is WorkerState.READY
+                and r.name not in self._migrating
+                and group is not None
+                and group.health.on_thermal == "migrate"
+                and group.gpus == "auto"
+            ):
+                break
+        else:
+            return
+        self._add(
+            Finding(
+                "thermal",
+                f"GPU {d.index} is still hot: {track.why}",
+                gpu=d.uuid,
+                evidence={"gpu_index": d.index, "why": track.why, "again": True},
+            )
+        )
+
+    def hot_gpus(self) -> set[str]:
+        """The GPUs hot now (thermal)."""
+        return self._hot()
 
     def _hot(self) -> set[str]:
         return {u for u, t in self.state.thermal.items() if t.hot}

@@ -816,8 +816,14 @@ class Runtime:
                 return f"no GPU telemetry ({why or 'NVML down'})"
             return spec
         avoid = self.healer.avoid.get(runner.name, set())
+        # a group that moves its workers off hot GPUs (on_thermal = "migrate") is not placed
+        # onto one either, where another has room (regression: a worker scaled up or
+        # restarted went onto the hot GPU, and nothing moved it)
+        hot = self.healer.hot_gpus() & set(gpus)
+        moving = group is not None and group.gpus == "auto" and group.health.on_thermal == "migrate"
+        cooler = bool(avoid) or (moving and bool(hot))
         # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full
-        slots = self.healer.migration_slots(runner.name, self.slots()) if avoid else self.slots()
+        slots = self.healer.migration_slots(runner.name, self.slots()) if cooler else self.slots()
         self.healer.avoid.pop(runner.name, None)
         usable = {s.uuid for s in slots if s.usable}
         if all(u in usable for u in gpus):
@@ -833,6 +839,16 @@ class Runtime:
         try:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
+            if cooler and all(u in {s.uuid for s in self.slots() if s.usable} for u in gpus):
+                # no cooler GPU has room (any more: the target filled up while it drained):
+                # it starts where it was, and moves once one has (healing looks again)
+                self.log.warning(
+                    "worker.gpu_hot",
+                    worker=runner.name,
+                    gpus=list(gpus),
+                    reason=f"no cooler GPU has room ({exc}): starting on its hot GPU",
+                )
+                return spec
             own = {u for u in gpus if self._suspect_of.get(u) == runner.name}
             if not avoid and may_restart_in_place(gpus, slots, own):  # rather than fail
                 stuck_on = sorted(s.uuid for s in slots if s.uuid in own and s.why_not == SUSPECT)

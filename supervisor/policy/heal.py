@@ -232,11 +232,16 @@ def candidate_acts(
         acts += [act("drain", n) for n in on_gpu]
     elif f.kind == "thermal":
         alerted = cordoned = False
+        # a GPU still hot whose migrate workers could not move when it turned hot (or came
+        # since): their migration only, once a cooler GPU has room; the rest was done then
+        again = bool(f.evidence.get("again"))
         for n in on_gpu:
             choice_t = policies.get(workers[n].group, GroupPolicy()).on_thermal
-            if choice_t == "none":
+            if choice_t == "none" or (again and choice_t != "migrate"):
                 continue
             if choice_t == "migrate" and can_migrate is not None and can_migrate.get(n) is not True:
+                if again:
+                    continue  # said when the GPU turned hot
                 why = can_migrate.get(n)
                 why = why if isinstance(why, str) else "no cooler GPU has room"
                 acts.append(act("alert", n, {**f.evidence, "migrate": why}))

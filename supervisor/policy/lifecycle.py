@@ -576,7 +576,11 @@ def _restart_after(reason: ExitReason) -> AfterExit:
     """A healing restart is judged like a crash once the process is gone: after a stable run it
     starts again at once (``delay_s``), else it counts as a failure (backoff, then ``fatal``),
     so a worker that is over its budget from the start cannot restart in a tight loop. An
-    operator's or a reload's restart is not judged."""
+    operator's or a reload's restart is not judged, nor a migration off a hot GPU (the GPU's
+    doing, not the worker's: a GPU that turned hot soon after the start made it a failed start,
+    toward ``fatal``)."""
+    if reason is ExitReason.THERMAL:
+        return AfterExit.RESTART
     return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
 
 

@@ -344,6 +344,37 @@ def test_migrate_moves_a_worker_to_the_cooler_gpu(
     assert sup.stop() == 0
 
 
+def test_migrate_waits_for_a_cooler_gpu_and_never_places_onto_a_hot_one(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Both GPUs hot: no cooler GPU has room (alerted). GPU 1 cools: the worker moves there.
+    A worker added by a reload while GPU 0 is hot goes to GPU 1, not to the hot GPU 0 with the
+    most free memory. Regressions: the worker stayed on the hot GPU for good once the alert
+    was sent, and one placed after the GPU turned hot stayed there, neither moved nor
+    derated."""
+    group = {"name": "m", "command": sim("100"), "health": {"on_thermal": "migrate"}}
+    sup = supervisor(config(tmp_path, group))
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    mark = sup.mark()
+    for gpu in (0, 1):
+        set_gpu(tmp_path, gpu, temperature_c=86, temperature_slowdown_c=87)
+    alert = sup.wait_event(event="heal.action", action="alert", worker="m-0", after=mark)
+    assert alert["evidence"]["migrate"] == "no cooler GPU has room", alert
+    set_gpu(tmp_path, 1, temperature_c=40)
+    action = sup.wait_event(event="heal.action", action="migrate", after=mark, timeout=20)
+    assert (action["worker"], action["reason"]) == ("m-0", "thermal")
+    assert sup.wait_event(event="worker.moved", worker="m-0", after=mark)["new_gpus"] == [UUID1]
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID1}")
+    exited = sup.wait_event(event="worker.exited", worker="m-0", after=mark)
+    assert exited["failure"] is False  # the GPU's doing: no failed start toward fatal
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, {**group, "replicas": 2}))
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_line("[m-1] ", endswith=f"ready on {UUID1}")
+    assert not sup.find(event="heal.action", worker="m-1", after=mark)
+    assert sup.stop() == 0
+
+
 def test_xid_13_restarts_only_the_worker_on_that_gpu(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

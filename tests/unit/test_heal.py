@@ -149,6 +149,30 @@ def test_migrate_without_room_alerts_instead() -> None:
     assert listed[0].evidence["migrate"] == "its GPUs are listed"
 
 
+def test_a_gpu_still_hot_moves_only_the_migrate_workers_that_can_move_now() -> None:
+    """A thermal finding made again for a GPU that stays hot (``again``): only the workers of
+    migrate groups that can move now are migrated; the derate, cordon and alert of the first
+    finding are not done again, nor is the "no room" alert said again."""
+    workers = {
+        "m-0": WorkerView("m", R, (G0,)),
+        "m-2": WorkerView("m", R, (G0,)),
+        "d-0": WorkerView("d", R, (G0,)),
+        "a-0": WorkerView("a", R, (G0,)),
+    }
+    policies = {
+        "m": GroupPolicy(on_thermal="migrate"),
+        "d": GroupPolicy(on_thermal="derate"),
+        "a": GroupPolicy(on_thermal="alert"),
+    }
+    again = Finding("thermal", "still hot", gpu=G0, evidence={"again": True})
+    got = candidate_acts(again, workers, policies, can_migrate={"m-0": True, "m-2": False})
+    assert [(a.action, a.worker) for a in got] == [("migrate", "m-0")]
+    first = candidate_acts(
+        Finding("thermal", "hot", gpu=G0), workers, policies, can_migrate={"m-0": True}
+    )
+    assert {a.action for a in first} == {"migrate", "alert", "derate"}
+
+
 def test_max_unavailable_defers_the_second_disruptive_action() -> None:
     workers = views(w_0=R, w_1=R, w_2=R)
     d = decide([leak("w-0"), leak("w-1"), leak("w-2")], workers, {"w": GroupPolicy()}, 0.0, {})

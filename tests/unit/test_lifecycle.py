@@ -436,3 +436,14 @@ def test_a_healing_restart_of_an_unstable_worker_counts_as_a_failure() -> None:
     # an operator's restart is not judged: started again at once
     rec, _ = run([lc.Restart(), lc.Exited(10, CRASH)], ready(100.0), start=101.0)
     assert rec.state is S.STARTING
+
+
+def test_a_migration_off_a_hot_gpu_is_no_failed_start() -> None:
+    """The GPU's heat is not the worker's doing. Regression: a GPU that turned hot within
+    stable_s of the start made the migration a failed start (backoff, toward fatal)."""
+    for reason, failure in ((ExitReason.THERMAL, False), (ExitReason.LEAK, True)):
+        rec = at(ready(), lc.Drain(restart=True, reason=reason), 101)
+        rec = at(rec, lc.Timer(), 104.1)  # the drain ran out: stopped
+        rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 104.2, T)
+        (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+        assert exit_.failure is failure, reason
