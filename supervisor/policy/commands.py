@@ -21,20 +21,24 @@ COMMANDS: tuple[Command, ...] = ("start", "stop", "restart", "drain")
 _RUNNING = frozenset({S.STARTING, S.READY, S.DRAINING})
 
 
-def refusal(command: Command, state: WorkerState) -> str | None:
+def refusal(command: Command, state: WorkerState, *, stopping: bool = False) -> str | None:
     """Why ``command`` is impossible for a worker in ``state`` now, or None when it is possible.
 
     - ``start``: possible when stopped, fatal (clears it), in backoff (starts at once) or stopping
       (starts again once the process is gone); refused while starting, ready or draining.
     - ``stop``: refused only when the worker is stopped already.
     - ``restart``: always possible (from stopped or fatal it is a start).
-    - ``drain``: only a ready worker is in routing, so only a ready worker can be drained.
+    - ``drain``: only a ready worker is in routing, so only a ready worker can be drained; or
+      one that healing drains already (it stays stopped after that drain). ``stopping``: the
+      worker is on its way to a stop for good already (an operator's drain or stop).
     """
     if command == "start" and state in _RUNNING:
         return f"worker is already {state.value}"
     if command == "stop" and state is S.STOPPED:
         return "worker is already stopped"
-    if command == "drain" and state is not S.READY:
+    if command == "drain" and state is S.DRAINING and stopping:
+        return "worker is already draining"
+    if command == "drain" and state not in (S.READY, S.DRAINING):
         return f"only a ready worker can be drained (worker is {state.value})"
     return None
 

@@ -538,6 +538,11 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Stop | Restart):
             after = AfterExit.STOP if isinstance(ev, Stop) else _restart_after(ev.reason)
             return _begin_stop(rec, now, t, after, ev.reason)
+        if isinstance(ev, Drain) and not ev.restart and rec.after_exit is not AfterExit.STOP:
+            # an operator's drain of a worker that healing drains already: the drain goes on,
+            # and it stays stopped after it (as a stop would); what it was drained for stays
+            # its reason (regression: the drain was ignored, the worker restarted after it)
+            return replace(rec, after_exit=AfterExit.STOP), []
         if isinstance(ev, Heartbeat) and not ev.trigger:  # going anyway: no hang restart
             return replace(rec, heartbeat_at=now), []
         return rec, []

@@ -32,7 +32,8 @@ COMMAND_TABLE: list[tuple[Command, WorkerState, bool]] = [
     *[("stop", s, True) for s in ALL_STATES if s is not S.STOPPED],
     *[("restart", s, True) for s in ALL_STATES],
     ("drain", S.READY, True),
-    *[("drain", s, False) for s in ALL_STATES if s is not S.READY],
+    ("drain", S.DRAINING, True),  # healing drains it: it stays stopped after that drain
+    *[("drain", s, False) for s in ALL_STATES if s not in (S.READY, S.DRAINING)],
 ]
 
 
@@ -42,6 +43,11 @@ def test_command_table(command: Command, state: WorkerState, possible: bool) -> 
     assert (reason is None) == possible
     if reason is not None:
         assert state.value in reason
+
+
+def test_a_worker_drained_to_a_stop_already_is_not_drained_again() -> None:
+    reason = refusal("drain", S.DRAINING, stopping=True)
+    assert reason == "worker is already draining"
 
 
 def test_table_covers_every_command_and_state() -> None:

@@ -447,3 +447,16 @@ def test_a_migration_off_a_hot_gpu_is_no_failed_start() -> None:
         rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 104.2, T)
         (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
         assert exit_.failure is failure, reason
+
+
+def test_an_operators_drain_of_a_worker_healing_drains_keeps_it_stopped() -> None:
+    """Regression: `drain GROUP` while healing drained one of its workers was ignored for that
+    worker (which restarted after the healing drain) though the client said it was drained."""
+    rec = at(ready(), lc.Drain(restart=True, reason=ExitReason.LEAK), 101)
+    assert rec.state is S.DRAINING and rec.after_exit is lc.AfterExit.RECOVER
+    rec, acts = lc.step(rec, lc.Drain(restart=False), 101.5, T)  # the operator's
+    assert acts == [] and rec.after_exit is lc.AfterExit.STOP and rec.deadline == 104
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(0, None)), 102, T)
+    assert rec.state is S.STOPPED
+    (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+    assert exit_.outcome.reason is ExitReason.LEAK  # what it was drained for
