@@ -527,6 +527,14 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _health(d: Mapping[str, Any]) -> str:
+    """A GPU's HEALTH cell: unhealthy (why), hot (healing acts on it: derate, migrate...) or
+    ok."""
+    if not d.get("healthy"):
+        return f"UNHEALTHY ({d.get('error') or 'lost'})"
+    return "HOT" if d.get("hot") else "ok"
+
+
 def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> str:
     """The ``status`` table: GPUs first, then workers."""
     lines: list[str] = []
@@ -546,7 +554,7 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
                     f"{_num(mem.get('used_mb'))}/{_num(mem.get('total_mb'))}",
                     _num(d.get("utilization_percent"), "%"),
                     _num(d.get("temperature_celsius"), "C"),
-                    "ok" if d.get("healthy") else f"UNHEALTHY ({d.get('error') or 'lost'})",
+                    _health(d),
                     "yes" if d.get("cordoned") else "no",
                 )
             )
@@ -589,8 +597,11 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
     # why a worker is not serving: the table has no room for it, an operator needs it first
     not_serving = [
         f"  {w['name']} {w['state']}: {w['reason']}"
+        if w["state"] != "ready"
+        else f"  {w['name']} derated: {w.get('derated_reason') or 'out of routing'}"
         for w in workers
-        if w["state"] in ("fatal", "backoff", "stopped", "draining") and w.get("reason")
+        if (w["state"] in ("fatal", "backoff", "stopped", "draining") and w.get("reason"))
+        or (w["state"] == "ready" and w.get("derated"))
     ]
     if not_serving:
         lines += ["", "not serving:", *not_serving]

@@ -242,6 +242,15 @@ def test_status_table() -> None:
         },
         {"name": "b-0", "state": "stopped", "pid": None, "gpus": None, "restarts": 0},
         {
+            "name": "d-0",
+            "state": "ready",
+            "pid": 13,
+            "gpus": [UUID0],
+            "restarts": 0,
+            "derated": True,
+            "derated_reason": "GPU 0 is hot: temperature 86C",
+        },
+        {
             "name": "c-0",
             "state": "fatal",
             "pid": None,
@@ -281,14 +290,18 @@ def test_status_table() -> None:
     ]
     assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "-", "0", "-"]
     # why a worker does not serve, under the table (regression: only in --json)
-    assert lines[7:10] == [
+    # a derated worker is ready but out of routing (regression: not listed)
+    assert lines[8:12] == [
         "",
         "not serving:",
+        "  d-0 derated: GPU 0 is hot: temperature 86C",
         "  c-0 fatal: 4 failed starts within 60s (burst 3); last: exit code 3",
     ]
-    assert lines[11] == (
+    assert lines[13] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
+    hot = {"id": 1, "uuid": UUID1, "name": "Sim", "healthy": True, "hot": True}
+    assert format_status({"devices": [hot]}, []).splitlines()[1].split()[-2:] == ["HOT", "no"]
     assert format_status({"devices": [], "error": "NVML missing"}, []).splitlines() == [
         "no GPU telemetry: NVML missing",
         "",
