@@ -829,6 +829,13 @@ class Runtime:
         if all(u in usable for u in gpus):
             return spec
         if group is None or group.gpus != "auto":
+            broken = [
+                f"GPU {s.index} {s.why_not}"
+                for s in slots
+                if s.uuid in gpus and s.why_not.startswith(("is unhealthy", "is quarantined"))
+            ]
+            if broken:  # nothing would run there: it waits for the GPU (regression: a crash
+                return "; ".join(broken)  # loop on a quarantined GPU, then fatal)
             self.log.warning(
                 "worker.gpu_unusable",
                 worker=runner.name,

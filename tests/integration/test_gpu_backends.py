@@ -579,8 +579,8 @@ def test_an_explicit_list_on_uuids_is_not_moved_when_gpus_are_renumbered(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
     """GPU 1 disappears across an NVML re-init and GPU 2 becomes index 1. A worker pinned to
-    `gpus = [1]` was placed on GPU 1's UUID and stays there (it is lost: started there anyway).
-    Regression: it was resolved again by index, onto the other group's GPU."""
+    `gpus = [1]` was placed on GPU 1's UUID and stays there (it is lost: the worker waits for
+    it). Regression: it was resolved again by index, onto the other group's GPU."""
     world = tmp_path / "sim"
     SimBackend(world, 3).open()
     uuid2 = "GPU-00000000-0000-0000-0000-000000000002"
@@ -603,7 +603,8 @@ def test_an_explicit_list_on_uuids_is_not_moved_when_gpus_are_renumbered(
     mark = sup.mark()
     with sup.api() as http:
         assert http.post("/api/v1/workers/p-0/restart").status_code == 202
-        sup.ready("p-0", after=mark)
+        waiting = sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark)
+        assert waiting["error"].startswith("GPU 1 is unhealthy"), waiting
         assert http.get("/api/v1/workers/p-0").json()["gpus"] == [UUID1]
     assert not sup.find(event="worker.gpus_resolved", after=mark)
     assert sup.stop() == 0

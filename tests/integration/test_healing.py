@@ -441,6 +441,29 @@ def test_xid_79_quarantines_the_gpu_and_moves_its_workers(
     assert sup.stop() == 0
 
 
+def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """`gpus = [0]` and XID 79 on GPU 0: the worker is drained and waits for its GPU (state
+    backoff, "waiting for a GPU"), never a failed start. Regression: it started on the
+    quarantined GPU again ("explicit GPU list: starting there anyway"): on real hardware a
+    crash loop, then fatal."""
+    group = {"name": "p", "command": sim("100"), "gpus": [0]}
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("p-0")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
+    waiting = sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark)
+    assert "GPU 0 is quarantined" in waiting["error"], waiting
+    assert len(sup.find(event="worker.spawned", worker="p-0")) == 1
+    assert not sup.find(event="worker.gpu_unusable", after=mark)
+    with sup.api() as api:
+        worker = api.get("/api/v1/workers/p-0").json()
+        assert worker["state"] == "backoff" and "waiting for a GPU" in worker["reason"], worker
+    assert sup.stop() == 0
+
+
 def test_sticky_cuda_error_line_restarts_the_worker(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
