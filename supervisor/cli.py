@@ -26,7 +26,7 @@ from supervisor import client
 from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.backends.sim import SimBackend
-from supervisor.config import GpuSection, Settings, load_settings
+from supervisor.config import ENV_PREFIX, GpuSection, Settings, SupervisorSection, load_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
@@ -96,9 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     pm_sub = pm.add_subparsers(dest="pm_command", required=True, parser_class=_Parser)
     pm_list = pm_sub.add_parser("list", help="post-mortems, newest first")
     pm_show = pm_sub.add_parser("show", help="one post-mortem")
-    pm_show.add_argument("id", help="post-mortem id (from `postmortem list`)")
+    pm_show.add_argument(
+        "id",
+        help="post-mortem id (from `postmortem list`), the start of one, or a file's path",
+    )
     for p in (pm_list, pm_show):
-        p.add_argument("-c", "--config", help="TOML config file (its [supervisor] state_dir)")
+        p.add_argument(
+            "-c",
+            "--config",
+            help="TOML config file (its [supervisor] state_dir; default: the default "
+            "state_dir, /var/lib/gpu-supervisor)",
+        )
         p.add_argument("--state-dir", help="the supervisor's state_dir")
         p.add_argument("--json", action="store_true", help="print JSON")
     pm_list.add_argument("--limit", type=int, default=None, help="at most this many")
@@ -300,8 +308,10 @@ def _store(args: argparse.Namespace) -> PostmortemStore:
         state_dir = Path(args.state_dir)
     elif args.config:
         state_dir = client.client_settings(args.config).supervisor.state_dir
-    else:
-        raise UsageError("gpu-supervisor postmortem: give -c FILE or --state-dir DIR")
+    else:  # where a supervisor started without the key keeps them (its env override too)
+        state_dir = Path(
+            os.environ.get(f"{ENV_PREFIX}SUPERVISOR__STATE_DIR") or SupervisorSection().state_dir
+        )
     if not state_dir.is_dir():  # regression: "no post-mortems" (exit 0), or a traceback
         why = "no such directory" if not state_dir.exists() else "not a directory"
         raise UsageError(f"gpu-supervisor postmortem: state_dir {str(state_dir)!r}: {why}")
@@ -402,7 +412,29 @@ def postmortem_text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _postmortem_file(given: str) -> Path | None:
+    """``given`` as the path of a post-mortem file (``show`` of a copy kept elsewhere, with no
+    ``-c`` or ``--state-dir``), or None when it names none."""
+    path = Path(given)
+    if (os.sep in given or given.endswith(".json")) and path.is_file():
+        return path
+    return None
+
+
 def _postmortem(args: argparse.Namespace) -> int:
+    if args.pm_command == "show" and not (args.config or args.state_dir):
+        path = _postmortem_file(args.id)
+        if path is not None:
+            try:
+                doc = json.loads(path.read_bytes())
+            except (OSError, ValueError) as exc:
+                raise UsageError(
+                    f"gpu-supervisor postmortem show: {args.id!r}: not a post-mortem ({exc})"
+                ) from None
+            if not isinstance(doc, dict):
+                raise UsageError(f"gpu-supervisor postmortem show: {args.id!r}: not a JSON object")
+            print(json.dumps(doc, indent=2) if args.json else postmortem_text(doc))
+            return EXIT_OK
     store = _store(args)
     if args.pm_command == "list":
         if args.limit is not None and args.limit < 1:

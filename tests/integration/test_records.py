@@ -896,6 +896,18 @@ def test_postmortem_cli_lists_newest_first_and_shows_one(
             check=True,
         )
         assert json.loads(named.stdout)["id"] == rows[0]["id"]
+    # a file's path alone, a copy kept elsewhere too (regression: "give -c FILE or
+    # --state-dir DIR"; with --state-dir only its name was looked up there)
+    kept = sup.state_dir.parent / "kept.json"
+    kept.write_bytes(path.read_bytes())
+    alone = subprocess.run([*cli, "show", str(kept)], capture_output=True, text=True, check=True)
+    assert "reason    exit" in alone.stdout
+    # neither flag: the default state_dir (its environment override too)
+    env = {**os.environ, "GPU_SUPERVISOR_SUPERVISOR__STATE_DIR": str(sup.state_dir)}
+    default = subprocess.run(
+        [*cli, "list", "--json"], capture_output=True, text=True, check=True, env=env
+    )
+    assert json.loads(default.stdout) == rows
     several = subprocess.run(
         [*cli, "show", rows[0]["id"][:4], "--state-dir", str(sup.state_dir)],
         capture_output=True,
