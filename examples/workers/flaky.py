@@ -1,6 +1,9 @@
-"""A flaky demo worker: ready quickly, then crashes after a random few seconds.
+"""A flaky demo worker: ready quickly, then breaks after a random few seconds, in one of two ways.
 
-``flaky.py MIN MAX`` crashes with exit code 1 after MIN..MAX seconds, printing a fake CUDA error.
+``flaky.py MIN MAX``: after MIN..MAX seconds, either it crashes (exit code 1, a Python
+traceback-like line: a post-mortem with reason ``exit``), or it prints a sticky CUDA error and
+carries on, broken, as a real worker would (the supervisor's ``log_restart_patterns`` match
+it: restarted with reason ``log_pattern``).
 """
 
 from __future__ import annotations
@@ -19,10 +22,15 @@ def main() -> None:
     name = os.environ.get("GPU_SUPERVISOR_WORKER", "flaky")
     notify("READY=1")
     life = random.uniform(low, high)  # noqa: S311 - a demo's crash timing, not cryptography
-    print(f"{name}: ready, will crash in {life:.1f}s", flush=True)
+    crash = random.random() < 0.5  # noqa: S311
+    print(f"{name}: ready, will {'crash' if crash else 'break'} in {life:.1f}s", flush=True)
     time.sleep(life)
+    if crash:
+        print(f"{name}: RuntimeError: simulated crash in the request loop", flush=True)
+        sys.exit(1)
     print(f"{name}: RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
-    sys.exit(1)
+    while True:  # a sticky CUDA error: the process lives on, useless, until it is restarted
+        time.sleep(60)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The README's first command: ``make demo`` runs examples/demo.toml. It must start, do what its
+comments say, and stop cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import SupervisorFactory
+from tests.harness import ROOT
+
+
+def test_the_demo_starts_breaks_its_flaky_workers_and_stops_on_ctrl_c(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    config: dict[str, Any] = tomllib.loads((ROOT / "examples" / "demo.toml").read_text())
+    config["gpu"]["sim_dir"] = str(tmp_path / "sim")  # not ./sim in the checkout
+    flaky = next(g for g in config["workers"] if g["name"] == "flaky")
+    flaky["command"] = [*flaky["command"][:2], "0.3", "0.6"]  # break soon: the test waits
+    sup = supervisor(config)
+    for worker in ("gpen-0", "gpen-1", "gpen-2", "flaky-0", "flaky-1", "web-0"):
+        sup.ready(worker, timeout=30)
+    with sup.api() as api:
+        workers = {w["name"]: w for w in api.get("/api/v1/workers").json()}
+    assert {workers[f"gpen-{i}"]["gpus"][0] for i in range(3)} == {
+        "GPU-00000000-0000-0000-0000-000000000000",
+        "GPU-00000000-0000-0000-0000-000000000001",
+    }  # spread over both GPUs
+    # the flaky ones break: a crash (exit) or a sticky CUDA error (log_pattern), replaced
+    death = sup.wait_event(
+        event="records.postmortem", worker=lambda w: str(w).startswith("flaky-"), timeout=15
+    )
+    assert death["reason"] in ("exit", "log_pattern"), death
+    sup.signal(signal.SIGINT)
+    assert sup.wait_exit() == 0
