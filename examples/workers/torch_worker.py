@@ -15,7 +15,7 @@ which counts the allocator's cache too), and serves on ``PORT``:
 ``--leak-mb-per-min N`` keeps N MiB a minute of CUDA tensors alive forever (the leaking
 variant the supervisor's leak detector should catch). Without a GPU it runs on the CPU.
 
-    gpu-supervisor run -c examples/torch.toml      # needs: pip install torch
+    gpu-supervisor run -c examples/torch.toml      # needs: pip install torch prometheus_client
 """
 
 from __future__ import annotations
@@ -29,13 +29,22 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from sdnotify import notify
 
 try:
     import torch
-except ImportError:  # pragma: no cover - documented as optional
-    sys.exit("torch_worker.py needs PyTorch: pip install torch")
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        Counter,
+        Gauge,
+        Histogram,
+        generate_latest,
+    )
+except ImportError as exc:  # pragma: no cover - documented as optional
+    sys.exit(
+        f"torch_worker.py needs PyTorch and prometheus_client ({exc}): "
+        "pip install torch prometheus_client"
+    )
 
 MIB = 1024 * 1024
 REQUESTS = Counter("worker_requests", "Inference requests.", ["status"])
