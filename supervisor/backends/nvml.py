@@ -83,12 +83,12 @@ def _processes(compute: Any, graphics: Any) -> tuple[GpuProcess, ...]:
     """The compute and graphics lists as one: a process that renders only (EGL/Vulkan, some
     video pipelines) is in the graphics list alone, and its memory is its worker's as much as
     CUDA's is."""
-    listed = tuple(
-        GpuProcess(int(p.pid), None if p.usedGpuMemory is None else float(p.usedGpuMemory) / MIB)
-        for p in (*compute, *graphics)
-        if int(p.pid) > 0
-    )
-    return one_per_pid(listed) if graphics else listed
+    listed = []
+    for p in (*compute, *graphics):
+        pid, used = int(p.pid), p.usedGpuMemory
+        if pid > 0:
+            listed.append(GpuProcess(pid, None if used is None else float(used) / MIB))
+    return one_per_pid(listed) if graphics else tuple(listed)
 
 
 def _field_number(fv: Any) -> float | None:
