@@ -769,10 +769,10 @@ class Healer:
             if runner is None:
                 return
             reason = ExitReason(act.reason)
-            if runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
+            if runner.state in (
                 WorkerState.DRAINING,
                 WorkerState.STOPPING,
-            ):
+            ) and (runner.record.after_exit is lc.AfterExit.STOP):
                 # being stopped for good (an operator's drain or stop, a reload): nothing is
                 # restarted, drained or moved. A broken one (a restart) is stopped now, its
                 # drain cut short; and what is done is said as it is (it said "restart")

@@ -33,7 +33,7 @@ class Runner:
         self.name = name
         self.spec = SimpleNamespace(group=name.rsplit("-", 1)[0], gpus=(gpu,))
         self.record = SimpleNamespace(
-            pid=100, ready_at=0.0, started_at=0.0, state=state, restarts=0
+            pid=100, ready_at=0.0, started_at=0.0, state=state, restarts=0, after_exit=None
         )
         self.last_exit_pid: int | None = None
         self.posted: list[Any] = []
