@@ -66,6 +66,8 @@ if TYPE_CHECKING:
     from supervisor.runtime import Runtime
 
 API_PREFIX = "/api/v1"
+#: Routing: each GET takes a turn among the group's workers.
+ROUTE_PATH = f"{API_PREFIX}/route"
 #: How long a cordon request waits for the single writer to apply it before answering.
 CORDON_WAIT_S = 2.0
 #: Graceful shutdown of open connections when the supervisor exits.
@@ -673,7 +675,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     # --- routing, targets ---
 
     @get(
-        f"{API_PREFIX}/route",
+        ROUTE_PATH,
         Route,
         404,
         422,
@@ -1057,7 +1059,9 @@ class Front:
             if why is not None:
                 await _refuse(send, 403, why)
                 return
-            if scope["method"] == "HEAD":  # RFC 9110 9.1: a GET's head (`curl -I`, uptime checks)
+            if scope["method"] == "HEAD" and scope["path"] != ROUTE_PATH:
+                # RFC 9110 9.1: a GET's head (`curl -I`, uptime checks); not for /route, whose
+                # GET takes a turn (a HEAD must change nothing): 405 there
                 scope = {**scope, "method": "GET"}
                 send = _headless(send)
         if scope["type"] != "http" or scope["path"].startswith(self.exempt):

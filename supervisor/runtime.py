@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from supervisor import procfs
 from supervisor._version import __version__
 from supervisor.alerts import Alerter
-from supervisor.backends.base import NoBackend
+from supervisor.backends.base import PLACEHOLDER, NoBackend
 from supervisor.backends.factory import make_backend
 from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
 from supervisor.cgroups import probe as probe_cgroups
@@ -786,12 +786,18 @@ class Runtime:
         if (
             group is not None
             and isinstance(group.gpus, tuple)
-            and (spec.gpus == gpu_assignment(group) or runner.name in self._unplaced)
+            and (
+                spec.gpus == gpu_assignment(group)
+                or runner.name in self._unplaced
+                or any(u.startswith(PLACEHOLDER) for u in gpus)
+            )
         ):
             # an explicit list as written (planned without telemetry, or naming a GPU missing
-            # at start): resolved to UUIDs now (what XIDs, the barrier and quarantines go by);
-            # a worker already on UUIDs keeps them (a GPU gone from the enumeration does not
-            # move it onto whatever GPU has its index now)
+            # at start), or resolved onto a GPU whose UUID could not be read then (named
+            # since: regression, CUDA_VISIBLE_DEVICES=unknown-1): resolved to UUIDs now (what
+            # XIDs, the barrier and quarantines go by); a worker already on UUIDs keeps them
+            # (a GPU gone from the enumeration does not move it onto whatever GPU has its
+            # index now)
             resolved = self._resolve_late(runner, group)
             if isinstance(resolved, str):
                 return resolved
@@ -1727,7 +1733,9 @@ class Runtime:
         runner = self.runners.get(name)
         return runner is not None and runner.state is WorkerState.READY
 
-    async def _others_back(self, group: str, runner: WorkerRunner) -> bool:
+    async def _others_back(
+        self, group: str, runner: WorkerRunner, keep: Collection[str] | None = None
+    ) -> bool:
         """Before a roll-out takes ready ``runner`` down: wait until no other worker of the
         group is on its way down or back up (a healing drain, a restart, a start, a backoff
         after a crash); False
@@ -1741,6 +1749,7 @@ class Runtime:
                 r
                 for r in self._targets(group)
                 if r is not runner
+                and (keep is None or r.name in keep)  # not one the new plan removes
                 and (
                     r.state in (WorkerState.DRAINING, WorkerState.STOPPING)
                     or (r.state is WorkerState.STARTING and r.record.pid is not None)
@@ -2094,7 +2103,14 @@ class Runtime:
             group = self.settings.group(name)
             assert group is not None
             scaled = name in diff.scaled
-            rolled = await self._roll_group(group, plan, resume=name in resumed, scaled=scaled)
+            before = old.group(name)
+            # memory.max is written at a spawn: a new host budget needs new processes
+            in_place = before is not None and (
+                before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
+            )
+            rolled = await self._roll_group(
+                group, plan, resume=name in resumed, scaled=scaled, in_place=in_place
+            )
             if not self._shutting_down:
                 self._journal_rollout(name, "reload", rolled)
             if rolled:
@@ -2129,7 +2145,13 @@ class Runtime:
         self.groups.pop(name, None)
 
     async def _roll_group(
-        self, group: WorkerGroup, plan: Plan, *, resume: bool = False, scaled: bool = False
+        self,
+        group: WorkerGroup,
+        plan: Plan,
+        *,
+        resume: bool = False,
+        scaled: bool = False,
+        in_place: bool = False,
     ) -> bool:
         """Restart a changed group one worker at a time, each waiting for readiness.
 
@@ -2152,12 +2174,14 @@ class Runtime:
             return False
         self.rolling[group.name] = "reload"
         try:
-            return await self._roll_group_now(group, plan, resume=resume, scaled=scaled)
+            return await self._roll_group_now(
+                group, plan, resume=resume, scaled=scaled, in_place=in_place
+            )
         finally:
             self.rolling.pop(group.name, None)
 
     async def _roll_group_now(
-        self, group: WorkerGroup, plan: Plan, *, resume: bool, scaled: bool
+        self, group: WorkerGroup, plan: Plan, *, resume: bool, scaled: bool, in_place: bool
     ) -> bool:
         old_names = list(self.groups.get(group.name, []))
         timing = lc.timing_for(group)
@@ -2171,10 +2195,15 @@ class Runtime:
                 attempts = 0
                 await self._start_runner(runner)
             else:
-                if (scaled and runner.planned(spec, timing)) or runner.launches(spec):
-                    # as it runs: only replicas changed, or only what the supervisor uses
-                    # (restart policy, timeouts, health thresholds): a new threshold is no
-                    # reason to load every model again
+                if (scaled and runner.planned(spec, timing)) or (
+                    in_place and runner.state is WorkerState.READY and runner.launches(spec)
+                ):
+                    # as it runs: only replicas changed, or, for a ready worker, only what the
+                    # supervisor uses (restart policy, timeouts, health thresholds): a new
+                    # threshold is no reason to load every model again. One that is not ready
+                    # (starting, in backoff, fatal) is started again on the new definition and
+                    # waited for, as before: its deadlines are the old ones, and a halted
+                    # roll-out's replacement is not proven until it is ready
                     runner.reconfigure(spec, timing, group.log_passthrough)
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
                         runner.post(lc.Start())  # a reload clears fatal
@@ -2184,7 +2213,7 @@ class Runtime:
                 runner.reconfigure(spec, timing, group.log_passthrough)
                 if runner.state is WorkerState.STOPPED or _passed_over(runner):
                     continue  # it starts on the new plan next
-                if not await self._others_back(group.name, runner):
+                if not await self._others_back(group.name, runner, keep=new_names):
                     return False
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))

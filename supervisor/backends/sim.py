@@ -19,7 +19,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +135,16 @@ class _Device:
                 with contextlib.suppress(ValueError):
                     return int(value)
         return None
+
+
+def _per_pid(lines: list[GpuProcess]) -> tuple[GpuProcess, ...]:
+    """One entry per pid of one kind (compute or graphics): its lines for a GPU add up (as the
+    fake NVML library reads them), ``na`` where none says a number."""
+    used: dict[int, float | None] = {}
+    for p in lines:
+        had = used.get(p.pid)
+        used[p.pid] = p.used_mb if had is None else had + (p.used_mb or 0.0)
+    return tuple(GpuProcess(pid, mb) for pid, mb in used.items())
 
 
 class SimBackend:
@@ -306,13 +316,17 @@ class SimBackend:
             value = dev.number(key)
             return None if value is None else value * scale
 
-        mine = [*procs.get(uuid, []), *procs.get(str(dev.index), [])]
-        graphics = [*procs.get(GRAPHICS + uuid, []), *procs.get(GRAPHICS + str(dev.index), [])]
+        mine = _per_pid([*procs.get(uuid, []), *procs.get(str(dev.index), [])])
+        graphics = _per_pid(
+            [*procs.get(GRAPHICS + uuid, []), *procs.get(GRAPHICS + str(dev.index), [])]
+        )
         total = field("memory", "memory_total_mib")
         used = free = None
         if total is not None:
             base = dev.number("memory_base_mib") or 0.0
-            used = min(total, base + sum(p.used_mb or 0.0 for p in (*mine, *graphics)))
+            # a process in both lists is one process: its memory counts once
+            held = sum(p.used_mb or 0.0 for p in one_per_pid((*mine, *graphics)))
+            used = min(total, base + held)
             free = total - used
         thresholds_ok = dev.rc("thresholds") is None
         clocks = field("clocks", "clocks_event_reasons")
@@ -339,10 +353,10 @@ class SimBackend:
 
     @staticmethod
     def _processes(
-        dev: _Device, compute: list[GpuProcess], graphics: list[GpuProcess]
+        dev: _Device, compute: Sequence[GpuProcess], graphics: Sequence[GpuProcess]
     ) -> tuple[GpuProcess, ...]:
         if dev.rc("graphics_processes") is not None:
-            graphics = []  # as the NVML backend: that list failing leaves the compute one
+            graphics = ()  # as the NVML backend: that list failing leaves the compute one
         return one_per_pid((*compute, *graphics))
 
     def _read_new_events(self) -> list[XidEvent]:

@@ -1377,6 +1377,9 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             continue;
         struct proc_entry entry = {(unsigned int)p->pid, 0, 0};
         int matched = 0;
+        /* per kind: a process with compute and graphics contexts has one figure, which
+         * NVML gives in both lists; the device's memory counts it once (the larger) */
+        unsigned long long by_kind[2] = {0, 0};
         for (size_t j = 0; j < p->n_lines; j++) {
             const struct proc_line *l = &p->lines[j];
             if (kind != PROC_ANY && kind != l->kind)
@@ -1387,11 +1390,12 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             matched = 1;
             if (l->known) {
                 entry.known = 1;
-                entry.used_bytes += l->bytes;
+                by_kind[l->kind == PROC_GRAPHICS] += l->bytes;
             }
         }
         if (!matched)
             continue;
+        entry.used_bytes = by_kind[0] > by_kind[1] ? by_kind[0] : by_kind[1];
         if (used_bytes != NULL)
             *used_bytes += entry.used_bytes;
         if (out != NULL && count < max)

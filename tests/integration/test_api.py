@@ -553,4 +553,6 @@ def test_head_is_answered_as_a_get_without_its_body(supervisor: SupervisorFactor
             assert head.headers["content-type"] == get.headers["content-type"], path
             assert int(head.headers["content-length"]) > 0, path
         assert http.head("/api/v1/workers/nope").status_code == 404
+        # a routing decision takes a turn: a HEAD must change nothing, so it is no GET there
+        assert http.head("/api/v1/route", params={"group": "c"}).status_code == 405
     assert sup.stop() == 0

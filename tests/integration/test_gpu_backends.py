@@ -830,6 +830,7 @@ def test_graphics_contexts_count_once_per_process(
             both.kill()
     used = {p["pid"]: p["used_mb"] for p in dev["processes"]}
     assert used == {render.pid: 250.0, both.pid: 300.0}, dev["processes"]
+    assert dev["memory"]["used_mb"] == 550.0, dev  # the C+G process counts once there too
 
 
 def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_libdir: Path) -> None:

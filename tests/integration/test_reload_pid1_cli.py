@@ -328,6 +328,13 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     mark, _ = reload({**good, "command": worker_cmd("never_ready")})
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
+    # the same file again: roll-0 is tried again and the roll-out halts there again; roll-1
+    # keeps serving (regression: roll-0, whose next start was of that file already, was taken
+    # for rolled out, and roll-1 was taken down onto the broken command)
+    mark, diff = reload({**good, "command": worker_cmd("never_ready")})
+    assert diff["changed"] == ["roll"], diff
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
+    assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
     mark, diff = reload(good)
     assert diff["changed"] == ["roll"], diff
     sup.ready("roll-0", after=mark)
@@ -395,6 +402,49 @@ def test_a_reload_of_what_only_the_supervisor_uses_restarts_no_worker(
         kill = sup.wait_event(event="worker.kill", worker="a-0", after=mark, timeout=10)
         assert kill["reason"] != "", kill
     sup.wait_event(event="worker.state", worker="a-0", new="stopped", after=mark, timeout=10)
+    assert sup.stop() == 0
+
+
+def test_a_reload_that_removes_a_crash_looping_replica_does_not_wait_for_it(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-1 crash-loops; a reload scales the group to 1 and changes its env: a-0 is rolled and
+    a-1 removed. Regression: the roll-out waited for a-1 (a replica in backoff) to come back
+    before taking a-0 down, and halted."""
+    py = sys.executable
+    by_index = (
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {py} '
+        f"{ROOT / 'tests/workers/exit_with_code.py'} 3; else exec {py} "
+        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
+    )
+    group = {**g("a", replicas=2, port_base=9385), "command": ["sh", "-c", by_index]}
+    group["restart"] = {"stable_s": 0.2, "burst": 0, "backoff_initial_s": 1}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.wait_event(event="worker.state", worker="a-1", new="backoff")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "replicas": 1, "env": {"V": "2"}}]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert done["halted"] == [], done
+    assert sup.find(event="worker.spawned", worker="a-0", after=mark)
+    with sup.api() as api:
+        assert [w["name"] for w in api.get("/api/v1/workers").json()] == ["a-0"]
+    assert sup.stop() == 0
+
+
+def test_a_new_host_memory_budget_restarts_the_workers(supervisor: SupervisorFactory) -> None:
+    """`memory.max` is written when a worker starts: a reload that changes the host budget
+    replaces the workers (regression: applied in place, the kernel kept the old limit)."""
+    group = g("a", port_base=9387)
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "health": {"host_memory_limit_mb": 4096}}]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark)
+    assert sup.find(event="worker.spawned", worker="a-0", after=mark)
     assert sup.stop() == 0
 
 
