@@ -127,6 +127,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "gpus": None if w.gpus is None else list(w.gpus),
                     "ready": w.ready_url or gp.group.ready,
                     "command": list(w.argv),
+                    "cwd": w.cwd,
                 }
             )
     return rows

@@ -425,6 +425,9 @@ class WorkerGroup(_Strict):
     command: tuple[str, ...] = Field(min_length=1)
     replicas: int = Field(default=1, ge=0, le=4096, strict=True)  # not "3", 2.0 or true
     env: dict[str, str] = Field(default_factory=dict)
+    #: the workers' working directory (placeholders allowed; relative: to the supervisor's);
+    #: "" = the supervisor's own
+    cwd: str = ""
     gpus: GpuSelection = "auto"
     gpus_per_worker: int = Field(default=1, ge=1)
     max_workers_per_gpu: int = Field(default=4, ge=1)
@@ -482,6 +485,13 @@ class WorkerGroup(_Strict):
     def _metrics_path_shape(cls, value: str) -> str:
         if value and (not value.startswith("/") or any(c.isspace() for c in value)):
             raise ValueError('expected an absolute URL path such as "/metrics"')
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd_shape(cls, value: str) -> str:
+        if "\0" in value:  # exec cannot pass it
+            raise ValueError(f"contains a NUL character: {value!r}")
         return value
 
     @field_validator("env")
@@ -666,6 +676,8 @@ class Settings(BaseSettings):
                     raise ValueError(f"workers[{i}].env.{key}: {msg} (got {val!r})")
             if group.ready_mode == "http" and (msg := _placeholder_errors(group.ready)):
                 raise ValueError(f"workers[{i}].ready: {msg} (got {group.ready!r})")
+            if (msg := _placeholder_errors(group.cwd)) is not None:
+                raise ValueError(f"workers[{i}].cwd: {msg} (got {group.cwd!r})")
             ports = _ports_of(group)
             if ports and ports[-1] > 65535:
                 raise ValueError(

@@ -166,6 +166,7 @@ def launch_spec(
         ready_url=ready_url,
         notify=group.ready_mode == "notify",
         watchdog_s=watchdog_s,
+        cwd=_expand(group.cwd, values) or None,
     )
 
 

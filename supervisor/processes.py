@@ -261,7 +261,11 @@ def _oom_score_for_worker() -> int | None:
 
 
 def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> str:
-    """The executable ``program`` names (as execvpe would find it), or SpawnError."""
+    """The executable ``program`` names (as execvpe would find it), or SpawnError (also for a
+    working directory that is none)."""
+    if cwd is not None and not os.path.isdir(cwd):
+        why = "no such directory" if not os.path.exists(cwd) else "not a directory"
+        raise SpawnError(f"cannot start {program!r} in {cwd!r}: {why} (cwd)")
     if "/" in program:
         path = program if cwd is None or os.path.isabs(program) else os.path.join(cwd, program)
         if not os.path.exists(path):

@@ -844,6 +844,38 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
     assert [w["port"] for w in plan["workers"]] == [8001, 8002]
 
 
+def test_a_group_runs_in_its_working_directory(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """`cwd` (placeholders allowed): the workers run there, relative programs are found
+    there; one that is no directory is a check-config warning, a failed spawn under `run`
+    (saying so), and a reload that sets it is rejected."""
+    home = tmp_path / "app-0"
+    home.mkdir()
+    (home / "where.py").write_text(
+        "import os, sys\nsys.path.insert(0, os.environ['WORKERS'])\n"
+        "from common import forever, notify, say\n"
+        "say('cwd ' + os.getcwd())\nnotify('READY=1')\nforever()\n"
+    )
+    group = {
+        **g("w", port_base=9389),
+        "command": [sys.executable, "where.py"],
+        "cwd": str(tmp_path / "app-{index}"),
+        "env": {"WORKERS": str(ROOT / "tests" / "workers")},
+    }
+    sup = supervisor({"workers": [group]})
+    sup.ready("w-0")
+    assert sup.wait_line("[w-0] ", endswith=f"cwd {home}")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "cwd": str(tmp_path / "nowhere")}]})
+    sup.signal(signal.SIGHUP)
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert rejected["reason"] == "command" and "no such directory (cwd)" in rejected["error"]
+    check = cli("check-config", "-c", str(sup.config_path))
+    assert check.returncode == 0 and "no such directory (cwd)" in check.stdout, check.stdout
+    assert sup.stop() == 0
+
+
 def test_check_config_places_on_the_backends_gpus_and_refuses_what_it_cannot_place(
     tmp_path: Path,
 ) -> None:

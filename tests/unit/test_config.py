@@ -96,6 +96,10 @@ def bad(data: dict[str, object]) -> str:
             "workers[0].env.A: unknown placeholder {nope}",
         ),
         (
+            {"workers": [{**W, "cwd": "/srv/{model}"}]},
+            "workers[0].cwd: unknown placeholder {model}",
+        ),
+        (
             {"workers": [{**W, "command": ["x", "{port"]}]},
             "workers[0].command[1]: bad placeholder syntax",
         ),
