@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -461,8 +463,6 @@ def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[
     """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
     over ``world`` (or ``--backend sim`` on it): the device objects."""
     import json
-    import subprocess
-    import sys
 
     env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
     out = subprocess.run(
@@ -476,6 +476,22 @@ def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[
     )
     devices: list[dict[str, Any]] = json.loads(out.stdout)["devices"]
     return devices
+
+
+def on_fake_nvml(script: str, world: Path, libdir: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (Python) over ``world`` through the fake library at ``libdir`` (ld.so
+    reads ``LD_LIBRARY_PATH`` only at exec: a child process); it must exit 0."""
+    env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out
 
 
 def test_thresholds_come_from_the_queries_where_the_fields_are_not_supported(
@@ -653,9 +669,6 @@ def test_an_xid_event_set_that_failed_once_is_made_again(
     """Regression: one failure making the XID event set (nvmlEventSetCreate at NVML's open)
     left XIDs unwatched for the supervisor's lifetime, without a word. Now each wait says why
     (the sampler logs it once a minute) and the set is made again after EVENTS_RETRY_S."""
-    import subprocess
-    import sys
-
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
     (world / "nvml").write_text("rc_nvmlEventSetCreate 999\n")
@@ -688,20 +701,7 @@ while not got and time.monotonic() < deadline:
 print("xids:", [e.xid for e in got])
 b.close()
 """
-    env = {
-        **os.environ,
-        "GPU_SUPERVISOR_SIM_DIR": str(world),
-        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "said: XIDs are not watched: nvmlEventSetCreate" in out.stdout, out.stdout
     assert "xids: [79]" in out.stdout, out.stdout
 
@@ -749,9 +749,6 @@ def test_a_gpu_whose_handle_failed_at_the_open_is_asked_again(
     driver brings it up) is asked again every HANDLE_RETRY_S. Regression: it stayed a
     placeholder, unhealthy and unwatched, until NVML was opened again: for good on a host whose
     other GPUs answer."""
-    import subprocess
-    import sys
-
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
     gpu1 = world / "gpus" / "1"
@@ -789,20 +786,7 @@ async def main() -> None:
 
 anyio.run(main)
 """
-    env = {
-        **os.environ,
-        "GPU_SUPERVISOR_SIM_DIR": str(world),
-        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "open: unknown-1 False" in out.stdout, out.stdout
     assert "at once: unknown-1 False" in out.stdout, out.stdout  # not asked at every sample
     assert f"later: {UUID1} {UUID1} True" in out.stdout, out.stdout
@@ -816,8 +800,6 @@ def test_graphics_contexts_count_once_per_process(
     """A process that renders (EGL/Vulkan) is in NVML's graphics list, not the compute one;
     one with both contexts is in both with the same memory. Regression: the graphics list was
     never read, so a rendering worker's memory was no one's (no budget, no leak check)."""
-    import subprocess
-
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
     with subprocess.Popen(["sleep", "60"]) as render, subprocess.Popen(["sleep", "60"]) as both:
@@ -837,8 +819,6 @@ def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_li
     """The world is read the same by both backends. Regression: the fake library skipped a
     `procs` line of fractional MiB (the sim backend read it), and the sim backend read a
     hex `clocks_event_reasons` as no reasons (the fake read it)."""
-    import subprocess
-
     world = tmp_path / "sim"
     SimBackend(world, 1).open()
     with open(world / "gpus" / "0", "a") as fh:
