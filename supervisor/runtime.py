@@ -849,21 +849,33 @@ class Runtime:
                 reason="explicit GPU list: starting there anyway",
             )
             return spec
+        unplaced: str | None = None  # why no GPU fits it
+        chosen: tuple[str, ...] | None = None
         try:
             chosen = self._place_one(runner, slots)
         except PlacementError as exc:
-            if cooler and all(u in {s.uuid for s in self.slots() if s.usable} for u in gpus):
-                # no cooler GPU has room (any more: the target filled up while it drained):
-                # it starts where it was, and moves once one has (healing looks again)
-                self.log.warning(
-                    "worker.gpu_hot",
-                    worker=runner.name,
-                    gpus=list(gpus),
-                    reason=f"no cooler GPU has room ({exc}): starting on its hot GPU",
-                )
-                return spec
+            unplaced = str(exc)
+            if cooler:
+                # no cooler GPU has room (any more: a migration's target filled up while it
+                # drained): placed as any worker is, a hot GPU will do, and healing moves it
+                # once a cooler one has room
+                slots = self.slots()
+                if all(u in {s.uuid for s in slots if s.usable} for u in gpus):
+                    self.log.warning(
+                        "worker.gpu_hot",
+                        worker=runner.name,
+                        gpus=list(gpus),
+                        reason=f"no cooler GPU has room ({unplaced}): starting on its hot GPU",
+                    )
+                    return spec
+                with contextlib.suppress(PlacementError):
+                    chosen = self._place_one(runner, slots)
+                    unplaced = None
+        if unplaced is not None:
             own = {u for u in gpus if self._suspect_of.get(u) == runner.name}
-            if not avoid and may_restart_in_place(gpus, slots, own):  # rather than fail
+            # rather than fail (a migration too, once no cooler GPU is to be had: regression,
+            # a hot and cordoned GPU made its worker wait for a GPU)
+            if may_restart_in_place(gpus, slots, own):
                 stuck_on = sorted(s.uuid for s in slots if s.uuid in own and s.why_not == SUSPECT)
                 if stuck_on:
                     self.log.warning(
@@ -881,7 +893,7 @@ class Runtime:
                         reason="no other GPU fits: restarting on its cordoned GPU",
                     )
                 return spec
-            return str(exc)
+            return unplaced
         new = self._spec_on(group, spec.index, chosen)
         self.log.info(
             "worker.moved",
@@ -1842,6 +1854,15 @@ class Runtime:
         self.log.info("supervisor.rolling_restart_done", group=group)
         return True
 
+    async def _proven(self, group: str, runner: WorkerRunner, stable_s: float) -> bool:
+        """``runner``, ready, has been ready for ``stable_s`` (waited for what is left of it);
+        False (halted, logged) when it stops being ready first."""
+        ready_at = runner.record.ready_at
+        left = stable_s if ready_at is None else stable_s - (self.clock.now() - ready_at)
+        if left <= 0:
+            return True
+        return await self._rollout_holds(group, [runner], left, "the rest keep the old config")
+
     async def _rollout_holds(
         self, group: str, replaced: list[WorkerRunner], stable_s: float, rest: str
     ) -> bool:
@@ -2196,22 +2217,34 @@ class Runtime:
                 await self._start_runner(runner)
             else:
                 if (scaled and runner.planned(spec, timing)) or (
-                    in_place and runner.state is WorkerState.READY and runner.launches(spec)
+                    in_place and not resume and runner.launches(spec)
                 ):
-                    # as it runs: only replicas changed, or, for a ready worker, only what the
-                    # supervisor uses (restart policy, timeouts, health thresholds): a new
-                    # threshold is no reason to load every model again. One that is not ready
-                    # (starting, in backoff, fatal) is started again on the new definition and
-                    # waited for, as before: its deadlines are the old ones, and a halted
-                    # roll-out's replacement is not proven until it is ready
+                    # as it runs: only replicas changed, or only what the supervisor uses
+                    # (restart policy, timeouts, health thresholds): a new threshold is no
+                    # reason to load every model again, nor to cut a load short. A worker
+                    # still loading is held to the new start_timeout_s from now on
                     runner.reconfigure(spec, timing, group.log_passthrough)
+                    if runner.state is WorkerState.STARTING:
+                        runner.post(lc.Retime())
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
                         runner.post(lc.Start())  # a reload clears fatal
                     continue
-                if resume and runner.state is WorkerState.READY and runner.runs(spec, timing):
+                if (
+                    resume
+                    and runner.state is WorkerState.READY
+                    and (runner.runs(spec, timing) or (in_place and runner.launches(spec)))
+                ):
+                    # a halted roll-out reached it: it runs this definition already, proven
+                    # once it has been ready for stable_s (regression: one ready a moment
+                    # was taken for proven, and the last worker on the old version went next)
+                    runner.reconfigure(spec, timing, group.log_passthrough)
+                    if not await self._proven(group.name, runner, timing.restart.stable_s):
+                        return False
                     continue
                 runner.reconfigure(spec, timing, group.log_passthrough)
                 if runner.state is WorkerState.STOPPED or _passed_over(runner):
+                    if runner.record.waiting_for_gpu:  # the new plan may have one for it now
+                        runner.post(lc.GpuFreed())
                     continue  # it starts on the new plan next
                 if not await self._others_back(group.name, runner, keep=new_names):
                     return False
@@ -2237,11 +2270,49 @@ class Runtime:
                 )
             ):
                 return False
-        for name in old_names:
-            if name not in new_names and name in self.runners:
-                await self._remove_runner(self.runners[name], ExitReason.RELOAD)
+        dropped = [self.runners[n] for n in old_names if n not in new_names and n in self.runners]
+        if not await self._kept_serve(group.name, new_names, dropped, timing):
+            return False
+        for runner in dropped:
+            await self._remove_runner(runner, ExitReason.RELOAD)
         self.groups[group.name] = [n for n in new_names if n in self.runners]
         return True
+
+    async def _kept_serve(
+        self,
+        group: str,
+        kept: Sequence[str],
+        dropped: Sequence[WorkerRunner],
+        timing: lc.Timing,
+    ) -> bool:
+        """Before a scale-down removes ``dropped``: while one of them serves and none of the
+        workers ``kept`` does (crash-looping, loading, stopped by an operator), wait for one
+        of those (up to its start timeout); False (halted, logged) if none comes, rather than
+        leave the group serving nothing (regression: the only ready replica was removed and
+        the reload said it was done)."""
+        serving = [r for r in dropped if r.state is WorkerState.READY]
+        if not serving:
+            return True
+
+        def kept_ready() -> bool:
+            return any(
+                (r := self.runners.get(n)) is not None and r.state is WorkerState.READY
+                for n in kept
+            )
+
+        if not kept:
+            return True  # scaled to 0: the operator asked for nothing to serve
+        if kept_ready():
+            return True
+        await self.wait_until(lambda: kept_ready() or self._shutting_down, timing.start_timeout_s)
+        if kept_ready() or self._shutting_down:
+            return not self._shutting_down
+        self._rollout_halted(
+            group,
+            serving[0],
+            "no worker the group keeps is ready: not removing its last ready one",
+        )
+        return False
 
 
 def _passed_over(runner: WorkerRunner) -> bool:

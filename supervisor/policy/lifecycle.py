@@ -171,6 +171,12 @@ class GpuFreed:
 
 
 @dataclass(frozen=True, slots=True)
+class Retime:
+    """The timing changed under a running worker (a reload applied in place): the start
+    deadline already set follows the new ``start_timeout_s``."""
+
+
+@dataclass(frozen=True, slots=True)
 class Exited:
     """The worker's main process was reaped."""
 
@@ -209,6 +215,7 @@ Event = (
     | SpawnFailed
     | NoGpu
     | GpuFreed
+    | Retime
     | Exited
     | Ready
     | Heartbeat
@@ -388,6 +395,13 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
     state = rec.state
     # Events about a process that is not (or no longer) ours are stale: ignore them.
     if isinstance(ev, Exited | Ready | Heartbeat) and ev.pid != rec.pid:
+        return rec, []
+
+    if isinstance(ev, Retime):
+        # a worker still loading keeps loading, against the new start_timeout_s (regression:
+        # a raised one was applied only at the next start, after the old one had failed it)
+        if state is S.STARTING and rec.pid is not None and rec.started_at is not None:
+            return replace(rec, deadline=rec.started_at + t.start_timeout_s), []
         return rec, []
 
     if isinstance(ev, Kill):

@@ -375,6 +375,35 @@ def test_migrate_waits_for_a_cooler_gpu_and_never_places_onto_a_hot_one(
     assert sup.stop() == 0
 
 
+def test_a_migrate_worker_on_a_hot_cordoned_gpu_restarts_there_when_nothing_else_fits(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """GPU 0 hot and cordoned, GPU 1 full (max_workers_per_gpu 1): m-0, restarted, starts on
+    GPU 0 again (a cordon lets a worker restart where it was when nothing else fits).
+    Regression: it waited for a GPU while GPU 0 stayed hot."""
+    group = {
+        "name": "m",
+        "replicas": 2,
+        "max_workers_per_gpu": 1,
+        "command": sim("100"),
+        "health": {"on_thermal": "migrate"},
+    }
+    sup = supervisor(config(tmp_path, group))
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    sup.ready("m-1")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x40)  # hardware thermal slowdown
+    alert = sup.wait_event(event="heal.action", action="alert", worker="m-0", after=mark)
+    assert alert["evidence"]["migrate"] == "no cooler GPU has room", alert
+    with sup.api() as api:
+        assert api.post("/api/v1/gpus/0/cordon").status_code == 200
+        assert api.post("/api/v1/workers/m-0/restart").status_code == 202
+        sup.ready("m-0", after=mark)
+        assert api.get("/api/v1/workers/m-0").json()["gpus"] == [UUID0]
+    assert not sup.find(event="worker.waiting_gpu", after=mark)
+    assert sup.stop() == 0
+
+
 def test_xid_13_restarts_only_the_worker_on_that_gpu(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -461,6 +490,26 @@ def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     with sup.api() as api:
         worker = api.get("/api/v1/workers/p-0").json()
         assert worker["state"] == "backoff" and "waiting for a GPU" in worker["reason"], worker
+    assert sup.stop() == 0
+
+
+def test_a_reload_that_gives_a_waiting_worker_a_gpu_starts_it_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """`gpus = [1]` and GPU 1 lost: the worker waits (its next look in 30 s). A reload to
+    `gpus = [0]` starts it now. Regression: it waited for its next look (up to a minute)
+    while `reload --wait` said done."""
+    restart = {"delay_s": 0, "stable_s": 0.1, "backoff_initial_s": 30}
+    group: dict[str, Any] = {"name": "p", "command": sim("100"), "gpus": [1], "restart": restart}
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("p-0")
+    mark = sup.mark()
+    set_gpu(tmp_path, 1, lost=1)
+    sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark, timeout=20)
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, {**group, "gpus": [0]}))
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_line("[p-0] ", endswith=f"ready on {UUID0}", timeout=10)
     assert sup.stop() == 0
 
 

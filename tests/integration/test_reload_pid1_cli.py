@@ -405,6 +405,55 @@ def test_a_reload_of_what_only_the_supervisor_uses_restarts_no_worker(
     assert sup.stop() == 0
 
 
+def test_reloading_a_halted_file_again_waits_for_its_replacement_to_prove_itself(
+    supervisor: SupervisorFactory,
+) -> None:
+    """v2 crashes 1 s after READY (stable_s 2): the roll-out halts at a-0, a-1 keeps v1. The
+    same file again, while a-0 is ready on v2 for a moment: a-0 must stay ready for stable_s
+    before a-1 goes; it does not, and the roll-out halts there again. Regression: a-0 was
+    taken for rolled out, and a-1, the last worker on v1, was replaced by the crashing v2."""
+    group = g("a", replicas=2, port_base=9383)
+    group["restart"] = {"stable_s": 2, "backoff_initial_s": 0.2, "burst": 0}
+    bad = {**group, "command": worker_cmd("crash_after", "1")}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [bad]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    ready_again = sup.mark()
+    sup.ready("a-0", after=ready_again)  # ready on v2, for a moment
+    mark = sup.mark()
+    sup.signal(signal.SIGHUP)  # the same file
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
+    assert halted["worker"] == "a-0", halted
+    assert not sup.find(event="worker.state", worker="a-1", new="stopping")
+    assert sup.stop() == 0
+
+
+def test_a_scale_down_does_not_remove_the_last_ready_worker(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-0 is stopped by an operator, a-1 serves; a reload to 1 replica would remove a-1 and
+    serve nothing: it waits for a-0 (its start timeout), then halts, a-1 still there.
+    Regression: a-1 was removed and the reload said it was done."""
+    group = {**g("a", replicas=2, port_base=9381), "start_timeout_s": 1}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    with sup.api() as api:
+        assert api.post("/api/v1/workers/a-0/stop").status_code == 202
+        sup.wait_event(event="worker.state", worker="a-0", new="stopped")
+        mark = sup.mark()
+        sup.write_config({"workers": [{**group, "replicas": 1}]})
+        sup.signal(signal.SIGHUP)
+        halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
+        assert halted["worker"] == "a-1" and "last ready" in halted["reason"], halted
+        assert api.get("/api/v1/workers/a-1").json()["state"] == "ready"
+    assert sup.stop() == 0
+
+
 def test_a_reload_that_removes_a_crash_looping_replica_does_not_wait_for_it(
     supervisor: SupervisorFactory,
 ) -> None:
@@ -445,6 +494,37 @@ def test_a_new_host_memory_budget_restarts_the_workers(supervisor: SupervisorFac
     sup.ready("a-0", after=mark)
     sup.wait_event(event="supervisor.reload_done", halted=[], after=mark)
     assert sup.find(event="worker.spawned", worker="a-0", after=mark)
+    assert sup.stop() == 0
+
+
+def test_a_reload_of_supervisor_keys_leaves_loading_and_crashing_workers_be(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-0 is loading (ready after 4 s, start_timeout_s 3), a-1 crash-loops: a reload that
+    raises start_timeout_s restarts neither, a-0 gets the new timeout and becomes ready, and
+    the reload completes. Regressions: a-0 was failed by the old timeout after the reload said
+    it was done; then every worker that was not ready was restarted, and the roll-out halted
+    on a-1 (a-0 never got the new settings)."""
+    py = sys.executable
+    by_index = (
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {py} '
+        f"{ROOT / 'tests/workers/exit_with_code.py'} 3; else exec {py} "
+        f"{ROOT / 'tests/workers/notify_ready_late.py'} 4; fi"
+    )
+    group = {**g("a", replicas=2, port_base=9379), "command": ["sh", "-c", by_index]}
+    group["start_timeout_s"] = 3
+    group["restart"] = {"stable_s": 0.2, "burst": 0, "backoff_initial_s": 0.5}
+    sup = supervisor({"workers": [group]})
+    spawned = sup.wait_event(event="worker.spawned", worker="a-0")
+    sup.wait_event(event="worker.state", worker="a-1", new="backoff")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "start_timeout_s": 30}]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark)
+    assert done["halted"] == [], done
+    assert sup.ready("a-0", after=mark)["pid"] == spawned["pid"]  # the same load, in time
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+    assert not sup.find(event="worker.exited", worker="a-0")
     assert sup.stop() == 0
 
 

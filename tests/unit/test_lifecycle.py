@@ -460,3 +460,15 @@ def test_an_operators_drain_of_a_worker_healing_drains_keeps_it_stopped() -> Non
     assert rec.state is S.STOPPED
     (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
     assert exit_.outcome.reason is ExitReason.LEAK  # what it was drained for
+
+
+def test_a_new_start_timeout_applies_to_a_worker_still_loading() -> None:
+    """A reload applied in place (Retime): the start deadline already set follows the new
+    start_timeout_s, counted from the spawn. Regression: a raised one came too late, the old
+    one failed the load; other states keep their deadlines."""
+    rec = started(now=100.0)
+    assert rec.deadline == 105.0  # T.start_timeout_s = 5
+    longer = replace(T, start_timeout_s=30.0)
+    rec, acts = lc.step(rec, lc.Retime(), 104.0, longer)
+    assert acts == [] and rec.deadline == 130.0 and rec.state is S.STARTING
+    assert lc.step(ready(), lc.Retime(), 104.0, longer) == (ready(), [])
