@@ -1774,15 +1774,32 @@ class Runtime:
             return True
         t = runner.timing
         budget = t.drain_timeout_s + self._stop_budget(runner) + t.start_timeout_s
-        if await self.wait_until(lambda: not busy() or self._shutting_down, budget):
+        # one in backoff after a crash that fails again meanwhile will not be back: no use
+        # waiting out the budget for it (minutes, with the default timeouts)
+        looping = {r.name: r.spawn_attempts for r in busy() if r.state is WorkerState.BACKOFF}
+
+        def failed_again() -> list[WorkerRunner]:
+            return [
+                r
+                for r in self._targets(group)
+                if r.name in looping
+                and r.spawn_attempts > looping[r.name]
+                and r.state in (WorkerState.BACKOFF, WorkerState.FATAL)
+            ]
+
+        if (
+            await self.wait_until(
+                lambda: not busy() or bool(failed_again()) or self._shutting_down, budget
+            )
+            and not failed_again()
+        ):
             return not self._shutting_down
-        late = busy()
-        self._rollout_halted(
-            group,
-            runner,
-            f"{', '.join(r.name for r in late)} not back in time: not taking {runner.name} "
-            "down too",
-        )
+        again = failed_again()
+        if again:
+            why = f"{', '.join(r.name for r in again)} failed again"
+        else:
+            why = f"{', '.join(r.name for r in busy())} not back in time"
+        self._rollout_halted(group, runner, f"{why}: not taking {runner.name} down too")
         return False
 
     def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
@@ -1861,10 +1878,17 @@ class Runtime:
         left = stable_s if ready_at is None else stable_s - (self.clock.now() - ready_at)
         if left <= 0:
             return True
-        return await self._rollout_holds(group, [runner], left, "the rest keep the old config")
+        return await self._rollout_holds(
+            group, [runner], left, "the rest keep the old config", stable_s=stable_s
+        )
 
     async def _rollout_holds(
-        self, group: str, replaced: list[WorkerRunner], stable_s: float, rest: str
+        self,
+        group: str,
+        replaced: list[WorkerRunner],
+        wait_s: float,
+        rest: str,
+        stable_s: float | None = None,
     ) -> bool:
         """A roll-out goes on only once the worker it just replaced has been ready for
         ``stable_s`` (a worker that exits sooner is a failed start: a version that crashes
@@ -1874,15 +1898,16 @@ class Runtime:
         def broken() -> WorkerRunner | None:
             return next((r for r in replaced if r.state is not WorkerState.READY), None)
 
-        if stable_s > 0:
-            await self.wait_until(lambda: broken() is not None, stable_s)
+        if wait_s > 0:
+            await self.wait_until(lambda: broken() is not None, wait_s)
         failed = broken()
         if failed is None or self._shutting_down:
             return failed is None
+        stable = wait_s if stable_s is None else stable_s
         self._rollout_halted(
             group,
             failed,
-            f"replaced worker did not stay ready for stable_s ({stable_s:g} s); {rest}",
+            f"replaced worker did not stay ready for stable_s ({stable:g} s); {rest}",
         )
         return False
 
@@ -2204,10 +2229,54 @@ class Runtime:
     async def _roll_group_now(
         self, group: WorkerGroup, plan: Plan, *, resume: bool, scaled: bool, in_place: bool
     ) -> bool:
+        """``_roll_group``'s work. Workers set to the new definition in place (nothing new to
+        launch) go back to the old one if the roll-out halts: "the rest keep the old config"
+        (regression: they kept the new timing while the supervisor said the old one ran)."""
+        kept: list[tuple[WorkerRunner, LaunchSpec, lc.Timing, bool]] = []
+        rolled = await self._roll_each(group, plan, resume, scaled, in_place, kept)
+        if not rolled:
+            for runner, spec, timing, passthrough in kept:
+                runner.reconfigure(spec, timing, passthrough)
+                if runner.state is WorkerState.STARTING:
+                    runner.post(lc.Retime())
+        return rolled
+
+    async def _roll_each(
+        self,
+        group: WorkerGroup,
+        plan: Plan,
+        resume: bool,
+        scaled: bool,
+        in_place: bool,
+        kept: list[tuple[WorkerRunner, LaunchSpec, lc.Timing, bool]],
+    ) -> bool:
         old_names = list(self.groups.get(group.name, []))
         timing = lc.timing_for(group)
         specs = next(g for g in plan.groups if g.group.name == group.name).workers
         new_names = [s.name for s in specs]
+
+        def same(runner: WorkerRunner, spec: LaunchSpec) -> bool:
+            """Nothing new to launch for it: replicas changed only, only what the supervisor
+            uses changed, or (a halted roll-out reached it) it runs this definition."""
+            return (
+                (scaled and runner.planned(spec, timing))
+                or (in_place and runner.launches(spec))
+                or (resume and runner.runs(spec, timing))
+            )
+
+        if resume:
+            # a halted roll-out's workers on this definition are proven (ready for stable_s)
+            # before any worker still on the old one goes (regression: one ready a moment was
+            # taken for proven, and the last worker on the old version went next)
+            for spec in specs:
+                r = self.runners.get(spec.name)
+                if (
+                    r is not None
+                    and r.state is WorkerState.READY
+                    and same(r, spec)
+                    and not await self._proven(group.name, r, timing.restart.stable_s)
+                ):
+                    return False
         replaced: list[WorkerRunner] = []
         for index, spec in sorted(enumerate(specs), key=lambda p: self._serving(p[1].name)):
             runner = self.runners.get(spec.name)
@@ -2216,38 +2285,26 @@ class Runtime:
                 attempts = 0
                 await self._start_runner(runner)
             else:
-                if (scaled and runner.planned(spec, timing)) or (
-                    in_place and not resume and runner.launches(spec)
-                ):
-                    # as it runs: only replicas changed, or only what the supervisor uses
-                    # (restart policy, timeouts, health thresholds): a new threshold is no
-                    # reason to load every model again, nor to cut a load short. A worker
-                    # still loading is held to the new start_timeout_s from now on
+                if same(runner, spec):
+                    # as it runs: a new threshold is no reason to load a model again, nor to
+                    # cut a load short (a worker still loading is held to the new
+                    # start_timeout_s); one in backoff starts on it at its next start
+                    kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
                     if runner.state is WorkerState.STARTING:
                         runner.post(lc.Retime())
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
                         runner.post(lc.Start())  # a reload clears fatal
                     continue
-                if (
-                    resume
-                    and runner.state is WorkerState.READY
-                    and (runner.runs(spec, timing) or (in_place and runner.launches(spec)))
-                ):
-                    # a halted roll-out reached it: it runs this definition already, proven
-                    # once it has been ready for stable_s (regression: one ready a moment
-                    # was taken for proven, and the last worker on the old version went next)
-                    runner.reconfigure(spec, timing, group.log_passthrough)
-                    if not await self._proven(group.name, runner, timing.restart.stable_s):
-                        return False
-                    continue
-                runner.reconfigure(spec, timing, group.log_passthrough)
                 if runner.state is WorkerState.STOPPED or _passed_over(runner):
+                    kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
+                    runner.reconfigure(spec, timing, group.log_passthrough)
                     if runner.record.waiting_for_gpu:  # the new plan may have one for it now
                         runner.post(lc.GpuFreed())
                     continue  # it starts on the new plan next
                 if not await self._others_back(group.name, runner, keep=new_names):
-                    return False
+                    return False  # (not set to the new plan: it keeps the old config)
+                runner.reconfigure(spec, timing, group.log_passthrough)
                 attempts = runner.spawn_attempts
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)

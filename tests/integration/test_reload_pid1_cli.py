@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -328,12 +329,14 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     mark, _ = reload({**good, "command": worker_cmd("never_ready")})
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
-    # the same file again: roll-0 is tried again and the roll-out halts there again; roll-1
-    # keeps serving (regression: roll-0, whose next start was of that file already, was taken
-    # for rolled out, and roll-1 was taken down onto the broken command)
+    # the same file again: roll-0, in backoff on it, fails again, and the roll-out halts
+    # before taking roll-1 down; roll-1 keeps serving (regression: roll-0, whose next start
+    # was of that file already, was taken for rolled out, and roll-1 was taken down onto the
+    # broken command)
     mark, diff = reload({**good, "command": worker_cmd("never_ready")})
     assert diff["changed"] == ["roll"], diff
-    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
+    assert halted["worker"] == "roll-1" and "roll-0 failed again" in halted["reason"], halted
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
     mark, diff = reload(good)
     assert diff["changed"] == ["roll"], diff
@@ -429,6 +432,93 @@ def test_reloading_a_halted_file_again_waits_for_its_replacement_to_prove_itself
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
     assert halted["worker"] == "a-0", halted
     assert not sup.find(event="worker.state", worker="a-1", new="stopping")
+    assert sup.stop() == 0
+
+
+def by_index(one: list[str], other: list[str]) -> list[str]:
+    """A command that runs ``one`` as replica 1 and ``other`` as every other replica."""
+    return [
+        "sh",
+        "-c",
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {shlex.join(one)}; '
+        f"else exec {shlex.join(other)}; fi",
+    ]
+
+
+def test_a_resumed_roll_out_proves_its_replacements_before_taking_another_down(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-1 crash-loops on A, so a reload to B replaces it first; on B it dies 1.5 s after
+    READY (stable_s 3): halted, a-0 still on A. B again while a-1 is ready on B for a moment:
+    a-1 must prove itself before a-0 goes; it dies, and the roll-out halts with a-0 untouched.
+    Regression: a-0 (the higher-ranked ready worker) went first, and both ended on B."""
+    a = by_index(worker_cmd("exit_with_code", "3"), worker_cmd("ready_then_sleep"))
+    group = {**g("a", replicas=2, port_base=9377), "command": a}
+    group["restart"] = {"stable_s": 3, "backoff_initial_s": 0.2, "burst": 0}
+    b = {**group, "command": worker_cmd("crash_after", "1.5")}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.wait_event(event="worker.state", worker="a-1", new="backoff")
+    mark = sup.mark()
+    sup.write_config({"workers": [b]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-1"
+    sup.ready("a-1", after=sup.mark())  # on B, for a moment
+    mark = sup.mark()
+    sup.signal(signal.SIGHUP)
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
+    assert halted["worker"] == "a-1" and "(3 s)" in halted["reason"], halted
+    assert not sup.find(event="worker.state", worker="a-0", new="stopping")
+    assert sup.stop() == 0
+
+
+def test_a_resumed_roll_out_lets_a_worker_loading_the_new_definition_load(
+    supervisor: SupervisorFactory,
+) -> None:
+    """B loads in 3 s but start_timeout_s is 1.5: halted at a-0, which keeps trying B. C is B
+    with start_timeout_s 30, reloaded while a-0 loads B: a-0 goes on loading (held to the new
+    timeout), becomes ready, and the roll-out goes on to a-1. Regression: a-0's load was cut
+    short and started again from nothing."""
+    group = {**g("a", replicas=2, port_base=9375), "start_timeout_s": 1.5}
+    group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 0.5, "burst": 0}
+    b = {**group, "command": worker_cmd("notify_ready_late", "3")}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [b]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    loading = sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
+    mark = sup.mark()
+    sup.write_config({"workers": [{**b, "start_timeout_s": 30}]})
+    sup.signal(signal.SIGHUP)
+    assert sup.ready("a-0", after=mark, timeout=10)["pid"] == loading["pid"]
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
+    assert not sup.find(event="worker.state", worker="a-0", new="stopping", after=mark)
+    assert sup.stop() == 0
+
+
+def test_a_halted_roll_out_gives_the_workers_it_set_in_place_their_old_config_back(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-0 loads in 3 s (start_timeout_s 30). B scales to 1 replica with start_timeout_s 1.5:
+    a-0 is held to 1.5 s (it fails), a-1 is not removed (a-0 is not ready): halted. a-0 gets
+    A's 30 s back and becomes ready. Regression: it kept B's timeout and failed every start."""
+    a = by_index(worker_cmd("ready_then_sleep"), worker_cmd("notify_ready_late", "3"))
+    group = {**g("a", replicas=2, port_base=9373), "command": a, "start_timeout_s": 30}
+    group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 0.2, "burst": 0}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-1")
+    sup.wait_event(event="worker.spawned", worker="a-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "replicas": 1, "start_timeout_s": 1.5}]})
+    sup.signal(signal.SIGHUP)
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
+    assert halted["worker"] == "a-1" and "last ready" in halted["reason"], halted
+    sup.ready("a-0", after=mark, timeout=15)
+    with sup.api() as api:
+        assert [w["state"] for w in api.get("/api/v1/workers").json()] == ["ready", "ready"]
     assert sup.stop() == 0
 
 
