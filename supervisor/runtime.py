@@ -1776,15 +1776,20 @@ class Runtime:
         budget = t.drain_timeout_s + self._stop_budget(runner) + t.start_timeout_s
         # one in backoff after a crash that fails again meanwhile will not be back: no use
         # waiting out the budget for it (minutes, with the default timeouts)
-        looping = {r.name: r.spawn_attempts for r in busy() if r.state is WorkerState.BACKOFF}
+        # (one starting after a crash that fails is one too: it is in backoff again)
+        looping = {r.name: (r.spawn_attempts, r.state) for r in busy()}
 
         def failed_again() -> list[WorkerRunner]:
             return [
                 r
                 for r in self._targets(group)
                 if r.name in looping
-                and r.spawn_attempts > looping[r.name]
                 and r.state in (WorkerState.BACKOFF, WorkerState.FATAL)
+                and not r.record.waiting_for_gpu
+                and (
+                    r.spawn_attempts > looping[r.name][0]
+                    or looping[r.name][1] is not WorkerState.BACKOFF
+                )
             ]
 
         if (
@@ -2284,6 +2289,8 @@ class Runtime:
                 runner = self._make_runner(group, index, plan)
                 attempts = 0
                 await self._start_runner(runner)
+                if not scaled:  # a new replica of a new definition proves it, as a
+                    replaced.append(runner)  # replaced one does, before an old one goes
             else:
                 if same(runner, spec):
                     # as it runs: a new threshold is no reason to load a model again, nor to
@@ -2295,6 +2302,8 @@ class Runtime:
                         runner.post(lc.Retime())
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
                         runner.post(lc.Start())  # a reload clears fatal
+                    if resume and not await self._comes_up(group.name, runner, timing):
+                        return False
                     continue
                 if runner.state is WorkerState.STOPPED or _passed_over(runner):
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
@@ -2334,6 +2343,39 @@ class Runtime:
             await self._remove_runner(runner, ExitReason.RELOAD)
         self.groups[group.name] = [n for n in new_names if n in self.runners]
         return True
+
+    async def _comes_up(self, group: str, runner: WorkerRunner, timing: lc.Timing) -> bool:
+        """A halted roll-out's worker on the new definition that is starting or in backoff
+        (not waiting for a GPU, not stopped): it must come up and stay up for stable_s before
+        the roll-out takes a worker still on the old one down (regression: the last old
+        worker went as soon as it was ready, or while it was still loading); False (halted,
+        logged) when it does not."""
+        if runner.state not in (WorkerState.STARTING, WorkerState.BACKOFF):
+            return True
+        if runner.record.waiting_for_gpu:
+            return True
+        starting = runner.state is WorkerState.STARTING
+        attempts = runner.spawn_attempts
+
+        def settled() -> bool:
+            if runner.state in (WorkerState.READY, WorkerState.FATAL, WorkerState.STOPPED):
+                return True
+            return runner.state is WorkerState.BACKOFF and (
+                starting or runner.spawn_attempts > attempts
+            )
+
+        budget = timing.restart.backoff_max_s + self._stop_budget(runner) + timing.start_timeout_s
+        await self.wait_until(lambda: settled() or self._shutting_down, budget)
+        if runner.record.state is not WorkerState.READY:
+            if not self._shutting_down:
+                self._rollout_halted(
+                    group,
+                    runner,
+                    "a worker on the new definition did not become ready; the rest keep the "
+                    "old config",
+                )
+            return False
+        return await self._proven(group, runner, timing.restart.stable_s)
 
     async def _kept_serve(
         self,

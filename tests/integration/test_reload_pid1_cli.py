@@ -329,14 +329,14 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     mark, _ = reload({**good, "command": worker_cmd("never_ready")})
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
-    # the same file again: roll-0, in backoff on it, fails again, and the roll-out halts
-    # before taking roll-1 down; roll-1 keeps serving (regression: roll-0, whose next start
+    # the same file again: roll-0, in backoff on it, must come up first; it fails again, and
+    # the roll-out halts there; roll-1 keeps serving (regression: roll-0, whose next start
     # was of that file already, was taken for rolled out, and roll-1 was taken down onto the
     # broken command)
     mark, diff = reload({**good, "command": worker_cmd("never_ready")})
     assert diff["changed"] == ["roll"], diff
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
-    assert halted["worker"] == "roll-1" and "roll-0 failed again" in halted["reason"], halted
+    assert halted["worker"] == "roll-0" and "did not become ready" in halted["reason"], halted
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
     mark, diff = reload(good)
     assert diff["changed"] == ["roll"], diff
@@ -468,6 +468,52 @@ def test_a_resumed_roll_out_proves_its_replacements_before_taking_another_down(
     sup.signal(signal.SIGHUP)
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
     assert halted["worker"] == "a-1" and "(3 s)" in halted["reason"], halted
+    assert not sup.find(event="worker.state", worker="a-0", new="stopping")
+    assert sup.stop() == 0
+
+
+def test_a_resumed_roll_out_waits_for_a_replacement_still_loading_to_prove_itself(
+    supervisor: SupervisorFactory,
+) -> None:
+    """B loads for 1 s and dies 1.5 s after READY (stable_s 3): halted at a-0. B again while
+    a-0 loads B anew: a-0 must come up and stay up before a-1 goes; it dies, the roll-out
+    halts at it, and a-1 keeps A. Regression: a-1 went as soon as a-0 was ready."""
+    group = g("a", replicas=2, port_base=9371)
+    group["restart"] = {"stable_s": 3, "backoff_initial_s": 0.2, "burst": 0}
+    crash = shlex.join(worker_cmd("crash_after", "1.5"))
+    b = {**group, "command": ["sh", "-c", f"sleep 1; exec {crash}"]}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [b]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
+    mark = sup.mark()
+    sup.signal(signal.SIGHUP)  # the same file, while a-0 loads it
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=20)
+    assert halted["worker"] == "a-0", halted
+    assert not sup.find(event="worker.state", worker="a-1", new="stopping")
+    assert sup.stop() == 0
+
+
+def test_a_new_replica_of_a_new_definition_proves_it_before_an_old_one_goes(
+    supervisor: SupervisorFactory,
+) -> None:
+    """1 replica on A; B has 2 and dies 1.5 s after READY (stable_s 3): a-1, new, goes
+    first, dies, and the roll-out halts there with a-0 on A. Regression: a-0 was replaced as
+    soon as a-1 was ready, and both crash-looped on B."""
+    group = g("a", port_base=9369)
+    group["restart"] = {"stable_s": 3, "backoff_initial_s": 0.2, "burst": 0}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    mark = sup.mark()
+    b = {**group, "replicas": 2, "command": worker_cmd("crash_after", "1.5")}
+    sup.write_config({"workers": [b]})
+    sup.signal(signal.SIGHUP)
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
+    assert halted["worker"] == "a-1", halted
     assert not sup.find(event="worker.state", worker="a-0", new="stopping")
     assert sup.stop() == 0
 
