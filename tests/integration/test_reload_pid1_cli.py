@@ -21,7 +21,7 @@ import pytest
 
 from supervisor import procfs
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT, most_not_ready, worker_cmd
+from tests.harness import ROOT, Supervisor, most_not_ready, worker_cmd
 
 
 def g(name: str, script: str = "ready_then_sleep", *args: str, **extra: Any) -> dict[str, Any]:
@@ -421,10 +421,7 @@ def test_reloading_a_halted_file_again_waits_for_its_replacement_to_prove_itself
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
-    mark = sup.mark()
-    sup.write_config({"workers": [bad]})
-    sup.signal(signal.SIGHUP)
-    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    halts_at(sup, bad, "a-0")
     ready_again = sup.mark()
     sup.ready("a-0", after=ready_again)  # ready on v2, for a moment
     mark = sup.mark()
@@ -445,6 +442,14 @@ def by_index(one: list[str], other: list[str]) -> list[str]:
     ]
 
 
+def halts_at(sup: Supervisor, config: dict[str, Any], worker: str) -> None:
+    """Reload ``config`` (one group); its roll-out halts at ``worker``."""
+    mark = sup.mark()
+    sup.write_config({"workers": [config]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == worker
+
+
 def test_a_resumed_roll_out_proves_its_replacements_before_taking_another_down(
     supervisor: SupervisorFactory,
 ) -> None:
@@ -459,10 +464,7 @@ def test_a_resumed_roll_out_proves_its_replacements_before_taking_another_down(
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.wait_event(event="worker.state", worker="a-1", new="backoff")
-    mark = sup.mark()
-    sup.write_config({"workers": [b]})
-    sup.signal(signal.SIGHUP)
-    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-1"
+    halts_at(sup, b, "a-1")
     sup.ready("a-1", after=sup.mark())  # on B, for a moment
     mark = sup.mark()
     sup.signal(signal.SIGHUP)
@@ -485,10 +487,7 @@ def test_a_resumed_roll_out_waits_for_a_replacement_still_loading_to_prove_itsel
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
-    mark = sup.mark()
-    sup.write_config({"workers": [b]})
-    sup.signal(signal.SIGHUP)
-    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    halts_at(sup, b, "a-0")
     sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
     mark = sup.mark()
     sup.signal(signal.SIGHUP)  # the same file, while a-0 loads it
@@ -531,10 +530,7 @@ def test_a_resumed_roll_out_lets_a_worker_loading_the_new_definition_load(
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
-    mark = sup.mark()
-    sup.write_config({"workers": [b]})
-    sup.signal(signal.SIGHUP)
-    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
+    halts_at(sup, b, "a-0")
     loading = sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
     mark = sup.mark()
     sup.write_config({"workers": [{**b, "start_timeout_s": 30}]})
