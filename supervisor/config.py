@@ -512,6 +512,12 @@ class WorkerGroup(_Strict):
             return "notify" if self.ready == "notify" else "none"
         return "http"
 
+    @property
+    def moves_off_heat(self) -> bool:
+        """Its workers are migrated off hot GPUs (``on_thermal = "migrate"``; only placed
+        groups, ``gpus = "auto"``, can move)."""
+        return self.health.on_thermal == "migrate" and self.gpus == "auto"
+
     def worker_names(self) -> list[str]:
         """``gpen-0``, ``gpen-1``, ..."""
         return [f"{self.name}-{i}" for i in range(self.replicas)]

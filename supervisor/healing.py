@@ -255,7 +255,7 @@ class Healer:
         for key in [k for k in self._recent if k[1] == runner.name and k[2] in PER_PROCESS]:
             del self._recent[key]
         gpus = set(runner.spec.gpus or ())
-        hot = gpus & self._hot()
+        hot = gpus & self.hot_gpus()
         if runner.name in self.state.derated and not hot:
             self._execute(
                 Act("restore", "thermal", "placed on GPUs that are not hot", worker=runner.name),
@@ -635,8 +635,7 @@ class Healer:
                 and r.state is WorkerState.READY
                 and r.name not in self._migrating
                 and group is not None
-                and group.health.on_thermal == "migrate"
-                and group.gpus == "auto"
+                and group.moves_off_heat
             ):
                 break
         else:
@@ -652,16 +651,13 @@ class Healer:
 
     def hot_gpus(self) -> set[str]:
         """The GPUs hot now (thermal)."""
-        return self._hot()
-
-    def _hot(self) -> set[str]:
         return {u for u, t in self.state.thermal.items() if t.hot}
 
     def migration_slots(self, name: str, slots: list[GpuSlot]) -> list[GpuSlot]:
         """``slots`` as a migration of ``name`` may use them: not the GPU it leaves, no hot
         GPU, none with less free memory than the worker used (when both are known)."""
         avoid = self.avoid.get(name, set())
-        hot = self._hot()
+        hot = self.hot_gpus()
         need = self.need_mb.get(name)
         if need is None and (w := self._watch.get(name)) is not None:
             need = w.gpu_mb

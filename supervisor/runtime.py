@@ -826,7 +826,7 @@ class Runtime:
         # onto one either, where another has room (regression: a worker scaled up or
         # restarted went onto the hot GPU, and nothing moved it)
         hot = self.healer.hot_gpus() & set(gpus)
-        moving = group is not None and group.gpus == "auto" and group.health.on_thermal == "migrate"
+        moving = group is not None and group.moves_off_heat
         cooler = bool(avoid) or (moving and bool(hot))
         # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full
         slots = self.healer.migration_slots(runner.name, self.slots()) if cooler else self.slots()
