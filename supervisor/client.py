@@ -388,6 +388,12 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
                         f"roll-out halted for {', '.join(e['halted'])} (see the log: "
                         "supervisor.rollout_halted)"
                     )
+                if e.get("superseded"):
+                    print(
+                        f"roll-out superseded for {', '.join(e['superseded'])}: a later "
+                        "reload rolls out its file from where this one stopped"
+                    )
+                if e.get("halted") or e.get("superseded"):
                     return 1
                 print("reload done: every roll-out completed")
                 return 0

@@ -258,6 +258,7 @@ class Runtime:
         self._done = anyio.Event()
         self._reloading = False
         self._reload_again = False
+        self._covered = 0  # the last reload request the reload running now covers
         #: reload requests numbered so far (signals and the API)
         self.reload_requests = 0
         self._ready_sent = False
@@ -321,7 +322,7 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
         self.rolling: dict[str, str] = {}
-        self._halted_at: dict[str, dict[str, str]] = {}  # group -> where its roll-out halted
+        self._halted_at: dict[str, dict[str, Any]] = {}  # group -> where its roll-out halted
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         # self-healing: detectors and actions; webhook alerts
         url = settings.alerts.webhook_url
@@ -1654,6 +1655,7 @@ class Runtime:
             elif isinstance(intent, Reload):
                 if self._reloading:
                     self._reload_again = True
+                    self._changed_now()  # a roll-out waiting on a worker stops for it
                 else:
                     self._reloading = True
                     self._tg.start_soon(self._reload_loop)
@@ -1794,10 +1796,18 @@ class Runtime:
 
         if (
             await self.wait_until(
-                lambda: not busy() or bool(failed_again()) or self._shutting_down, budget
+                lambda: (
+                    not busy()
+                    or bool(failed_again())
+                    or self._shutting_down
+                    or self._superseded(group)
+                ),
+                budget,
             )
             and not failed_again()
         ):
+            if self._superseded(group):
+                return self._roll_superseded(group)
             return not self._shutting_down
         again = failed_again()
         if again:
@@ -1805,6 +1815,28 @@ class Runtime:
         else:
             why = f"{', '.join(r.name for r in busy())} not back in time"
         self._rollout_halted(group, runner, f"{why}: not taking {runner.name} down too")
+        return False
+
+    def _superseded(self, group: str) -> bool:
+        """A reload's roll-out of ``group`` runs and a reload was asked for after it read its
+        file: the roll-out stops before the next worker goes (or while it waits on one), and
+        the newer file is rolled out from there (each superseded file was rolled onto the
+        whole group before, minutes per worker with a model to load)."""
+        return (
+            self.rolling.get(group) == "reload"
+            and self._reload_again
+            and self.reload_requests > self._covered
+            and not self._shutting_down
+        )
+
+    def _roll_superseded(self, group: str) -> bool:
+        """Stop ``group``'s roll-out for a newer reload (logged); False, as a halted one."""
+        self.log.info(
+            "supervisor.rollout_superseded",
+            group=group,
+            reason="a later reload rolls the group out from here",
+        )
+        self._halted_at[group] = {"reason": "superseded by a later reload", "superseded": True}
         return False
 
     def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
@@ -1904,8 +1936,10 @@ class Runtime:
             return next((r for r in replaced if r.state is not WorkerState.READY), None)
 
         if wait_s > 0:
-            await self.wait_until(lambda: broken() is not None, wait_s)
+            await self.wait_until(lambda: broken() is not None or self._superseded(group), wait_s)
         failed = broken()
+        if failed is None and self._superseded(group):
+            return self._roll_superseded(group)
         if failed is None or self._shutting_down:
             return failed is None
         stable = wait_s if stable_s is None else stable_s
@@ -2012,9 +2046,10 @@ class Runtime:
                 return
             while True:
                 self._reload_again = False
-                covered = self.reload_requests
+                covered = self._covered = self.reload_requests
                 ok = await self._reload(covered)
-                self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
+                if ok is not None:  # a superseded one: the next says how it went
+                    self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
                 # again only for a request made after this reload read the file
                 if not self._reload_again or self._shutting_down:
                     return
@@ -2032,9 +2067,10 @@ class Runtime:
         kind = "reload.done" if done else "reload.rejected"
         self.journal.append(self.clock.wall(), kind, None, request=request, **fields)
 
-    async def _reload(self, request: int = 0) -> bool:
+    async def _reload(self, request: int = 0) -> bool | None:
         """Apply the config file again; True when all of it is in force (not rejected, no
-        roll-out halted). ``request``: the last reload request this covers (the journal)."""
+        roll-out halted), None when a later reload superseded a roll-out (and none halted).
+        ``request``: the last reload request this covers (the journal)."""
         if self.config_path is None:
             self.log.error("supervisor.reload_failed", reason="no config file to reload")
             self._journal_reload(request, False, reason="no config file", error="")
@@ -2144,7 +2180,8 @@ class Runtime:
             group = self.settings.group(name)
             assert group is not None
             await self._add_group(group, plan)
-        halted: list[WorkerGroup] = []
+        halted: list[WorkerGroup] = []  # the old definition of each group not rolled out
+        superseded: list[str] = []  # left part-way or not begun for a later reload
         resumed = self._halted.intersection(diff.changed)
         self._halted.difference_update(diff.removed)
         for name in diff.changed:
@@ -2153,23 +2190,29 @@ class Runtime:
                 return False
             group = self.settings.group(name)
             assert group is not None
-            scaled = name in diff.scaled
             before = old.group(name)
+            assert before is not None
+            if self._reload_again and self.reload_requests > self._covered:
+                # not begun: the later reload compares its file with what runs (the old
+                # definition), as if this one had never changed the group
+                halted.append(before)
+                superseded.append(name)
+                continue
+            scaled = name in diff.scaled
             # memory.max is written at a spawn: a new host budget needs new processes
-            in_place = before is not None and (
-                before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
-            )
+            in_place = before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
             rolled = await self._roll_group(
                 group, plan, resume=name in resumed, scaled=scaled, in_place=in_place
             )
+            if not rolled and self._halted_at.get(name, {}).get("superseded"):
+                superseded.append(name)
             if not self._shutting_down:
                 self._journal_rollout(name, "reload", rolled)
             if rolled:
                 self._halted.discard(name)
             else:
-                before = old.group(name)
-                assert before is not None
                 halted.append(before)
+                # dirty: the next reload rolls it out even where its file is this one's
                 self._halted.add(name)
         if halted:
             # Keep the old definition of a halted group, so the next reload tries it again
@@ -2181,11 +2224,14 @@ class Runtime:
         self._changed_now()
         self._reload_over()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
-        self.log.info("supervisor.reload_done", halted=[g.name for g in halted])
+        stopped = [g.name for g in halted if g.name not in superseded]
+        self.log.info("supervisor.reload_done", halted=stopped, superseded=superseded)
         if self._shutting_down:  # a roll-out cut short by the stop did not halt
             self._journal_reload(request, True, halted=[], interrupted="stopping")
         else:
-            self._journal_reload(request, True, halted=[g.name for g in halted])
+            self._journal_reload(request, True, halted=stopped, superseded=superseded)
+        if superseded and not stopped:
+            return None
         return not halted
 
     async def _stop_group(self, name: str) -> None:
@@ -2283,7 +2329,10 @@ class Runtime:
                 ):
                     return False
         replaced: list[WorkerRunner] = []
+        superseded = functools.partial(self._superseded, group.name)
         for index, spec in sorted(enumerate(specs), key=lambda p: self._serving(p[1].name)):
+            if superseded():
+                return self._roll_superseded(group.name)
             runner = self.runners.get(spec.name)
             if runner is None:
                 runner = self._make_runner(group, index, plan)
@@ -2318,9 +2367,12 @@ class Runtime:
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)
             settled = await self.wait_until(
-                _settled_after(runner, attempts),
+                _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + timing.start_timeout_s,
             )
+            if superseded():
+                # the worker goes on loading this file; the next roll-out replaces it first
+                return self._roll_superseded(group.name)
             if not settled or runner.state is not WorkerState.READY:
                 self._rollout_halted(
                     group.name,
@@ -2365,7 +2417,11 @@ class Runtime:
             )
 
         budget = timing.restart.backoff_max_s + self._stop_budget(runner) + timing.start_timeout_s
-        await self.wait_until(lambda: settled() or self._shutting_down, budget)
+        await self.wait_until(
+            lambda: settled() or self._shutting_down or self._superseded(group), budget
+        )
+        if self._superseded(group):
+            return self._roll_superseded(group)
         if runner.record.state is not WorkerState.READY:
             if not self._shutting_down:
                 self._rollout_halted(
@@ -2403,7 +2459,12 @@ class Runtime:
             return True  # scaled to 0: the operator asked for nothing to serve
         if kept_ready():
             return True
-        await self.wait_until(lambda: kept_ready() or self._shutting_down, timing.start_timeout_s)
+        await self.wait_until(
+            lambda: kept_ready() or self._shutting_down or self._superseded(group),
+            timing.start_timeout_s,
+        )
+        if not kept_ready() and self._superseded(group):
+            return self._roll_superseded(group)
         if kept_ready() or self._shutting_down:
             return not self._shutting_down
         self._rollout_halted(
@@ -2424,10 +2485,15 @@ def _passed_over(runner: WorkerRunner) -> bool:
     return stopping_for_good or runner.record.waiting_for_gpu
 
 
-def _settled_after(runner: WorkerRunner, attempts: int) -> Callable[[], bool]:
-    """True once ``runner`` made a new start attempt and it became ready or failed."""
+def _settled_after(
+    runner: WorkerRunner, attempts: int, unless: Callable[[], bool] | None = None
+) -> Callable[[], bool]:
+    """True once ``runner`` made a new start attempt and it became ready or failed (or once
+    ``unless()`` holds: the wait is no longer wanted)."""
     settled = (WorkerState.READY, WorkerState.FATAL, WorkerState.BACKOFF)
-    return lambda: runner.spawn_attempts > attempts and runner.state in settled
+    return lambda: (
+        (runner.spawn_attempts > attempts and runner.state in settled) or bool(unless and unless())
+    )
 
 
 def _children() -> list[psutil.Process]:

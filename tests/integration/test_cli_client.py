@@ -364,6 +364,72 @@ def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
     assert "stopped before the reload's roll-outs finished" in err and "is it running" not in err
 
 
+def test_a_later_reload_supersedes_a_roll_out_in_progress(
+    supervisor: SupervisorFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file reloaded while the roll-out of the one before is still going (a typo fixed, the
+    next deploy) is rolled out from where that one is: the worker already on the superseded
+    file is replaced first, no other worker ever runs it, and the first ``reload --wait``
+    says so (exit 1). Regression: each superseded file was rolled onto every worker first,
+    each waiting out its start and ``stable_s`` (30 s here)."""
+    socket_path = tmp_path / "api.sock"
+    group = {
+        "name": "a",
+        "replicas": 2,
+        "gpus": "none",
+        "command": worker_cmd("ready_then_sleep", "v1"),
+        "restart": {"stable_s": 30},
+    }
+    config = {"api": {"listen": f"unix:{socket_path}"}, "workers": [group]}
+    sup = supervisor(config)
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config(
+        {**config, "workers": [{**group, "command": worker_cmd("ready_then_sleep", "v2")}]}
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "reload", "--wait", "-c", str(sup.config_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert client.stdout is not None
+        assert client.stdout.readline().startswith("reload accepted: changed a")
+        first = sup.ready("a-0", after=mark)  # on v2; the roll-out waits 30 s for it
+        v3 = {
+            **group,
+            "command": worker_cmd("ready_then_sleep", "v3"),
+            "restart": {"stable_s": 0.2},
+        }
+        sup.write_config({**config, "workers": [v3]})
+        code, text, err = run(capsys, "reload", "--wait", "-c", str(sup.config_path))
+        out, err1 = client.communicate(timeout=30)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert (code, text.splitlines()) == (
+        0,
+        ["reload accepted: changed a", "reload done: every roll-out completed"],
+    ), err
+    assert client.returncode == 1, (out, err1)
+    assert out.startswith("roll-out superseded for a: a later reload"), out
+    spawned = [e for e in sup.events[mark:] if e.get("event") == "worker.spawned"]
+    assert [(e["worker"], e["argv"][-1]) for e in spawned] == [
+        ("a-0", "v2"),
+        ("a-0", "v3"),
+        ("a-1", "v3"),
+    ], spawned
+    assert first["pid"] != spawned[1]["pid"]
+    with sup.api() as http:
+        done = [e for e in http.get("/api/v1/events").json() if e["type"] == "reload.done"]
+    assert [(e["halted"], e["superseded"]) for e in done] == [([], ["a"]), ([], [])], done
+    assert sup.stop() == 0
+
+
 def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
