@@ -311,7 +311,8 @@ def test_restarted_supervisor_reclaims_orphans(
     config = {
         "supervisor": {"sample_interval_s": 0.1},
         "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
-        "workers": [group("f", "fork_grandchild", gpus="none")],
+        # /proc read at every sample (a short leak window): the grandchild is recorded sooner
+        "workers": [group("f", "fork_grandchild", gpus="none", health={"leak_window_s": 10})],
     }
     _, grandchild = killed_with_an_orphan(supervisor, config)
     assert alive(grandchild), "the grandchild should outlive a SIGKILLed supervisor"
@@ -337,7 +338,11 @@ def test_orphans_are_reclaimed_after_a_clock_step(
     an older version, or a torn one), the state_dir's marker in the orphan's environment does."""
     config = {
         "supervisor": {"sample_interval_s": 0.1},
-        "workers": [group("f", "fork_grandchild", gpus="none")],
+        # a short leak window reads /proc at every sample: the grandchild is recorded within a
+        # second, not at the next 2 s reading; it ends on SIGTERM (no 3 s grace waited out)
+        "workers": [
+            group("f", "fork_grandchild", "--obeys-term", gpus="none", health={"leak_window_s": 10})
+        ],
     }
     first, grandchild = killed_with_an_orphan(supervisor, config)
     try:

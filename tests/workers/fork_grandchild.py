@@ -2,7 +2,8 @@
 ``--daemon``: it double-forks, so it is re-parented to the supervisor and in no tree;
 ``--via-child``: a child that stays in the group forks it, with setsid, and the worker exits
 with code 3 0.2 s after it is ready; ``--clean-env``: the grandchild then runs with an empty
-environment, so that only the output pipe it still holds tells whose it is)."""
+environment, so that only the output pipe it still holds tells whose it is; ``--obeys-term``:
+the grandchild keeps SIGTERM's default action, for tests that do not wait out its grace)."""
 
 import os
 import signal
@@ -18,7 +19,8 @@ if pid == 0 and "--via-child" in sys.argv:
         say("grandchild")
     forever()
 if pid == 0:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--obeys-term" not in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "--setsid" in sys.argv or "--daemon" in sys.argv:
         os.setsid()
     if "--daemon" in sys.argv and os.fork() != 0:
