@@ -1839,6 +1839,18 @@ class Runtime:
         self._halted_at[group] = {"reason": "superseded by a later reload", "superseded": True}
         return False
 
+    def _rollout_passes_over(self, group: str, runner: WorkerRunner) -> None:
+        """A worker that was on its way down when the roll-out reached it (a healing drain,
+        a stop after a crash) came back waiting for a GPU (its own quarantined, lost, full):
+        passed over, as one already waiting is (regression: the roll-out halted there,
+        "did not become ready", with every other worker of the group not rolled)."""
+        self.log.info(
+            "supervisor.rollout_passed_over",
+            group=group,
+            worker=runner.name,
+            reason="it went down before the roll-out reached it and waits for a GPU",
+        )
+
     def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
         """Log a roll-out of ``group`` halted at ``runner``; the journal's ``rollout.halted``
         names it too."""
@@ -1886,6 +1898,7 @@ class Runtime:
             if not await self._others_back(group, runner):
                 return False
             attempts = runner.spawn_attempts
+            going_down = _going_down(runner)
             runner.post(lc.Restart())
             settled = await self.wait_until(
                 _settled_after(runner, attempts),
@@ -1893,6 +1906,9 @@ class Runtime:
             )
             if self._shutting_down:
                 return False
+            if settled and going_down and runner.record.waiting_for_gpu:
+                self._rollout_passes_over(group, runner)
+                continue
             if not settled or runner.state is not WorkerState.READY:
                 self._rollout_halted(
                     group,
@@ -2334,6 +2350,7 @@ class Runtime:
             if superseded():
                 return self._roll_superseded(group.name)
             runner = self.runners.get(spec.name)
+            going_down = False
             if runner is None:
                 runner = self._make_runner(group, index, plan)
                 attempts = 0
@@ -2364,6 +2381,7 @@ class Runtime:
                     return False  # (not set to the new plan: it keeps the old config)
                 runner.reconfigure(spec, timing, group.log_passthrough)
                 attempts = runner.spawn_attempts
+                going_down = _going_down(runner)
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)
             settled = await self.wait_until(
@@ -2373,6 +2391,10 @@ class Runtime:
             if superseded():
                 # the worker goes on loading this file; the next roll-out replaces it first
                 return self._roll_superseded(group.name)
+            if settled and going_down and runner.record.waiting_for_gpu:
+                replaced.remove(runner)  # it starts on the new definition once a GPU fits
+                self._rollout_passes_over(group.name, runner)
+                continue
             if not settled or runner.state is not WorkerState.READY:
                 self._rollout_halted(
                     group.name,
@@ -2483,6 +2505,12 @@ def _passed_over(runner: WorkerRunner) -> bool:
         WorkerState.STOPPING,
     )
     return stopping_for_good or runner.record.waiting_for_gpu
+
+
+def _going_down(runner: WorkerRunner) -> bool:
+    """Draining or stopping already (healing, a crash's stop, a stop timeout): what it comes
+    back as is not the roll-out's doing."""
+    return runner.state in (WorkerState.DRAINING, WorkerState.STOPPING)
 
 
 def _settled_after(

@@ -493,6 +493,48 @@ def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
+) -> None:
+    """XID 79 on GPU 0 drains p-0, which then waits for a GPU (GPU 1 has p-1, one worker a
+    GPU); a roll-out of the group reaches it while it drains. It comes back waiting for a GPU,
+    as one waiting already would be: passed over, and the roll-out goes on to p-1 (which
+    keeps its GPU) and completes. Regression: it halted at p-0 ("did not become ready"), p-1
+    never rolled."""
+    group = {
+        "name": "p",
+        "replicas": 2,
+        "command": sim("100"),
+        "max_workers_per_gpu": 1,
+        "restart": {"stable_s": 0.1},
+    }
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("p-0")
+    sup.ready("p-1")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
+    if how == "reload":
+        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as api:
+            assert api.post("/api/v1/groups/p/rolling-restart").status_code == 202
+    passed = sup.wait_event(event="supervisor.rollout_passed_over", after=mark, timeout=15)
+    assert passed["worker"] == "p-0", passed
+    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
+    sup.wait_event(event=done, after=mark, timeout=15)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    assert sup.find(event="worker.state", worker="p-1", new="stopping", after=mark)
+    assert sup.find(event="worker.state", worker="p-1", new="ready", after=mark)
+    assert sup.wait_line("[p-1] ", endswith=f"ready on {UUID1}")
+    with sup.api() as api:
+        p0 = api.get("/api/v1/workers/p-0").json()
+    assert p0["state"] == "backoff" and "waiting for a GPU" in p0["reason"], p0
+    assert sup.stop() == 0
+
+
 def test_a_reload_that_gives_a_waiting_worker_a_gpu_starts_it_at_once(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
