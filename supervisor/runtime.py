@@ -1766,7 +1766,9 @@ class Runtime:
                 and (keep is None or r.name in keep)  # not one the new plan removes
                 and (
                     r.state in (WorkerState.DRAINING, WorkerState.STOPPING)
-                    or (r.state is WorkerState.STARTING and r.record.pid is not None)
+                    # with no process yet too: at the GPU-release barrier (bounded by
+                    # release_timeout_s; regression: taken for not coming back)
+                    or r.state is WorkerState.STARTING
                     # after a crash; not one waiting for a GPU (that can be for good)
                     or (r.state is WorkerState.BACKOFF and not r.record.gpu_waits)
                 )

@@ -573,3 +573,38 @@ def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
     assert not sup.find(event="worker.spawn_failed")
     assert not sup.find(event="records.postmortem", worker="g-0")
     assert sup.stop() == 0
+
+
+def test_a_roll_out_waits_for_a_replica_held_at_the_gpu_release_barrier(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A rolling restart has replaced b-0 when b-2 crashes, and b-2's replacement waits at
+    the GPU-release barrier (a process of its old tree, stuck in the kernel, still holds
+    memory on its GPU). The roll-out waits for b-2 to be back before it takes b-1 down.
+    Regression: a worker at the barrier (starting, no process yet) did not count as on its
+    way back: b-1 went at once, and b-0 alone served until both had loaded again."""
+    group = {
+        "name": "b",
+        "replicas": 3,
+        "restart": {"stable_s": 1.0},  # b-2 crashes while the roll-out waits on b-0
+        "command": worker_cmd("gpu_user", "100", "--holder", "30"),
+    }
+    sup = supervisor(config(tmp_path, group, release_timeout_s=1.5), log_level="debug")
+    for w in ("b-0", "b-1"):
+        sup.ready(w)
+    leader = sup.ready("b-2")["pid"]
+    holder = int(sup.wait_line("[b-2] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-2", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        mark = sup.mark()
+        with sup.api() as api:
+            assert api.post("/api/v1/groups/b/rolling-restart").status_code == 202
+        sup.ready("b-0", after=mark)
+        os.kill(leader, signal.SIGKILL)
+        sup.wait_event(event="gpu.suspect", worker="b-2", after=mark)
+        back = sup.ready("b-2", after=mark)
+        down = sup.wait_event(event="worker.state", worker="b-1", new="stopping", after=mark)
+        assert sup.events.index(down) > sup.events.index(back)
+        sup.wait_event(event="supervisor.rolling_restart_done", after=mark, timeout=15)
+    assert wait_dead([holder]) == []
+    assert sup.stop() == 0
