@@ -91,14 +91,18 @@ def _processes(compute: Any, graphics: Any) -> tuple[GpuProcess, ...]:
     return one_per_pid(listed) if graphics else tuple(listed)
 
 
+#: ``nvmlValue_t``'s member for each ``nvmlValueType_t`` (double, uint, ulong, ulonglong,
+#: slonglong, sint, ushort).
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
 def _field_number(fv: Any) -> float | None:
     if fv.nvmlReturn != 0:
         return None
     kind = int(fv.valueType)
-    v = fv.value
-    value = {0: v.dVal, 1: v.uiVal, 2: v.ulVal, 3: v.ullVal, 4: v.sllVal, 5: v.siVal, 6: v.usVal}
-    got = value.get(kind)
-    return None if got is None else float(got)
+    if not 0 <= kind < len(_VALUE_MEMBERS):
+        return None
+    return float(getattr(fv.value, _VALUE_MEMBERS[kind]))  # only the member it is
 
 
 class NvmlBackend:
