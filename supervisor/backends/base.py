@@ -74,12 +74,18 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
         "nvmlDeviceGetGraphicsRunningProcesses_v3",
         "nvmlDeviceGetGraphicsRunningProcesses_v2",
     ),
+    "mps_processes": (
+        "nvmlDeviceGetMPSComputeRunningProcesses",
+        "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+    ),
 }
 
 
 def one_per_pid(processes: Iterable[GpuProcess]) -> tuple[GpuProcess, ...]:
     """One entry per pid: NVML lists a process with compute and graphics contexts (nvidia-smi's
-    "C+G") in both lists with the same memory, so the larger figure counts, not the sum."""
+    "C+G") in both lists with the same memory (an MPS client may be in the compute and the MPS
+    clients' lists), so the largest figure counts, not the sum."""
     used: dict[int, float | None] = {}
     for p in processes:
         had = used.get(p.pid)

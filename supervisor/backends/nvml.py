@@ -79,16 +79,17 @@ def _replaced(
     return (*identities[:position], ident, *identities[position + 1 :])
 
 
-def _processes(compute: Any, graphics: Any) -> tuple[GpuProcess, ...]:
-    """The compute and graphics lists as one: a process that renders only (EGL/Vulkan, some
-    video pipelines) is in the graphics list alone, and its memory is its worker's as much as
-    CUDA's is."""
+def _processes(compute: Any, graphics: Any, mps: Any = ()) -> tuple[GpuProcess, ...]:
+    """The compute, graphics and MPS clients' lists as one: a process that renders only
+    (EGL/Vulkan, some video pipelines) is in the graphics list alone, and a CUDA process that
+    is a client of the MPS server (workers sharing a GPU under MPS) in the MPS list (the
+    compute one may show the server); their memory is their worker's as much as CUDA's is."""
     listed = []
-    for p in (*compute, *graphics):
+    for p in (*compute, *graphics, *mps):
         pid, used = int(p.pid), p.usedGpuMemory
         if pid > 0:
             listed.append(GpuProcess(pid, None if used is None else float(used) / MIB))
-    return one_per_pid(listed) if graphics else tuple(listed)
+    return one_per_pid(listed) if graphics or mps else tuple(listed)
 
 
 #: ``nvmlValue_t``'s member for each ``nvmlValueType_t`` (double, uint, ulong, ulonglong,
@@ -406,7 +407,7 @@ class NvmlBackend:
             lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
             lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
         )
-        graphics = None
+        graphics = mps = None
         if procs is not None:
             graphics = v(
                 i,
@@ -415,10 +416,17 @@ class NvmlBackend:
                 lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h),
                 lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(h),
             )
+            mps = v(
+                i,
+                "mps_processes",
+                self._procs_v3,
+                lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(h),
+                lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2(h),
+            )
         total = used = free = None
         if mem is not None:
             total, used, free = mem.total / MIB, mem.used / MIB, mem.free / MIB
-        processes = None if procs is None else _processes(procs, graphics or ())
+        processes = None if procs is None else _processes(procs, graphics or (), mps or ())
         return DeviceSample(
             index=i,
             uuid=ident.uuid,

@@ -3,9 +3,9 @@
 ```
 <world>/gpus/<index>   key value lines (uuid, name, memory_total_mib, memory_base_mib, ...,
                        lost 0/1, rc_<nvml function> <code>)
-<world>/procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; files of dead pids are
-                       ignored; a pid with compute and graphics lines on one GPU is one process
-                       (the larger figure), as NVML lists it in both lists
+<world>/procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines; files of dead
+                       pids are ignored; a pid with compute, graphics (or MPS client) lines on
+                       one GPU is one process (the largest figure), as NVML lists it in each
 <world>/events         appended "<gpu index> <xid>" lines, delivered once each
 ```
 
@@ -54,6 +54,10 @@ DEFAULTS: Mapping[str, str] = {
 MAX_PID = 2**22
 #: How ``_read_procs`` keys the lines tagged ``graphics`` (a graphics context).
 GRAPHICS = "graphics:"
+#: ... and those tagged ``mps`` (a client of the MPS server: NVML's MPS clients' list).
+MPS = "mps:"
+#: The tag of a ``procs/<pid>`` line -> its key prefix.
+_TAGS = {"graphics": GRAPHICS, "mps": MPS}
 XID_POLL_S = 0.5  # how often wait_xid looks at the events file
 #: a device file modified less than this long ago is always read again (see ``_read_devices``)
 RACY_WRITE_NS = 20_000_000
@@ -262,8 +266,8 @@ class SimBackend:
                         continue
                     if not math.isfinite(used) or used < 0:
                         continue
-                if parts[2:] == ["graphics"]:
-                    key = GRAPHICS + key
+                if len(parts) == 3:
+                    key = _TAGS.get(parts[2], "") + key
                 by_key.setdefault(key, []).append(GpuProcess(pid, used))
         return by_key
 
@@ -320,12 +324,13 @@ class SimBackend:
         graphics = _per_pid(
             [*procs.get(GRAPHICS + uuid, []), *procs.get(GRAPHICS + str(dev.index), [])]
         )
+        mps = _per_pid([*procs.get(MPS + uuid, []), *procs.get(MPS + str(dev.index), [])])
         total = field("memory", "memory_total_mib")
         used = free = None
         if total is not None:
             base = dev.number("memory_base_mib") or 0.0
             # a process in both lists is one process: its memory counts once
-            held = sum(p.used_mb or 0.0 for p in one_per_pid((*mine, *graphics)))
+            held = sum(p.used_mb or 0.0 for p in one_per_pid((*mine, *graphics, *mps)))
             used = min(total, base + held)
             free = total - used
         thresholds_ok = dev.rc("thresholds") is None
@@ -347,17 +352,25 @@ class SimBackend:
             decoder_percent=field("decoder", "decoder_percent"),
             clocks_event_reasons=None if clocks is None else int(clocks),
             processes=(
-                None if dev.rc("processes") is not None else self._processes(dev, mine, graphics)
+                None
+                if dev.rc("processes") is not None
+                else self._processes(dev, mine, graphics, mps)
             ),
         )
 
     @staticmethod
     def _processes(
-        dev: _Device, compute: Sequence[GpuProcess], graphics: Sequence[GpuProcess]
+        dev: _Device,
+        compute: Sequence[GpuProcess],
+        graphics: Sequence[GpuProcess],
+        mps: Sequence[GpuProcess],
     ) -> tuple[GpuProcess, ...]:
+        # as the NVML backend: one of those lists failing leaves the compute one
         if dev.rc("graphics_processes") is not None:
-            graphics = ()  # as the NVML backend: that list failing leaves the compute one
-        return one_per_pid((*compute, *graphics))
+            graphics = ()
+        if dev.rc("mps_processes") is not None:
+            mps = ()
+        return one_per_pid((*compute, *graphics, *mps))
 
     def _read_new_events(self) -> list[XidEvent]:
         path = self.world / "events"

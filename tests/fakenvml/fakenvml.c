@@ -8,7 +8,9 @@
  *
  *   gpus/<index>   one device, "key value" lines; missing keys take defaults ("hang_ms N":
  *                  every call about the device takes N ms, as with a hung driver)
- *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics]" lines; dead pids are ignored
+ *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines (a tag: the line
+ *                  is in the graphics, or the MPS clients', process list instead of the
+ *                  compute one); dead pids are ignored
  *   events         appended "<gpu index or uuid> <xid>" lines, delivered once each
  *   init_rc        optional: an NVML return code that nvmlInitWithFlags returns
  *   nvml           optional: "key value" lines for system-level state (driver_version,
@@ -553,7 +555,7 @@ static const struct kv_field SYSTEM_FIELDS[] = {
 /* Processes: procs/<pid>                                                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-enum proc_kind { PROC_COMPUTE = 0, PROC_GRAPHICS = 1, PROC_ANY = 2 };
+enum proc_kind { PROC_COMPUTE = 0, PROC_GRAPHICS = 1, PROC_MPS = 2, PROC_ANY = 3 };
 
 struct proc_entry {
     unsigned int pid;
@@ -1339,7 +1341,11 @@ static void proc_reread(struct cached_proc *p, const char *path)
             break;
         }
         l->ref_is_index = all_digits(ref) && parse_u64(ref, &l->ref_index) == 0;
-        l->kind = (tag != NULL && strcmp(tag, "graphics") == 0) ? PROC_GRAPHICS : PROC_COMPUTE;
+        l->kind = PROC_COMPUTE;
+        if (tag != NULL && strcmp(tag, "graphics") == 0)
+            l->kind = PROC_GRAPHICS;
+        else if (tag != NULL && strcmp(tag, "mps") == 0)
+            l->kind = PROC_MPS;
         l->known = known;
         l->bytes = bytes;
         p->n_lines++;
@@ -1377,9 +1383,10 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             continue;
         struct proc_entry entry = {(unsigned int)p->pid, 0, 0};
         int matched = 0;
-        /* per kind: a process with compute and graphics contexts has one figure, which
-         * NVML gives in both lists; the device's memory counts it once (the larger) */
-        unsigned long long by_kind[2] = {0, 0};
+        /* per kind: a process with compute and graphics contexts (or listed as an MPS
+         * client too) has one figure, which NVML gives in each list; the device's memory
+         * counts it once (the largest) */
+        unsigned long long by_kind[3] = {0, 0, 0};
         for (size_t j = 0; j < p->n_lines; j++) {
             const struct proc_line *l = &p->lines[j];
             if (kind != PROC_ANY && kind != l->kind)
@@ -1390,12 +1397,14 @@ static int scan_procs(const struct device_info *dev, enum proc_kind kind, struct
             matched = 1;
             if (l->known) {
                 entry.known = 1;
-                by_kind[l->kind == PROC_GRAPHICS] += l->bytes;
+                by_kind[l->kind] += l->bytes;
             }
         }
         if (!matched)
             continue;
         entry.used_bytes = by_kind[0] > by_kind[1] ? by_kind[0] : by_kind[1];
+        if (by_kind[2] > entry.used_bytes)
+            entry.used_bytes = by_kind[2];
         if (used_bytes != NULL)
             *used_bytes += entry.used_bytes;
         if (out != NULL && count < max)
@@ -2057,6 +2066,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device
 {
     return running_processes(device, __func__, PROC_GRAPHICS, infoCount, infos);
 }
+
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                               unsigned int *infoCount,
+                                                               nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_MPS, infoCount, infos);
+}
 #endif
 
 EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device,
@@ -2071,6 +2087,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device
                                                              nvmlProcessInfo_t *infos)
 {
     return running_processes(device, __func__, PROC_GRAPHICS, infoCount, infos);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device,
+                                                               unsigned int *infoCount,
+                                                               nvmlProcessInfo_t *infos)
+{
+    return running_processes(device, __func__, PROC_MPS, infoCount, infos);
 }
 
 /* ------------------------------------------------------------------------------------------ */

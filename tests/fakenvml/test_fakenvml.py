@@ -497,7 +497,7 @@ def test_process_list_two_call_protocol(
     world.gpu(0)
     world.gpu(1)
     a, b, c = sleepers
-    world.procs(a, "0 100")
+    world.procs(a, "0 100", "1 50 mps")
     world.procs(b, "0 200")
     world.procs(c, "0 na", "0 300 graphics")
     out = run_child(
@@ -523,6 +523,10 @@ def test_process_list_two_call_protocol(
             "v2": procs(nv.nvmlDeviceGetComputeRunningProcesses_v2(h)),
             "gfx_v3": procs(nv.nvmlDeviceGetGraphicsRunningProcesses_v3(h)),
             "gfx_v2": procs(nv.nvmlDeviceGetGraphicsRunningProcesses_v2(h)),
+            "mps_v3": procs(nv.nvmlDeviceGetMPSComputeRunningProcesses_v3(h)),
+            "mps_idle_v3": procs(nv.nvmlDeviceGetMPSComputeRunningProcesses_v3(idle)),
+            "mps_idle_v2": procs(nv.nvmlDeviceGetMPSComputeRunningProcesses_v2(idle)),
+            "idle_used": nv.nvmlDeviceGetMemoryInfo(idle).used,
             "idle": procs(nv.nvmlDeviceGetComputeRunningProcesses(idle)),
             "idle_raw": nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")(
                 idle, ctypes.byref(count), None),
@@ -539,6 +543,11 @@ def test_process_list_two_call_protocol(
     assert out["v2"] == compute
     assert out["gfx_v3"] == [[c, 300 * MIB, none, none]]
     assert out["gfx_v2"] == out["gfx_v3"]
+    # an MPS client is in the MPS list only (GPU 1: a's client context)
+    assert out["mps_v3"] == []
+    assert out["mps_idle_v3"] == [[a, 50 * MIB, none, none]]
+    assert out["mps_idle_v2"] == out["mps_idle_v3"]
+    assert out["idle_used"] == 50 * MIB
     assert out["idle"] == []
     assert out["idle_raw"] == 0
 

@@ -815,6 +815,34 @@ def test_graphics_contexts_count_once_per_process(
     assert dev["memory"]["used_mb"] == 550.0, dev  # the C+G process counts once there too
 
 
+@pytest.mark.parametrize("name", ["sim", "nvml"])
+def test_mps_clients_are_read_from_their_own_list(
+    tmp_path: Path, fake_nvml_libdir: Path, name: str
+) -> None:
+    """Workers sharing a GPU through MPS are its server's clients: NVML lists them in the MPS
+    clients' list (`nvmlDeviceGetMPSComputeRunningProcesses`), the server in the compute
+    one. Regression: that list was never read, so MPS workers' memory was no one's (no
+    budget, no leak check, "unavailable"). A process in both lists counts once."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with (
+        subprocess.Popen(["sleep", "60"]) as server,
+        subprocess.Popen(["sleep", "60"]) as client,
+        subprocess.Popen(["sleep", "60"]) as both,
+    ):
+        try:
+            (world / "procs" / str(server.pid)).write_text("0 40\n")
+            (world / "procs" / str(client.pid)).write_text("0 700 mps\n")
+            (world / "procs" / str(both.pid)).write_text("0 200\n0 200 mps\n")
+            (dev,) = gpus_on_nvml(world, fake_nvml_libdir, name)
+        finally:
+            for proc in (server, client, both):
+                proc.kill()
+    used = {p["pid"]: p["used_mb"] for p in dev["processes"]}
+    assert used == {server.pid: 40.0, client.pid: 700.0, both.pid: 200.0}, dev["processes"]
+    assert dev["memory"]["used_mb"] == 940.0, dev
+
+
 def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_libdir: Path) -> None:
     """The world is read the same by both backends. Regression: the fake library skipped a
     `procs` line of fractional MiB (the sim backend read it), and the sim backend read a
