@@ -199,6 +199,7 @@ class GpuCordon(BaseModel):
     id: int
     uuid: str
     cordoned: bool
+    quarantined: bool
 
 
 class Route(BaseModel):
@@ -548,18 +549,32 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             raise _problem(404, f"unknown GPU {ident!r} (known: {known})")
         return uuid
 
-    async def set_cordon(request: Request, ident: str, cordon: bool) -> dict[str, Any]:
+    async def set_cordon(
+        request: Request, ident: str, cordon: bool, lift: bool = False
+    ) -> dict[str, Any]:
         uuid = gpu_uuid(ident)
-        rt.submit(Cordon(uuid, cordon))
+        rt.submit(Cordon(uuid, cordon, lift_quarantine=lift))
         log.info(
             "api.command",
             command="cordon" if cordon else "uncordon",
             target=uuid,
+            lift_quarantine=lift,
             client=client_of(request),
         )
-        await rt.wait_until(lambda: (uuid in rt.cordoned) == cordon, CORDON_WAIT_S)
+        await rt.wait_until(
+            lambda: (
+                (uuid in rt.cordoned) == cordon
+                and not (lift and uuid in rt.healer.state.quarantined)
+            ),
+            CORDON_WAIT_S,
+        )
         index = next(d.index for d in rt.sampler.identities if d.uuid == uuid)
-        return {"id": index, "uuid": uuid, "cordoned": uuid in rt.cordoned}
+        return {
+            "id": index,
+            "uuid": uuid,
+            "cordoned": uuid in rt.cordoned,
+            "quarantined": uuid in rt.healer.state.quarantined,
+        }
 
     @post(f"{API_PREFIX}/gpus/{{id}}/cordon", GpuCordon, 200, 404)
     async def cordon(request: Request, id: str) -> dict[str, Any]:
@@ -567,9 +582,11 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         return await set_cordon(request, id, True)
 
     @post(f"{API_PREFIX}/gpus/{{id}}/uncordon", GpuCordon, 200, 404)
-    async def uncordon(request: Request, id: str) -> dict[str, Any]:
-        """Allow placing workers on this GPU again (index or UUID)."""
-        return await set_cordon(request, id, False)
+    async def uncordon(request: Request, id: str, lift_quarantine: bool = False) -> dict[str, Any]:
+        """Allow placing workers on this GPU again (index or UUID). ``lift_quarantine=true``:
+        also take it out of quarantine (a device-fatal XID or lost; once it has been reset or
+        repaired), which an uncordon alone leaves in force."""
+        return await set_cordon(request, id, False, lift_quarantine)
 
     # --- workers ---
 

@@ -84,6 +84,13 @@ def add_commands(sub: Any) -> None:
             )
         elif name in ("cordon", "uncordon"):
             p.add_argument("gpu", help="GPU index or UUID")
+            if name == "uncordon":
+                p.add_argument(
+                    "--lift-quarantine",
+                    action="store_true",
+                    help="also take the GPU out of quarantine (a device-fatal XID or lost), "
+                    "once it has been reset or repaired",
+                )
         else:
             p.add_argument("name", help="worker (gpen-1) or group (gpen)")
             if name == "restart":
@@ -440,13 +447,16 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if args.command == "health":
         return health(client, args.ready)
     if args.command in ("cordon", "uncordon"):
-        body = client.request("POST", f"{API}/gpus/{_quote(args.gpu)}/{args.command}").json()
+        lift = args.command == "uncordon" and args.lift_quarantine
+        path = f"{API}/gpus/{_quote(args.gpu)}/{args.command}"
+        body = client.request("POST", path + ("?lift_quarantine=true" if lift else "")).json()
         verb = "cordoned" if body["cordoned"] else "uncordoned"
-        devices = client.request("GET", f"{API}/gpu/status").json()["devices"]
-        if any(d["uuid"] == body["uuid"] and d.get("quarantined") for d in devices):
-            # a cordon is lifted, a quarantine (a device-fatal XID) is not: say so
+        if lift and not body["quarantined"]:
+            verb += ", out of quarantine"
+        elif body["quarantined"]:
+            # a cordon is lifted, a quarantine (a device-fatal XID) only when asked: say so
             verb += ", but still quarantined (a device-fatal XID or lost: nothing is placed"
-            verb += " on it until the supervisor restarts)"
+            verb += " on it; `uncordon --lift-quarantine` once it has been reset or repaired)"
         print(f"GPU {body['id']} ({body['uuid']}) {verb}")
         return 0
     if args.command == "reload":

@@ -331,6 +331,13 @@ class Healer:
             del w.in_use_by_pid[gone]
         w.in_use_floor.add(now, in_use_total(w.in_use_by_pid, now, window))
 
+    def lift_quarantine(self, uuid: str) -> str | None:
+        """An operator's word that GPU ``uuid`` is fit again (reset, repaired): it leaves
+        quarantine (why it was there is returned; None if it was not). One that still does
+        not answer is found lost again at the next sample, and quarantined again."""
+        self._lost.discard(uuid)
+        return self.state.quarantined.pop(uuid, None)
+
     def on_xid(self, event: XidEvent) -> None:
         """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
         gpu = self.host.settings.gpu

@@ -179,6 +179,8 @@ class Cordon:
 
     uuid: str
     cordon: bool = True
+    #: with an uncordon: lift a quarantine too (the GPU was reset or repaired)
+    lift_quarantine: bool = False
 
 
 Intent = Shutdown | Reload | WorkerCommand | RollingRestart | Cordon
@@ -1707,6 +1709,15 @@ class Runtime:
             self.cordoned.add(cmd.uuid)
         else:
             self.cordoned.discard(cmd.uuid)
+        why = self.healer.lift_quarantine(cmd.uuid) if cmd.lift_quarantine else None
+        if why is not None:
+            self.log.warning("gpu.quarantine_lifted", gpu=cmd.uuid, reason="operator", was=why)
+            self.journal.append(
+                self.clock.wall(), "gpu.quarantine_lifted", None, gpu=cmd.uuid, was=why
+            )
+            key = ("lift_quarantine", "operator")
+            self.actions_total[key] = self.actions_total.get(key, 0) + 1
+            self.recorder.mark(urgent=True)
         if was != cmd.cordon:
             kind = "gpu.cordon" if cmd.cordon else "gpu.uncordon"
             self.log.info(kind, gpu=cmd.uuid, reason="operator")

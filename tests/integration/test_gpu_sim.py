@@ -527,6 +527,39 @@ def test_a_restart_on_a_cordoned_gpu_with_nowhere_else_to_go(
         timeout=30,
     ).stdout
     assert out.startswith(f"GPU 0 ({UUID0}) uncordoned, but still quarantined")
+    assert "--lift-quarantine" in out
+    # once the GPU has been reset, the operator lifts the quarantine: g-0 starts there again
+    # (before, only a restart of the supervisor, and of every worker with it, did)
+    mark = sup.mark()
+    url = sup.api_url()
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "uncordon", "0", "--lift-quarantine", "--url", url],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert out.strip() == f"GPU 0 ({UUID0}) uncordoned, out of quarantine", out
+    lifted = sup.wait_event(event="gpu.quarantine_lifted", after=mark)
+    assert lifted["gpu"] == UUID0 and "XID 79" in lifted["was"], lifted
+    sup.ready("g-0", after=mark)
+    with sup.api() as http:
+        dev = http.get("/api/v1/gpu/status").json()["devices"][0]
+        assert dev["healthy"] is True and not dev["quarantined"], dev
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+        # a GPU that still does not answer is found lost, and quarantined, again
+        mark = sup.mark()
+        gpu0 = tmp_path / "sim" / "gpus" / "0"
+        gpu0.write_text(gpu0.read_text() + "lost 1\n")
+        sup.wait_event(event="heal.action", action="quarantine", after=mark)
+        mark = sup.mark()
+        body = http.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "true"}).json()
+        assert body["uuid"] == UUID0 and body["cordoned"] is False, body
+        assert sup.wait_event(event="heal.action", action="quarantine", after=mark)["reason"] == (
+            "gpu_lost"
+        )
+        bad = http.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "maybe"})
+        assert bad.status_code == 422 and "lift_quarantine" in bad.text, bad.text
     assert sup.stop() == 0
 
 
