@@ -398,7 +398,8 @@ def _wait_reload(client: Client, request: int, seen: int, rollouts: bool) -> int
                 if e.get("superseded"):
                     print(
                         f"roll-out superseded for {', '.join(e['superseded'])}: a later "
-                        "reload rolls out its file from where this one stopped"
+                        "reload took it over and rolls out its own file from where this one "
+                        "stopped (its verdict is that reload's)"
                     )
                 if e.get("halted") or e.get("superseded"):
                     return 1

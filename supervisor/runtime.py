@@ -261,6 +261,9 @@ class Runtime:
         self._reloading = False
         self._reload_again = False
         self._covered = 0  # the last reload request the reload running now covers
+        #: the last reload request whose file, read while a roll-out ran, would be accepted:
+        #: only such a file supersedes the roll-out (a rejected one must change nothing)
+        self._vetted = 0
         #: reload requests numbered so far (signals and the API)
         self.reload_requests = 0
         self._ready_sent = False
@@ -1657,7 +1660,7 @@ class Runtime:
             elif isinstance(intent, Reload):
                 if self._reloading:
                     self._reload_again = True
-                    self._changed_now()  # a roll-out waiting on a worker stops for it
+                    self._tg.start_soon(self._vet_reload, intent.request)
                 else:
                     self._reloading = True
                     self._tg.start_soon(self._reload_loop)
@@ -1838,7 +1841,7 @@ class Runtime:
         return (
             self.rolling.get(group) == "reload"
             and self._reload_again
-            and self.reload_requests > self._covered
+            and self._vetted > self._covered
             and not self._shutting_down
         )
 
@@ -2087,6 +2090,57 @@ class Runtime:
         finally:
             self._reloading = False
 
+    async def _vet_reload(self, request: int) -> None:
+        """A reload asked for while one runs: read its file now and, if the reload would take
+        it (it parses and validates, it can be placed, its programs can be executed), let it
+        supersede the roll-out in progress. A file that would be rejected supersedes nothing:
+        the roll-out goes on, and the reload after it rejects the file, "nothing changed"
+        (regression: a typo stopped a good roll-out half-way, for good)."""
+        if self.config_path is None:
+            return
+        running = {
+            g.name: range(g.port_base, g.port_base + g.replicas)
+            for g in self.settings.workers
+            if g.port_base is not None
+        }
+        why = await self._would_reject(running)
+        if why is not None:
+            self.log.warning(
+                "supervisor.reload_queued",
+                request=request,
+                supersedes=False,
+                reason="its file would be rejected: the roll-out in progress goes on",
+                error=why,
+            )
+            return
+        self.log.info("supervisor.reload_queued", request=request, supersedes=True)
+        if request > self._vetted:
+            self._vetted = request
+            self._changed_now()  # a roll-out waiting on a worker stops for it
+
+    async def _would_reject(self, running: Mapping[str, range]) -> str | None:
+        """Why a reload would reject the config file as it is now (None: it would take it)."""
+        assert self.config_path is not None
+        try:
+            new = await in_thread(load_settings, self.config_path, running)
+        except (ThreadUnavailable, ConfigError) as exc:
+            return str(exc)
+        diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
+        try:
+            plan = self._build_plan(
+                applied_by_reload(self.settings, new),
+                keep=(*diff.unchanged, *diff.scaled, *diff.same_placement),
+            )
+        except Exception as exc:  # placement (or a bug): the reload says it again
+            return str(exc)
+        touched = {*diff.changed, *diff.added}
+        missing = unrunnable(
+            (g.group.name, g.workers[0])
+            for g in plan.groups
+            if g.group.name in touched and g.workers
+        )
+        return "; ".join(missing) or None
+
     def _journal_reload(self, request: int, done: bool, **fields: Any) -> None:
         """``reload.done`` (the end of its roll-outs: ``halted`` lists groups whose roll-out
         halted) or ``reload.rejected`` (nothing changed: ``reason``, ``error``) in the journal,
@@ -2221,7 +2275,7 @@ class Runtime:
             assert group is not None
             before = old.group(name)
             assert before is not None
-            if self._reload_again and self.reload_requests > self._covered:
+            if self._reload_again and self._vetted > self._covered:
                 # not begun: the later reload compares its file with what runs (the old
                 # definition), as if this one had never changed the group
                 halted.append(before)
@@ -2359,13 +2413,21 @@ class Runtime:
                     return False
         replaced: list[WorkerRunner] = []
         superseded = functools.partial(self._superseded, group.name)
-        for index, spec in sorted(enumerate(specs), key=lambda p: self._serving(p[1].name)):
+
+        def order(item: tuple[int, LaunchSpec]) -> tuple[bool, int]:
+            """Workers that serve nothing first; then those a later roll-out set (one that was
+            superseded or halted: the file it rolled may be the broken one being fixed)."""
+            runner = self.runners.get(item[1].name)
+            return self._serving(item[1].name), -(runner.rolled_by if runner else 0)
+
+        for index, spec in sorted(enumerate(specs), key=order):
             if superseded():
                 return self._roll_superseded(group.name)
             runner = self.runners.get(spec.name)
             going_down = False
             if runner is None:
                 runner = self._make_runner(group, index, plan)
+                runner.rolled_by = self._covered
                 attempts = 0
                 await self._start_runner(runner)
                 if not scaled:  # a new replica of a new definition proves it, as a
@@ -2377,6 +2439,7 @@ class Runtime:
                     # start_timeout_s); one in backoff starts on it at its next start
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
+                    runner.rolled_by = self._covered
                     if runner.state is WorkerState.STARTING:
                         runner.post(lc.Retime())
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
@@ -2387,12 +2450,14 @@ class Runtime:
                 if runner.state is WorkerState.STOPPED or _passed_over(runner):
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
+                    runner.rolled_by = self._covered
                     if runner.record.waiting_for_gpu:  # the new plan may have one for it now
                         runner.post(lc.GpuFreed())
                     continue  # it starts on the new plan next
                 if not await self._others_back(group.name, runner, keep=new_names):
                     return False  # (not set to the new plan: it keeps the old config)
                 runner.reconfigure(spec, timing, group.log_passthrough)
+                runner.rolled_by = self._covered
                 attempts = runner.spawn_attempts
                 going_down = _going_down(runner)
                 runner.post(lc.Restart(ExitReason.RELOAD))

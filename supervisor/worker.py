@@ -83,6 +83,8 @@ class WorkerRunner:
         self.watchdog_triggered = False  # the process sent WATCHDOG=trigger
         self.started_wall: float | None = None
         self.spawn_attempts = 0
+        #: the reload request whose roll-out last set this worker's definition (0: none)
+        self.rolled_by = 0
         self._reaper = reaper
         self._clock = clock
         self._on_change = on_change

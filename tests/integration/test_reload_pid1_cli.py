@@ -1186,3 +1186,70 @@ def test_a_closed_pipe_is_no_traceback(tmp_path: Path) -> None:
     finally:
         os.close(write_fd)
     assert result.returncode == 141 and result.stderr == "", result
+
+
+def test_a_reload_of_a_file_it_would_reject_does_not_stop_a_roll_out(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A roll-out runs; the file is broken (a typo) and SIGHUP'd: the reload checks it at
+    once, it would be rejected, so the roll-out goes on and completes, and the reload after
+    it rejects the file: nothing changed. Regression: the typo superseded the roll-out, and
+    the group stayed half on each version, for good."""
+    group = {**g("a", replicas=2, port_base=9391), "restart": {"stable_s": 1.0}}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    v2 = {**group, "command": worker_cmd("ready_then_sleep", "v2")}
+    sup.write_config({"workers": [v2]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)  # on v2; the roll-out waits 1 s before a-1
+    sup.config_path.write_text(sup.config_path.read_text() + "\nreplicas =\n")
+    sup.signal(signal.SIGHUP)
+    queued = sup.wait_event(event="supervisor.reload_queued", after=mark)
+    assert queued["supersedes"] is False and "replicas" not in queued["reason"], queued
+    sup.ready("a-1", after=mark)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark)
+    assert (done["halted"], done["superseded"]) == ([], []), done
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert rejected["reason"] == "bad config", rejected
+    assert not sup.find(event="supervisor.rollout_superseded", after=mark)
+    spawned = [e["argv"][-1] for e in sup.find(event="worker.spawned", after=mark)]
+    assert spawned == ["v2", "v2"], spawned
+    assert sup.stop() == 0
+
+
+def test_a_superseding_roll_out_replaces_the_superseded_version_first(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """a-1 loads (not serving) when v2 is reloaded: v2 replaces it first, and the roll-out
+    waits for it to stay ready; v3 supersedes that. a-1, on v2 (the version being fixed),
+    goes first, then a-0. Regression: index order, a-0 first: v2 served until the end."""
+    load = shlex.join(worker_cmd("ready_then_sleep", "v1"))
+    slow = tmp_path / "slow"
+    group = {
+        **g("a", replicas=2, port_base=9395),
+        "command": ["sh", "-c", f'[ -e "$SLOW" ] && sleep 1; exec {load}'],
+        "env": {"SLOW": str(slow)},
+    }
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    slow.touch()  # from now on a v1 start loads for 1 s
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/a-1/restart").status_code == 202
+    sup.wait_event(event="worker.spawned", worker="a-1", after=mark)
+    v2 = {**group, "command": worker_cmd("ready_then_sleep", "v2"), "restart": {"stable_s": 30}}
+    sup.write_config({"workers": [v2]})
+    sup.signal(signal.SIGHUP)  # a-1, loading, is replaced first
+    assert sup.ready("a-1", after=sup.mark())
+    mark = sup.mark()
+    v3 = {**group, "command": worker_cmd("ready_then_sleep", "v3"), "restart": {"stable_s": 0.2}}
+    sup.write_config({"workers": [v3]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.rollout_superseded", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark, superseded=[], timeout=20)
+    order = [(e["worker"], e["argv"][-1]) for e in sup.find(event="worker.spawned", after=mark)]
+    assert order == [("a-1", "v3"), ("a-0", "v3")], order
+    assert sup.stop() == 0
