@@ -557,12 +557,18 @@ def _taken_ports(data: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -
     return taken
 
 
-def keep_port_bases(data: Mapping[str, Any], running: Mapping[str, range]) -> dict[str, Any]:
+def keep_port_bases(
+    data: Mapping[str, Any],
+    running: Mapping[str, range],
+    held: Mapping[str, Sequence[range]] | None = None,
+) -> dict[str, Any]:
     """``data`` (a raw config) with each group that has no ``port_base`` given the one it runs
     with (``running``: group -> its ports now) where its ports, as many as its replicas now, are
     free: a reload that scales one group never moves another's ports, and a group keeps its own
     while it fits. Groups that keep or shrink their range go first, then those that grow; one
-    that no longer fits gets a free range as usual."""
+    that no longer fits gets a free range as usual. ``held``: group -> ports its workers hold
+    outside its ``running`` range (a roll-out that stopped part-way): no other group's."""
+    held = held or {}
     groups = data.get("workers")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return dict(data)
@@ -579,12 +585,16 @@ def keep_port_bases(data: Mapping[str, Any], running: Mapping[str, range]) -> di
         # a group that grows must not take ports another group still listens on (its own
         # may have moved, but its workers hold the old ones until they are restarted)
         busy = [r for n, r in running.items() if n in names and n != groups[i]["name"]]
-        if not any(_overlaps(wanted[i], r) for r in [*taken, *(busy if i in grows else ())]):
+        others = [r for n, rs in held.items() if n != groups[i]["name"] for r in rs]
+        if not any(
+            _overlaps(wanted[i], r) for r in [*taken, *others, *(busy if i in grows else ())]
+        ):
             taken.append(wanted[i])
             kept[i] = wanted[i].start
     # The others get free ranges now, outside every range in use (a group that moves holds
     # its old ports until its rollout has restarted each of its workers).
     taken += running.values()
+    taken += [r for rs in held.values() for r in rs]
     for i, g in enumerate(groups):
         replicas = g.get("replicas", 1)
         if i not in kept and g.get("port_base") is None and isinstance(replicas, int):
@@ -872,7 +882,9 @@ def _bad_json_override(section: str) -> tuple[str, str] | None:
 
 
 def load_settings(
-    path: str | os.PathLike[str], keep_ports: Mapping[str, range] | None = None
+    path: str | os.PathLike[str],
+    keep_ports: Mapping[str, range] | None = None,
+    held_ports: Mapping[str, Sequence[range]] | None = None,
 ) -> Settings:
     """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line.
 
@@ -881,7 +893,7 @@ def load_settings(
     data = _read_toml(path)
     _check_toml_types(data, Settings, "", source)
     if keep_ports:
-        data = keep_port_bases(data, keep_ports)
+        data = keep_port_bases(data, keep_ports, held_ports)
     return parse_settings(data, source)
 
 

@@ -2098,12 +2098,7 @@ class Runtime:
         (regression: a typo stopped a good roll-out half-way, for good)."""
         if self.config_path is None:
             return
-        running = {
-            g.name: range(g.port_base, g.port_base + g.replicas)
-            for g in self.settings.workers
-            if g.port_base is not None
-        }
-        why = await self._would_reject(running)
+        why = await self._would_reject()
         if why is not None:
             self.log.warning(
                 "supervisor.reload_queued",
@@ -2118,11 +2113,28 @@ class Runtime:
             self._vetted = request
             self._changed_now()  # a roll-out waiting on a worker stops for it
 
-    async def _would_reject(self, running: Mapping[str, range]) -> str | None:
+    def _ports_in_use(self) -> tuple[dict[str, range], dict[str, list[range]]]:
+        """The port range of each group in force (groups with automatic ports keep theirs on a
+        reload where they still fit) and the ports workers hold outside it (a roll-out that
+        halted or was superseded part-way moved them): neither is given to another group."""
+        running = {
+            g.name: range(g.port_base, g.port_base + g.replicas)
+            for g in self.settings.workers
+            if g.port_base is not None
+        }
+        held: dict[str, list[range]] = {}
+        for r in self.runners.values():
+            ours = running.get(r.spec.group, range(0))
+            for port in sorted(r.ports()):
+                if port not in ours:
+                    held.setdefault(r.spec.group, []).append(range(port, port + 1))
+        return running, held
+
+    async def _would_reject(self) -> str | None:
         """Why a reload would reject the config file as it is now (None: it would take it)."""
         assert self.config_path is not None
         try:
-            new = await in_thread(load_settings, self.config_path, running)
+            new = await in_thread(load_settings, self.config_path, *self._ports_in_use())
         except (ThreadUnavailable, ConfigError) as exc:
             return str(exc)
         diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
@@ -2161,12 +2173,7 @@ class Runtime:
         path = self.config_path
         try:
             # groups with automatic ports keep theirs where they still fit
-            running = {
-                g.name: range(g.port_base, g.port_base + g.replicas)
-                for g in self.settings.workers
-                if g.port_base is not None
-            }
-            new = await in_thread(load_settings, path, running)
+            new = await in_thread(load_settings, path, *self._ports_in_use())
         except ThreadUnavailable as exc:
             self.log.error("supervisor.reload_rejected", reason="no thread", error=str(exc))  # noqa: TRY400
             self._journal_reload(request, False, reason="no thread", error=str(exc))

@@ -171,6 +171,12 @@ class WorkerRunner:
         """True when the current process was started from exactly this plan (reload)."""
         return self.record.pid is not None and self._started_as == (spec, timing)
 
+    def ports(self) -> set[int]:
+        """The ports this worker's process holds (the one it was spawned with) and the one its
+        next start uses: a roll-out that moved it and stopped part-way leaves them apart."""
+        specs = (self.spec, self._spawned if self.record.pid is not None else None)
+        return {s.port for s in specs if s is not None and s.port is not None}
+
     def launches(self, spec: LaunchSpec) -> bool:
         """True when a restart would launch nothing new: the process runs ``spec`` (or, with
         none, the next start is of ``spec``). A reload that changes only what the supervisor

@@ -151,3 +151,29 @@ def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     assert bases(keep_port_bases(moved, held)) == {"z": 8006, "a": 8003}
     data["workers"][0]["replicas"] = 1
     assert bases(keep_port_bases(data, running))["a"] == 8001
+
+
+def test_ports_held_outside_a_groups_range_go_to_no_other_group() -> None:
+    """A roll-out that moved a's workers to 8004-8007 stopped part-way (halted, superseded):
+    a's range in force is still 8001-8002, but a-0 holds 8004 and a-2 8006. A group added
+    now gets a range past them. Regression: it was given 8004-8005, and its first worker
+    failed to bind (address in use) until a-0 moved back."""
+    from supervisor.config import keep_port_bases
+
+    def bases(data: Mapping[str, Any]) -> dict[str, int | None]:
+        return {g.name: g.port_base for g in parse_settings(data).workers}
+
+    running = {"a": range(8001, 8003), "b": range(8003, 8004)}
+    held = {"a": [range(8004, 8005), range(8006, 8007)]}
+    data: dict[str, Any] = {
+        "workers": [
+            {"name": "a", "command": ["x"], "replicas": 2},
+            {"name": "b", "command": ["x"]},
+            {"name": "c", "command": ["x"], "replicas": 2},  # new
+        ]
+    }
+    assert bases(keep_port_bases(data, running))["c"] == 8004  # as before: onto a-0's port
+    assert bases(keep_port_bases(data, running, held)) == {"a": 8001, "b": 8003, "c": 8007}
+    # a group that kept its range and grows does not grow into another's held ports either
+    data["workers"][1]["replicas"] = 2
+    assert bases(keep_port_bases(data, {"b": range(8003, 8004)}, held))["b"] != 8003
