@@ -30,6 +30,18 @@ WORKERS = ROOT / "tests" / "workers"
 Match = Mapping[str, Any]
 
 
+def client(*args: str) -> subprocess.Popen[str]:
+    """``gpu-supervisor ARGS`` (a client command) started in the background, its output
+    piped (text): for a command that waits (``reload --wait``) while the test goes on."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
 def worker_cmd(script: str, *args: str) -> list[str]:
     """``[python, tests/workers/<script>.py, *args]``."""
     return [sys.executable, str(WORKERS / f"{script}.py"), *args]

@@ -15,6 +15,7 @@ import pytest
 from supervisor.cli import main
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, worker_cmd
+from tests.harness import client as cli_client
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 TOKEN = "cli-token"  # noqa: S105 - test data
@@ -342,13 +343,7 @@ def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
     sup.ready("a-0")
     sup.ready("a-1")
     sup.write_config({**config, "workers": [{**group, "env": {"X": "1"}}]})
-    client = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "reload", "--wait", "-c", str(sup.config_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    client = cli_client("reload", "--wait", "-c", str(sup.config_path))
     try:
         assert client.stdout is not None
         first = client.stdout.readline()  # the client has the verdict: the roll-out goes on
@@ -388,13 +383,7 @@ def test_a_later_reload_supersedes_a_roll_out_in_progress(
     sup.write_config(
         {**config, "workers": [{**group, "command": worker_cmd("ready_then_sleep", "v2")}]}
     )
-    client = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "reload", "--wait", "-c", str(sup.config_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    client = cli_client("reload", "--wait", "-c", str(sup.config_path))
     try:
         assert client.stdout is not None
         assert client.stdout.readline().startswith("reload accepted: changed a")

@@ -22,6 +22,7 @@ import pytest
 from supervisor import procfs
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, Supervisor, most_not_ready, worker_cmd
+from tests.harness import client as cli_client
 
 
 def g(name: str, script: str = "ready_then_sleep", *args: str, **extra: Any) -> dict[str, Any]:
@@ -844,13 +845,7 @@ def test_ctrl_c_in_a_client_wait_is_one_line(supervisor: SupervisorFactory, how:
         argv = ["reload", "--wait"]
     else:
         argv = ["restart", "--rolling", "s", "--wait"]
-    client = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", *argv, "--url", url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    client = cli_client(*argv, "--url", url)
     try:
         assert client.stdout is not None
         first = client.stdout.readline()  # it has asked, and waits now
