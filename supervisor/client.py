@@ -172,8 +172,12 @@ def resolve(
     environ: Mapping[str, str] | None = None,
     *,
     warn: bool = True,
+    read_only: bool = False,
 ) -> tuple[str, str | None]:
-    """``(url, token)`` from ``--url``, ``-c FILE`` and the environment."""
+    """``(url, token)`` from ``--url``, ``-c FILE`` and the environment. ``read_only``: the
+    command only GETs (``status``, ``health``), which needs no token unless ``auth_read``: a
+    token file this user cannot read is then no error (the service user's 0600 file, read by
+    an operator's shell or a probe)."""
     environ = os.environ if environ is None else environ
     api = client_settings(config, warn=warn).api if config else ApiSection()
     if url is None:
@@ -199,6 +203,8 @@ def resolve(
     if token is not None and (problem := token_problem(token)) is not None:
         raise UsageError(f"gpu-supervisor: {TOKEN_ENV}: {problem}")
     if token is None and api.token_file is not None:
+        if read_only and not api.auth_read and not os.access(api.token_file, os.R_OK):
+            return url, None
         token = read_token_file(api.token_file)
     return url, token
 
@@ -429,7 +435,12 @@ def main(args: argparse.Namespace) -> int:
         _check_name("GPU", args.gpu)
     elif args.command not in ("status", "reload", "health"):
         _check_name("worker or group", args.name)
-    url, token = resolve(args.url, args.config, warn=args.command not in ("reload", "health"))
+    url, token = resolve(
+        args.url,
+        args.config,
+        warn=args.command not in ("reload", "health"),
+        read_only=args.command in ("status", "health"),
+    )
     with Client(url, token, args.timeout) as client:
         try:
             return _run(client, args)

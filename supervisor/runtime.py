@@ -1022,16 +1022,21 @@ class Runtime:
             self.log.warning(
                 "supervisor.ready_degraded",
                 groups=degraded,
-                reason="every worker of these groups is fatal: the others serve meanwhile",
+                reason="every worker of these groups is fatal or waits for a GPU: the others serve",
             )
 
     def _groups_settled(self) -> bool:
-        """Every group has a ready worker, or every worker of it is ``fatal`` (none can become
-        ready without an operator): what start-up waits for before ``READY=1``. Waiting for a
-        group that cannot get there would end in the service manager's start timeout, and a
-        restart of the groups that serve. (Not ``stopped``: a worker not started yet is.)"""
+        """Every group has a ready worker, or every worker of it is ``fatal`` or waits for a GPU
+        (none becomes ready without an operator or a change of the GPUs): what start-up waits
+        for before ``READY=1``. Waiting for a group that cannot get there would end in the
+        service manager's start timeout, and a restart of the groups that serve. (Not
+        ``stopped``: a worker not started yet is.)"""
         return all(
-            self.group_ready(g) or all(self.runners[n].state is WorkerState.FATAL for n in names)
+            self.group_ready(g)
+            or all(
+                self.runners[n].state is WorkerState.FATAL or self.runners[n].record.waiting_for_gpu
+                for n in names
+            )
             for g, names in self.groups.items()
         )
 
@@ -2059,8 +2064,9 @@ class Runtime:
             self._notify_kept = anyio.Event()
 
     def _reload_over(self) -> None:
-        """The reload is over (done or rejected): ``READY=1`` again, but only where start-up
-        had sent it (a reload during start-up must not say ready before the workers are)."""
+        """The reload is over for the service manager (its file accepted, the roll-outs going
+        on, or rejected): ``READY=1`` again, but only where start-up had sent it (a reload
+        during start-up must not say ready before the workers are)."""
         if self._ready_sent:
             self._notify(f"READY=1\nSTATUS={self.status_line()}")
 
@@ -2253,6 +2259,10 @@ class Runtime:
             removed=list(diff.removed),
             start_only_keys=list(kept),
         )
+        # READY=1 now: the file is in force. Held until the roll-outs end (minutes: a model
+        # load and stable_s a worker), systemd showed the unit "reloading" all along, held a
+        # second `systemctl reload` back until then, and timed a long roll-out out.
+        self._reload_over()
         self._set_host_interval()
         await self._reload_alerts()
         if any(g.health.host_memory_limit_mb > 0 for g in self.settings.workers):
@@ -2312,7 +2322,6 @@ class Runtime:
                 update={"workers": tuple(by_name.get(g.name, g) for g in self.settings.workers)}
             )
         self._changed_now()
-        self._reload_over()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
         stopped = [g.name for g in halted if g.name not in superseded]
         self.log.info("supervisor.reload_done", halted=stopped, superseded=superseded)

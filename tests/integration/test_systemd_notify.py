@@ -7,6 +7,9 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.conftest import SupervisorFactory
 from tests.harness import worker_cmd
@@ -141,33 +144,42 @@ def test_ready_gets_through_a_manager_queue_that_was_full(
         filler.close()
 
 
-def test_a_group_that_went_fatal_does_not_hold_ready_back(
-    supervisor: SupervisorFactory, tmp_path: Path
+@pytest.mark.parametrize("why", ["fatal", "waiting_gpu"])
+def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
+    supervisor: SupervisorFactory, tmp_path: Path, why: str
 ) -> None:
-    """The defect: a group whose every worker went fatal at start-up held READY=1 back for good:
-    systemd's start timeout then stopped everything, the healthy groups too, and its restart
-    did the same every 5 minutes. Now READY=1 comes once the other groups are ready, and the
-    status and the log say which group is down."""
+    """The defect: a group whose every worker went fatal at start-up (or waits for a GPU:
+    one lost at boot, a budget no GPU fits) held READY=1 back for good: systemd's start
+    timeout then stopped everything, the healthy groups too, and its restart did the same
+    every 5 minutes. Now READY=1 comes once the other groups are ready, and the status and
+    the log say which group is down."""
     path = tmp_path / "systemd.sock"
+    bad: dict[str, Any]
+    config: dict[str, Any] = {}
+    if why == "fatal":
+        bad = {
+            "name": "bad",
+            "command": ["/bin/sh", "-c", "exit 3"],  # never ready (notify)
+            "restart": {"burst": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.02},
+        }
+    else:  # a budget of 90000 MiB on GPUs of 81920
+        config["gpu"] = {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 1}
+        bad = {
+            "name": "bad",
+            "command": worker_cmd("ready_then_sleep"),
+            "health": {"gpu_memory_limit_mb": 90000},
+        }
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(path))
-        sup = supervisor(
-            {
-                "workers": [
-                    {"name": "good", "command": worker_cmd("ready_then_sleep")},
-                    {
-                        "name": "bad",
-                        "command": ["/bin/sh", "-c", "exit 3"],  # never ready (notify)
-                        "restart": {"burst": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.02},
-                    },
-                ],
-            },
-            env={"NOTIFY_SOCKET": str(path)},
-        )
+        good = {"name": "good", "command": worker_cmd("ready_then_sleep"), "gpus": "none"}
+        sup = supervisor({**config, "workers": [good, bad]}, env={"NOTIFY_SOCKET": str(path)})
         manager = Manager(sock)
         ready = manager.wait_for("READY=1")
-        assert "STATUS=1/2 ready, 1 fatal" in ready, ready
+        status = "1/2 ready, 1 fatal" if why == "fatal" else "1/2 ready, 0 fatal"
+        assert f"STATUS={status}" in ready, ready
         assert sup.wait_event(event="supervisor.ready_degraded")["groups"] == ["bad"]
+        if why == "waiting_gpu":
+            assert sup.find(event="worker.waiting_gpu", worker="bad-0")
         assert sup.stop() == 0
 
 
@@ -204,6 +216,35 @@ def test_a_reload_rejected_during_start_up_does_not_say_ready(
         assert any("RELOADING=1" in m and "MONOTONIC_USEC=" in m for m in got), got
         readies = [m for m in got if "READY=1" in m]
         assert len(readies) == 1 and "STATUS=1/1 ready" in readies[0], got
+        assert sup.stop() == 0
+
+
+def test_ready_follows_reloading_once_the_file_is_in_force(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """SIGHUP: RELOADING=1, then READY=1 once the new file is accepted, while its roll-out
+    goes on (stable_s 30 here). Regression: READY=1 came at the end of the roll-out, so
+    systemd showed the unit "reloading" for minutes, held a second `systemctl reload` back
+    until then (no newer file could supersede the roll-out) and timed long ones out."""
+    path = tmp_path / "systemd.sock"
+    group = {
+        "name": "a",
+        "replicas": 2,
+        "command": worker_cmd("ready_then_sleep"),
+        "restart": {"stable_s": 30},
+    }
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sup = supervisor({"workers": [group]}, env={"NOTIFY_SOCKET": str(path)})
+        manager = Manager(sock)
+        manager.wait_for("READY=1")
+        mark = sup.mark()
+        sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+        sup.signal(signal.SIGHUP)
+        assert "MONOTONIC_USEC=" in manager.wait_for("RELOADING=1")
+        assert "STATUS=" in manager.wait_for("READY=1", count=2)
+        sup.ready("a-0", after=mark)  # replaced: the roll-out waits 30 s for it
+        assert not sup.find(event="supervisor.reload_done", after=mark)
         assert sup.stop() == 0
 
 

@@ -183,6 +183,27 @@ def test_resolve_token_from_env_then_file(tmp_path: Path) -> None:
         resolve("h:1", None, {})
 
 
+def test_a_read_only_command_needs_no_token_it_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status` and `health` only GET, which needs no token unless `auth_read`: an operator's
+    shell (or a probe) that cannot read the service user's 0600 token file still gets them.
+    Regression: "cannot read: Permission denied", exit 2 (status) or 1 (health)."""
+    token = tmp_path / "t"
+    token.write_text("tok\n")
+    token.chmod(0o600)
+    cfg = tmp_path / "c.toml"
+    text = f'[api]\nlisten = "unix:{tmp_path}/s"\ntoken_file = "{token}"\n'
+    cfg.write_text(text)
+    real_access = os.access
+    monkeypatch.setattr(  # this user may not read it (root may read anything)
+        os, "access", lambda p, m: False if os.fspath(p) == str(token) else real_access(p, m)
+    )
+    assert resolve(None, str(cfg), {}, read_only=True) == (f"unix:{tmp_path}/s", None)
+    cfg.write_text(text + "auth_read = true\n")  # GETs need it too: read it (or fail)
+    assert resolve(None, str(cfg), {}, read_only=True)[1] == "tok"
+
+
 @pytest.mark.parametrize(
     ("mode", "text", "error"),
     [
