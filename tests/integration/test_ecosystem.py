@@ -479,8 +479,11 @@ def test_k8s_deployment_matches_its_config() -> None:
     drain = max(g.drain_timeout_s + g.stop_timeout_s for g in settings.workers)
     assert grace > shutdown
     assert grace >= drain + shutdown
-    loop_bound = re.search(r'"\$i" -lt (\d+)', script)
-    assert loop_bound and int(loop_bound.group(1)) + shutdown < grace
+    # the wait for the drain is bounded in seconds (a deadline), not in passes of a loop
+    # whose every pass starts the CLI (~2 s each: 30 passes were about a minute)
+    loop_bound = re.search(r"end=\$\(\(\$\(date \+%s\) \+ (\d+)\)\)", script)
+    assert loop_bound and int(loop_bound.group(1)) + shutdown < grace, script
+    assert '"$(date +%s)" -lt "$end"' in script, script
 
     # one GPU, state_dir on a volume, Prometheus annotations on the API port
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
