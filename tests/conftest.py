@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,14 @@ import pytest
 from tests.harness import Supervisor
 
 SupervisorFactory = Callable[..., Supervisor]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background by a non-interactive shell (`make test &`, a CI
+    runner's job) inherits SIGINT ignored, and so would every child: the tests that press
+    Ctrl-C on a client would wait for ever. Children get SIGINT's default action back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -294,7 +294,7 @@ def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: 
         # cordon by index, uncordon by UUID
         cordoned = http.post("/api/v1/gpus/0/cordon")
         assert cordoned.status_code == 200
-        assert cordoned.json() == {"id": 0, "uuid": UUID0, "cordoned": True}
+        assert cordoned.json() == {"id": 0, "uuid": UUID0, "cordoned": True, "quarantined": False}
         devices = http.get("/api/v1/gpu/status").json()["devices"]
         assert [d["cordoned"] for d in devices] == [True, False]
         samples = metric_samples(http.get("/metrics").text)
