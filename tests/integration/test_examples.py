@@ -8,10 +8,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT
 
 
+@pytest.mark.xdist_group("auto_ports")  # workers bind 8001 and up
 def test_the_demo_starts_breaks_its_flaky_workers_and_stops_on_ctrl_c(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -393,6 +393,7 @@ def test_the_release_barrier_waits_for_a_process_listed_under_its_namespace_pid(
     assert sup.stop() == 0
 
 
+@pytest.mark.xdist_group("auto_ports")  # workers bind 8001 and up
 def test_an_http_ready_worker_on_a_gpu_is_ready_again_after_a_restart(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -249,7 +249,13 @@ def test_worker_starts_with_sigpipe_at_its_default(supervisor: SupervisorFactory
             "workers": [
                 {
                     "name": "s",
-                    "command": ["/bin/sh", "-c", "grep ^SigIgn: /proc/self/status; exec sleep 600"],
+                    # "mask" first: a bare mask of digits (0000000000000004) after the name
+                    # reads as a pid to the harness, which then finds pid 4 "outlived" the test
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        'echo "mask $(grep ^SigIgn: /proc/self/status)"; exec sleep 600',
+                    ],
                     "ready": "none",
                     "log_passthrough": True,
                 }

@@ -237,13 +237,15 @@ def test_ready_follows_reloading_once_the_file_is_in_force(
         sock.bind(str(path))
         sup = supervisor({"workers": [group]}, env={"NOTIFY_SOCKET": str(path)})
         manager = Manager(sock)
+        sup.ready("a-0")
+        sup.ready("a-1")
         manager.wait_for("READY=1")
         mark = sup.mark()
         sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
         sup.signal(signal.SIGHUP)
         assert "MONOTONIC_USEC=" in manager.wait_for("RELOADING=1")
         assert "STATUS=" in manager.wait_for("READY=1", count=2)
-        sup.ready("a-0", after=mark)  # replaced: the roll-out waits 30 s for it
+        # the roll-out goes on: each replaced worker must stay ready for 30 s
         assert not sup.find(event="supervisor.reload_done", after=mark)
         assert sup.stop() == 0
 
