@@ -47,6 +47,46 @@ def release_held_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
+#: Never given a handler by ``pass_on_ignored_signals``: not catchable, the reaper's, reset
+#: for each child by ``Popen`` itself (``restore_signals``), or job control.
+_KEEP_DISPOSITION = {
+    signal.SIGKILL,
+    signal.SIGSTOP,
+    signal.SIGCHLD,
+    signal.SIGPIPE,
+    signal.SIGXFSZ,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+}
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """What an ignored signal does to the supervisor: nothing."""
+
+
+def pass_on_ignored_signals() -> list[str]:
+    """Give every signal this process was started with ignored (``nohup``: SIGHUP; a shell's
+    background job: SIGINT and SIGQUIT) a handler that does nothing; return their names.
+
+    An ignored signal stays ignored across ``exec``, a handled one is reset to its default
+    action: without this, every worker would ignore it too, and a ``drain_signal`` or
+    ``stop_signal`` of SIGQUIT (nginx's graceful stop), or a SIGUSR1 a worker reopens its logs
+    on, would do nothing. The supervisor itself goes on ignoring them. Call it before the
+    first worker is spawned."""
+    passed = []
+    for sig in signal.valid_signals():
+        if not isinstance(sig, signal.Signals) or sig in _KEEP_DISPOSITION:
+            continue
+        try:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                signal.signal(sig, _ignore)
+                passed.append(sig.name)
+        except (OSError, ValueError):
+            continue
+    return passed
+
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # How setpriv's help text names the option (not ``--keep-pdeathsig``), and how much of the

@@ -73,6 +73,7 @@ from supervisor.processes import (
     Reaped,
     Reaper,
     open_files_needed,
+    pass_on_ignored_signals,
     probe_spawn_helper,
     release_held_signals,
     set_child_subreaper,
@@ -402,6 +403,14 @@ class Runtime:
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
+        passed = pass_on_ignored_signals()  # before any worker: they get the default back
+        if passed:
+            self.log.info(
+                "supervisor.signals_ignored",
+                signals=passed,
+                reason="started with them ignored: still ignored here, at their default in "
+                "the workers",
+            )
         self._open_state_dir()
         self._probe_cgroups()
         self._summary_at = anyio.current_time() - SUMMARY_EVERY_S + 3.0

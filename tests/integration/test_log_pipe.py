@@ -134,10 +134,15 @@ def read_events(fd: int, want: set[str], timeout: float = 20.0) -> dict[str, dic
     return seen
 
 
+def ignored(text: str, sig: int) -> bool:
+    """Whether the ``SigIgn:`` mask (of /proc/<pid>/status) in ``text`` has ``sig`` in it."""
+    mask = int(text.split("SigIgn:", 1)[1].split()[0], 16)
+    return bool(mask & (1 << (sig - 1)))
+
+
 def sigpipe_ignored(text: str) -> bool:
     """Whether the ``SigIgn:`` mask (of /proc/<pid>/status) in ``text`` has SIGPIPE in it."""
-    mask = int(text.split("SigIgn:", 1)[1].split()[0], 16)
-    return bool(mask & (1 << (signal.SIGPIPE - 1)))
+    return ignored(text, signal.SIGPIPE)
 
 
 def end_all(proc: subprocess.Popen[bytes], pids: list[int]) -> None:
@@ -240,30 +245,42 @@ def test_supervision_goes_on_when_the_log_reader_goes_away(
         end_all(proc, pids)
 
 
-def test_worker_starts_with_sigpipe_at_its_default(supervisor: SupervisorFactory) -> None:
+def test_worker_starts_with_no_signal_ignored(supervisor: SupervisorFactory) -> None:
     """Python ignores SIGPIPE in the supervisor (a write to a closed pipe raises EPIPE there);
     an ignored signal survives exec, so a worker must get SIGPIPE back at SIG_DFL (``Popen``'s
-    ``restore_signals``), or ``worker | head`` inside it would never end its writer."""
-    sup = supervisor(
-        {
-            "workers": [
-                {
-                    "name": "s",
-                    # "mask" first: a bare mask of digits (0000000000000004) after the name
-                    # reads as a pid to the harness, which then finds pid 4 "outlived" the test
-                    "command": [
-                        "/bin/sh",
-                        "-c",
-                        'echo "mask $(grep ^SigIgn: /proc/self/status)"; exec sleep 600',
-                    ],
-                    "ready": "none",
-                    "log_passthrough": True,
-                }
-            ]
-        }
-    )
+    ``restore_signals``), or ``worker | head`` inside it would never end its writer. So too
+    the signals the supervisor was started with ignored (`nohup`, a shell's background job):
+    regression: its workers ignored SIGQUIT (nginx's graceful stop, as a drain_signal) too."""
+    inherited = (signal.SIGQUIT, signal.SIGUSR1)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in inherited}
+    try:
+        sup = supervisor(
+            {
+                "workers": [
+                    {
+                        "name": "s",
+                        # "mask" first: a bare mask of digits (0000000000000004) after the name
+                        # reads as a pid to the harness, which then finds pid 4 "outlived" it
+                        "command": [
+                            "/bin/sh",
+                            "-c",
+                            'echo "mask $(grep ^SigIgn: /proc/self/status)"; exec sleep 600',
+                        ],
+                        "ready": "none",
+                        "log_passthrough": True,
+                    }
+                ]
+            }
+        )
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     line = sup.wait_line("[s-0]", contains="SigIgn:")
     assert not sigpipe_ignored(line), line
+    for sig in inherited:
+        assert not ignored(line, sig), (sig.name, line)
+    said = sup.wait_event(event="supervisor.signals_ignored")
+    assert {"SIGQUIT", "SIGUSR1"} <= set(said["signals"]), said
     assert sup.stop() == 0
 
 
