@@ -553,6 +553,12 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         request: Request, ident: str, cordon: bool, lift: bool = False
     ) -> dict[str, Any]:
         uuid = gpu_uuid(ident)
+        if lift and uuid in rt.healer.state.quarantined and not rt.gpu_answers(uuid):
+            raise _problem(
+                409,
+                f"GPU {ident} does not answer (lost or NVML down): it stays quarantined; "
+                "reset it, then lift the quarantine",
+            )
         rt.submit(Cordon(uuid, cordon, lift_quarantine=lift))
         log.info(
             "api.command",
@@ -581,7 +587,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         """Place no more workers on this GPU (index or UUID)."""
         return await set_cordon(request, id, True)
 
-    @post(f"{API_PREFIX}/gpus/{{id}}/uncordon", GpuCordon, 200, 404)
+    @post(f"{API_PREFIX}/gpus/{{id}}/uncordon", GpuCordon, 200, 404, 409)
     async def uncordon(request: Request, id: str, lift_quarantine: bool = False) -> dict[str, Any]:
         """Allow placing workers on this GPU again (index or UUID). ``lift_quarantine=true``:
         also take it out of quarantine (a device-fatal XID or lost; once it has been reset or

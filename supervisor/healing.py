@@ -333,8 +333,8 @@ class Healer:
 
     def lift_quarantine(self, uuid: str) -> str | None:
         """An operator's word that GPU ``uuid`` is fit again (reset, repaired): it leaves
-        quarantine (why it was there is returned; None if it was not). One that still does
-        not answer is found lost again at the next sample, and quarantined again."""
+        quarantine (why it was there is returned; None if it was not). The caller lifts only
+        a GPU that answers; one lost after that is found lost again, and quarantined again."""
         self._lost.discard(uuid)
         return self.state.quarantined.pop(uuid, None)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import faulthandler
 import functools
 import os
 import re
@@ -61,6 +62,13 @@ _KEEP_DISPOSITION = {
 }
 
 
+#: Synchronous faults: a Python-level handler cannot handle one (the C handler returns, the
+#: faulting instruction runs again: the process spins for ever instead of dying), and where
+#: ``faulthandler`` is enabled its own C handler is in place (``signal.getsignal`` still says
+#: SIG_IGN: Python's view from its start), which a handler of ours would replace.
+_FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+
 def _ignore(signum: int, frame: object) -> None:
     """What an ignored signal does to the supervisor: nothing."""
 
@@ -80,7 +88,12 @@ def pass_on_ignored_signals() -> list[str]:
             continue
         try:
             if signal.getsignal(sig) is signal.SIG_IGN:
-                signal.signal(sig, _ignore)
+                if sig in _FAULTS:
+                    if faulthandler.is_enabled():
+                        continue  # its handler is the disposition: the workers get SIG_DFL
+                    signal.signal(sig, signal.SIG_DFL)  # never ignorable for a real fault
+                else:
+                    signal.signal(sig, _ignore)
                 passed.append(sig.name)
         except (OSError, ValueError):
             continue

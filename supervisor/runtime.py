@@ -1726,7 +1726,14 @@ class Runtime:
             self.cordoned.add(cmd.uuid)
         else:
             self.cordoned.discard(cmd.uuid)
-        why = self.healer.lift_quarantine(cmd.uuid) if cmd.lift_quarantine else None
+        why = None
+        if cmd.lift_quarantine and cmd.uuid in self.healer.state.quarantined:
+            if self.gpu_answers(cmd.uuid):
+                why = self.healer.lift_quarantine(cmd.uuid)
+            else:  # the API refuses it (409); one that raced a loss is kept here
+                self.log.warning(
+                    "gpu.quarantine_kept", gpu=cmd.uuid, reason="it does not answer: reset it first"
+                )
         if why is not None:
             self.log.warning("gpu.quarantine_lifted", gpu=cmd.uuid, reason="operator", was=why)
             self.journal.append(
@@ -1749,6 +1756,13 @@ class Runtime:
             except OSError as exc:
                 self.write_health.failed("state", exc)
         self._changed_now()
+
+    def gpu_answers(self, uuid: str) -> bool:
+        """GPU ``uuid`` was healthy at the last sample (not lost, NVML answered for it)."""
+        last = self.sampler.last
+        if last is None or not last.nvml_available:
+            return False
+        return any(d.uuid == uuid and d.healthy for d in last.devices)
 
     def resolve_gpu(self, ident: str) -> str | None:
         """The UUID of the GPU with this index or UUID (None when there is none)."""
@@ -2113,7 +2127,7 @@ class Runtime:
         (regression: a typo stopped a good roll-out half-way, for good)."""
         if self.config_path is None:
             return
-        why = await self._would_reject()
+        why, new = await self._would_reject()
         if why is not None:
             self.log.warning(
                 "supervisor.reload_queued",
@@ -2121,6 +2135,17 @@ class Runtime:
                 supersedes=False,
                 reason="its file would be rejected: the roll-out in progress goes on",
                 error=why,
+            )
+            return
+        target = diff_groups(self.settings.workers, new.workers if new else ())
+        if new is not None and not (target.changed or target.added or target.removed):
+            # the file being rolled out (a second SIGHUP, config management re-applying it):
+            # superseding would only stop and resume the roll-out, and fail its --wait
+            self.log.info(
+                "supervisor.reload_queued",
+                request=request,
+                supersedes=False,
+                reason="its groups are those being rolled out",
             )
             return
         self.log.info("supervisor.reload_queued", request=request, supersedes=True)
@@ -2145,13 +2170,14 @@ class Runtime:
                     held.setdefault(r.spec.group, []).append(range(port, port + 1))
         return running, held
 
-    async def _would_reject(self) -> str | None:
-        """Why a reload would reject the config file as it is now (None: it would take it)."""
+    async def _would_reject(self) -> tuple[str | None, Settings | None]:
+        """Why a reload would reject the config file as it is now (None: it would take it),
+        and the settings it holds (None where it cannot be read)."""
         assert self.config_path is not None
         try:
             new = await in_thread(load_settings, self.config_path, *self._ports_in_use())
         except (ThreadUnavailable, ConfigError) as exc:
-            return str(exc)
+            return str(exc), None
         diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
         try:
             plan = self._build_plan(
@@ -2159,14 +2185,14 @@ class Runtime:
                 keep=(*diff.unchanged, *diff.scaled, *diff.same_placement),
             )
         except Exception as exc:  # placement (or a bug): the reload says it again
-            return str(exc)
+            return str(exc), new
         touched = {*diff.changed, *diff.added}
         missing = unrunnable(
             (g.group.name, g.workers[0])
             for g in plan.groups
             if g.group.name in touched and g.workers
         )
-        return "; ".join(missing) or None
+        return "; ".join(missing) or None, new
 
     def _journal_reload(self, request: int, done: bool, **fields: Any) -> None:
         """``reload.done`` (the end of its roll-outs: ``halted`` lists groups whose roll-out
@@ -2611,9 +2637,12 @@ def _passed_over(runner: WorkerRunner) -> bool:
 
 
 def _going_down(runner: WorkerRunner) -> bool:
-    """Draining or stopping already (healing, a crash's stop, a stop timeout): what it comes
-    back as is not the roll-out's doing."""
-    return runner.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+    """Not serving when the roll-out reached it: draining or stopping already (healing, a
+    crash's stop, a stop timeout), in backoff after a crash (a device-fatal XID usually kills
+    the process before its healing drain does), or starting: what it comes back as is not the
+    roll-out's doing (regression: only draining and stopping were; a crashed worker whose GPU
+    was quarantined meanwhile halted the roll-out as before)."""
+    return runner.state is not WorkerState.READY
 
 
 def _settled_after(

@@ -14,7 +14,9 @@ from tests.conftest import SupervisorFactory
 from tests.harness import ROOT
 
 
-@pytest.mark.xdist_group("auto_ports")  # workers bind 8001 and up
+# its workers bind 8001, 8101 and 8201, the ports groups without port_base start from: a
+# test that binds automatic ports must join this xdist group (`make test` runs two at a time)
+@pytest.mark.xdist_group("auto_ports")
 def test_the_demo_starts_breaks_its_flaky_workers_and_stops_on_ctrl_c(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

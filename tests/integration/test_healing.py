@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -493,28 +494,38 @@ def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("down", ["draining", "crashed"])
 @pytest.mark.parametrize("how", ["rolling-restart", "reload"])
 def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_gpu(
-    supervisor: SupervisorFactory, tmp_path: Path, how: str
+    supervisor: SupervisorFactory, tmp_path: Path, how: str, down: str
 ) -> None:
-    """XID 79 on GPU 0 drains p-0, which then waits for a GPU (GPU 1 has p-1, one worker a
-    GPU); a roll-out of the group reaches it while it drains. It comes back waiting for a GPU,
+    """XID 79 on GPU 0 drains p-0 (or p-0 crashed just before, as a device-fatal XID's CUDA
+    error often makes it, and is in backoff), which then waits for a GPU (GPU 1 has p-1, one
+    worker a GPU); a roll-out of the group reaches it then. It comes back waiting for a GPU,
     as one waiting already would be: passed over, and the roll-out goes on to p-1 (which
     keeps its GPU) and completes. Regression: it halted at p-0 ("did not become ready"), p-1
     never rolled."""
-    group = {
+    group: dict[str, Any] = {
         "name": "p",
         "replicas": 2,
         "command": sim("100"),
         "max_workers_per_gpu": 1,
         "restart": {"stable_s": 0.1},
     }
+    if down == "crashed":  # still in backoff when the roll-out reaches it
+        group["restart"] = {"stable_s": 0.1, "backoff_initial_s": 5, "backoff_max_s": 5}
     sup = supervisor(config(tmp_path, group))
-    sup.ready("p-0")
+    pid = sup.ready("p-0")["pid"]
     sup.ready("p-1")
     mark = sup.mark()
+    if down == "crashed":
+        os.kill(pid, signal.SIGKILL)
+        sup.wait_event(event="worker.state", worker="p-0", new="backoff", after=mark)
     xid(tmp_path, 0, 79)
-    sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
+    if down == "crashed":
+        sup.wait_event(event="heal.action", action="quarantine", after=mark, timeout=20)
+    else:
+        sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
     if how == "reload":
         sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
         sup.signal(signal.SIGHUP)

@@ -319,3 +319,34 @@ def test_supervision_goes_on_when_the_log_reader_stops_reading(
     finally:
         os.close(r)
         end_all(proc, pids)
+
+
+@pytest.mark.parametrize("faulthandler_on", [True, False])
+def test_a_fault_signal_started_ignored_still_ends_the_supervisor(faulthandler_on: bool) -> None:
+    """A supervisor started with SIGSEGV (and SIGQUIT) ignored: SIGQUIT gets the do-nothing
+    handler (its workers get the default), but a real segfault still ends it (faulthandler's
+    report first, where it is on). Regression: the do-nothing handler replaced faulthandler's,
+    and a segfault spun for ever (the faulting instruction ran again and again)."""
+    code = (
+        "import ctypes, faulthandler, sys\n"
+        f"{'faulthandler.enable()' if faulthandler_on else ''}\n"
+        "from supervisor.processes import pass_on_ignored_signals\n"
+        "print(' '.join(pass_on_ignored_signals()), flush=True)\n"
+        "ctypes.string_at(0)\n"
+    )
+
+    def ignore() -> None:
+        signal.signal(signal.SIGSEGV, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=ignore,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGSEGV, (done.returncode, done.stderr[-500:])
+    assert "SIGQUIT" in done.stdout.split(), done.stdout

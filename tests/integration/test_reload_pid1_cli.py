@@ -1248,3 +1248,29 @@ def test_a_superseding_roll_out_replaces_the_superseded_version_first(
     order = [(e["worker"], e["argv"][-1]) for e in sup.find(event="worker.spawned", after=mark)]
     assert order == [("a-1", "v3"), ("a-0", "v3")], order
     assert sup.stop() == 0
+
+
+def test_the_file_being_rolled_out_reloaded_again_supersedes_nothing(
+    supervisor: SupervisorFactory,
+) -> None:
+    """SIGHUP twice for one file (config management applying it again, `systemctl reload`
+    twice): the second reload's groups are those being rolled out, so the roll-out goes on
+    and completes, and the first `reload.done` says nothing was superseded. Regression: the
+    roll-out was stopped and resumed, and the first reload's `--wait` exited 1."""
+    group = {**g("a", replicas=2, port_base=9398), "restart": {"stable_s": 1.0}}
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "command": worker_cmd("ready_then_sleep", "v2")}]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)  # on v2; the roll-out waits 1 s before a-1
+    sup.signal(signal.SIGHUP)
+    queued = sup.wait_event(event="supervisor.reload_queued", after=mark)
+    assert queued["supersedes"] is False and "being rolled out" in queued["reason"], queued
+    done = sup.wait_event(event="supervisor.reload_done", after=mark)
+    assert (done["halted"], done["superseded"]) == ([], []), done
+    assert not sup.find(event="supervisor.rollout_superseded", after=mark)
+    spawned = [(e["worker"], e["argv"][-1]) for e in sup.find(event="worker.spawned", after=mark)]
+    assert spawned == [("a-0", "v2"), ("a-1", "v2")], spawned
+    assert sup.stop() == 0
