@@ -206,6 +206,7 @@ def test_read_endpoints_on_simulated_gpus(supervisor: SupervisorFactory, tmp_pat
         assert value_of(samples, "gpu_supervisor_worker_gpu_memory_bytes", worker="c-0") is None
 
         # a death: post-mortem, events, counters
+        killed = sup.mark()
         os.kill(g0["pid"], signal.SIGKILL)
         written = sup.wait_event(event="records.postmortem", worker="g-0")
         listed = http.get("/api/v1/postmortems").json()
@@ -215,7 +216,9 @@ def test_read_endpoints_on_simulated_gpus(supervisor: SupervisorFactory, tmp_pat
         assert doc["id"] == written["id"] and doc["exit"]["signal_name"] == "SIGKILL"
         assert_error(http.get("/api/v1/postmortems/nope"), 404, "no post-mortem")
         assert_error(http.get("/api/v1/postmortems/..%2F..%2Fstate"), 404)
-        sup.ready("g-0", after=sup.events.index(written))
+        # (after the kill: the post-mortem is written after the replacement's spawn, and its
+        # event may come after the replacement's ready)
+        sup.ready("g-0", after=killed)
         samples = metric_samples(http.get("/metrics").text)
         assert value_of(samples, "gpu_supervisor_postmortems", reason="signal") == 1
         assert value_of(samples, "gpu_supervisor_worker_restarts", worker="g-0") == 1
