@@ -67,7 +67,12 @@ from supervisor.policy import lifecycle as lc
 from supervisor.policy.attribution import alias_owner
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
-from supervisor.policy.reload import applied_by_reload, diff_groups, start_only_changes
+from supervisor.policy.reload import (
+    ReloadDiff,
+    applied_by_reload,
+    diff_groups,
+    start_only_changes,
+)
 from supervisor.processes import (
     HELD_SIGNALS,
     Reaped,
@@ -2180,19 +2185,17 @@ class Runtime:
             return str(exc), None
         diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
         try:
-            plan = self._build_plan(
-                applied_by_reload(self.settings, new),
-                keep=(*diff.unchanged, *diff.scaled, *diff.same_placement),
-            )
+            plan = self._reload_plan(applied_by_reload(self.settings, new), diff)
         except Exception as exc:  # placement (or a bug): the reload says it again
             return str(exc), new
-        touched = {*diff.changed, *diff.added}
-        missing = unrunnable(
-            (g.group.name, g.workers[0])
-            for g in plan.groups
-            if g.group.name in touched and g.workers
+        return "; ".join(_unrunnable_in(plan, diff)) or None, new
+
+    def _reload_plan(self, settings: Settings, diff: ReloadDiff) -> Plan:
+        """A reload's plan: workers of groups whose placement settings did not change stay on
+        their GPUs; only the added ones are placed."""
+        return self._build_plan(
+            settings, keep=(*diff.unchanged, *diff.scaled, *diff.same_placement)
         )
-        return "; ".join(missing) or None, new
 
     def _journal_reload(self, request: int, done: bool, **fields: Any) -> None:
         """``reload.done`` (the end of its roll-outs: ``halted`` lists groups whose roll-out
@@ -2248,11 +2251,7 @@ class Runtime:
             )
         self.settings = applied_by_reload(old, new)
         try:
-            # workers of groups whose placement settings did not change stay on their GPUs;
-            # only the added ones are placed
-            plan = self._build_plan(
-                self.settings, keep=(*diff.unchanged, *diff.scaled, *diff.same_placement)
-            )
+            plan = self._reload_plan(self.settings, diff)
         except PlacementError as exc:
             self.settings = old
             self.log.error(  # noqa: TRY400 - one line, no traceback
@@ -2270,12 +2269,7 @@ class Runtime:
         # The supervisor runs where the workers do: a program a changed or added group cannot
         # execute here is a mistake in the file, not something to roll onto running workers
         # (which would halt with a worker in backoff, "spawn_failed").
-        touched = {*diff.changed, *diff.added}
-        missing = unrunnable(
-            (g.group.name, g.workers[0])
-            for g in plan.groups
-            if g.group.name in touched and g.workers
-        )
+        missing = _unrunnable_in(plan, diff)
         if missing:
             self.settings = old
             error = "; ".join(missing)
@@ -2634,6 +2628,14 @@ def _passed_over(runner: WorkerRunner) -> bool:
         WorkerState.STOPPING,
     )
     return stopping_for_good or runner.record.waiting_for_gpu
+
+
+def _unrunnable_in(plan: Plan, diff: ReloadDiff) -> list[str]:
+    """One line per changed or added group of ``diff`` whose program cannot be executed here."""
+    touched = {*diff.changed, *diff.added}
+    return unrunnable(
+        (g.group.name, g.workers[0]) for g in plan.groups if g.group.name in touched and g.workers
+    )
 
 
 def _going_down(runner: WorkerRunner) -> bool:
