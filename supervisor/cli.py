@@ -42,6 +42,7 @@ from supervisor.processes import (
     protect_from_oom_killer,
     raise_open_files_limit,
     release_held_signals,
+    resolve_accounts,
     unrunnable,
 )
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore
@@ -171,7 +172,13 @@ def check_config(settings: Settings, as_json: bool) -> str:
         load_token(settings.api)
     devices, error = _read_devices(settings.gpu)
     slots = [slot_for(d) for d in devices]
-    plan = build_plan(settings, {}, os.fspath(socket_path_for(sup.state_dir)), slots or None)
+    plan = build_plan(
+        settings,
+        {},
+        os.fspath(socket_path_for(sup.state_dir)),
+        slots or None,
+        accounts=resolve_accounts(g.user for g in settings.workers),
+    )
     warnings = ([error] if error else []) + list(plan.warnings) + _unrunnable(plan)
     rows = _plan_rows(plan)
     if as_json:

@@ -50,6 +50,9 @@ PLACEHOLDERS = frozenset({"name", "group", "index", "port", "gpus"})
 #: Ports handed out to groups that do not set ``port_base``.
 DEFAULT_PORT_BASE = 8001
 
+#: ``[[workers]] user``: a user (name or number) and optionally ``:`` a group (POSIX portable
+#: names, plus the trailing ``$`` of machine accounts).
+_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?(:[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?)?")
 _GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(-[A-Za-z_][A-Za-z0-9_.]*)*$")
 
 
@@ -428,6 +431,9 @@ class WorkerGroup(_Strict):
     #: the workers' working directory (placeholders allowed; relative: to the supervisor's);
     #: "" = the supervisor's own
     cwd: str = ""
+    #: who the workers run as: "NAME" or "UID" (its primary and supplementary groups from the
+    #: user database), "NAME:GROUP" for another primary group; "" = the supervisor's own user
+    user: str = ""
     gpus: GpuSelection = "auto"
     gpus_per_worker: int = Field(default=1, ge=1)
     max_workers_per_gpu: int = Field(default=4, ge=1)
@@ -492,6 +498,16 @@ class WorkerGroup(_Strict):
     def _cwd_shape(cls, value: str) -> str:
         if "\0" in value:  # exec cannot pass it
             raise ValueError(f"contains a NUL character: {value!r}")
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _user_shape(cls, value: str) -> str:
+        if value and not _USER.fullmatch(value):
+            raise ValueError(
+                'expected "NAME", "UID", "NAME:GROUP" or "UID:GID" (user and group names of '
+                "letters, digits, '_', '.' and '-')"
+            )
         return value
 
     @field_validator("env")

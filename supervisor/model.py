@@ -151,6 +151,25 @@ class LastExit:
 
 
 @dataclass(frozen=True, slots=True)
+class Account:
+    """Who a group's workers run as (``[[workers]] user``), from the user database."""
+
+    user: str  # as configured
+    name: str  # the user's name (its number where the database has none)
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary groups, the primary one included
+    home: str
+    shell: str
+    switch: bool  # the supervisor runs as someone else: the worker changes credentials
+
+    def environ(self) -> dict[str, str]:
+        """What a login gives (systemd's ``User=`` too): ``HOME``, ``USER``, ``LOGNAME``,
+        ``SHELL``; the group's ``env`` may still set them."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "SHELL": self.shell}
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchSpec:
     """Everything needed to start one worker process; computed by ``plan``."""
 
@@ -166,6 +185,9 @@ class LaunchSpec:
     watchdog_s: float
     cwd: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
+    #: ``[[workers]] user``: who it runs as (None: as the supervisor); a string says why that
+    #: user cannot be had (spawning fails with it, never runs as the supervisor's user instead)
+    account: Account | str | None = None
 
 
 # --- GPUs ----------------------------------------------------------------------------------

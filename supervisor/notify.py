@@ -55,6 +55,19 @@ def socket_path_for(state_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
 
 
+#: The socket workers that run as another user (``[[workers]] user``) are given: in a
+#: directory of its own that anyone may pass through but not list, writable by everyone (it
+#: takes messages only from workers' processes, told apart by the sender's pid, as systemd's
+#: own notify socket does).
+SHARED_DIR_MODE = 0o711
+SHARED_SOCKET_MODE = 0o666
+
+
+def shared_socket_path() -> Path:
+    """A fresh private temporary directory's ``notify.sock`` (``TMPDIR``, else ``/tmp``)."""
+    return Path(tempfile.mkdtemp(prefix="gpu-supervisor-shared-")) / "notify.sock"
+
+
 def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
     """``pid`` and then its ancestors, nearest first (stops at pid 1 or an unreadable process).
 
@@ -78,8 +91,19 @@ def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
 class NotifyListener:
     """Owns the socket; ``serve()`` delivers messages to ``on_message`` until cancelled."""
 
-    def __init__(self, path: Path, on_message: Callable[[NotifyMessage], None]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        on_message: Callable[[NotifyMessage], None],
+        *,
+        mode: int = 0o600,
+        dir_mode: int | None = None,
+    ) -> None:
+        """``mode``: the socket file's (who may send); ``dir_mode``: given to its directory
+        at every :meth:`open` (None: left as it is)."""
         self.path = path
+        self.mode = mode
+        self.dir_mode = dir_mode
         self._on_message = on_message
         self._sock: socket.socket | None = None
         #: serving on asyncio: its loop, the fd its reader watches, and where errors go
@@ -91,12 +115,14 @@ class NotifyListener:
     def open(self) -> None:
         """Bind the socket (removing a stale one) with SO_PASSCRED on."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.dir_mode is not None:
+            os.chmod(self.path.parent, self.dir_mode)
         with contextlib.suppress(OSError):  # gone, or a state_dir turned read-only
             self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.bind(os.fspath(self.path))
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, self.mode)
         sock.setblocking(False)
         self._sock = sock
 

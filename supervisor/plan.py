@@ -12,7 +12,7 @@ from pathlib import Path
 
 from supervisor.config import Settings, WorkerGroup
 from supervisor.errors import PlacementError
-from supervisor.model import DeviceSample, LaunchSpec
+from supervisor.model import Account, DeviceSample, LaunchSpec
 
 #: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
 Assignment = Mapping[str, tuple[str, ...] | None]
@@ -112,8 +112,17 @@ def launch_spec(
     inherited_env: Mapping[str, str],
     notify_socket: str | None,
     gpus: tuple[str, ...] | None,
+    *,
+    accounts: Mapping[str, Account | str] | None = None,
+    shared_notify_socket: str | None = None,
 ) -> LaunchSpec:
-    """The spec of worker ``index`` of ``group`` on ``gpus`` (from ``place``)."""
+    """The spec of worker ``index`` of ``group`` on ``gpus`` (from ``place``).
+
+    ``accounts``: ``[[workers]] user`` values resolved (``processes.resolve_account``); a
+    group whose user is not among them gets a spec that fails to start, never one that runs
+    as the supervisor's user. A worker that runs as another user is given
+    ``shared_notify_socket`` (one it can reach) where there is one.
+    """
     assert group.port_base is not None  # config assigns every group a port range
     name = f"{group.name}-{index}"
     port = group.port_base + index
@@ -125,7 +134,14 @@ def launch_spec(
         "gpus": ",".join(gpus or ()),
     }
     argv = tuple(_expand(a, values) for a in group.command)
+    account: Account | str | None = None
+    if group.user:
+        account = (accounts or {}).get(group.user, f"user {group.user!r}: not looked up")
     env = {k: v for k, v in inherited_env.items() if k not in SCRUBBED_ENV}
+    if isinstance(account, Account):
+        env.update(account.environ())
+        if account.switch and shared_notify_socket is not None:
+            notify_socket = shared_notify_socket
     env.update({k: _expand(v, values) for k, v in group.env.items()})
     if INSTANCE_VAR in inherited_env:  # the supervisor's, never the group's (reclaim)
         env[INSTANCE_VAR] = inherited_env[INSTANCE_VAR]
@@ -167,6 +183,7 @@ def launch_spec(
         notify=group.ready_mode == "notify",
         watchdog_s=watchdog_s,
         cwd=_expand(group.cwd, values) or None,
+        account=account,
     )
 
 
@@ -369,11 +386,14 @@ def build_plan(
     devices: Sequence[GpuSlot] | None = None,
     fixed: Assignment | None = None,
     unplaced: dict[str, str] | None = None,
+    *,
+    accounts: Mapping[str, Account | str] | None = None,
+    shared_notify_socket: str | None = None,
 ) -> Plan:
     """Plan every worker of every group; ``devices`` None means no GPU telemetry.
 
     ``unplaced``: see :func:`place` (without it a worker that cannot be placed raises
-    ``PlacementError``)."""
+    ``PlacementError``). ``accounts``, ``shared_notify_socket``: see :func:`launch_spec`."""
     warnings: list[str] = []
     assignment = place(
         settings.workers, devices or (), settings.gpu.reserve_mb, fixed, unplaced=unplaced
@@ -395,7 +415,15 @@ def build_plan(
     groups: list[GroupPlan] = []
     for group in settings.workers:
         specs = tuple(
-            launch_spec(group, i, inherited_env, notify_socket, assignment[f"{group.name}-{i}"])
+            launch_spec(
+                group,
+                i,
+                inherited_env,
+                notify_socket,
+                assignment[f"{group.name}-{i}"],
+                accounts=accounts,
+                shared_notify_socket=shared_notify_socket,
+            )
             for i in range(group.replicas)
         )
         groups.append(GroupPlan(group=group, workers=specs))

@@ -34,7 +34,7 @@ import psutil
 
 from supervisor import procfs
 from supervisor.errors import SpawnError
-from supervisor.model import ExitStatus, LaunchSpec
+from supervisor.model import Account, ExitStatus, LaunchSpec
 
 #: Blocked by the entry point (``supervisor.__main__``) until ``run`` handles them.
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -133,12 +133,27 @@ def _child_setup(
     prctl: Callable[..., int],
     cgroup_procs: str | None = None,
     oom_score_adj: bytes | None = None,
+    account: Account | None = None,
 ) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
+        # The cgroup is joined and the score written with the supervisor's credentials, then
+        # the user is changed (which clears a parent-death signal: it is set after).
+        if account is None:
+            pdeathsig()
+        join_and_score()
+        if account is not None:
+            os.setgroups(list(account.groups))
+            os.setresgid(account.gid, account.gid, account.gid)
+            os.setresuid(account.uid, account.uid, account.uid)
+            pdeathsig()
+
+    def pdeathsig() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died between fork and prctl
             os._exit(1)
+
+    def join_and_score() -> None:
         if oom_score_adj is not None:
             # Raising it is always allowed; a failure leaves the supervisor's (lower) score.
             try:
@@ -313,6 +328,90 @@ def _oom_score_for_worker() -> int | None:
     return wanted if wanted > current else None
 
 
+#: Capability bits (``capabilities(7)``) a process needs to change its groups and user.
+CAP_SETGID = 6
+CAP_SETUID = 7
+
+
+def _may_switch_user(status_path: str = "/proc/self/status") -> bool:
+    """True when this process may change its user and groups: it has both capabilities (root
+    has them, unless a container dropped them); without ``/proc``, when it is root."""
+    try:
+        with open(status_path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+                    return bool(caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.geteuid() == 0
+
+
+def _current_identity() -> tuple[int, int, frozenset[int]]:
+    egid = os.getegid()
+    return os.geteuid(), egid, frozenset([*os.getgroups(), egid])
+
+
+def resolve_account(
+    user: str,
+    *,
+    current: tuple[int, int, frozenset[int]] | None = None,
+    may_switch: bool | None = None,
+) -> Account | str:
+    """``[[workers]] user`` (``NAME``, ``UID``, ``NAME:GROUP``) from the user database, or a line
+    saying why it cannot be had (no such user or group; switching needs privileges this
+    process lacks). ``current``/``may_switch``: this process's (euid, egid, groups) and whether
+    it may change them (read from the process when None)."""
+    import grp
+    import pwd
+
+    name, _, group = user.partition(":")
+    entry: pwd.struct_passwd | None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        try:
+            entry = pwd.getpwuid(int(name)) if name.isdigit() else None
+        except (KeyError, OverflowError):
+            entry = None
+    if entry is None:
+        return f"user {user!r}: no such user"
+    gid = entry.pw_gid
+    if group:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            if not group.isdigit():
+                return f"user {user!r}: no such group {group!r}"
+            gid = int(group)  # a number needs no entry (as chown and setpriv take it)
+    try:
+        groups = tuple(sorted(set(os.getgrouplist(entry.pw_name, gid))))
+    except OSError:
+        groups = (gid,)
+    euid, egid, have = current if current is not None else _current_identity()
+    switch = (entry.pw_uid, gid, frozenset(groups) | {gid}) != (euid, egid, have)
+    if switch and not (may_switch if may_switch is not None else _may_switch_user()):
+        return (
+            f"user {user!r}: running workers as uid {entry.pw_uid} gid {gid} needs root "
+            f"(the supervisor runs as uid {euid} without CAP_SETUID and CAP_SETGID)"
+        )
+    return Account(
+        user=user,
+        name=entry.pw_name,
+        uid=entry.pw_uid,
+        gid=gid,
+        groups=groups,
+        home=entry.pw_dir or "/",
+        shell=entry.pw_shell or "/bin/sh",
+        switch=switch,
+    )
+
+
+def resolve_accounts(users: Iterable[str]) -> dict[str, Account | str]:
+    """``resolve_account`` for each distinct non-empty ``user`` value."""
+    return {u: resolve_account(u) for u in set(users) if u}
+
+
 def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> str:
     """The executable ``program`` names (as execvpe would find it), or SpawnError (also for a
     working directory that is none)."""
@@ -334,9 +433,13 @@ def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> st
 
 def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
     """One line per ``(group, spec)`` whose program cannot be executed from here, as
-    ``execvpe`` would look for it (its PATH, its working directory)."""
+    ``execvpe`` would look for it (its PATH, its working directory), or whose ``user`` cannot
+    be had."""
     out = []
     for group, spec in specs:
+        if isinstance(spec.account, str):
+            out.append(f"group {group}: {spec.account}")
+            continue
         env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
         try:
             resolve_program(spec.argv[0], env, spec.cwd)
@@ -390,12 +493,19 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     setpriv is still starting (a child the program forks before that would keep the low score).
     """
     env = dict(spec.env)
+    if isinstance(spec.account, str):
+        raise SpawnError(f"cannot start {spec.argv[0]!r}: {spec.account}")
+    account = spec.account if spec.account is not None and spec.account.switch else None
     program = resolve_program(spec.argv[0], env, spec.cwd)
     setpriv = _setpriv() if cgroup is None else None
     oom = _oom_score_for_worker()
     oom_after: int | None = None  # written to /proc/<pid>/oom_score_adj once Popen returns
     if setpriv is not None:
-        argv = [setpriv, "--pdeathsig", "KILL", "--"]
+        argv = [setpriv, "--pdeathsig", "KILL"]
+        if account is not None:  # setpriv changes the user first, then sets the signal
+            groups = ",".join(map(str, account.groups))
+            argv += ["--reuid", str(account.uid), "--regid", str(account.gid), "--groups", groups]
+        argv.append("--")
         if oom is not None:
             choom = _choom()
             if choom is not None:
@@ -408,7 +518,7 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         argv = [program, *spec.argv[1:]]
         procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
         adj = None if oom is None else str(oom).encode()
-        preexec = _child_setup(os.getpid(), _prctl(), procs, adj)
+        preexec = _child_setup(os.getpid(), _prctl(), procs, adj, account)
     try:
         read_fd, write_fd = os.pipe()
     except OSError as exc:  # EMFILE/ENFILE: out of file descriptors
@@ -433,7 +543,8 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     except (subprocess.SubprocessError, ValueError) as exc:  # ValueError: a NUL in argv/env
         os.close(read_fd)
         os.close(write_fd)
-        raise SpawnError(f"cannot start {spec.argv[0]!r}: {exc}") from exc
+        as_user = "" if account is None else f" as user {account.user!r}"
+        raise SpawnError(f"cannot start {spec.argv[0]!r}{as_user}: {exc}") from exc
     os.close(write_fd)
     if oom_after is not None:
         _write_oom_score_adj(f"/proc/{popen.pid}/oom_score_adj", oom_after)

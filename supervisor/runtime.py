@@ -18,7 +18,15 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Coroutine, Mapping, MutableMapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +51,24 @@ from supervisor.errors import ConfigError, PlacementError, StateDirBusy
 from supervisor.healing import Healer
 from supervisor.journal import Journal
 from supervisor.logs import install_loop_exception_handler
-from supervisor.model import DeviceSample, ExitReason, LaunchSpec, Sample, WorkerState, XidEvent
-from supervisor.notify import NotifyListener, NotifyMessage, ancestors_of, socket_path_for
+from supervisor.model import (
+    Account,
+    DeviceSample,
+    ExitReason,
+    LaunchSpec,
+    Sample,
+    WorkerState,
+    XidEvent,
+)
+from supervisor.notify import (
+    SHARED_DIR_MODE,
+    SHARED_SOCKET_MODE,
+    NotifyListener,
+    NotifyMessage,
+    ancestors_of,
+    shared_socket_path,
+    socket_path_for,
+)
 from supervisor.output import WorkerOutput, this_run
 from supervisor.plan import (
     CORDONED,
@@ -81,6 +105,7 @@ from supervisor.processes import (
     pass_on_ignored_signals,
     probe_spawn_helper,
     release_held_signals,
+    resolve_accounts,
     set_child_subreaper,
     unrunnable,
 )
@@ -129,6 +154,8 @@ RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 #: How many times an exited worker's leftovers are looked for among our children (a dying
 #: member hands its children to us as it dies: one more read finds them).
 LEFTOVER_ROUNDS = 4
+#: How often the shared notify socket's file is looked for (seconds; bound again if gone).
+SHARED_CHECK_EVERY_S = 10.0
 #: Datagrams read at most from the notify socket before a worker's deadline is judged.
 NOTIFY_BEFORE_DEADLINE = 4096
 #: At most one ``supervisor.reaped_orphan`` line at info this often (seconds).
@@ -277,6 +304,9 @@ class Runtime:
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
         self.listener = NotifyListener(self.notify_path, self._on_notify)
+        #: the socket workers running as another user (``user``) get: opened when first needed
+        self.shared_listener: NotifyListener | None = None
+        self._shared_checked_at = 0.0
         self.started_wall = self.clock.wall()
         #: the monotonic start (set in ``run``, on the loop's clock): uptime is not moved by
         #: a step of the wall clock
@@ -483,6 +513,10 @@ class Runtime:
                 tg.cancel_scope.cancel()
         finally:
             self.listener.close()
+            if self.shared_listener is not None:
+                self.shared_listener.close()
+                with contextlib.suppress(OSError):
+                    self.shared_listener.path.parent.rmdir()
             if self.notify_path.parent != self.settings.supervisor.state_dir.absolute():
                 with contextlib.suppress(OSError):  # the private temp dir the socket went to
                     self.notify_path.parent.rmdir()
@@ -624,13 +658,71 @@ class Runtime:
             slots or None,
             fixed,
             unplaced=unplaced,
+            accounts=self._accounts(settings.workers),
+            shared_notify_socket=self._shared_socket(),
         )
+
+    def _read_notify(self) -> None:
+        """Read what waits in the notify sockets (before a worker's deadline is judged)."""
+        self.listener.drain(NOTIFY_BEFORE_DEADLINE)
+        if self.shared_listener is not None:
+            self.shared_listener.drain(NOTIFY_BEFORE_DEADLINE)
+
+    def _accounts(self, groups: Iterable[WorkerGroup]) -> dict[str, Account | str]:
+        """The groups' ``user`` values, resolved now; opens the socket workers that run as
+        another user can reach when one does."""
+        accounts = resolve_accounts(g.user for g in groups)
+        if any(isinstance(a, Account) and a.switch for a in accounts.values()):
+            self._open_shared_socket()
+        return accounts
+
+    def _shared_socket(self) -> str | None:
+        listener = self.shared_listener
+        return None if listener is None else os.fspath(listener.path)
+
+    def _open_shared_socket(self) -> None:
+        """Open (once) the notify socket workers running as other users are given: the
+        private one, in ``state_dir``, only the supervisor's user may reach."""
+        if self.shared_listener is not None:
+            return
+        listener = NotifyListener(
+            shared_socket_path(),
+            self._on_notify,
+            mode=SHARED_SOCKET_MODE,
+            dir_mode=SHARED_DIR_MODE,
+        )
+        error = _attempt(listener.open)
+        if error is not None:  # workers that need it wait for READY=1 in vain: say why
+            with contextlib.suppress(OSError):
+                listener.path.parent.rmdir()
+            self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
+            return
+        self.shared_listener = listener
+        self.log.info(
+            "notify.shared", path=os.fspath(listener.path), reason="workers run as another user"
+        )
+        if self._tg is not None:
+            self._tg.start_soon(listener.serve)
+
+    def _check_shared_socket(self, now: float) -> None:
+        """Bind the shared socket again where its file went (a temporary-file cleaner)."""
+        listener = self.shared_listener
+        if listener is None or now - self._shared_checked_at < SHARED_CHECK_EVERY_S:
+            return
+        self._shared_checked_at = now
+        if not listener.bound():
+            error = _attempt(listener.rebind)
+            if error is not None:
+                self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
+            else:
+                self.log.warning("notify.rebound", path=os.fspath(listener.path))
 
     def _worker_refs(self) -> dict[str, WorkerRef]:
         return {r.name: WorkerRef(r.record.pid, r.spec.gpus) for r in self.workers()}
 
     def _on_sample(self, sample: Sample) -> None:
         self.loop_alive_at = self.clock.now()
+        self._check_shared_socket(self.loop_alive_at)
         wall = self.clock.wall() - (self.clock.now() - sample.t)
         for name, usage in sample.workers.items():
             runner = self.runners.get(name)
@@ -995,7 +1087,15 @@ class Runtime:
 
     def _spec_on(self, group: WorkerGroup, index: int, gpus: tuple[str, ...] | None) -> LaunchSpec:
         """Worker ``index`` of ``group`` planned again on ``gpus``."""
-        return launch_spec(group, index, self._worker_environ(), os.fspath(self.notify_path), gpus)
+        return launch_spec(
+            group,
+            index,
+            self._worker_environ(),
+            os.fspath(self.notify_path),
+            gpus,
+            accounts=self._accounts([group]),
+            shared_notify_socket=self._shared_socket(),
+        )
 
     # --- wiring -------------------------------------------------------------------------
 
@@ -1115,7 +1215,7 @@ class Runtime:
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
             cgroup_for=self._cgroup_for,
-            read_notify=lambda: self.listener.drain(NOTIFY_BEFORE_DEADLINE),
+            read_notify=self._read_notify,
         )
         output.on_line = functools.partial(self.healer.on_line, runner)
         return runner
@@ -2628,6 +2728,15 @@ def _passed_over(runner: WorkerRunner) -> bool:
         WorkerState.STOPPING,
     )
     return stopping_for_good or runner.record.waiting_for_gpu
+
+
+def _attempt(call: Callable[[], object]) -> str | None:
+    """Call ``call``; None, or what the ``OSError`` it raised says."""
+    try:
+        call()
+    except OSError as exc:
+        return str(exc)
+    return None
 
 
 def _unrunnable_in(plan: Plan, diff: ReloadDiff) -> list[str]:

@@ -1,0 +1,248 @@
+"""``[[workers]] user``: workers run as another user, for real (the suite runs as root here and
+in CI; without CAP_SETUID and CAP_SETGID these tests skip, saying so).
+
+The worker (``tests/workers/whoami.py``) reports its real, effective and saved ids, its groups,
+its parent-death signal (changing credentials clears it: it must be set after) and its login
+variables, then sends READY=1: through the shared notify socket, since the supervisor's own
+socket is its user's alone. The scripts are copied to a directory ``nobody`` may read, and run
+by an interpreter ``nobody`` may execute (a probe finds one, else the tests skip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from supervisor import processes
+from supervisor.model import Account, LaunchSpec
+from tests.conftest import SupervisorFactory
+from tests.harness import WORKERS, worker_cmd
+
+USER = "nobody"
+
+
+def _entry() -> pwd.struct_passwd:
+    try:
+        entry = pwd.getpwnam(USER)
+    except KeyError:
+        pytest.skip(f"this machine's user database has no {USER!r}")
+    if not processes._may_switch_user():
+        pytest.skip("running workers as another user needs CAP_SETUID and CAP_SETGID")
+    return entry
+
+
+def _runs_as(python: str, entry: pwd.struct_passwd, cwd: Path) -> bool:
+    try:
+        done = subprocess.run(
+            [python, "-c", "import ctypes, json"],
+            user=entry.pw_uid,
+            group=entry.pw_gid,
+            extra_groups=[],
+            cwd=cwd,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@pytest.fixture
+def world() -> Iterator[tuple[str, Path]]:
+    """(an interpreter ``nobody`` may run, a directory with the worker scripts it may read)."""
+    entry = _entry()
+    where = Path(tempfile.mkdtemp(prefix="gpu-supervisor-user-test-"))
+    try:
+        where.chmod(0o755)
+        for script in ("common.py", "whoami.py"):
+            shutil.copy(WORKERS / script, where / script)
+            (where / script).chmod(0o644)
+        candidates = [os.path.realpath(sys.executable), "/usr/bin/python3"]
+        python = next((p for p in candidates if _runs_as(p, entry, where)), None)
+        if python is None:
+            pytest.skip(f"no Python interpreter here that {USER!r} may run ({candidates})")
+        yield python, where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _read_until(fd: int, marker: str, timeout: float = 20.0) -> str:
+    """Output of a spawned worker up to the line holding ``marker``."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while marker.encode() not in buf:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {marker!r} line in {buf!r}"
+        readable, _, _ = select.select([fd], [], [], left)
+        if readable:
+            chunk = os.read(fd, 65536)
+            assert chunk, f"output ended before a {marker!r} line: {buf!r}"
+            buf += chunk
+    line = next(x for x in buf.decode().splitlines() if marker in x)
+    return line
+
+
+def _whoami(line: str) -> dict[str, object]:
+    info: dict[str, object] = json.loads(line.split(" whoami ", 1)[1])
+    return info
+
+
+def _account() -> Account:
+    account = processes.resolve_account(USER)
+    assert isinstance(account, Account) and account.switch, account
+    return account
+
+
+@pytest.mark.parametrize("how", ["setpriv", "preexec_fn"])
+def test_spawn_changes_every_id_and_keeps_the_parent_death_signal(
+    world: tuple[str, Path], how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, where = world
+    if how == "setpriv" and processes._setpriv() is None:
+        pytest.skip("no setpriv with --pdeathsig here (util-linux >= 2.33)")
+    if how == "preexec_fn":  # as with a cgroup to join: the child runs our code before exec
+        monkeypatch.setattr(processes, "_setpriv", lambda: None)
+    account = _account()
+    spec = LaunchSpec(
+        name="u-0",
+        group="u",
+        index=0,
+        argv=(python, str(where / "whoami.py")),
+        env={"PATH": os.defpath, "GPU_SUPERVISOR_WORKER": "u-0", **account.environ()},
+        port=None,
+        gpus=None,
+        ready_url=None,
+        notify=False,
+        watchdog_s=0.0,
+        cwd=str(where),
+        account=account,
+    )
+    child = processes.spawn(spec)
+    try:
+        info = _whoami(_read_until(child.output_fd, " whoami "))
+        assert info["uid"] == [account.uid] * 3
+        assert info["gid"] == [account.gid] * 3
+        assert info["groups"] == sorted(account.groups)
+        assert info["pdeathsig"] == signal.SIGKILL
+        assert info["env"] == {**account.environ(), "NOTIFY_SOCKET": None}
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.popen.wait()
+        os.close(child.output_fd)
+
+
+def test_a_group_runs_as_its_user_and_its_workers_reach_the_notify_socket(
+    supervisor: SupervisorFactory, world: tuple[str, Path]
+) -> None:
+    python, where = world
+    account = _account()
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "u",
+                    "command": [python, str(where / "whoami.py")],
+                    "user": USER,
+                    "cwd": str(where),
+                    "log_passthrough": True,
+                    "stop_timeout_s": 2,
+                },
+                {"name": "r", "command": worker_cmd("ready_then_sleep"), "stop_timeout_s": 2},
+            ]
+        }
+    )
+    shared = Path(sup.wait_event(event="notify.shared")["path"])
+    ready = sup.ready("u-0")  # READY=1 came through the shared socket
+    sup.ready("r-0")
+    info = _whoami(sup.wait_line("[u-0] ", contains=" whoami "))
+    assert info["uid"] == [account.uid] * 3 and info["gid"] == [account.gid] * 3
+    assert info["groups"] == sorted(account.groups)
+    assert info["pdeathsig"] == signal.SIGKILL
+    assert info["env"] == {**account.environ(), "NOTIFY_SOCKET": str(shared)}
+    assert psutil.Process(ready["pid"]).uids().real == account.uid
+    # the shared socket: anyone may send (senders are told apart by pid), nobody may list
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o666
+    assert stat.S_IMODE(shared.parent.stat().st_mode) == 0o711
+    # the private one stays the supervisor's user's alone, and its own workers keep it
+    assert stat.S_IMODE((sup.state_dir / "notify.sock").stat().st_mode) == 0o600
+    env = psutil.Process(sup.ready("r-0")["pid"]).environ()
+    assert env["NOTIFY_SOCKET"] == str(sup.state_dir / "notify.sock")
+    assert env.get("USER") == os.environ.get("USER")
+    assert sup.stop() == 0
+    assert not shared.parent.exists()
+
+
+def test_a_user_that_cannot_be_had_fails_its_workers_start_and_harms_no_other(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    _entry()
+    sup = supervisor(
+        {
+            "workers": [
+                {"name": "ghost", "command": worker_cmd("ready_then_sleep"), "user": "no-such-x"},
+                {"name": "r", "command": worker_cmd("ready_then_sleep"), "stop_timeout_s": 2},
+            ]
+        }
+    )
+    failed = sup.wait_event(event="worker.spawn_failed", worker="ghost-0")
+    assert "user 'no-such-x': no such user" in failed["error"]
+    sup.ready("r-0")
+    assert not sup.find(event="worker.spawned", worker="ghost-0")
+    assert not sup.find(event="notify.shared")  # nobody needs it
+    assert sup.stop() == 0
+
+
+def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_had(
+    supervisor: SupervisorFactory, world: tuple[str, Path]
+) -> None:
+    python, where = world
+    account = _account()
+    group = {
+        "name": "u",
+        "command": [python, str(where / "whoami.py")],
+        "cwd": str(where),
+        "log_passthrough": True,
+        "stop_timeout_s": 2,
+        "restart": {"stable_s": 0.2},  # a roll-out waits for the new worker to stay ready
+    }
+    sup = supervisor({"workers": [group]})
+    first = sup.ready("u-0")
+    assert psutil.Process(first["pid"]).uids().real == os.geteuid()
+    assert not sup.find(event="notify.shared")
+
+    # the shared socket is opened when a reload first needs it, and served at once
+    mark, lines = sup.mark(), len(sup.stdout)
+    sup.write_config({"workers": [{**group, "user": USER}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark)
+    shared = sup.wait_event(event="notify.shared", after=mark)["path"]
+    moved = sup.ready("u-0", after=mark)
+    assert psutil.Process(moved["pid"]).uids().real == account.uid
+    info = _whoami(sup.wait_line("[u-0] ", after=lines, contains=" whoami "))
+    assert info["uid"] == [account.uid] * 3 and info["env"]["NOTIFY_SOCKET"] == shared  # type: ignore[index]
+
+    # a user that cannot be had rejects the reload: nothing is stopped
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "user": "no-such-x"}]})
+    sup.signal(signal.SIGHUP)
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert rejected["reason"] == "command"
+    assert "group u: user 'no-such-x': no such user" in rejected["error"]
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+    assert psutil.Process(moved["pid"]).is_running()
+    assert sup.stop() == 0
