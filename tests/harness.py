@@ -7,6 +7,7 @@ signal as lines arrive, with a deadline.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -135,6 +136,7 @@ class Supervisor:
             env=self.env,
             cwd=ROOT,
             start_new_session=True,
+            preexec_fn=_stop_with_test_process,
         )
         assert self._proc.stdout is not None and self._proc.stderr is not None
         for stream, sink in (
@@ -346,6 +348,17 @@ class Supervisor:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         return survivors
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_test_process() -> None:
+    """In the supervisor's child before exec: SIGTERM when the test process (its thread that
+    started it) ends, so a pytest killed from outside (``timeout``, a CI runner's cancel), whose
+    fixtures never run, leaves no supervisor running (it stops its workers as at any SIGTERM).
+    Supervisors are started from the test's own thread, which lives as long as the run."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _not_a_test_pid(pid: int) -> bool:
