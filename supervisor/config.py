@@ -901,12 +901,16 @@ def load_settings(
     path: str | os.PathLike[str],
     keep_ports: Mapping[str, range] | None = None,
     held_ports: Mapping[str, Sequence[range]] | None = None,
+    *,
+    data: Mapping[str, Any] | None = None,
 ) -> Settings:
     """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line.
 
-    ``keep_ports``: the ports the groups run with (a reload): see ``keep_port_bases``."""
+    ``keep_ports``: the ports the groups run with (a reload): see ``keep_port_bases``.
+    ``data``: the file's TOML as :func:`read_config` read it before (then it is not read
+    again: what was checked then is what is applied)."""
     source = str(path)
-    data = _read_toml(path)
+    data = read_config(path) if data is None else dict(data)
     _check_toml_types(data, Settings, "", source)
     if keep_ports:
         data = keep_port_bases(data, keep_ports, held_ports)
@@ -926,7 +930,7 @@ def load_client_settings(path: str | os.PathLike[str]) -> tuple[Settings, str | 
     try:
         return load_settings(path), None
     except ConfigError as full:
-        data = _read_toml(path)
+        data = read_config(path)
         partial = {k: v for k, v in data.items() if k in CLIENT_SECTIONS}
         try:
             _check_toml_types(partial, Settings, "", str(path))
@@ -943,7 +947,8 @@ def load_client_settings(path: str | os.PathLike[str]) -> tuple[Settings, str | 
 MAX_CONFIG_BYTES = 16 * 2**20
 
 
-def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The TOML of the config file at ``path``, not yet validated (``ConfigError``)."""
     source = str(path)
     try:
         with open(path, "rb") as fh:  # bounded: /dev/zero or a log file by mistake

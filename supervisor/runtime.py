@@ -46,7 +46,7 @@ from supervisor.backends.factory import make_backend
 from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
 from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
-from supervisor.config import Settings, WorkerGroup, load_settings
+from supervisor.config import Settings, WorkerGroup, load_settings, read_config
 from supervisor.errors import ConfigError, PlacementError, StateDirBusy
 from supervisor.healing import Healer
 from supervisor.journal import Journal
@@ -297,6 +297,10 @@ class Runtime:
         #: the last reload request whose file, read while a roll-out ran, would be accepted:
         #: only such a file supersedes the roll-out (a rejected one must change nothing)
         self._vetted = 0
+        #: the file such a request was checked with, ``(request, its TOML)``: the reload that
+        #: follows the superseded roll-out applies exactly that (the file may have changed
+        #: since: a file made bad meanwhile left the group part-way, rejected)
+        self._vetted_data: tuple[int, dict[str, Any]] | None = None
         #: reload requests numbered so far (signals and the API)
         self.reload_requests = 0
         self._ready_sent = False
@@ -2212,12 +2216,21 @@ class Runtime:
                 return
             while True:
                 self._reload_again = False
-                covered = self._covered = self.reload_requests
-                ok = await self._reload(covered)
+                vetted, self._vetted_data = self._vetted_data, None
+                data: dict[str, Any] | None = None
+                if vetted is not None and vetted[0] > self._covered:
+                    # the file that superseded the roll-out, as it was checked; requests made
+                    # after it are read by the next round
+                    covered, data = vetted
+                    later = self.reload_requests > covered
+                else:
+                    covered, later = self.reload_requests, False
+                self._covered = covered
+                ok = await self._reload(covered, data)
                 if ok is not None:  # a superseded one: the next says how it went
                     self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
                 # again only for a request made after this reload read the file
-                if not self._reload_again or self._shutting_down:
+                if not (self._reload_again or later) or self._shutting_down:
                     return
                 if self.reload_requests == covered:
                     return
@@ -2232,7 +2245,7 @@ class Runtime:
         (regression: a typo stopped a good roll-out half-way, for good)."""
         if self.config_path is None:
             return
-        why, new = await self._would_reject()
+        why, new, data = await self._would_reject()
         if why is not None:
             self.log.warning(
                 "supervisor.reload_queued",
@@ -2256,6 +2269,7 @@ class Runtime:
         self.log.info("supervisor.reload_queued", request=request, supersedes=True)
         if request > self._vetted:
             self._vetted = request
+            self._vetted_data = (request, data)
             self._changed_now()  # a roll-out waiting on a worker stops for it
 
     def _ports_in_use(self) -> tuple[dict[str, range], dict[str, list[range]]]:
@@ -2275,20 +2289,26 @@ class Runtime:
                     held.setdefault(r.spec.group, []).append(range(port, port + 1))
         return running, held
 
-    async def _would_reject(self) -> tuple[str | None, Settings | None]:
+    async def _would_reject(
+        self,
+    ) -> tuple[str | None, Settings | None, dict[str, Any]]:
         """Why a reload would reject the config file as it is now (None: it would take it),
-        and the settings it holds (None where it cannot be read)."""
+        the settings it holds (None where it cannot be read) and its TOML as read."""
         assert self.config_path is not None
+        path = self.config_path
         try:
-            new = await in_thread(load_settings, self.config_path, *self._ports_in_use())
+            data = await in_thread(read_config, path)
+            new = await in_thread(
+                functools.partial(load_settings, path, *self._ports_in_use(), data=data)
+            )
         except (ThreadUnavailable, ConfigError) as exc:
-            return str(exc), None
+            return str(exc), None, {}
         diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
         try:
             plan = self._reload_plan(applied_by_reload(self.settings, new), diff)
         except Exception as exc:  # placement (or a bug): the reload says it again
-            return str(exc), new
-        return "; ".join(_unrunnable_in(plan, diff)) or None, new
+            return str(exc), new, data
+        return "; ".join(_unrunnable_in(plan, diff)) or None, new, data
 
     def _reload_plan(self, settings: Settings, diff: ReloadDiff) -> Plan:
         """A reload's plan: workers of groups whose placement settings did not change stay on
@@ -2306,10 +2326,11 @@ class Runtime:
         kind = "reload.done" if done else "reload.rejected"
         self.journal.append(self.clock.wall(), kind, None, request=request, **fields)
 
-    async def _reload(self, request: int = 0) -> bool | None:
+    async def _reload(self, request: int = 0, data: dict[str, Any] | None = None) -> bool | None:
         """Apply the config file again; True when all of it is in force (not rejected, no
         roll-out halted), None when a later reload superseded a roll-out (and none halted).
-        ``request``: the last reload request this covers (the journal)."""
+        ``request``: the last reload request this covers (the journal); ``data``: the file's
+        TOML as checked for it (None: read the file now)."""
         if self.config_path is None:
             self.log.error("supervisor.reload_failed", reason="no config file to reload")
             self._journal_reload(request, False, reason="no config file", error="")
@@ -2317,7 +2338,8 @@ class Runtime:
         path = self.config_path
         try:
             # groups with automatic ports keep theirs where they still fit
-            new = await in_thread(load_settings, path, *self._ports_in_use())
+            ports = self._ports_in_use()
+            new = await in_thread(functools.partial(load_settings, path, *ports, data=data))
         except ThreadUnavailable as exc:
             self.log.error("supervisor.reload_rejected", reason="no thread", error=str(exc))  # noqa: TRY400
             self._journal_reload(request, False, reason="no thread", error=str(exc))

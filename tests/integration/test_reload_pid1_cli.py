@@ -1279,3 +1279,35 @@ def test_the_file_being_rolled_out_reloaded_again_supersedes_nothing(
     spawned = [(e["worker"], e["argv"][-1]) for e in sup.find(event="worker.spawned", after=mark)]
     assert spawned == [("a-0", "v2"), ("a-1", "v2")], spawned
     assert sup.stop() == 0
+
+
+def test_a_superseding_reload_applies_the_file_as_it_was_checked(
+    supervisor: SupervisorFactory,
+) -> None:
+    """v2's roll-out stops a-0 (it ignores SIGTERM: 2 s until the SIGKILL); v3 is reloaded
+    meanwhile and checked at once (it supersedes v2); then the file is broken before v2's
+    roll-out has stopped. The reload that follows applies v3 as it was checked. Regression:
+    it read the file again, rejected the broken one, and the group stayed part-way on v2."""
+    group = {
+        **g("a", "ignore_sigterm", replicas=2, port_base=9411),
+        "stop_timeout_s": 2,
+    }
+    sup = supervisor({"workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.signal", worker="a-0", signal="SIGTERM", after=mark)
+    sup.write_config({"workers": [{**group, "env": {"V": "3"}}]})
+    sup.signal(signal.SIGHUP)
+    queued = sup.wait_event(event="supervisor.reload_queued", after=mark)
+    assert queued["supersedes"] is True, queued
+    sup.config_path.write_text(sup.config_path.read_text() + "\nreplicas =\n")
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, superseded=[], timeout=30)
+    assert done["halted"] == [], done
+    assert not sup.find(event="supervisor.reload_rejected", after=mark)
+    for name in ("a-0", "a-1"):
+        pid = sup.find(event="worker.spawned", worker=name, after=mark)[-1]["pid"]
+        assert psutil.Process(pid).environ()["V"] == "3"
+    assert sup.stop() == 0
