@@ -310,6 +310,8 @@ class Runtime:
         self.listener = NotifyListener(self.notify_path, self._on_notify)
         #: the socket workers running as another user (``user``) get: opened when first needed
         self.shared_listener: NotifyListener | None = None
+        #: ``[[workers]] user`` values as last resolved (``_accounts``)
+        self._account_cache: dict[str, Account | str] = {}
         self._shared_checked_at = 0.0
         self.started_wall = self.clock.wall()
         #: the monotonic start (set in ``run``, on the loop's clock): uptime is not moved by
@@ -672,10 +674,17 @@ class Runtime:
         if self.shared_listener is not None:
             self.shared_listener.drain(NOTIFY_BEFORE_DEADLINE)
 
-    def _accounts(self, groups: Iterable[WorkerGroup]) -> dict[str, Account | str]:
-        """The groups' ``user`` values, resolved now; opens the socket workers that run as
-        another user can reach when one does."""
-        accounts = resolve_accounts(g.user for g in groups)
+    def _accounts(
+        self, groups: Iterable[WorkerGroup], *, cached: bool = False
+    ) -> dict[str, Account | str]:
+        """The groups' ``user`` values resolved (now, or as last resolved where ``cached``:
+        a lookup may go to a directory service, so only plans at start and at reloads make
+        one, not each move of a worker); opens the socket workers that run as another user
+        can reach when one does."""
+        users = {g.user for g in groups if g.user}
+        missing = users - self._account_cache.keys() if cached else users
+        self._account_cache.update(resolve_accounts(missing))
+        accounts = {u: self._account_cache[u] for u in users}
         if any(isinstance(a, Account) and a.switch for a in accounts.values()):
             self._open_shared_socket()
         return accounts
@@ -1097,7 +1106,7 @@ class Runtime:
             self._worker_environ(),
             os.fspath(self.notify_path),
             gpus,
-            accounts=self._accounts([group]),
+            accounts=self._accounts([group], cached=True),
             shared_notify_socket=self._shared_socket(),
         )
 
