@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
+import stat
 import struct
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,17 +57,55 @@ def socket_path_for(state_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
 
 
-#: The socket workers that run as another user (``[[workers]] user``) are given: in a
-#: directory of its own that anyone may pass through but not list, writable by everyone (it
-#: takes messages only from workers' processes, told apart by the sender's pid, as systemd's
-#: own notify socket does).
+#: The socket workers that run as another user (``[[workers]] user``) are given:
+#: ``state_dir/shared/notify.sock``, in a directory of its own that anyone may pass through but
+#: not list, writable by everyone (it takes messages only from workers' processes, told apart
+#: by the sender's pid, as systemd's own notify socket does). ``state_dir`` gets the same
+#: pass-through bit (its files keep their own modes). Not in ``/tmp``: a temporary-file cleaner
+#: removes it there, and anyone may create the directory's name again before it is rebound.
+SHARED_DIR = "shared"
 SHARED_DIR_MODE = 0o711
 SHARED_SOCKET_MODE = 0o666
 
 
-def shared_socket_path() -> Path:
-    """A fresh private temporary directory's ``notify.sock`` (``TMPDIR``, else ``/tmp``)."""
-    return Path(tempfile.mkdtemp(prefix="gpu-supervisor-shared-")) / "notify.sock"
+def shared_socket_path(state_dir: Path) -> Path | str:
+    """``state_dir/shared/notify.sock``, or why workers of another user cannot be given it."""
+    path = state_dir.absolute() / SHARED_DIR / "notify.sock"
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        return f"the shared notify socket's path {os.fspath(path)!r} is too long for a socket"
+    return path
+
+
+def unreachable_for(path: Path, uid: int, groups: Collection[int]) -> str | None:
+    """Why user ``uid`` (in ``groups``) cannot pass through every directory above ``path``'s
+    directory (None: it can). The directory itself and ``state_dir`` are made passable."""
+    for parent in path.parent.parent.parents:
+        try:
+            st = os.stat(parent)
+        except OSError as exc:
+            return f"{parent}: {exc.strerror or exc}"
+        if st.st_uid == uid:
+            ok = st.st_mode & 0o100
+        elif st.st_gid in groups:
+            ok = st.st_mode & 0o010
+        else:
+            ok = st.st_mode & 0o001
+        if not ok:
+            return f"{parent} (mode {stat.S_IMODE(st.st_mode):04o}) is closed to uid {uid}"
+    return None
+
+
+def _own_directory(path: Path, mode: int) -> None:
+    """Give ``path`` ``mode`` if it is a directory of this user's own (not a link), else
+    raise OSError: a directory someone else made at that name is never used."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{path} belongs to uid {st.st_uid}: not used")
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
@@ -98,12 +138,18 @@ class NotifyListener:
         *,
         mode: int = 0o600,
         dir_mode: int | None = None,
+        accepts: Callable[[int], bool] | None = None,
     ) -> None:
         """``mode``: the socket file's (who may send); ``dir_mode``: given to its directory
-        at every :meth:`open` (None: left as it is)."""
+        at every :meth:`open`, which must then be this user's own (None: left as it is);
+        ``accepts``: which sender uids are read at all (None: any; the others are dropped
+        before anything is looked up about their pid)."""
         self.path = path
         self.mode = mode
         self.dir_mode = dir_mode
+        self.accepts = accepts
+        self.dropped = 0  # datagrams of senders ``accepts`` refused
+        self._inode: tuple[int, int] | None = None
         self._on_message = on_message
         self._sock: socket.socket | None = None
         #: serving on asyncio: its loop, the fd its reader watches, and where errors go
@@ -116,13 +162,15 @@ class NotifyListener:
         """Bind the socket (removing a stale one) with SO_PASSCRED on."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.dir_mode is not None:
-            os.chmod(self.path.parent, self.dir_mode)
+            _own_directory(self.path.parent, self.dir_mode)
         with contextlib.suppress(OSError):  # gone, or a state_dir turned read-only
             self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.bind(os.fspath(self.path))
         os.chmod(self.path, self.mode)
+        st = os.lstat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
         sock.setblocking(False)
         self._sock = sock
 
@@ -146,8 +194,14 @@ class NotifyListener:
             old.close()
 
     def bound(self) -> bool:
-        """True while the socket file still exists at ``path``."""
-        return self._sock is not None and self.path.is_socket()
+        """True while the socket file this listener bound is still at ``path``."""
+        if self._sock is None:
+            return False
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return False
+        return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
 
     def close(self) -> None:
         """Close and remove the socket (a ``serve()`` in progress returns)."""
@@ -175,10 +229,13 @@ class NotifyListener:
             except (BlockingIOError, InterruptedError):
                 return count
             count += 1
-            pid = 0
+            pid = uid = 0
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _UCRED.unpack(payload[: _UCRED.size])[0]
+                    pid, uid, _ = _UCRED.unpack(payload[: _UCRED.size])
+            if self.accepts is not None and not self.accepts(uid):
+                self.dropped += 1
+                continue
             if pid > 0:
                 self._on_message(NotifyMessage(pid, parse_datagram(data)))
         return count

@@ -388,8 +388,10 @@ def resolve_account(
         groups = tuple(sorted(set(os.getgrouplist(entry.pw_name, gid))))
     except OSError:
         groups = (gid,)
-    euid, egid, have = current if current is not None else _current_identity()
-    switch = (entry.pw_uid, gid, frozenset(groups) | {gid}) != (euid, egid, have)
+    euid, egid, _ = current if current is not None else _current_identity()
+    # the supervisor's own user and group: its workers keep its groups too (a unit's
+    # SupplementaryGroups=), nothing to switch and no privilege needed
+    switch = (entry.pw_uid, gid) != (euid, egid)
     if switch and not (may_switch if may_switch is not None else _may_switch_user()):
         return (
             f"user {user!r}: running workers as uid {entry.pw_uid} gid {gid} needs root "

@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -47,7 +48,7 @@ from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
 from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings, read_config
-from supervisor.errors import ConfigError, PlacementError, StateDirBusy
+from supervisor.errors import ConfigError, PlacementError, SpawnError, StateDirBusy
 from supervisor.healing import Healer
 from supervisor.journal import Journal
 from supervisor.logs import install_loop_exception_handler
@@ -68,6 +69,7 @@ from supervisor.notify import (
     ancestors_of,
     shared_socket_path,
     socket_path_for,
+    unreachable_for,
 )
 from supervisor.output import WorkerOutput, this_run
 from supervisor.plan import (
@@ -310,6 +312,8 @@ class Runtime:
         self.listener = NotifyListener(self.notify_path, self._on_notify)
         #: the socket workers running as another user (``user``) get: opened when first needed
         self.shared_listener: NotifyListener | None = None
+        self.shared_path: Path | str = shared_socket_path(settings.supervisor.state_dir)
+        self.shared_error: str | None = None  # why it could not be opened
         #: ``[[workers]] user`` values as last resolved (``_accounts``)
         self._account_cache: dict[str, Account | str] = {}
         self._shared_checked_at = 0.0
@@ -479,6 +483,7 @@ class Runtime:
                     startup_error = exc
                     tg.cancel_scope.cancel()
                     plan = Plan((), ())
+                self._open_shared_for(w for g in plan.groups for w in g.workers)
                 for warning in plan.warnings:
                     self.log.warning("plan.warning", message=warning)
                 for name, why in self._unplaced.items():
@@ -521,7 +526,7 @@ class Runtime:
             self.listener.close()
             if self.shared_listener is not None:
                 self.shared_listener.close()
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):  # state_dir keeps its pass-through bit
                     self.shared_listener.path.parent.rmdir()
             if self.notify_path.parent != self.settings.supervisor.state_dir.absolute():
                 with contextlib.suppress(OSError):  # the private temp dir the socket went to
@@ -679,35 +684,41 @@ class Runtime:
     ) -> dict[str, Account | str]:
         """The groups' ``user`` values resolved (now, or as last resolved where ``cached``:
         a lookup may go to a directory service, so only plans at start and at reloads make
-        one, not each move of a worker); opens the socket workers that run as another user
-        can reach when one does."""
+        one, not each move of a worker)."""
         users = {g.user for g in groups if g.user}
         missing = users - self._account_cache.keys() if cached else users
         self._account_cache.update(resolve_accounts(missing))
-        accounts = {u: self._account_cache[u] for u in users}
-        if any(isinstance(a, Account) and a.switch for a in accounts.values()):
-            self._open_shared_socket()
-        return accounts
+        return {u: self._account_cache[u] for u in users}
 
     def _shared_socket(self) -> str | None:
-        listener = self.shared_listener
-        return None if listener is None else os.fspath(listener.path)
+        return None if isinstance(self.shared_path, str) else os.fspath(self.shared_path)
 
-    def _open_shared_socket(self) -> None:
-        """Open (once) the notify socket workers running as other users are given: the
-        private one, in ``state_dir``, only the supervisor's user may reach."""
-        if self.shared_listener is not None:
+    def _shared_sender(self, uid: int) -> bool:
+        """Whose datagrams the shared socket reads: the users workers run as (and ours)."""
+        return uid in (0, os.geteuid()) or any(
+            isinstance(a, Account) and a.uid == uid for a in self._account_cache.values()
+        )
+
+    def _open_shared_for(self, specs: Iterable[LaunchSpec]) -> None:
+        """Open (once) the notify socket for workers that run as another user, when one of
+        ``specs`` does (the private one, ``state_dir``'s 0600 socket, is out of their reach);
+        ``state_dir`` gets the pass-through bit for others. A failure is logged, and such
+        workers that need the socket fail to start with it (``_shared_problem``)."""
+        if self.shared_listener is not None or isinstance(self.shared_path, str):
             return
+        if not any(isinstance(s.account, Account) and s.account.switch for s in specs):
+            return
+        state_dir = self.settings.supervisor.state_dir
         listener = NotifyListener(
-            shared_socket_path(),
+            self.shared_path,
             self._on_notify,
             mode=SHARED_SOCKET_MODE,
             dir_mode=SHARED_DIR_MODE,
+            accepts=self._shared_sender,
         )
-        error = _attempt(listener.open)
-        if error is not None:  # workers that need it wait for READY=1 in vain: say why
-            with contextlib.suppress(OSError):
-                listener.path.parent.rmdir()
+        error = _attempt(functools.partial(_pass_through, state_dir)) or _attempt(listener.open)
+        if error is not None:
+            self.shared_error = error
             self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
             return
         self.shared_listener = listener
@@ -717,6 +728,20 @@ class Runtime:
         if self._tg is not None:
             self._tg.start_soon(listener.serve)
 
+    def _shared_problem(self, spec: LaunchSpec) -> str | None:
+        """Why ``spec``'s worker, of another user, cannot reach the shared notify socket it
+        needs (readiness, watchdog or in-use reports); None when it can or needs none."""
+        account = spec.account
+        if not isinstance(account, Account) or not account.switch:
+            return None
+        if "NOTIFY_SOCKET" not in spec.env and "GPU_SUPERVISOR_IN_USE_SOCKET" not in spec.env:
+            return None
+        if isinstance(self.shared_path, str):
+            return self.shared_path
+        if self.shared_listener is None:
+            return self.shared_error or "it is not open"
+        return unreachable_for(self.shared_path, account.uid, account.groups)
+
     def _check_shared_socket(self, now: float) -> None:
         """Bind the shared socket again where its file went (a temporary-file cleaner)."""
         listener = self.shared_listener
@@ -724,7 +749,10 @@ class Runtime:
             return
         self._shared_checked_at = now
         if not listener.bound():
-            error = _attempt(listener.rebind)
+            state_dir = self.settings.supervisor.state_dir
+            error = _attempt(functools.partial(_pass_through, state_dir)) or _attempt(
+                listener.rebind
+            )
             if error is not None:
                 self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
             else:
@@ -1487,6 +1515,8 @@ class Runtime:
             if not self.listener.bound():
                 self.listener.rebind()
                 self.log.warning("notify.rebound", path=os.fspath(self.notify_path))
+        self._shared_checked_at = -math.inf
+        self._check_shared_socket(self.clock.now())
         for runner in self.workers():
             runner.output.file.close()
 
@@ -1555,7 +1585,15 @@ class Runtime:
             self.healer.on_waiting_gpu(runner, str(fields.get("error", "")))
 
     def _cgroup_for(self, runner: WorkerRunner) -> Path | None:
-        """The cgroup ``runner``'s next process joins before exec (None: none)."""
+        """The cgroup ``runner``'s next process joins before exec (None: none); called right
+        before each spawn: SpawnError where its worker could not reach the notify socket."""
+        spec = runner.spec
+        problem = self._shared_problem(spec)
+        if problem is not None and isinstance(spec.account, Account):
+            raise SpawnError(
+                f"cannot start {spec.argv[0]!r} as user {spec.account.user!r}: the notify "
+                f"socket for workers of other users cannot be had: {problem}"
+            )
         group = self.settings.group(runner.spec.group)
         limit = group.health.host_memory_limit_mb if group is not None else 0.0
         return self.cgroups.prepare(runner.name, limit)
@@ -2419,6 +2457,7 @@ class Runtime:
             removed=list(diff.removed),
             start_only_keys=list(kept),
         )
+        self._open_shared_for(w for g in plan.groups for w in g.workers)
         # READY=1 now: the file is in force. Held until the roll-outs end (minutes: a model
         # load and stable_s a worker), systemd showed the unit "reloading" all along, held a
         # second `systemctl reload` back until then, and timed a long roll-out out.
@@ -2759,6 +2798,13 @@ def _passed_over(runner: WorkerRunner) -> bool:
         WorkerState.STOPPING,
     )
     return stopping_for_good or runner.record.waiting_for_gpu
+
+
+def _pass_through(directory: Path) -> None:
+    """Let others pass through ``directory`` (not list it: its files keep their modes)."""
+    mode = stat.S_IMODE(os.stat(directory).st_mode)
+    if not mode & 0o001:
+        os.chmod(directory, mode | 0o001)
 
 
 def _attempt(call: Callable[[], object]) -> str | None:

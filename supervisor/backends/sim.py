@@ -282,7 +282,12 @@ class SimBackend:
         try:
             if self.create:
                 (self.world / "gpus").mkdir(parents=True, exist_ok=True)
-                (self.world / "procs").mkdir(parents=True, exist_ok=True)
+                procs = self.world / "procs"
+                if not procs.is_dir():
+                    procs.mkdir(parents=True, exist_ok=True)
+                    # workers of any user (``[[workers]] user``) declare their memory here:
+                    # writable by all, each removing only its own files (as /tmp)
+                    os.chmod(procs, 0o1777)  # noqa: S103 - a simulated world, like /tmp
             if self.create and not self._device_files():
                 for i in range(self.create_devices):
                     write_atomic(self.world / "gpus" / str(i), default_device_text(i))

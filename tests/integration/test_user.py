@@ -151,8 +151,10 @@ def test_a_group_runs_as_its_user_and_its_workers_reach_the_notify_socket(
 ) -> None:
     python, where = world
     account = _account()
+    state_dir = where / "state"  # pytest's tmp_path is closed to other users (0700)
     sup = supervisor(
         {
+            "supervisor": {"state_dir": str(state_dir)},
             "workers": [
                 {
                     "name": "u",
@@ -163,10 +165,11 @@ def test_a_group_runs_as_its_user_and_its_workers_reach_the_notify_socket(
                     "stop_timeout_s": 2,
                 },
                 {"name": "r", "command": worker_cmd("ready_then_sleep"), "stop_timeout_s": 2},
-            ]
+            ],
         }
     )
     shared = Path(sup.wait_event(event="notify.shared")["path"])
+    assert shared == state_dir / "shared" / "notify.sock"
     ready = sup.ready("u-0")  # READY=1 came through the shared socket
     sup.ready("r-0")
     info = _whoami(sup.wait_line("[u-0] ", contains=" whoami "))
@@ -175,13 +178,15 @@ def test_a_group_runs_as_its_user_and_its_workers_reach_the_notify_socket(
     assert info["pdeathsig"] == signal.SIGKILL
     assert info["env"] == {**account.environ(), "NOTIFY_SOCKET": str(shared)}
     assert psutil.Process(ready["pid"]).uids().real == account.uid
-    # the shared socket: anyone may send (senders are told apart by pid), nobody may list
+    # the shared socket: anyone may send (senders are told apart by pid), nobody may list;
+    # state_dir may be passed through, not listed, and its files keep their modes
     assert stat.S_IMODE(shared.stat().st_mode) == 0o666
     assert stat.S_IMODE(shared.parent.stat().st_mode) == 0o711
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o751
     # the private one stays the supervisor's user's alone, and its own workers keep it
-    assert stat.S_IMODE((sup.state_dir / "notify.sock").stat().st_mode) == 0o600
+    assert stat.S_IMODE((state_dir / "notify.sock").stat().st_mode) == 0o600
     env = psutil.Process(sup.ready("r-0")["pid"]).environ()
-    assert env["NOTIFY_SOCKET"] == str(sup.state_dir / "notify.sock")
+    assert env["NOTIFY_SOCKET"] == str(state_dir / "notify.sock")
     assert env.get("USER") == os.environ.get("USER")
     assert sup.stop() == 0
     assert not shared.parent.exists()
@@ -220,7 +225,7 @@ def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_h
         "stop_timeout_s": 2,
         "restart": {"stable_s": 0.2},  # a roll-out waits for the new worker to stay ready
     }
-    sup = supervisor({"workers": [group]})
+    sup = supervisor({"supervisor": {"state_dir": str(where / "state")}, "workers": [group]})
     first = sup.ready("u-0")
     assert psutil.Process(first["pid"]).uids().real == os.geteuid()
     assert not sup.find(event="notify.shared")
@@ -229,11 +234,12 @@ def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_h
     mark, lines = sup.mark(), len(sup.stdout)
     sup.write_config({"workers": [{**group, "user": USER}]})
     sup.signal(signal.SIGHUP)
-    sup.wait_event(event="supervisor.reload_done", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark, timeout=30)
     shared = sup.wait_event(event="notify.shared", after=mark)["path"]
     moved = sup.ready("u-0", after=mark)
     assert psutil.Process(moved["pid"]).uids().real == account.uid
-    info = _whoami(sup.wait_line("[u-0] ", after=lines, contains=" whoami "))
+    # the new process's line (the old one's may be read after the mark: its own stream)
+    info = _whoami(sup.wait_line("[u-0] ", after=lines, contains=f" {moved['pid']} whoami "))
     assert info["uid"] == [account.uid] * 3 and info["env"]["NOTIFY_SOCKET"] == shared  # type: ignore[index]
 
     # a user that cannot be had rejects the reload: nothing is stopped
@@ -245,4 +251,40 @@ def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_h
     assert "group u: user 'no-such-x': no such user" in rejected["error"]
     assert not sup.find(event="worker.state", new="stopping", after=mark)
     assert psutil.Process(moved["pid"]).is_running()
+    assert sup.stop() == 0
+
+
+def test_a_state_dir_other_users_cannot_reach_fails_their_start_saying_why(
+    supervisor: SupervisorFactory, world: tuple[str, Path], tmp_path: Path
+) -> None:
+    python, where = world
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    sup = supervisor(
+        {
+            "supervisor": {"state_dir": str(closed / "state")},
+            "workers": [
+                {
+                    "name": "u",
+                    "command": [python, str(where / "whoami.py")],
+                    "user": USER,
+                    "cwd": str(where),
+                    "stop_timeout_s": 2,
+                },
+                {
+                    "name": "h",
+                    "command": [python, str(where / "whoami.py")],
+                    "user": USER,
+                    "cwd": str(where),
+                    "ready": "none",
+                    "stop_timeout_s": 2,
+                },
+            ],
+        }
+    )
+    failed = sup.wait_event(event="worker.spawn_failed", worker="u-0")
+    assert "the notify socket for workers of other users cannot be had" in failed["error"]
+    assert f"{closed} (mode 0700) is closed to uid {_account().uid}" in failed["error"]
+    # a worker that needs no notify socket (no readiness by it, no watchdog) runs
+    sup.wait_event(event="worker.spawned", worker="h-0")
     assert sup.stop() == 0

@@ -117,6 +117,11 @@ def test_the_supervisors_own_user_needs_no_switch_and_no_privilege() -> None:
     groups = frozenset(os.getgrouplist("nobody", entry.pw_gid)) | {entry.pw_gid}
     same = resolve_account("nobody", current=(entry.pw_uid, entry.pw_gid, groups), may_switch=False)
     assert isinstance(same, Account) and not same.switch
+    # with supplementary groups of its own (a unit's SupplementaryGroups=video): its workers
+    # keep them (regression: "needs root" for the supervisor's own user and group)
+    more = (entry.pw_uid, entry.pw_gid, groups | {44})
+    kept = resolve_account("nobody", current=more, may_switch=False)
+    assert isinstance(kept, Account) and not kept.switch
 
 
 @pytest.mark.parametrize("bad", ["a b", "a:b:c", ":wheel", "app:", "-app", "a\0b", "app\n"])

@@ -3,8 +3,14 @@ after the socket is bound again, and an error in the handler ending the serving 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -121,3 +127,75 @@ def test_a_read_is_at_most_the_limit(tmp_path: Path) -> None:
     assert listener.drain(4) == 4 and len(got) == 4
     assert listener.drain() == 6
     listener.close()
+
+
+def test_a_socket_put_in_its_place_is_not_taken_for_the_listeners(tmp_path: Path) -> None:
+    path = tmp_path / "notify.sock"
+    listener = NotifyListener(path, lambda _m: None)
+    listener.open()
+    try:
+        assert listener.bound()
+        path.unlink()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as other:
+            other.bind(os.fspath(path))  # someone else's socket at the same path
+            assert not listener.bound()  # so it is bound again (regression: taken as ours)
+    finally:
+        listener.close()
+
+
+def test_a_directory_of_someone_elses_is_never_used(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    theirs = tmp_path / "shared"
+    theirs.mkdir()
+    theirs.chmod(0o777)
+    os.chown(theirs, 65534, 65534)
+    listener = NotifyListener(theirs / "notify.sock", lambda _m: None, dir_mode=0o711)
+    with pytest.raises(OSError, match="belongs to uid 65534: not used"):
+        listener.open()
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o777 and not (theirs / "notify.sock").exists()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(NotADirectoryError):  # a link (O_NOFOLLOW), even to a directory of ours
+        NotifyListener(link / "notify.sock", lambda _m: None, dir_mode=0o711).open()
+    assert stat.S_IMODE(tmp_path.stat().st_mode) != 0o711
+
+
+def test_senders_it_does_not_accept_are_dropped_before_their_pid_is_looked_at() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("sending as another user needs root")
+    where = Path(tempfile.mkdtemp(prefix="gpu-supervisor-notify-test-"))
+    try:
+        where.chmod(0o755)
+        path = where / "notify.sock"
+        got: list[NotifyMessage] = []
+        listener = NotifyListener(path, got.append, mode=0o666, accepts=lambda uid: uid == 0)
+        listener.open()
+        try:
+            send(path, b"READY=1")  # from root: accepted
+            code = (
+                "import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+                f"s.sendto(b'READY=1', {os.fspath(path)!r})"
+            )
+            for python in (os.path.realpath(sys.executable), "/usr/bin/python3"):
+                with contextlib.suppress(OSError):
+                    done = subprocess.run(
+                        [python, "-c", code],
+                        user=65534,
+                        group=65534,
+                        extra_groups=[],
+                        cwd="/",
+                        check=False,
+                        capture_output=True,
+                        timeout=30,
+                    )
+                    if done.returncode == 0:
+                        break
+            else:
+                pytest.skip("no Python interpreter here that uid 65534 may run")
+            assert listener.drain() == 2
+            assert [m.pid for m in got] == [os.getpid()] and listener.dropped == 1
+        finally:
+            listener.close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ def test_creates_default_devices(tmp_path: Path) -> None:
     assert [i.uuid for i in ids] == [default_uuid(i) for i in range(3)]
     assert all(i.memory_total_mb == 81920 for i in ids)
     assert SimBackend(tmp_path, create_devices=5).open() == ids  # existing world is kept
+    # workers of any user ([[workers]] user) declare their memory there, as in /tmp
+    assert stat.S_IMODE((tmp_path / "procs").stat().st_mode) == 0o1777
 
 
 def test_memory_is_base_plus_live_processes(tmp_path: Path) -> None:
