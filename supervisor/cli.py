@@ -129,6 +129,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "ready": w.ready_url or gp.group.ready,
                     "command": list(w.argv),
                     "cwd": w.cwd,
+                    "user": gp.group.user or None,
                 }
             )
     return rows
@@ -194,15 +195,17 @@ def check_config(settings: Settings, as_json: bool) -> str:
     lines = [
         f"config ok: {len(plan.groups)} groups, {len(rows)} workers, state_dir {sup.state_dir}"
     ]
-    header = ("WORKER", "PORT", "GPUS", "READY", "COMMAND")
-    table = [header]
+    users = any(r["user"] for r in rows)  # a USER column only where a group has one
+    header = ("WORKER", "PORT", "GPUS", "READY", *(("USER",) if users else ()), "COMMAND")
+    table: list[tuple[str, ...]] = [header]
     for r in rows:
         gpus = r["gpus"]
         gpu_text = "(unset)" if gpus is None else (",".join(map(str, gpus)) or '""')  # type: ignore[call-overload]
         command = r["command"]
         assert isinstance(command, list)
+        user = (str(r["user"] or "-"),) if users else ()
         table.append(
-            (str(r["name"]), str(r["port"]), gpu_text, str(r["ready"]), shlex.join(command))
+            (str(r["name"]), str(r["port"]), gpu_text, str(r["ready"]), *user, shlex.join(command))
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:

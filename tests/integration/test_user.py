@@ -30,7 +30,7 @@ import pytest
 from supervisor import processes
 from supervisor.model import Account, LaunchSpec
 from tests.conftest import SupervisorFactory
-from tests.harness import WORKERS, worker_cmd
+from tests.harness import ROOT, WORKERS, worker_cmd
 
 USER = "nobody"
 
@@ -288,3 +288,25 @@ def test_a_state_dir_other_users_cannot_reach_fails_their_start_saying_why(
     # a worker that needs no notify socket (no readiness by it, no watchdog) runs
     sup.wait_event(event="worker.spawned", worker="h-0")
     assert sup.stop() == 0
+
+
+def test_check_config_shows_the_user_and_warns_of_one_that_cannot_be_had(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[supervisor]\nstate_dir='/tmp/x'\n[gpu]\nbackend='none'\n"
+        "[[workers]]\nname='u'\ncommand=['sh','-c','true']\nuser='nobody'\n"
+        "[[workers]]\nname='g'\ncommand=['sh','-c','true']\nuser='no-such-x'\n"
+        "[[workers]]\nname='r'\ncommand=['sh','-c','true']\n"
+    )
+    argv = [sys.executable, "-m", "supervisor", "check-config", "-c", str(path)]
+    text = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
+    assert rows["WORKER"][4] == "USER"
+    assert rows["u-0"][4] == "nobody" and rows["g-0"][4] == "no-such-x" and rows["r-0"][4] == "-"
+    assert "warning: group g: user 'no-such-x': no such user (its workers would fail" in text
+    plan = json.loads(
+        subprocess.run(
+            [*argv, "--json"], capture_output=True, text=True, check=True, cwd=ROOT
+        ).stdout
+    )
+    assert [w["user"] for w in plan["workers"]] == ["nobody", "no-such-x", None]
