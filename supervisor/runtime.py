@@ -2262,7 +2262,6 @@ class Runtime:
             if self._shutting_down:
                 return
             while True:
-                self._reload_again = False
                 vetted, self._vetted_data = self._vetted_data, None
                 data: dict[str, Any] | None = None
                 if vetted is not None and vetted[0] > self._covered:
@@ -2273,11 +2272,14 @@ class Runtime:
                 else:
                     covered, later = self.reload_requests, False
                 self._covered = covered
+                # requests made after that file are still to come: one whose check (maybe
+                # under way) finds a file it would take supersedes this roll-out too
+                self._reload_again = later
                 ok = await self._reload(covered, data)
                 if ok is not None:  # a superseded one: the next says how it went
                     self.last_reload = (ok, self.clock.wall() if ok else self.last_reload[1])
                 # again only for a request made after this reload read the file
-                if not (self._reload_again or later) or self._shutting_down:
+                if not self._reload_again or self._shutting_down:
                     return
                 if self.reload_requests == covered:
                     return
