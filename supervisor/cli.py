@@ -42,6 +42,7 @@ from supervisor.processes import (
     protect_from_oom_killer,
     raise_open_files_limit,
     release_held_signals,
+    reporters_unreadable,
     resolve_accounts,
     unrunnable,
 )
@@ -180,7 +181,13 @@ def check_config(settings: Settings, as_json: bool) -> str:
         slots or None,
         accounts=resolve_accounts(g.user for g in settings.workers),
     )
-    warnings = ([error] if error else []) + list(plan.warnings) + _unrunnable(plan)
+    firsts = [(g.group.name, g.workers[0]) for g in plan.groups if g.workers]
+    warnings = [
+        *([error] if error else []),
+        *plan.warnings,
+        *_unrunnable(plan),
+        *reporters_unreadable(firsts),
+    ]
     rows = _plan_rows(plan)
     if as_json:
         return json.dumps(

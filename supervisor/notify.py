@@ -15,7 +15,7 @@ import socket
 import stat
 import struct
 import tempfile
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,25 +74,6 @@ def shared_socket_path(state_dir: Path) -> Path | str:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         return f"the shared notify socket's path {os.fspath(path)!r} is too long for a socket"
     return path
-
-
-def unreachable_for(path: Path, uid: int, groups: Collection[int]) -> str | None:
-    """Why user ``uid`` (in ``groups``) cannot pass through every directory above ``path``'s
-    directory (None: it can). The directory itself and ``state_dir`` are made passable."""
-    for parent in path.parent.parent.parents:
-        try:
-            st = os.stat(parent)
-        except OSError as exc:
-            return f"{parent}: {exc.strerror or exc}"
-        if st.st_uid == uid:
-            ok = st.st_mode & 0o100
-        elif st.st_gid in groups:
-            ok = st.st_mode & 0o010
-        else:
-            ok = st.st_mode & 0o001
-        if not ok:
-            return f"{parent} (mode {stat.S_IMODE(st.st_mode):04o}) is closed to uid {uid}"
-    return None
 
 
 def _own_directory(path: Path, mode: int) -> None:

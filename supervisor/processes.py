@@ -23,8 +23,9 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import psutil
 from supervisor import procfs
 from supervisor.errors import SpawnError
 from supervisor.model import Account, ExitStatus, LaunchSpec
+from supervisor.plan import WORKER_SITE_DIR
 
 #: Blocked by the entry point (``supervisor.__main__``) until ``run`` handles them.
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -407,6 +409,61 @@ def resolve_account(
         shell=entry.pw_shell or "/bin/sh",
         switch=switch,
     )
+
+
+def unreachable_for(path: Path, uid: int, groups: Collection[int]) -> str | None:
+    """Why user ``uid`` (in ``groups``) cannot pass through every directory above ``path``'s
+    directory (None: it can). The directory itself and ``state_dir`` are made passable."""
+    for parent in path.parent.parent.parents:
+        if (why := denied(parent, uid, groups, 0o1)) is not None:
+            return why
+    return None
+
+
+def denied(path: Path, uid: int, groups: Collection[int], want: int) -> str | None:
+    """Why user ``uid`` (in ``groups``) lacks the ``want`` bits (``0o4`` read, ``0o1``
+    execute or pass through) on ``path`` by its mode (None: it has them; ACLs not read)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if uid == 0:
+        return None
+    shift = 6 if st.st_uid == uid else 3 if st.st_gid in groups else 0
+    if (st.st_mode >> shift) & want != want:
+        return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}) is closed to uid {uid}"
+    return None
+
+
+def unreadable_by(path: Path, account: Account) -> str | None:
+    """Why ``account`` cannot read ``path`` (a file, or a directory it must also list) by the
+    modes of it and of every directory above it (None: it can)."""
+    groups = account.groups
+    for parent in reversed(path.parents):
+        if (why := denied(parent, account.uid, groups, 0o1)) is not None:
+            return why
+    return denied(path, account.uid, groups, 0o5 if path.is_dir() else 0o4)
+
+
+def reporters_unreadable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
+    """One line per ``(group, spec)`` whose worker runs as another user with an in-use
+    reporter (``in_use_reporter``) that user cannot read: Python skips an unreadable
+    ``PYTHONPATH`` entry without a word, so the worker would send no reports."""
+    out = []
+    for group, spec in specs:
+        account = spec.account
+        if not isinstance(account, Account) or not account.switch:
+            continue
+        if "GPU_SUPERVISOR_IN_USE_SOCKET" not in spec.env:
+            continue
+        why = unreadable_by(Path(WORKER_SITE_DIR) / "sitecustomize.py", account)
+        if why is not None:
+            out.append(
+                f"group {group}: its workers run as {account.user!r} and cannot read the "
+                f"in-use reporter ({why}): they send no in-use reports (install gpu-supervisor "
+                "where that user can read it)"
+            )
+    return out
 
 
 def resolve_accounts(users: Iterable[str]) -> dict[str, Account | str]:

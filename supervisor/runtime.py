@@ -69,7 +69,6 @@ from supervisor.notify import (
     ancestors_of,
     shared_socket_path,
     socket_path_for,
-    unreachable_for,
 )
 from supervisor.output import WorkerOutput, this_run
 from supervisor.plan import (
@@ -107,8 +106,10 @@ from supervisor.processes import (
     pass_on_ignored_signals,
     probe_spawn_helper,
     release_held_signals,
+    reporters_unreadable,
     resolve_accounts,
     set_child_subreaper,
+    unreachable_for,
     unrunnable,
 )
 from supervisor.reclaim import KILL_WAIT_S as RECLAIM_KILL_WAIT_S
@@ -484,6 +485,7 @@ class Runtime:
                     tg.cancel_scope.cancel()
                     plan = Plan((), ())
                 self._open_shared_for(w for g in plan.groups for w in g.workers)
+                self._warn_unreadable_reporters(plan, [g.group.name for g in plan.groups])
                 for warning in plan.warnings:
                     self.log.warning("plan.warning", message=warning)
                 for name, why in self._unplaced.items():
@@ -727,6 +729,13 @@ class Runtime:
         )
         if self._tg is not None:
             self._tg.start_soon(listener.serve)
+
+    def _warn_unreadable_reporters(self, plan: Plan, groups: Collection[str]) -> None:
+        """``plan.warning`` for each of ``groups`` whose workers cannot read the in-use
+        reporter (they run as another user)."""
+        firsts = [(g.group.name, g.workers[0]) for g in plan.groups if g.workers]
+        for line in reporters_unreadable((n, s) for n, s in firsts if n in groups):
+            self.log.warning("plan.warning", message=line)
 
     def _shared_problem(self, spec: LaunchSpec) -> str | None:
         """Why ``spec``'s worker, of another user, cannot reach the shared notify socket it
@@ -2460,6 +2469,7 @@ class Runtime:
             start_only_keys=list(kept),
         )
         self._open_shared_for(w for g in plan.groups for w in g.workers)
+        self._warn_unreadable_reporters(plan, [*diff.changed, *diff.added])
         # READY=1 now: the file is in force. Held until the roll-outs end (minutes: a model
         # load and stable_s a worker), systemd showed the unit "reloading" all along, held a
         # second `systemctl reload` back until then, and timed a long roll-out out.

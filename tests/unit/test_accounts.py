@@ -9,9 +9,14 @@ import dataclasses
 import grp
 import os
 import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from supervisor import processes
 from supervisor.config import WorkerGroup, parse_settings
 from supervisor.errors import ConfigError, SpawnError
 from supervisor.model import Account
@@ -203,3 +208,53 @@ def test_a_user_that_cannot_be_had_never_starts_a_worker() -> None:
         with pytest.raises(SpawnError):
             spawn(spec)
     assert unrunnable([("g", refused)]) == ["group g: no such user"]
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary directory anyone may pass (pytest's own are closed: 0700)."""
+    if os.geteuid() != 0:
+        pytest.skip("files of another owner need root to make")
+    where = Path(tempfile.mkdtemp(prefix="gpu-supervisor-accounts-test-"))
+    where.chmod(0o755)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_what_an_account_may_read_goes_by_every_directory_above(open_tmp: Path) -> None:
+    tmp_path = open_tmp / "base"
+    tmp_path.mkdir()
+    site = tmp_path / "open" / "site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text("")
+    for p in (tmp_path, tmp_path / "open", site):
+        p.chmod(0o755)
+    (site / "sitecustomize.py").chmod(0o644)
+    assert processes.unreadable_by(site / "sitecustomize.py", ACCOUNT) is None
+    tmp_path.chmod(0o750)  # root's group only
+    why = processes.unreadable_by(site / "sitecustomize.py", ACCOUNT)
+    assert why == f"{tmp_path} (mode 0750) is closed to uid 4242"
+    os.chown(tmp_path, 0, 44)  # a group the account is in
+    assert processes.unreadable_by(site / "sitecustomize.py", ACCOUNT) is None
+    (site / "sitecustomize.py").chmod(0o600)
+    assert "sitecustomize.py (mode 0600) is closed to uid 4242" in str(
+        processes.unreadable_by(site / "sitecustomize.py", ACCOUNT)
+    )
+
+
+def test_a_reporter_its_user_cannot_read_is_a_warning(
+    open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed = open_tmp / "closed"
+    closed.mkdir(mode=0o700)
+    monkeypatch.setattr(processes, "WORKER_SITE_DIR", str(closed / "worker_site"))
+    group = _group(user="app", health={"in_use_reporter": "torch"})
+    spec = launch_spec(group, 0, INHERITED, "/s", None, accounts={"app": ACCOUNT})
+    lines = processes.reporters_unreadable([("g", spec)])
+    assert lines == [
+        f"group g: its workers run as 'app' and cannot read the in-use reporter ({closed} "
+        "(mode 0700) is closed to uid 4242): they send no in-use reports (install "
+        "gpu-supervisor where that user can read it)"
+    ]
+    plain = launch_spec(_group(user="app"), 0, INHERITED, "/s", None, accounts={"app": ACCOUNT})
+    assert processes.reporters_unreadable([("g", plain)]) == []  # no reporter, nothing to read
