@@ -430,19 +430,45 @@ def denied(path: Path, uid: int, groups: Collection[int], want: int) -> str | No
     if uid == 0:
         return None
     shift = 6 if st.st_uid == uid else 3 if st.st_gid in groups else 0
-    if (st.st_mode >> shift) & want != want:
+    if (st.st_mode >> shift) & want != want and not _has_acl(path):
         return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}) is closed to uid {uid}"
     return None
 
 
-def unreadable_by(path: Path, account: Account) -> str | None:
-    """Why ``account`` cannot read ``path`` (a file, or a directory it must also list) by the
-    modes of it and of every directory above it (None: it can)."""
+def _has_acl(path: Path) -> bool:
+    """True when ``path`` has a POSIX ACL, which may grant what its mode does not (then the
+    mode is not judged: the kernel decides at the start)."""
+    try:
+        return "system.posix_acl_access" in os.listxattr(path)
+    except OSError:
+        return False
+
+
+def unreadable_by(path: Path, account: Account, want: int | None = None) -> str | None:
+    """Why ``account`` cannot read ``path`` (a file, or a directory it must also list; or use
+    it as ``want`` says) by the modes of it and of every directory above it (None: it can)."""
     groups = account.groups
     for parent in reversed(path.parents):
         if (why := denied(parent, account.uid, groups, 0o1)) is not None:
             return why
-    return denied(path, account.uid, groups, 0o5 if path.is_dir() else 0o4)
+    if want is None:
+        want = 0o5 if path.is_dir() else 0o4
+    return denied(path, account.uid, groups, want)
+
+
+def _closed_to(account: Account, program: str, cwd: str | None) -> str | None:
+    """Why ``account`` could not start ``program`` (as ``resolve_program`` found it) in
+    ``cwd`` by the modes of the files and directories (None: it could)."""
+    base = Path(cwd).absolute() if cwd is not None else Path.cwd()
+    if cwd is not None and (why := unreadable_by(base, account, 0o1)) is not None:
+        return f"cannot enter its working directory: {why}"
+    path = Path(program) if os.path.isabs(program) else base / program
+    try:
+        with open(path, "rb") as f:
+            script = f.read(2) == b"#!"  # the interpreter reads it: read permission too
+    except OSError:
+        script = False
+    return unreadable_by(path, account, 0o5 if script else 0o1)
 
 
 def reporters_unreadable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
@@ -493,7 +519,7 @@ def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> st
 def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
     """One line per ``(group, spec)`` whose program cannot be executed from here, as
     ``execvpe`` would look for it (its PATH, its working directory), or whose ``user`` cannot
-    be had."""
+    be had, or could not enter the working directory or execute the program (by the modes)."""
     out = []
     for group, spec in specs:
         if isinstance(spec.account, str):
@@ -501,9 +527,15 @@ def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
             continue
         env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
         try:
-            resolve_program(spec.argv[0], env, spec.cwd)
+            found = resolve_program(spec.argv[0], env, spec.cwd)
         except SpawnError as exc:
             out.append(f"group {group}: {exc}")
+            continue
+        account = spec.account
+        if account is not None and account.switch:
+            why = _closed_to(account, found, spec.cwd)
+            if why is not None:
+                out.append(f"group {group}: user {account.user!r} cannot start {found!r}: {why}")
     return out
 
 

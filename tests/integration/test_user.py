@@ -290,23 +290,53 @@ def test_a_state_dir_other_users_cannot_reach_fails_their_start_saying_why(
     assert sup.stop() == 0
 
 
-def test_check_config_shows_the_user_and_warns_of_one_that_cannot_be_had(tmp_path: Path) -> None:
-    path = tmp_path / "c.toml"
+def test_check_config_shows_the_user_and_warns_of_what_it_cannot_have(
+    world: tuple[str, Path],
+) -> None:
+    python, where = world
+    closed = where / "closed"
+    closed.mkdir(mode=0o700)
+    (closed / "serve").write_text("#!/bin/sh\nexit 0\n")
+    (closed / "serve").chmod(0o755)
+    (where / "private").write_text("#!/bin/sh\nexit 0\n")
+    (where / "private").chmod(0o711)  # executable, not readable: a script cannot run
+    path = where / "c.toml"
     path.write_text(
         "[supervisor]\nstate_dir='/tmp/x'\n[gpu]\nbackend='none'\n"
-        "[[workers]]\nname='u'\ncommand=['sh','-c','true']\nuser='nobody'\n"
+        f"[[workers]]\nname='u'\ncommand=['{python}','-c','1']\nuser='nobody'\n"
         "[[workers]]\nname='g'\ncommand=['sh','-c','true']\nuser='no-such-x'\n"
         "[[workers]]\nname='r'\ncommand=['sh','-c','true']\n"
+        f"[[workers]]\nname='c'\ncommand=['{closed}/serve']\nuser='nobody'\n"
+        f"[[workers]]\nname='d'\ncommand=['./serve']\ncwd='{closed}'\nuser='nobody'\n"
+        f"[[workers]]\nname='p'\ncommand=['{where}/private']\nuser='nobody'\n"
     )
     argv = [sys.executable, "-m", "supervisor", "check-config", "-c", str(path)]
     text = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
     assert rows["WORKER"][4] == "USER"
     assert rows["u-0"][4] == "nobody" and rows["g-0"][4] == "no-such-x" and rows["r-0"][4] == "-"
-    assert "warning: group g: user 'no-such-x': no such user (its workers would fail" in text
+    warnings = [line for line in text.splitlines() if line.startswith("warning: group")]
+    uid = _account().uid
+    assert warnings == [
+        "warning: group g: user 'no-such-x': no such user (its workers would fail to start)",
+        f"warning: group c: user 'nobody' cannot start '{closed}/serve': {closed} (mode 0700) "
+        f"is closed to uid {uid} (its workers would fail to start)",
+        f"warning: group d: user 'nobody' cannot start './serve': cannot enter its working "
+        f"directory: {closed} (mode 0700) is closed to uid {uid} (its workers would fail to "
+        "start)",
+        f"warning: group p: user 'nobody' cannot start '{where}/private': {where}/private "
+        f"(mode 0711) is closed to uid {uid} (its workers would fail to start)",
+    ], text
     plan = json.loads(
         subprocess.run(
             [*argv, "--json"], capture_output=True, text=True, check=True, cwd=ROOT
         ).stdout
     )
-    assert [w["user"] for w in plan["workers"]] == ["nobody", "no-such-x", None]
+    assert [w["user"] for w in plan["workers"]] == [
+        "nobody",
+        "no-such-x",
+        None,
+        "nobody",
+        "nobody",
+        "nobody",
+    ]
