@@ -76,6 +76,29 @@ def shared_socket_path(state_dir: Path) -> Path | str:
     return path
 
 
+def others_may_replace(directory: Path) -> str | None:
+    """Why a user other than root and this process's could replace what is in ``directory``
+    (it, or a directory above it, is theirs, or writable by group or others without the
+    sticky bit: /tmp is safe, a state_dir owned by the workers' user is not); None: nobody."""
+    euid = os.geteuid()
+    for d in (directory, *directory.parents):
+        try:
+            st = os.lstat(d)
+        except OSError as exc:
+            return f"{d}: {exc.strerror or exc}"
+        if stat.S_ISLNK(st.st_mode):
+            d = Path(os.path.realpath(d))
+            try:
+                st = os.stat(d)
+            except OSError as exc:
+                return f"{d}: {exc.strerror or exc}"
+        if st.st_uid not in (0, euid):
+            return f"{d} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"{d} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by others"
+    return None
+
+
 def _own_directory(path: Path, mode: int) -> None:
     """Give ``path`` ``mode`` if it is a directory of this user's own (not a link), else
     raise OSError: a directory someone else made at that name is never used."""

@@ -136,11 +136,13 @@ def _child_setup(
     cgroup_procs: str | None = None,
     oom_score_adj: bytes | None = None,
     account: Account | None = None,
+    cwd: str | None = None,
 ) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
         # The cgroup is joined and the score written with the supervisor's credentials, then
-        # the user is changed (which clears a parent-death signal: it is set after).
+        # the user is changed (which clears a parent-death signal: it is set after), and the
+        # working directory entered as that user (as systemd's WorkingDirectory=).
         if account is None:
             pdeathsig()
         join_and_score()
@@ -148,6 +150,13 @@ def _child_setup(
             os.setgroups(list(account.groups))
             os.setresgid(account.gid, account.gid, account.gid)
             os.setresuid(account.uid, account.uid, account.uid)
+            if cwd is not None:
+                try:
+                    os.chdir(cwd)
+                except OSError as exc:  # said in the worker's log, exit 126 (as a shell)
+                    why = f"cannot enter the working directory {cwd!r}: {exc.strerror}"
+                    os.write(1, f"gpu-supervisor: {why} (uid {account.uid})\n".encode())
+                    os._exit(126)
             pdeathsig()
 
     def pdeathsig() -> None:
@@ -413,10 +422,14 @@ def resolve_account(
 
 def unreachable_for(path: Path, uid: int, groups: Collection[int]) -> str | None:
     """Why user ``uid`` (in ``groups``) cannot pass through every directory above ``path``'s
-    directory (None: it can). The directory itself and ``state_dir`` are made passable."""
-    for parent in path.parent.parent.parents:
-        if (why := denied(parent, uid, groups, 0o1)) is not None:
-            return why
+    directory (None: it can), as written and where links lead. The directory itself and
+    ``state_dir`` are made passable."""
+    state_dir = path.parent.parent
+    real = Path(os.path.realpath(state_dir))
+    for d in (state_dir, real) if real != state_dir.absolute() else (state_dir,):
+        for parent in d.parents:
+            if (why := denied(parent, uid, groups, 0o1)) is not None:
+                return why
     return None
 
 
@@ -448,11 +461,14 @@ def unreadable_by(path: Path, account: Account, want: int | None = None) -> str 
     """Why ``account`` cannot read ``path`` (a file, or a directory it must also list; or use
     it as ``want`` says) by the modes of it and of every directory above it (None: it can)."""
     groups = account.groups
-    for parent in reversed(path.parents):
-        if (why := denied(parent, account.uid, groups, 0o1)) is not None:
-            return why
     if want is None:
         want = 0o5 if path.is_dir() else 0o4
+    real = Path(os.path.realpath(path))
+    # the path as written, and where its links lead (each must be passable)
+    for p in (path, real) if real != path.absolute() else (path,):
+        for parent in reversed(p.parents):
+            if (why := denied(parent, account.uid, groups, 0o1)) is not None:
+                return why
     return denied(path, account.uid, groups, want)
 
 
@@ -574,7 +590,9 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     PR_SET_PDEATHSIG is set through ``setpriv --pdeathsig KILL`` where util-linux has it (Popen
     can then vfork: ~0.2 ms instead of ~3 ms for a full fork of the supervisor), else in a
     ``preexec_fn``. ``cgroup``: the worker's cgroup directory, joined in the ``preexec_fn``
-    before exec (so a full fork then: the child must run code of ours before exec).
+    before exec (so a full fork then: the child must run code of ours before exec). A worker
+    of another user (``spec.account``) is always switched in the ``preexec_fn``, which then
+    enters ``spec.cwd`` as that user.
 
     A supervisor that lowered its ``oom_score_adj`` (``protect_from_oom_killer``, systemd's
     ``OOMScoreAdjust=``) gives the worker its original score back before the worker's program
@@ -588,15 +606,14 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         raise SpawnError(f"cannot start {spec.argv[0]!r}: {spec.account}")
     account = spec.account if spec.account is not None and spec.account.switch else None
     program = resolve_program(spec.argv[0], env, spec.cwd)
-    setpriv = _setpriv() if cgroup is None else None
+    # Not for a worker of another user: setpriv keeps its capabilities until the exec, so the
+    # program would be found and executed with root's rights to any file; a switch in the
+    # preexec_fn drops them before the working directory is entered and the program run.
+    setpriv = _setpriv() if cgroup is None and account is None else None
     oom = _oom_score_for_worker()
     oom_after: int | None = None  # written to /proc/<pid>/oom_score_adj once Popen returns
     if setpriv is not None:
-        argv = [setpriv, "--pdeathsig", "KILL"]
-        if account is not None:  # setpriv changes the user first, then sets the signal
-            groups = ",".join(map(str, account.groups))
-            argv += ["--reuid", str(account.uid), "--regid", str(account.gid), "--groups", groups]
-        argv.append("--")
+        argv = [setpriv, "--pdeathsig", "KILL", "--"]
         if oom is not None:
             choom = _choom()
             if choom is not None:
@@ -609,7 +626,9 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         argv = [program, *spec.argv[1:]]
         procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
         adj = None if oom is None else str(oom).encode()
-        preexec = _child_setup(os.getpid(), _prctl(), procs, adj, account)
+        preexec = _child_setup(
+            os.getpid(), _prctl(), procs, adj, account, None if account is None else spec.cwd
+        )
     try:
         read_fd, write_fd = os.pipe()
     except OSError as exc:  # EMFILE/ENFILE: out of file descriptors
@@ -621,7 +640,7 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
             stdout=write_fd,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=spec.cwd,
+            cwd=spec.cwd if account is None else None,  # else entered as the account
             close_fds=True,
             start_new_session=True,
             preexec_fn=preexec,

@@ -158,7 +158,9 @@ def lock_state_dir(state_dir: Path) -> int | None:
     ``state_dir``: records are degraded anyway). Raises ``StateDirBusy`` naming the holder.
     """
     try:
-        fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # never through a link: the pid would be written into whatever file it names
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(state_dir / LOCK_FILE, flags, 0o644)
     except OSError:
         return None
     try:

@@ -67,6 +67,7 @@ from supervisor.notify import (
     NotifyListener,
     NotifyMessage,
     ancestors_of,
+    others_may_replace,
     shared_socket_path,
     socket_path_for,
 )
@@ -708,7 +709,7 @@ class Runtime:
         workers that need the socket fail to start with it (``_shared_problem``)."""
         if self.shared_listener is not None or isinstance(self.shared_path, str):
             return
-        if not any(isinstance(s.account, Account) and s.account.switch for s in specs):
+        if not any(_needs_shared(s) for s in specs):
             return
         state_dir = self.settings.supervisor.state_dir
         listener = NotifyListener(
@@ -718,7 +719,11 @@ class Runtime:
             dir_mode=SHARED_DIR_MODE,
             accepts=self._shared_sender,
         )
-        error = _attempt(functools.partial(_pass_through, state_dir)) or _attempt(listener.open)
+        error = (
+            _unsafe(state_dir)
+            or _attempt(functools.partial(_pass_through, state_dir))
+            or _attempt(listener.open)
+        )
         if error is not None:
             self.shared_error = error
             self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
@@ -741,13 +746,11 @@ class Runtime:
         """Why ``spec``'s worker, of another user, cannot reach the shared notify socket it
         needs (readiness, watchdog or in-use reports); None when it can or needs none."""
         account = spec.account
-        if not isinstance(account, Account) or not account.switch:
-            return None
-        if "NOTIFY_SOCKET" not in spec.env and "GPU_SUPERVISOR_IN_USE_SOCKET" not in spec.env:
+        if not isinstance(account, Account) or not _needs_shared(spec):
             return None
         if isinstance(self.shared_path, str):
             return self.shared_path
-        if self.shared_listener is None:
+        if self.shared_listener is None or not self.shared_listener.bound():
             return self.shared_error or "it is not open"
         return unreachable_for(self.shared_path, account.uid, account.groups)
 
@@ -759,9 +762,12 @@ class Runtime:
         self._shared_checked_at = now
         if not listener.bound():
             state_dir = self.settings.supervisor.state_dir
-            error = _attempt(functools.partial(_pass_through, state_dir)) or _attempt(
-                listener.rebind
+            error = (
+                _unsafe(state_dir)
+                or _attempt(functools.partial(_pass_through, state_dir))
+                or _attempt(listener.rebind)
             )
+            self.shared_error = error
             if error is not None:
                 self.log.error("notify.shared_failed", path=os.fspath(listener.path), error=error)
             else:
@@ -2810,6 +2816,23 @@ def _passed_over(runner: WorkerRunner) -> bool:
         WorkerState.STOPPING,
     )
     return stopping_for_good or runner.record.waiting_for_gpu
+
+
+def _needs_shared(spec: LaunchSpec) -> bool:
+    """True for a worker of another user that sends to the notify socket (readiness,
+    watchdog or in-use reports)."""
+    account = spec.account
+    return (
+        isinstance(account, Account)
+        and account.switch
+        and ("NOTIFY_SOCKET" in spec.env or "GPU_SUPERVISOR_IN_USE_SOCKET" in spec.env)
+    )
+
+
+def _unsafe(state_dir: Path) -> str | None:
+    """Why the shared notify socket must not be put in ``state_dir`` (None: it may)."""
+    why = others_may_replace(state_dir.absolute())
+    return None if why is None else f"{why}: the socket there could be replaced"
 
 
 def _pass_through(directory: Path) -> None:

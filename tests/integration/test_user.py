@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from supervisor import processes
+from supervisor.errors import SpawnError
 from supervisor.model import Account, LaunchSpec
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, WORKERS, worker_cmd
@@ -108,32 +109,33 @@ def _account() -> Account:
     return account
 
 
-@pytest.mark.parametrize("how", ["setpriv", "preexec_fn"])
-def test_spawn_changes_every_id_and_keeps_the_parent_death_signal(
-    world: tuple[str, Path], how: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    python, where = world
-    if how == "setpriv" and processes._setpriv() is None:
-        pytest.skip("no setpriv with --pdeathsig here (util-linux >= 2.33)")
-    if how == "preexec_fn":  # as with a cgroup to join: the child runs our code before exec
-        monkeypatch.setattr(processes, "_setpriv", lambda: None)
-    account = _account()
-    spec = LaunchSpec(
+def _spec(account: Account, argv: tuple[str, ...], cwd: Path) -> LaunchSpec:
+    return LaunchSpec(
         name="u-0",
         group="u",
         index=0,
-        argv=(python, str(where / "whoami.py")),
+        argv=argv,
         env={"PATH": os.defpath, "GPU_SUPERVISOR_WORKER": "u-0", **account.environ()},
         port=None,
         gpus=None,
         ready_url=None,
         notify=False,
         watchdog_s=0.0,
-        cwd=str(where),
+        cwd=str(cwd),
         account=account,
     )
-    child = processes.spawn(spec)
+
+
+def test_spawn_changes_every_id_and_keeps_the_parent_death_signal(
+    world: tuple[str, Path],
+) -> None:
+    python, where = world
+    account = _account()
+    child = processes.spawn(_spec(account, (python, str(where / "whoami.py")), where))
     try:
+        # switched in the preexec_fn, never by setpriv (which keeps root's rights to files
+        # until the exec: a program only root may run ran as the account)
+        assert isinstance(child.popen.args, list) and child.popen.args[0] == python
         info = _whoami(_read_until(child.output_fd, " whoami "))
         assert info["uid"] == [account.uid] * 3
         assert info["gid"] == [account.gid] * 3
@@ -143,6 +145,30 @@ def test_spawn_changes_every_id_and_keeps_the_parent_death_signal(
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.popen.wait()
+        os.close(child.output_fd)
+
+
+def test_the_account_enters_the_working_directory_and_runs_the_program_with_its_own_rights(
+    world: tuple[str, Path],
+) -> None:
+    python, where = world
+    account = _account()
+    closed = where / "closed"
+    closed.mkdir(mode=0o700)
+    rootonly = where / "rootonly"
+    shutil.copy("/bin/true", rootonly)
+    rootonly.chmod(0o700)
+    with pytest.raises(SpawnError, match="Permission denied"):
+        processes.spawn(_spec(account, (str(rootonly),), where))
+    child = processes.spawn(_spec(account, (python, "-c", "pass"), closed))
+    try:
+        said = _read_until(child.output_fd, "gpu-supervisor:")
+        assert said == (
+            f"gpu-supervisor: cannot enter the working directory {str(closed)!r}: "
+            f"Permission denied (uid {account.uid})"
+        )
+        assert child.popen.wait(10) == 126
+    finally:
         os.close(child.output_fd)
 
 
@@ -298,6 +324,7 @@ def test_check_config_shows_the_user_and_warns_of_what_it_cannot_have(
     closed.mkdir(mode=0o700)
     (closed / "serve").write_text("#!/bin/sh\nexit 0\n")
     (closed / "serve").chmod(0o755)
+    (where / "linkprog").symlink_to(closed / "serve")  # reachable as written, not where it leads
     (where / "private").write_text("#!/bin/sh\nexit 0\n")
     (where / "private").chmod(0o711)  # executable, not readable: a script cannot run
     path = where / "c.toml"
@@ -309,6 +336,7 @@ def test_check_config_shows_the_user_and_warns_of_what_it_cannot_have(
         f"[[workers]]\nname='c'\ncommand=['{closed}/serve']\nuser='nobody'\n"
         f"[[workers]]\nname='d'\ncommand=['./serve']\ncwd='{closed}'\nuser='nobody'\n"
         f"[[workers]]\nname='p'\ncommand=['{where}/private']\nuser='nobody'\n"
+        f"[[workers]]\nname='l'\ncommand=['{where}/linkprog']\nuser='nobody'\n"
     )
     argv = [sys.executable, "-m", "supervisor", "check-config", "-c", str(path)]
     text = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT).stdout
@@ -326,6 +354,8 @@ def test_check_config_shows_the_user_and_warns_of_what_it_cannot_have(
         "start)",
         f"warning: group p: user 'nobody' cannot start '{where}/private': {where}/private "
         f"(mode 0711) is closed to uid {uid} (its workers would fail to start)",
+        f"warning: group l: user 'nobody' cannot start '{where}/linkprog': {closed} (mode "
+        f"0700) is closed to uid {uid} (its workers would fail to start)",
     ], text
     plan = json.loads(
         subprocess.run(
@@ -339,4 +369,41 @@ def test_check_config_shows_the_user_and_warns_of_what_it_cannot_have(
         "nobody",
         "nobody",
         "nobody",
+        "nobody",
     ]
+
+
+def test_a_state_dir_the_workers_user_could_change_gets_no_shared_socket(
+    supervisor: SupervisorFactory, world: tuple[str, Path]
+) -> None:
+    """A state_dir owned by the workers' user (a container's volume made for an unprivileged
+    supervisor, then run as root): such a worker could put a socket of its own in place of
+    the shared one and read the others' messages. None is opened there; the workers that
+    need it fail to start, saying why."""
+    python, where = world
+    account = _account()
+    state_dir = where / "state"
+    state_dir.mkdir(mode=0o750)
+    os.chown(state_dir, account.uid, account.gid)
+    sup = supervisor(
+        {
+            "supervisor": {"state_dir": str(state_dir)},
+            "workers": [
+                {
+                    "name": "u",
+                    "command": [python, str(where / "whoami.py")],
+                    "user": USER,
+                    "cwd": str(where),
+                    "stop_timeout_s": 2,
+                }
+            ],
+        }
+    )
+    refused = sup.wait_event(event="notify.shared_failed")
+    assert refused["error"] == (
+        f"{state_dir} belongs to uid {account.uid}: the socket there could be replaced"
+    )
+    failed = sup.wait_event(event="worker.spawn_failed", worker="u-0")
+    assert "the socket there could be replaced" in failed["error"]
+    assert not (state_dir / "shared").exists()
+    assert sup.stop() == 0

@@ -27,6 +27,7 @@ from supervisor.records import (
     WriteHealth,
     atomic_write,
     failure_kind,
+    lock_state_dir,
     remove_temp_files,
 )
 from supervisor.views import (
@@ -539,3 +540,15 @@ def test_records_and_logs_are_not_for_everyone_to_read(tmp_path: Path) -> None:
     assert (tmp_path / "state.json").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "logs" / "w-0.log").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "logs").stat().st_mode & 0o777 == 0o750
+
+
+def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
+    """A lock that is a link (put there by whoever could write state_dir) is not followed:
+    the supervisor's pid would be written into the file it names."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "lock").symlink_to(victim)
+    assert lock_state_dir(state_dir) is None  # records.not_locked, as without locks
+    assert victim.read_text() == "precious\n"
