@@ -81,7 +81,9 @@ class RotatingFile:
             try:
                 self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115 - kept open
             except FileNotFoundError:  # first use, or the directory was removed
-                self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+                # state_dir (its parent) too, not left at the default 0755 of made parents
+                self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+                self.path.parent.mkdir(mode=0o750, exist_ok=True)
                 self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115
             self._size = self._fh.tell()
         return self._fh

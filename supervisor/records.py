@@ -645,6 +645,8 @@ class Recorder:
         lost = not self.state_dir.is_dir() or (
             self._intact_seen and not self.store.directory.is_dir()
         )
+        # state_dir itself first: made as a parent of the post-mortems it would get 0755
+        self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         self.store.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._intact_seen = True
         if lost:

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -831,6 +832,8 @@ def test_deleted_state_dir_is_recreated_and_notify_keeps_working(
     sup.state_dir.rename(gone)  # what `rm -rf` does, without racing the writer
     shutil.rmtree(gone)
     sup.wait_event(event="records.state_dir_recreated", timeout=15)
+    # made again as private as at start (regression: 0755, a parent made for logs/)
+    assert stat.S_IMODE(sup.state_dir.stat().st_mode) == 0o750
     mark = sup.mark()
     # the notify socket was bound again: replacements still become ready by READY=1
     sup.wait_events(3, after=mark, event="worker.state", worker="c-0", new="ready")
