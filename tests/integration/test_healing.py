@@ -514,6 +514,8 @@ def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_
     }
     if down == "crashed":  # still in backoff when the roll-out reaches it
         group["restart"] = {"stable_s": 0.1, "backoff_initial_s": 5, "backoff_max_s": 5}
+    else:  # still draining when the roll-out reaches it (0.2 s was missed under load in CI)
+        group["drain_timeout_s"] = 2
     sup = supervisor(config(tmp_path, group))
     pid = sup.ready("p-0")["pid"]
     sup.ready("p-1")
