@@ -1270,7 +1270,7 @@ class Runtime:
             else None,
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
-            cgroup_for=self._cgroup_for,
+            before_spawn=self._before_spawn,
             read_notify=self._read_notify,
         )
         output.on_line = functools.partial(self.healer.on_line, runner)
@@ -1599,9 +1599,9 @@ class Runtime:
         elif kind == "worker.waiting_gpu":
             self.healer.on_waiting_gpu(runner, str(fields.get("error", "")))
 
-    def _cgroup_for(self, runner: WorkerRunner) -> Path | None:
-        """The cgroup ``runner``'s next process joins before exec (None: none); called right
-        before each spawn: SpawnError where its worker could not reach the notify socket."""
+    def _before_spawn(self, runner: WorkerRunner) -> Path | None:
+        """Right before each spawn: SpawnError where the worker, of another user, could not
+        reach the notify socket it needs; else the cgroup its process joins (None: none)."""
         spec = runner.spec
         problem = self._shared_problem(spec)
         if problem is not None and isinstance(spec.account, Account):
@@ -1609,6 +1609,10 @@ class Runtime:
                 f"cannot start {spec.argv[0]!r} as user {spec.account.user!r}: the notify "
                 f"socket for workers of other users cannot be had: {problem}"
             )
+        return self._cgroup_for(runner)
+
+    def _cgroup_for(self, runner: WorkerRunner) -> Path | None:
+        """The cgroup ``runner``'s next process joins before exec (None: none)."""
         group = self.settings.group(runner.spec.group)
         limit = group.health.host_memory_limit_mb if group is not None else 0.0
         return self.cgroups.prepare(runner.name, limit)

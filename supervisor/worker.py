@@ -68,7 +68,7 @@ class WorkerRunner:
         prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
         on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
-        cgroup_for: Callable[[WorkerRunner], Path | None] | None = None,
+        before_spawn: Callable[[WorkerRunner], Path | None] | None = None,
         read_notify: Callable[[], object] | None = None,
     ) -> None:
         self.spec = spec
@@ -92,7 +92,9 @@ class WorkerRunner:
         self._prepare = prepare
         self._on_event = on_event or (lambda _r, _t, _f: None)
         self._on_exit = on_exit
-        self._cgroup_for = cgroup_for
+        #: called right before each spawn: the cgroup its process joins (None: none); a
+        #: SpawnError it raises fails the spawn
+        self._before_spawn = before_spawn
         self._read_notify = read_notify
         #: a Heartbeat / Ready is queued and not handled yet: more of the same add nothing
         self._queued: set[type[lc.Event]] = set()
@@ -389,7 +391,7 @@ class WorkerRunner:
         self.spawn_attempts += 1
         self._last_pid = None  # a failed spawn's state changes name no process
         try:
-            cgroup = self._cgroup_for(self) if self._cgroup_for is not None else None
+            cgroup = self._before_spawn(self) if self._before_spawn is not None else None
             child = spawn(self.spec, cgroup)
         except SpawnError as exc:
             self._log.error("worker.spawn_failed", reason="spawn_failed", error=str(exc))

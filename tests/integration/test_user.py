@@ -103,6 +103,23 @@ def _whoami(line: str) -> dict[str, object]:
     return info
 
 
+def _whoami_group(
+    world: tuple[str, Path], name: str = "u", user: str | None = USER, **extra: object
+) -> dict[str, object]:
+    """A group running ``whoami.py`` from ``world`` (as ``user``; None: the supervisor's)."""
+    python, where = world
+    group: dict[str, object] = {
+        "name": name,
+        "command": [python, str(where / "whoami.py")],
+        "cwd": str(where),
+        "stop_timeout_s": 2,
+        **extra,
+    }
+    if user is not None:
+        group["user"] = user
+    return group
+
+
 def _account() -> Account:
     account = processes.resolve_account(USER)
     assert isinstance(account, Account) and account.switch, account
@@ -175,21 +192,14 @@ def test_the_account_enters_the_working_directory_and_runs_the_program_with_its_
 def test_a_group_runs_as_its_user_and_its_workers_reach_the_notify_socket(
     supervisor: SupervisorFactory, world: tuple[str, Path]
 ) -> None:
-    python, where = world
+    where = world[1]
     account = _account()
     state_dir = where / "state"  # pytest's tmp_path is closed to other users (0700)
     sup = supervisor(
         {
             "supervisor": {"state_dir": str(state_dir)},
             "workers": [
-                {
-                    "name": "u",
-                    "command": [python, str(where / "whoami.py")],
-                    "user": USER,
-                    "cwd": str(where),
-                    "log_passthrough": True,
-                    "stop_timeout_s": 2,
-                },
+                _whoami_group(world, log_passthrough=True),
                 {"name": "r", "command": worker_cmd("ready_then_sleep"), "stop_timeout_s": 2},
             ],
         }
@@ -241,16 +251,10 @@ def test_a_user_that_cannot_be_had_fails_its_workers_start_and_harms_no_other(
 def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_had(
     supervisor: SupervisorFactory, world: tuple[str, Path]
 ) -> None:
-    python, where = world
+    where = world[1]
     account = _account()
-    group = {
-        "name": "u",
-        "command": [python, str(where / "whoami.py")],
-        "cwd": str(where),
-        "log_passthrough": True,
-        "stop_timeout_s": 2,
-        "restart": {"stable_s": 0.2},  # a roll-out waits for the new worker to stay ready
-    }
+    # a roll-out waits for the new worker to stay ready stable_s
+    group = _whoami_group(world, user=None, log_passthrough=True, restart={"stable_s": 0.2})
     sup = supervisor({"supervisor": {"state_dir": str(where / "state")}, "workers": [group]})
     first = sup.ready("u-0")
     assert psutil.Process(first["pid"]).uids().real == os.geteuid()
@@ -283,29 +287,12 @@ def test_a_reload_moves_a_group_to_another_user_and_refuses_one_that_cannot_be_h
 def test_a_state_dir_other_users_cannot_reach_fails_their_start_saying_why(
     supervisor: SupervisorFactory, world: tuple[str, Path], tmp_path: Path
 ) -> None:
-    python, where = world
     closed = tmp_path / "closed"
     closed.mkdir(mode=0o700)
     sup = supervisor(
         {
             "supervisor": {"state_dir": str(closed / "state")},
-            "workers": [
-                {
-                    "name": "u",
-                    "command": [python, str(where / "whoami.py")],
-                    "user": USER,
-                    "cwd": str(where),
-                    "stop_timeout_s": 2,
-                },
-                {
-                    "name": "h",
-                    "command": [python, str(where / "whoami.py")],
-                    "user": USER,
-                    "cwd": str(where),
-                    "ready": "none",
-                    "stop_timeout_s": 2,
-                },
-            ],
+            "workers": [_whoami_group(world), _whoami_group(world, "h", ready="none")],
         }
     )
     failed = sup.wait_event(event="worker.spawn_failed", worker="u-0")
@@ -380,7 +367,7 @@ def test_a_state_dir_the_workers_user_could_change_gets_no_shared_socket(
     supervisor, then run as root): such a worker could put a socket of its own in place of
     the shared one and read the others' messages. None is opened there; the workers that
     need it fail to start, saying why."""
-    python, where = world
+    where = world[1]
     account = _account()
     state_dir = where / "state"
     state_dir.mkdir(mode=0o750)
@@ -388,15 +375,7 @@ def test_a_state_dir_the_workers_user_could_change_gets_no_shared_socket(
     sup = supervisor(
         {
             "supervisor": {"state_dir": str(state_dir)},
-            "workers": [
-                {
-                    "name": "u",
-                    "command": [python, str(where / "whoami.py")],
-                    "user": USER,
-                    "cwd": str(where),
-                    "stop_timeout_s": 2,
-                }
-            ],
+            "workers": [_whoami_group(world)],
         }
     )
     refused = sup.wait_event(event="notify.shared_failed")
