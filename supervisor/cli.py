@@ -131,9 +131,17 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "command": list(w.argv),
                     "cwd": w.cwd,
                     "user": gp.group.user or None,
+                    "limits": {
+                        name: [_limit_json(soft), _limit_json(hard)]
+                        for name, soft, hard in w.limits
+                    },
                 }
             )
     return rows
+
+
+def _limit_json(value: int | None) -> int | str:
+    return "unlimited" if value is None else value
 
 
 def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None]:

@@ -421,6 +421,82 @@ class HealthSection(_Strict):
         return value
 
 
+#: The largest finite resource limit (``rlim_t`` is 64 bits; the top value is "unlimited").
+MAX_RLIMIT = 2**63 - 1
+_UNLIMITED_WORDS = ("unlimited", "infinity")
+
+
+def _rlimit_one(value: object) -> int | None:
+    """A number of the limit's unit, or ``"unlimited"`` (None)."""
+    if isinstance(value, str) and value.lower() in _UNLIMITED_WORDS:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        if value > MAX_RLIMIT:
+            raise ValueError(f'above {MAX_RLIMIT}: write "unlimited"')
+        return value
+    raise ValueError('expected a whole number >= 0, "unlimited", or [soft, hard]')
+
+
+def _rlimit(value: object) -> object:
+    """``N`` or ``"unlimited"`` (soft and hard limit alike), or ``[soft, hard]``."""
+    if isinstance(value, list | tuple):
+        if len(value) != 2:
+            raise ValueError("expected [soft, hard]: two values")
+        soft, hard = _rlimit_one(value[0]), _rlimit_one(value[1])
+        if hard is not None and (soft is None or soft > hard):
+            shown = "unlimited" if soft is None else soft
+            raise ValueError(f"the soft limit ({shown}) is above the hard limit ({hard})")
+        return (soft, hard)
+    one = _rlimit_one(value)
+    return (one, one)
+
+
+#: ``(soft, hard)``; None is "unlimited".
+RLimit = Annotated[tuple[int | None, int | None], BeforeValidator(_rlimit)]
+
+
+class LimitsSection(_Strict):
+    """``[workers.limits]``: resource limits (``setrlimit``) each worker starts with, soft and
+    hard; a limit not set is the supervisor's own, inherited."""
+
+    core: RLimit | None = None  # bytes of a core dump (0: none)
+    memlock: RLimit | None = None  # bytes of locked memory (pinned buffers, RDMA)
+    nofile: RLimit | None = None  # open files
+    nproc: RLimit | None = None  # processes and threads of the workers' user
+    stack: RLimit | None = None  # bytes of the main thread's stack
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_address_space(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("as", "data"):
+                if key in data:
+                    raise ValueError(
+                        f"{key}: never limited here: CUDA reserves far more address space "
+                        "than it uses, and the worker would fail to start on a GPU "
+                        "(health.host_memory_limit_mb limits its memory)"
+                    )
+        return data
+
+    @field_validator("nofile")
+    @classmethod
+    def _files_finite(cls, value: tuple[int | None, int | None] | None) -> object:
+        if value is not None and None in value:
+            raise ValueError(
+                "Linux has no unlimited open files: at most fs.nr_open (1048576 by default)"
+            )
+        return value
+
+    def items(self) -> tuple[tuple[str, int | None, int | None], ...]:
+        """``(name, soft, hard)`` for each limit set, in a fixed order."""
+        out = []
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is not None:
+                out.append((name, value[0], value[1]))
+        return tuple(out)
+
+
 class WorkerGroup(_Strict):
     """One ``[[workers]]`` table: a group of identical workers."""
 
@@ -448,6 +524,7 @@ class WorkerGroup(_Strict):
     drain_timeout_s: NonNegativeSeconds = 30.0
     restart: RestartSection = Field(default_factory=RestartSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    limits: LimitsSection = Field(default_factory=LimitsSection)
 
     @field_validator("name")
     @classmethod

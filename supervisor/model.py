@@ -188,6 +188,8 @@ class LaunchSpec:
     #: ``[[workers]] user``: who it runs as (None: as the supervisor); a string says why that
     #: user cannot be had (spawning fails with it, never runs as the supervisor's user instead)
     account: Account | str | None = None
+    #: ``[workers.limits]``: ``(name, soft, hard)`` set before the program runs (None: unlimited)
+    limits: tuple[tuple[str, int | None, int | None], ...] = ()
 
 
 # --- GPUs ----------------------------------------------------------------------------------

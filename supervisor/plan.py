@@ -184,6 +184,7 @@ def launch_spec(
         watchdog_s=watchdog_s,
         cwd=_expand(group.cwd, values) or None,
         account=account,
+        limits=group.limits.items(),
     )
 
 

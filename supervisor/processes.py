@@ -21,11 +21,12 @@ import faulthandler
 import functools
 import os
 import re
+import resource
 import shutil
 import signal
 import stat
 import subprocess
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,15 +138,24 @@ def _child_setup(
     oom_score_adj: bytes | None = None,
     account: Account | None = None,
     cwd: str | None = None,
+    rlimits: Sequence[tuple[str, int, int, int]] = (),
 ) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
-        # The cgroup is joined and the score written with the supervisor's credentials, then
-        # the user is changed (which clears a parent-death signal: it is set after), and the
-        # working directory entered as that user (as systemd's WorkingDirectory=).
+        # The cgroup is joined, the score written and the limits set with the supervisor's
+        # credentials, then the user is changed (which clears a parent-death signal: it is set
+        # after), and the working directory entered as that user (as systemd's
+        # WorkingDirectory=).
         if account is None:
             pdeathsig()
         join_and_score()
+        for name, res, soft, hard in rlimits:
+            try:
+                resource.setrlimit(res, (soft, hard))
+            except (OSError, ValueError) as exc:  # said in the worker's log, exit 126
+                why = getattr(exc, "strerror", None) or exc
+                os.write(1, f"gpu-supervisor: cannot set limits.{name}: {why}\n".encode())
+                os._exit(126)
         if account is not None:
             os.setgroups(list(account.groups))
             os.setresgid(account.gid, account.gid, account.gid)
@@ -339,23 +349,29 @@ def _oom_score_for_worker() -> int | None:
     return wanted if wanted > current else None
 
 
-#: Capability bits (``capabilities(7)``) a process needs to change its groups and user.
+#: Capability bits (``capabilities(7)``): to change groups and user; to raise a hard limit.
 CAP_SETGID = 6
 CAP_SETUID = 7
+CAP_SYS_RESOURCE = 24
 
 
-def _may_switch_user(status_path: str = "/proc/self/status") -> bool:
-    """True when this process may change its user and groups: it has both capabilities (root
-    has them, unless a container dropped them); without ``/proc``, when it is root."""
+def _has_capabilities(*bits: int, status_path: str = "/proc/self/status") -> bool:
+    """True when this process has every one of the capabilities ``bits`` in its effective set
+    (root has them, unless a container dropped them); without ``/proc``, when it is root."""
     try:
         with open(status_path, encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("CapEff:"):
                     caps = int(line.split()[1], 16)
-                    return bool(caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1)
+                    return all(caps >> bit & 1 for bit in bits)
     except (OSError, ValueError, IndexError):
         pass
     return os.geteuid() == 0
+
+
+def _may_switch_user(status_path: str = "/proc/self/status") -> bool:
+    """True when this process may change its user and groups (CAP_SETUID and CAP_SETGID)."""
+    return _has_capabilities(CAP_SETUID, CAP_SETGID, status_path=status_path)
 
 
 def _current_identity() -> tuple[int, int, frozenset[int]]:
@@ -535,11 +551,16 @@ def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> st
 def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
     """One line per ``(group, spec)`` whose program cannot be executed from here, as
     ``execvpe`` would look for it (its PATH, its working directory), or whose ``user`` cannot
-    be had, or could not enter the working directory or execute the program (by the modes)."""
+    be had, or could not enter the working directory or execute the program (by the modes),
+    or whose ``limits`` this supervisor cannot give."""
     out = []
     for group, spec in specs:
         if isinstance(spec.account, str):
             out.append(f"group {group}: {spec.account}")
+            continue
+        problem = limits_problem(spec.limits)
+        if problem is not None:
+            out.append(f"group {group}: {problem}")
             continue
         env = {"PATH": os.environ.get("PATH", os.defpath), **spec.env}
         try:
@@ -553,6 +574,83 @@ def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
             if why is not None:
                 out.append(f"group {group}: user {account.user!r} cannot start {found!r}: {why}")
     return out
+
+
+# --- resource limits ([workers.limits]) ----------------------------------------------------
+
+#: ``[workers.limits]`` names and the resources they set.
+RLIMITS: Mapping[str, int] = {
+    "core": resource.RLIMIT_CORE,
+    "memlock": resource.RLIMIT_MEMLOCK,
+    "nofile": resource.RLIMIT_NOFILE,
+    "nproc": resource.RLIMIT_NPROC,
+    "stack": resource.RLIMIT_STACK,
+}
+#: The kernel's most open files a process may be allowed (a higher ``nofile`` fails: EPERM).
+NR_OPEN_PATH = "/proc/sys/fs/nr_open"
+
+
+def _kernel_limits(
+    limits: Sequence[tuple[str, int | None, int | None]],
+) -> tuple[tuple[str, int, int, int], ...]:
+    """``(name, resource, soft, hard)`` as ``setrlimit`` takes them (RLIM_INFINITY)."""
+    inf = resource.RLIM_INFINITY
+    return tuple(
+        (name, RLIMITS[name], inf if soft is None else soft, inf if hard is None else hard)
+        for name, soft, hard in limits
+    )
+
+
+def _limit_text(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else str(value)
+
+
+def _above(a: int, b: int) -> bool:
+    """``a > b`` for limits, where RLIM_INFINITY (-1 to Python) is above every number."""
+    inf = resource.RLIM_INFINITY
+    return a != b and (a == inf or (b != inf and a > b))
+
+
+def _nr_open(path: str = NR_OPEN_PATH) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def limits_problem(
+    limits: Sequence[tuple[str, int | None, int | None]],
+    *,
+    current: Callable[[int], tuple[int, int]] = resource.getrlimit,
+    may_raise: bool | None = None,
+    nr_open: int | None = None,
+) -> str | None:
+    """Why a worker could not be given ``limits`` (``LaunchSpec.limits``), or None.
+
+    A hard limit may be raised above this process's own only with ``CAP_SYS_RESOURCE``
+    (``may_raise``; read from ``/proc/self/status`` when None); ``nofile`` never above the
+    kernel's ``fs.nr_open`` (read when None). Lowering is always allowed."""
+    if not limits:
+        return None
+    if nr_open is None:
+        nr_open = _nr_open()
+    for name, res, _soft, hard in _kernel_limits(limits):
+        if name == "nofile" and nr_open is not None and _above(hard, nr_open):
+            return (
+                f"limits.nofile: {_limit_text(hard)} is above the kernel's most open files "
+                f"(fs.nr_open = {nr_open})"
+            )
+        now = current(res)[1]
+        if _above(hard, now):
+            if may_raise is None:
+                may_raise = _has_capabilities(CAP_SYS_RESOURCE)
+            if not may_raise:
+                return (
+                    f"limits.{name}: raising the hard limit from {_limit_text(now)} to "
+                    f"{_limit_text(hard)} needs CAP_SYS_RESOURCE"
+                )
+    return None
 
 
 #: The open-files limit the supervisor raises its own soft limit to (where the hard limit
@@ -592,7 +690,9 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     ``preexec_fn``. ``cgroup``: the worker's cgroup directory, joined in the ``preexec_fn``
     before exec (so a full fork then: the child must run code of ours before exec). A worker
     of another user (``spec.account``) is always switched in the ``preexec_fn``, which then
-    enters ``spec.cwd`` as that user.
+    enters ``spec.cwd`` as that user. ``spec.limits`` are set in the ``preexec_fn`` as well,
+    before any switch (a hard limit above the supervisor's needs its CAP_SYS_RESOURCE); limits
+    it cannot give raise ``SpawnError`` before anything is forked (``limits_problem``).
 
     A supervisor that lowered its ``oom_score_adj`` (``protect_from_oom_killer``, systemd's
     ``OOMScoreAdjust=``) gives the worker its original score back before the worker's program
@@ -609,7 +709,12 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     # Not for a worker of another user: setpriv keeps its capabilities until the exec, so the
     # program would be found and executed with root's rights to any file; a switch in the
     # preexec_fn drops them before the working directory is entered and the program run.
-    setpriv = _setpriv() if cgroup is None and account is None else None
+    problem = limits_problem(spec.limits)
+    if problem is not None:
+        raise SpawnError(f"cannot start {spec.argv[0]!r}: {problem}")
+    # The limits are set in the preexec_fn too (setpriv has no option for them).
+    plain = cgroup is None and account is None and not spec.limits
+    setpriv = _setpriv() if plain else None
     oom = _oom_score_for_worker()
     oom_after: int | None = None  # written to /proc/<pid>/oom_score_adj once Popen returns
     if setpriv is not None:
@@ -627,7 +732,13 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         procs = None if cgroup is None else os.fspath(cgroup / "cgroup.procs")
         adj = None if oom is None else str(oom).encode()
         preexec = _child_setup(
-            os.getpid(), _prctl(), procs, adj, account, None if account is None else spec.cwd
+            os.getpid(),
+            _prctl(),
+            procs,
+            adj,
+            account,
+            None if account is None else spec.cwd,
+            _kernel_limits(spec.limits),
         )
     try:
         read_fd, write_fd = os.pipe()

@@ -10,6 +10,7 @@ by an interpreter ``nobody`` may execute (a probe finds one, else the tests skip
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -159,6 +160,26 @@ def test_spawn_changes_every_id_and_keeps_the_parent_death_signal(
         assert info["groups"] == sorted(account.groups)
         assert info["pdeathsig"] == signal.SIGKILL
         assert info["env"] == {**account.environ(), "NOTIFY_SOCKET": None}
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.popen.wait()
+        os.close(child.output_fd)
+
+
+def test_a_worker_of_another_user_gets_its_groups_limits(world: tuple[str, Path]) -> None:
+    python, where = world
+    account = _account()
+    spec = _spec(account, (python, str(where / "whoami.py")), where)
+    limits = (("core", 0, 0), ("nofile", 512, 1024))
+    child = processes.spawn(dataclasses.replace(spec, limits=limits))
+    try:
+        info = _whoami(_read_until(child.output_fd, " whoami "))
+        assert info["uid"] == [account.uid] * 3
+        # /proc/<pid>/limits: reading another user's limits by prlimit needs CAP_SYS_RESOURCE
+        rows = Path(f"/proc/{child.pid}/limits").read_text().splitlines()
+        shown = {r[:26].strip(): r[26:].split()[:2] for r in rows}
+        assert shown["Max open files"] == ["512", "1024"]
+        assert shown["Max core file size"] == ["0", "0"]
     finally:
         os.killpg(child.pid, signal.SIGKILL)
         child.popen.wait()
