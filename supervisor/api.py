@@ -56,6 +56,7 @@ from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
 from supervisor.metrics import Metrics, state_key
 from supervisor.model import WorkerState
+from supervisor.output import MAX_LOG_READ
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
 from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, choose
@@ -618,6 +619,48 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     async def worker(name: str) -> dict[str, Any]:
         """One worker."""
         return rt.worker_object(runner_of(name))
+
+    @get(
+        f"{API_PREFIX}/workers/{{name}}/log",
+        None,
+        404,
+        422,
+        503,
+        response_class=Response,
+        responses_extra={200: _LOG_RESPONSE},
+    )
+    async def worker_log(
+        name: str,
+        response: Response,
+        limit: Annotated[
+            int, Query(ge=1, le=MAX_LOG_READ, description="at most this many bytes")
+        ] = LOG_TAIL_BYTES,
+        file: Annotated[
+            str | None,
+            Query(
+                max_length=64,
+                description=f"follow on from an earlier answer's {LOG_FILE_HEADER} "
+                "(without it: the log's last `limit` bytes)",
+            ),
+        ] = None,
+        offset: Annotated[
+            int, Query(ge=0, description=f"with `file`: its {LOG_OFFSET_HEADER}")
+        ] = 0,
+    ) -> Response:
+        """The worker's log file (its output, stdout and stderr): the last ``limit`` bytes, or,
+        with ``file`` and ``offset`` from an earlier answer's headers, what came after them
+        (across rotations); ``X-Log-Lost: 1`` when some of it is gone."""
+        output = runner_of(name).output.file
+        try:
+            chunk = await anyio.to_thread.run_sync(
+                functools.partial(output.read, limit, file, offset)
+            )
+        except OSError as exc:
+            raise _problem(503, f"cannot read the log of {name}: {exc.strerror or exc}") from None
+        headers = {LOG_FILE_HEADER: chunk.file, LOG_OFFSET_HEADER: str(chunk.offset)}
+        if chunk.lost:
+            headers[LOG_LOST_HEADER] = "1"
+        return Response(chunk.data, media_type="text/plain; charset=utf-8", headers=headers)
 
     def refuse_while_stopping() -> None:
         if rt.shutting_down:  # the command would be dropped: 202 said it was taken
@@ -1192,6 +1235,31 @@ MAX_HEAD_BYTES = 64 * 1024
 #: The response header of ``/api/v1/events`` that names the supervisor's run (its events are
 #: numbered from 1 in each run).
 RUN_HEADER = "X-Gpu-Supervisor-Run"
+#: ``GET /api/v1/workers/{name}/log``: the bytes a tail gets, and the answer's headers.
+LOG_TAIL_BYTES = 65536
+LOG_FILE_HEADER = "X-Log-File"
+LOG_OFFSET_HEADER = "X-Log-Offset"
+LOG_LOST_HEADER = "X-Log-Lost"
+_LOG_RESPONSE: dict[str, Any] = {
+    "description": "the bytes of the log (as the worker wrote them)",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+    "headers": {
+        LOG_FILE_HEADER: {
+            "description": "the file these bytes are from (empty: no log yet); pass it back "
+            "as `file` to follow the log",
+            "schema": {"type": "string"},
+        },
+        LOG_OFFSET_HEADER: {
+            "description": "where the next read in that file starts; pass it back as `offset`",
+            "schema": {"type": "integer", "minimum": 0},
+        },
+        LOG_LOST_HEADER: {
+            "description": "present (1) when the place asked for is gone (rotated past the "
+            "last backup, emptied on a full disk): the bytes start at the oldest there is",
+            "schema": {"type": "string", "enum": ["1"]},
+        },
+    },
+}
 _HEAD_BODY = json.dumps(
     {"error": f"request line and headers over {MAX_HEAD_BYTES // 1024} KiB"}
 ).encode()

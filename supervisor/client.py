@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
@@ -53,6 +53,7 @@ COMMANDS: Mapping[str, str] = {
     "cordon": "place no more workers on a GPU (index or UUID)",
     "uncordon": "allow placing workers on a GPU again",
     "reload": "re-read the supervisor's config file (as SIGHUP) and say whether it took it",
+    "logs": "a worker's output from its log file (-f: follow it, across rotations)",
     "health": "exit 0 while the supervisor answers /healthz (--ready: /readyz), else 1 "
     "(a container HEALTHCHECK that follows api.listen)",
 }
@@ -81,6 +82,22 @@ def add_commands(sub: Any) -> None:
                 "--ready",
                 action="store_true",
                 help="ask /readyz: also 1 while a group has no ready worker (the reasons printed)",
+            )
+        elif name == "logs":
+            p.add_argument("name", help="worker (gpen-1)")
+            p.add_argument(
+                "-n",
+                "--lines",
+                type=_lines,
+                default=LOG_LINES,
+                help=f"print the last N lines first (default {LOG_LINES}; 0: none)",
+            )
+            p.add_argument(
+                "-f",
+                "--follow",
+                action="store_true",
+                help="then print what the worker writes, until interrupted (exit 1 when the "
+                "supervisor goes away)",
             )
         elif name in ("cordon", "uncordon"):
             p.add_argument("gpu", help="GPU index or UUID")
@@ -116,6 +133,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected seconds > 0 and <= {MAX_TIMEOUT_S:g} (got {text!r})"
         )
+    return value
+
+
+def _lines(text: str) -> int:
+    """``logs --lines``: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (got {text!r})")
     return value
 
 
@@ -433,13 +461,15 @@ def main(args: argparse.Namespace) -> int:
     """Run one client command; return the exit code (errors are raised)."""
     if args.command in ("cordon", "uncordon"):
         _check_name("GPU", args.gpu)
+    elif args.command == "logs":
+        _check_name("worker", args.name)
     elif args.command not in ("status", "reload", "health"):
         _check_name("worker or group", args.name)
     url, token = resolve(
         args.url,
         args.config,
         warn=args.command not in ("reload", "health"),
-        read_only=args.command in ("status", "health"),
+        read_only=args.command in ("status", "health", "logs"),
     )
     with Client(url, token, args.timeout) as client:
         try:
@@ -458,6 +488,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         return status(client, args.json)
     if args.command == "health":
         return health(client, args.ready)
+    if args.command == "logs":
+        return logs(client, args.name, args.lines, args.follow)
     if args.command in ("cordon", "uncordon"):
         lift = args.command == "uncordon" and args.lift_quarantine
         path = f"{API}/gpus/{_quote(args.gpu)}/{args.command}"
@@ -527,6 +559,67 @@ def health(client: Client, ready: bool) -> int:
         return 0
     print(f"not ready: {body.get('error') or answer.status_code}")
     return 1
+
+
+#: ``logs``: lines shown first by default; how often ``-f`` asks for more; the most it asks
+#: for at once (the API's ``limit``); the first read of a tail.
+LOG_LINES = 20
+LOG_POLL_S = 0.5
+LOG_READ_MAX = 1024 * 1024
+LOG_TAIL_FIRST = 65536
+
+
+def _out(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def logs(
+    client: Client,
+    name: str,
+    lines: int,
+    follow: bool,
+    sleep: Callable[[float], object] = time.sleep,
+) -> int:
+    """``logs NAME [-n N] [-f]``: the last ``lines`` lines of the worker's log, then (``follow``)
+    what comes after them, every byte once across rotations (``GET .../workers/NAME/log``)."""
+    path = f"{API}/workers/{_quote(name)}/log"
+    limit = LOG_TAIL_FIRST
+    while True:  # enough of the end for `lines` lines (a line may be long)
+        answer = client.request("GET", f"{path}?limit={limit}")
+        data = answer.content
+        offset = int(answer.headers["X-Log-Offset"])
+        whole = offset - len(data) <= 0
+        if whole or data.count(b"\n") > lines or limit >= LOG_READ_MAX:
+            break
+        limit = min(LOG_READ_MAX, limit * 4)
+    if lines:
+        if not whole:  # the first line is cut
+            data = data[data.find(b"\n") + 1 :] if b"\n" in data else data
+        pieces = [line + b"\n" for line in data.split(b"\n")]  # not at "\r": a progress bar
+        pieces[-1] = pieces[-1][:-1]  # what follows the last newline (if anything)
+        if not pieces[-1]:
+            pieces.pop()
+        _out(b"".join(pieces[-lines:]))
+    if not follow:
+        return 0
+    file = answer.headers["X-Log-File"]
+    while True:
+        answer = client.request(
+            "GET", f"{path}?limit={LOG_READ_MAX}&file={_quote(file)}&offset={offset}"
+        )
+        if answer.headers.get("X-Log-Lost"):
+            print(
+                f"gpu-supervisor: some of {name}'s log was gone before it was read "
+                "(rotated past its last backup, or emptied on a full disk)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if answer.content:
+            _out(answer.content)
+        file, offset = answer.headers["X-Log-File"], int(answer.headers["X-Log-Offset"])
+        if len(answer.content) < LOG_READ_MAX:
+            sleep(LOG_POLL_S)
 
 
 def status(client: Client, as_json: bool) -> int:

@@ -19,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -75,31 +78,70 @@ class RotatingFile:
         #: Bytes given up on a full disk (see ``write``), and who is told (with the bytes).
         self.trimmed = 0
         self.on_trim: Callable[[int, int], None] | None = None
+        #: Reading back (``read``, from another thread): each file of this log on disk, by
+        #: (device, inode), has a number no other file of it gets in this run (an inode is
+        #: reused once its file is removed); the lock keeps a rotation from moving files while
+        #: a reader opens them.
+        self._run = secrets.token_hex(4)
+        self._serial = 0
+        self._serials: dict[tuple[int, int], int] = {}
+        self._files_lock = threading.Lock()
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
+            created = False
+
+            def opener(path: str, flags: int) -> int:
+                nonlocal created
+                try:
+                    fd = _private(path, flags | os.O_EXCL)
+                except FileExistsError:
+                    return _private(path, flags)
+                created = True
+                return fd
+
             try:
-                self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115 - kept open
+                self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115 - kept open
             except FileNotFoundError:  # first use, or the directory was removed
                 # state_dir (its parent) too, not left at the default 0755 of made parents
                 self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
                 self.path.parent.mkdir(mode=0o750, exist_ok=True)
-                self._fh = open(self.path, "ab", opener=_private)  # noqa: SIM115
+                self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
             self._size = self._fh.tell()
+            with self._files_lock, contextlib.suppress(OSError):
+                self._number(os.fstat(self._fh.fileno()), new=created)
         return self._fh
+
+    def _backup(self, i: int) -> Path:
+        return self.path if i == 0 else self.path.with_name(f"{self.path.name}.{i}")
+
+    def _number(self, st: os.stat_result, new: bool = False) -> int:
+        """The number of the file ``st`` (a new one for a file just made). Hold the lock."""
+        key = (st.st_dev, st.st_ino)
+        if new or key not in self._serials:
+            self._serial += 1
+            self._serials[key] = self._serial
+        return self._serials[key]
+
+    def _forget(self, path: Path) -> None:
+        """``path`` is about to be removed or replaced: its inode may be reused. Hold the lock."""
+        with contextlib.suppress(OSError):
+            st = os.stat(path, follow_symlinks=False)
+            self._serials.pop((st.st_dev, st.st_ino), None)
 
     def _rotate(self) -> None:
         self.close()
-        if self.backups <= 0:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-            return
-        for i in range(self.backups - 1, 0, -1):
-            src = self.path.with_name(f"{self.path.name}.{i}")
-            if src.exists():
-                os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
-        if self.path.exists():
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        with self._files_lock:
+            if self.backups <= 0:
+                self._forget(self.path)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                return
+            for i in range(self.backups - 1, -1, -1):
+                src = self._backup(i)
+                if src.exists():
+                    self._forget(self._backup(i + 1))
+                    os.replace(src, self._backup(i + 1))
 
     def write(self, data: bytes) -> None:
         """Append ``data``, rotating first when it would pass ``max_bytes``.
@@ -151,18 +193,22 @@ class RotatingFile:
         marker says so). True if anything was freed."""
         freed = 0
         self.close()
-        for i in range(self.backups, 0, -1):
-            old = self.path.with_name(f"{self.path.name}.{i}")
+        with self._files_lock:
+            for i in range(self.backups, 0, -1):
+                old = self._backup(i)
+                with contextlib.suppress(OSError):
+                    size = old.stat().st_size
+                    self._forget(old)
+                    old.unlink()
+                    freed += size
             with contextlib.suppress(OSError):
-                size = old.stat().st_size
-                old.unlink()
-                freed += size
-        with contextlib.suppress(OSError):
-            size = self.path.stat().st_size
-            if size:
-                with open(self.path, "wb") as fh:  # truncated: the tail is still in memory
-                    fh.write(TRIMMED_MARK)
-                freed += size
+                size = self.path.stat().st_size
+                if size:
+                    with open(self.path, "wb") as fh:  # truncated: the tail is still in memory
+                        fh.write(TRIMMED_MARK)
+                        # another file to a reader: one that was further on in it lost that
+                        self._number(os.fstat(fh.fileno()), new=True)
+                    freed += size
         self._size = 0
         self.trimmed += freed
         if freed:
@@ -173,6 +219,35 @@ class RotatingFile:
             if self.on_trim is not None:
                 self.on_trim(freed, self.max_bytes)
         return freed > 0
+
+    def read(self, limit: int, file: str | None = None, offset: int = 0) -> LogChunk:
+        """Read this log back (from any thread).
+
+        Without ``file``: its last ``limit`` bytes (the newest file's). With ``file`` and
+        ``offset`` from an earlier chunk: up to ``limit`` bytes from there, in that file even if
+        it was rotated since (``x.log.1``, ...), then on in the newer ones, so that a follower
+        sees every byte once. ``file=""`` (no log at the earlier read): from the oldest byte.
+        """
+        fds: list[tuple[int, os.stat_result, str]] = []  # newest first: x.log, x.log.1, ...
+        try:
+            with self._files_lock:
+                for i in range(self.backups + 1):
+                    try:
+                        fd = os.open(self._backup(i), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    except FileNotFoundError:  # no output yet, or fewer backups
+                        continue
+                    except OSError as exc:
+                        if exc.errno == errno.ELOOP:  # a link in its place: not this log
+                            continue
+                        raise
+                    st = os.fstat(fd)
+                    fds.append((fd, st, f"{self._run}.{self._number(st)}"))
+                    if file is None:
+                        break  # a tail reads the newest file only
+            return _read_from(fds, limit, file, offset)
+        finally:
+            for fd, _, _ in fds:
+                os.close(fd)
 
     def close(self) -> None:
         """Close the file (it is reopened on the next write)."""
@@ -548,3 +623,62 @@ def _cut_at(buf: bytes, start: int, size: int) -> int:
         if buf[cut - back] & 0xC0 != 0x80 and cut - back > start:
             return cut - back
     return cut
+
+
+# --- reading a worker's log back (the API's /workers/{name}/log, ``gpu-supervisor logs``) ---
+
+#: The most a single read of a log returns.
+MAX_LOG_READ = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LogChunk:
+    """A piece of a worker's log (``RotatingFile.read``)."""
+
+    data: bytes
+    #: the file ``data`` came from ("": no log yet), and where in it the next read starts: a
+    #: reader that follows the log passes both back, and never misses what a rotation moved
+    file: str
+    offset: int
+    #: the place asked for is gone (rotated past the last backup, the log emptied on a full
+    #: disk, or a file of another run of the supervisor): ``data`` starts at the oldest byte
+    #: still there
+    lost: bool = False
+
+
+def _read_at(fd: int, offset: int, limit: int) -> bytes:
+    parts, left = [], limit
+    while left > 0:
+        piece = os.pread(fd, min(left, _READ_SIZE), offset)
+        if not piece:
+            break
+        parts.append(piece)
+        offset += len(piece)
+        left -= len(piece)
+    return b"".join(parts)
+
+
+def _read_from(
+    fds: Sequence[tuple[int, os.stat_result, str]], limit: int, file: str | None, offset: int
+) -> LogChunk:
+    """``RotatingFile.read`` on the files open as ``fds`` (newest first, with their ids)."""
+    if not fds:
+        return LogChunk(b"", "", 0, lost=bool(file))
+    ids = [name for _, _, name in fds]
+    if file is None:
+        fd, st, _ = fds[0]
+        start = max(0, st.st_size - limit)
+        data = _read_at(fd, start, limit)
+        return LogChunk(data, ids[0], start + len(data))
+    lost = False
+    if file in ids:
+        at = ids.index(file)
+    else:  # gone (or never seen): from the oldest byte there is
+        at, offset, lost = len(fds) - 1, 0, file != ""
+    if offset > fds[at][1].st_size:  # not so far in it (a client's mistake): from its start
+        offset, lost = 0, True
+    while True:
+        data = _read_at(fds[at][0], offset, limit)
+        if data or at == 0:
+            return LogChunk(data, ids[at], offset + len(data), lost)
+        at, offset = at - 1, 0  # that file is done: on to the next newer one

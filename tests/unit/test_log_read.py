@@ -1,0 +1,128 @@
+"""Reading a worker's log back (``RotatingFile.read``): the tail, and a follower that passes
+each answer's file and offset back sees every byte once, in order, across rotations; what is
+gone is said. Real files, written by the supervisor's own ``RotatingFile``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.output import TRIMMED_MARK, LogChunk, RotatingFile
+
+MAX, BACKUPS = 100, 3
+
+
+def _log(tmp: Path) -> RotatingFile:
+    return RotatingFile(tmp / "w-0.log", MAX, BACKUPS)
+
+
+def _drain(log: RotatingFile, file: str, offset: int, limit: int) -> tuple[bytes, str, int]:
+    """Read until nothing is left; returns what was read and where the follower is."""
+    got = b""
+    while True:
+        chunk = log.read(limit, file, offset)
+        assert not chunk.lost
+        got += chunk.data
+        file, offset = chunk.file, chunk.offset
+        if not chunk.data:
+            return got, file, offset
+
+
+def test_the_tail_is_the_last_bytes_of_the_newest_file(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    assert log.read(10) == LogChunk(b"", "", 0)  # no output yet
+    log.write(b"a" * 60)
+    log.write(b"b" * 30)
+    tail = log.read(10)
+    assert tail.data == b"b" * 10 and tail.offset == 90 and not tail.lost
+    log.write(b"c" * 50)  # rotates: the tail is the new file's
+    assert log.read(1000).data == b"c" * 50
+    log.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    phases=st.lists(
+        st.tuples(
+            # writes: each may start a file, so at most BACKUPS of them before the follower
+            # reads again (more would rotate its file away: test_a_place_rotated_past_...)
+            st.lists(st.integers(1, 120), min_size=0, max_size=BACKUPS),
+            st.integers(1, 150),  # the follower's limit
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_a_follower_sees_every_byte_once_across_rotations(
+    phases: list[tuple[list[int], int]],
+) -> None:
+    with tempfile.TemporaryDirectory() as where:
+        log = _log(Path(where))
+        written, read = b"", b""
+        first = log.read(10)  # a follower that started before any output
+        file, offset = first.file, first.offset
+        n = 0
+        for sizes, limit in phases:
+            for size in sizes:
+                data = bytes((n + i) % 251 for i in range(size))  # no two the same nearby
+                n += size
+                log.write(data)
+                written += data
+            got, file, offset = _drain(log, file, offset, limit)
+            read += got
+            assert read == written
+        log.close()
+
+
+def test_a_place_rotated_past_the_last_backup_is_said_and_reading_goes_on(
+    tmp_path: Path,
+) -> None:
+    log = _log(tmp_path)
+    log.write(b"0" * 80)
+    at = log.read(1000)
+    for digit in b"12345":  # 5 rotations: the file at `at` is gone
+        log.write(bytes([digit]) * 80)
+    chunk = log.read(1000, at.file, at.offset)
+    assert chunk.lost and chunk.data == b"2" * 80  # the oldest there is (x.log.3)
+    rest, _, _ = _drain(log, chunk.file, chunk.offset, 1000)
+    assert rest == b"3" * 80 + b"4" * 80 + b"5" * 80
+    # an id no log ever had reads as gone too
+    assert log.read(1000, "1-2", 5) == LogChunk(b"2" * 80, chunk.file, 80, lost=True)
+    log.close()
+
+
+def test_a_log_emptied_under_the_follower_is_read_again_from_its_start(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.write(b"w" * 50)
+    log.write(b"x" * 90)  # rotated once
+    at = log.read(1000)
+    assert log._trim()  # a full disk: the backups removed, the current file emptied
+    log.write(b"y" * 95)  # grown past where the follower was: still not read from there
+    chunk = log.read(1000, at.file, at.offset)
+    assert chunk.lost and chunk.file != at.file
+    assert chunk.data == TRIMMED_MARK + b"y" * 95
+    # an offset past the end of a file (no answer gave it) is read from its start
+    assert log.read(1000, chunk.file, 10_000) == LogChunk(
+        chunk.data, chunk.file, chunk.offset, True
+    )
+    log.close()
+
+
+def test_a_follower_that_started_before_any_output_reads_it_all(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.write(b"a" * 80)
+    log.write(b"b" * 80)  # rotated once already
+    got, _, _ = _drain(log, "", 0, 7)
+    assert got == b"a" * 80 + b"b" * 80
+    log.close()
+
+
+def test_a_link_in_place_of_the_log_is_not_followed(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not a log")
+    os.symlink(secret, tmp_path / "w-0.log")
+    assert RotatingFile(tmp_path / "w-0.log", MAX, BACKUPS).read(100).data == b""
