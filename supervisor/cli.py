@@ -35,10 +35,11 @@ from supervisor.errors import (
 )
 from supervisor.listen import load_token, open_api, serve_api
 from supervisor.logs import configure_logging
-from supervisor.model import DeviceSample
+from supervisor.model import DeviceSample, format_cpulist
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
 from supervisor.processes import (
+    allowed_cpus,
     protect_from_oom_killer,
     raise_open_files_limit,
     release_held_signals,
@@ -131,6 +132,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "command": list(w.argv),
                     "cwd": w.cwd,
                     "user": gp.group.user or None,
+                    "cpus": None if w.cpus is None else format_cpulist(w.cpus),
                     "limits": {
                         name: [_limit_json(soft), _limit_json(hard)]
                         for name, soft, hard in w.limits
@@ -188,6 +190,7 @@ def check_config(settings: Settings, as_json: bool) -> str:
         os.fspath(socket_path_for(sup.state_dir)),
         slots or None,
         accounts=resolve_accounts(g.user for g in settings.workers),
+        allowed_cpus=allowed_cpus(),
     )
     firsts = [(g.group.name, g.workers[0]) for g in plan.groups if g.workers]
     warnings = [
@@ -211,7 +214,16 @@ def check_config(settings: Settings, as_json: bool) -> str:
         f"config ok: {len(plan.groups)} groups, {len(rows)} workers, state_dir {sup.state_dir}"
     ]
     users = any(r["user"] for r in rows)  # a USER column only where a group has one
-    header = ("WORKER", "PORT", "GPUS", "READY", *(("USER",) if users else ()), "COMMAND")
+    pinned = any(g.group.cpu_affinity for g in plan.groups)  # a CPUS column likewise
+    header = (
+        "WORKER",
+        "PORT",
+        "GPUS",
+        *(("CPUS",) if pinned else ()),
+        "READY",
+        *(("USER",) if users else ()),
+        "COMMAND",
+    )
     table: list[tuple[str, ...]] = [header]
     for r in rows:
         gpus = r["gpus"]
@@ -219,8 +231,17 @@ def check_config(settings: Settings, as_json: bool) -> str:
         command = r["command"]
         assert isinstance(command, list)
         user = (str(r["user"] or "-"),) if users else ()
+        cpus = (str(r["cpus"] or "-"),) if pinned else ()
         table.append(
-            (str(r["name"]), str(r["port"]), gpu_text, str(r["ready"]), *user, shlex.join(command))
+            (
+                str(r["name"]),
+                str(r["port"]),
+                gpu_text,
+                *cpus,
+                str(r["ready"]),
+                *user,
+                shlex.join(command),
+            )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
@@ -247,6 +268,7 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
         "TEMP",
         "POWER",
         "THROTTLE",
+        "CPUS",
         "HEALTH",
         "PROCS",
     )
@@ -269,6 +291,7 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
                 _fmt(d.temperature_c, "C"),
                 _fmt(d.power_watts, "W"),
                 "n/a" if throttle is None else (",".join(throttle) or "-"),
+                "n/a" if d.cpus is None else format_cpulist(d.cpus),
                 "ok" if d.healthy else f"UNHEALTHY ({d.error})",
                 procs,
             )

@@ -39,7 +39,7 @@ from pydantic_settings import (
 )
 
 from supervisor.errors import ConfigError
-from supervisor.model import DEVICE_FATAL_XIDS, WORKER_FATAL_XIDS
+from supervisor.model import DEVICE_FATAL_XIDS, WORKER_FATAL_XIDS, parse_cpulist
 
 ENV_PREFIX = "GPU_SUPERVISOR_"
 ENV_DELIMITER = "__"
@@ -510,6 +510,9 @@ class WorkerGroup(_Strict):
     #: who the workers run as: "NAME" or "UID" (its primary and supplementary groups from the
     #: user database), "NAME:GROUP" for another primary group; "" = the supervisor's own user
     user: str = ""
+    #: the CPUs the workers may run on: "gpu" (those close to the worker's GPUs: their NUMA
+    #: node's), a CPU list ("0-7,16-23"), or "" (the supervisor's own, inherited)
+    cpu_affinity: str = ""
     gpus: GpuSelection = "auto"
     gpus_per_worker: int = Field(default=1, ge=1)
     max_workers_per_gpu: int = Field(default=4, ge=1)
@@ -585,6 +588,19 @@ class WorkerGroup(_Strict):
                 'expected "NAME", "UID", "NAME:GROUP" or "UID:GID" (user and group names of '
                 "letters, digits, '_', '.' and '-')"
             )
+        return value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_affinity_shape(cls, value: str) -> str:
+        if value in ("", "gpu"):
+            return value
+        try:
+            parse_cpulist(value)
+        except ValueError as exc:
+            raise ValueError(
+                f'expected "gpu", "" or a CPU list such as "0-7,16-23" ({exc})'
+            ) from None
         return value
 
     @field_validator("env")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import math
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,8 @@ class LaunchSpec:
     account: Account | str | None = None
     #: ``[workers.limits]``: ``(name, soft, hard)`` set before the program runs (None: unlimited)
     limits: tuple[tuple[str, int | None, int | None], ...] = ()
+    #: ``cpu_affinity``: the CPUs it is pinned to before the program runs (None: inherited)
+    cpus: tuple[int, ...] | None = None
 
 
 # --- GPUs ----------------------------------------------------------------------------------
@@ -226,6 +228,42 @@ def clock_event_names(mask: int | None) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+#: The most CPUs a CPU list may name (Linux's NR_CPUS is at most 8192).
+MAX_CPUS = 8192
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """A Linux CPU list (``"0-7,16-23"``, as ``/sys/.../local_cpulist``, ``taskset -c`` and
+    cpusets write it) as sorted CPU numbers; ``ValueError`` saying what is wrong."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        try:
+            lo = int(first)
+            hi = int(last) if dash else lo
+        except ValueError:
+            raise ValueError(f"{part!r} is not a CPU number or a range such as 0-7") from None
+        if not 0 <= lo <= hi < MAX_CPUS:
+            raise ValueError(f"{part!r}: CPUs are numbered 0 to {MAX_CPUS - 1}, low to high")
+        cpus.update(range(lo, hi + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """CPU numbers as a Linux CPU list: ``(0, 1, 2, 3, 8)`` -> ``"0-3,8"``."""
+    out: list[str] = []
+    ordered = sorted(set(cpus))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceIdentity:
     """What does not change while the supervisor runs: read once per device."""
@@ -234,6 +272,8 @@ class DeviceIdentity:
     uuid: str
     name: str
     memory_total_mb: float | None = None
+    #: the CPUs close to the GPU (its NUMA node's), None where the backend cannot tell
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +306,7 @@ class DeviceSample:
     decoder_percent: float | None = None
     clocks_event_reasons: int | None = None
     processes: tuple[GpuProcess, ...] | None = None  # None: the process list is unavailable
+    cpus: tuple[int, ...] | None = None  # the CPUs close to it (DeviceIdentity.cpus)
 
     @property
     def throttle_reasons(self) -> tuple[str, ...] | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from supervisor.config import Settings, WorkerGroup
 from supervisor.errors import PlacementError
-from supervisor.model import Account, DeviceSample, LaunchSpec
+from supervisor.model import Account, DeviceSample, LaunchSpec, format_cpulist, parse_cpulist
 
 #: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
 Assignment = Mapping[str, tuple[str, ...] | None]
@@ -106,6 +106,41 @@ def in_use_reporter_env(pythonpath: str, notify_socket: str, group: WorkerGroup)
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Cpus:
+    """What ``cpu_affinity`` needs to know of the machine: the CPUs close to each GPU (by
+    UUID; None: not known) and those the supervisor may run on (its own affinity)."""
+
+    by_gpu: Mapping[str, tuple[int, ...] | None]
+    allowed: frozenset[int]
+
+
+def worker_cpus(
+    affinity: str, gpus: tuple[str, ...] | None, cpus: Cpus | None
+) -> tuple[tuple[int, ...] | None, str | None]:
+    """The CPUs a worker on ``gpus`` is pinned to for ``cpu_affinity = affinity`` (None: it
+    inherits the supervisor's), and why ``"gpu"`` pins nothing where it does not."""
+    if not affinity:
+        return None, None
+    if affinity != "gpu":
+        return parse_cpulist(affinity), None
+    if not gpus or cpus is None:
+        return None, "it has no GPU placed by the backend (or no GPU telemetry)"
+    close: set[int] = set()
+    for uuid in gpus:
+        mine = cpus.by_gpu.get(uuid)
+        if mine is None:
+            return None, f"the backend does not say which CPUs are close to {uuid}"
+        close.update(mine)
+    usable = close & cpus.allowed
+    if not usable:
+        return None, (
+            f"none of the CPUs close to its GPUs ({format_cpulist(close)}) is one the "
+            f"supervisor may use ({format_cpulist(cpus.allowed)})"
+        )
+    return tuple(sorted(usable)), None
+
+
 def launch_spec(
     group: WorkerGroup,
     index: int,
@@ -115,13 +150,15 @@ def launch_spec(
     *,
     accounts: Mapping[str, Account | str] | None = None,
     shared_notify_socket: str | None = None,
+    cpus: Cpus | None = None,
 ) -> LaunchSpec:
     """The spec of worker ``index`` of ``group`` on ``gpus`` (from ``place``).
 
     ``accounts``: ``[[workers]] user`` values resolved (``processes.resolve_account``); a
     group whose user is not among them gets a spec that fails to start, never one that runs
     as the supervisor's user. A worker that runs as another user is given
-    ``shared_notify_socket`` (one it can reach) where there is one.
+    ``shared_notify_socket`` (one it can reach) where there is one. ``cpus``: see
+    :func:`worker_cpus`.
     """
     assert group.port_base is not None  # config assigns every group a port range
     name = f"{group.name}-{index}"
@@ -185,6 +222,7 @@ def launch_spec(
         cwd=_expand(group.cwd, values) or None,
         account=account,
         limits=group.limits.items(),
+        cpus=worker_cpus(group.cpu_affinity, gpus, cpus)[0],
     )
 
 
@@ -199,6 +237,7 @@ class GpuSlot:
     temperature_c: float | None = None
     usable: bool = True  # False when cordoned, unhealthy or suspect
     why_not: str = ""
+    cpus: tuple[int, ...] | None = None  # the CPUs close to it (None: not known)
 
 
 #: ``GpuSlot.why_not`` of a GPU that nothing else keeps placements off.
@@ -234,6 +273,7 @@ def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
         d.temperature_c,
         usable=not why_not,
         why_not=why_not,
+        cpus=d.cpus,
     )
 
 
@@ -390,11 +430,14 @@ def build_plan(
     *,
     accounts: Mapping[str, Account | str] | None = None,
     shared_notify_socket: str | None = None,
+    allowed_cpus: frozenset[int] | None = None,
 ) -> Plan:
     """Plan every worker of every group; ``devices`` None means no GPU telemetry.
 
     ``unplaced``: see :func:`place` (without it a worker that cannot be placed raises
-    ``PlacementError``). ``accounts``, ``shared_notify_socket``: see :func:`launch_spec`."""
+    ``PlacementError``). ``accounts``, ``shared_notify_socket``: see :func:`launch_spec`.
+    ``allowed_cpus``: the CPUs the supervisor may run on (``cpu_affinity = "gpu"`` pins
+    nothing without them)."""
     warnings: list[str] = []
     assignment = place(
         settings.workers, devices or (), settings.gpu.reserve_mb, fixed, unplaced=unplaced
@@ -413,6 +456,7 @@ def build_plan(
                 f'{"apply" if len(ignored) > 1 else "applies"} to gpus = "auto" only; '
                 f"with a list every worker gets all of {list(group.gpus)}"
             )
+    cpus = None if allowed_cpus is None else cpus_of(devices or (), allowed_cpus)
     groups: list[GroupPlan] = []
     for group in settings.workers:
         specs = tuple(
@@ -424,11 +468,23 @@ def build_plan(
                 assignment[f"{group.name}-{i}"],
                 accounts=accounts,
                 shared_notify_socket=shared_notify_socket,
+                cpus=cpus,
             )
             for i in range(group.replicas)
         )
         groups.append(GroupPlan(group=group, workers=specs))
+        whys = {worker_cpus(group.cpu_affinity, w.gpus, cpus)[1] for w in specs} - {None}
+        for why in sorted(w for w in whys if w is not None):
+            warnings.append(
+                f'group {group.name}: cpu_affinity = "gpu" pins nothing: {why}; its workers '
+                "run on the supervisor's CPUs"
+            )
     return Plan(groups=tuple(groups), warnings=tuple(warnings))
+
+
+def cpus_of(devices: Sequence[GpuSlot], allowed: frozenset[int]) -> Cpus:
+    """``Cpus`` for placements on ``devices``."""
+    return Cpus({d.uuid: d.cpus for d in devices}, allowed)
 
 
 #: What placement had to go by at a sample: the usable GPUs, and how many worker processes

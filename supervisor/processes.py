@@ -36,7 +36,7 @@ import psutil
 
 from supervisor import procfs
 from supervisor.errors import SpawnError
-from supervisor.model import Account, ExitStatus, LaunchSpec
+from supervisor.model import Account, ExitStatus, LaunchSpec, format_cpulist
 from supervisor.plan import WORKER_SITE_DIR
 
 #: Blocked by the entry point (``supervisor.__main__``) until ``run`` handles them.
@@ -139,6 +139,7 @@ def _child_setup(
     account: Account | None = None,
     cwd: str | None = None,
     rlimits: Sequence[tuple[str, int, int, int]] = (),
+    cpus: Sequence[int] | None = None,
 ) -> Callable[[], None]:
     def setup() -> None:
         # Runs in the forked child before exec: only async-signal-safe-ish calls here.
@@ -156,6 +157,13 @@ def _child_setup(
                 why = getattr(exc, "strerror", None) or exc
                 os.write(1, f"gpu-supervisor: cannot set limits.{name}: {why}\n".encode())
                 os._exit(126)
+        if cpus is not None:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError as exc:
+                why = f"cannot run on CPUs {cpulist}: {exc.strerror}"
+                os.write(1, f"gpu-supervisor: cpu_affinity: {why}\n".encode())
+                os._exit(126)
         if account is not None:
             os.setgroups(list(account.groups))
             os.setresgid(account.gid, account.gid, account.gid)
@@ -168,6 +176,8 @@ def _child_setup(
                     os.write(1, f"gpu-supervisor: {why} (uid {account.uid})\n".encode())
                     os._exit(126)
             pdeathsig()
+
+    cpulist = None if cpus is None else format_cpulist(cpus)  # (formatted before the fork)
 
     def pdeathsig() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -558,7 +568,7 @@ def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
         if isinstance(spec.account, str):
             out.append(f"group {group}: {spec.account}")
             continue
-        problem = limits_problem(spec.limits)
+        problem = limits_problem(spec.limits) or cpus_problem(spec.cpus)
         if problem is not None:
             out.append(f"group {group}: {problem}")
             continue
@@ -653,6 +663,27 @@ def limits_problem(
     return None
 
 
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity: a cpuset, ``taskset``, systemd's
+    ``CPUAffinity=``); workers inherit it."""
+    return frozenset(os.sched_getaffinity(0))
+
+
+def cpus_problem(cpus: Sequence[int] | None, allowed: Collection[int] | None = None) -> str | None:
+    """Why a worker could not be pinned to ``cpus`` (``LaunchSpec.cpus``), or None: a CPU the
+    supervisor may not use itself (offline, or outside its cpuset) cannot be given."""
+    if cpus is None:
+        return None
+    allowed = allowed_cpus() if allowed is None else allowed
+    missing = set(cpus) - set(allowed)
+    if not missing:
+        return None
+    return (
+        f"cpu_affinity: CPUs {format_cpulist(missing)} are not among those this supervisor "
+        f"may use ({format_cpulist(allowed)})"
+    )
+
+
 #: The open-files limit the supervisor raises its own soft limit to (where the hard limit
 #: allows): two descriptors a worker, the API's connections, /proc reads. Workers inherit it,
 #: as under supervisord (``minfds``) and in containers, where soft and hard are one value.
@@ -709,11 +740,11 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     # Not for a worker of another user: setpriv keeps its capabilities until the exec, so the
     # program would be found and executed with root's rights to any file; a switch in the
     # preexec_fn drops them before the working directory is entered and the program run.
-    problem = limits_problem(spec.limits)
+    problem = limits_problem(spec.limits) or cpus_problem(spec.cpus)
     if problem is not None:
         raise SpawnError(f"cannot start {spec.argv[0]!r}: {problem}")
-    # The limits are set in the preexec_fn too (setpriv has no option for them).
-    plain = cgroup is None and account is None and not spec.limits
+    # The limits and the CPUs are set in the preexec_fn too (setpriv has no option for them).
+    plain = cgroup is None and account is None and not spec.limits and spec.cpus is None
     setpriv = _setpriv() if plain else None
     oom = _oom_score_for_worker()
     oom_after: int | None = None  # written to /proc/<pid>/oom_score_adj once Popen returns
@@ -739,6 +770,7 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
             account,
             None if account is None else spec.cwd,
             _kernel_limits(spec.limits),
+            spec.cpus,
         )
     try:
         read_fd, write_fd = os.pipe()

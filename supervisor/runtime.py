@@ -81,6 +81,7 @@ from supervisor.plan import (
     Plan,
     Room,
     build_plan,
+    cpus_of,
     gpu_assignment,
     launch_spec,
     may_restart_in_place,
@@ -103,6 +104,7 @@ from supervisor.processes import (
     HELD_SIGNALS,
     Reaped,
     Reaper,
+    allowed_cpus,
     open_files_needed,
     pass_on_ignored_signals,
     probe_spawn_helper,
@@ -674,6 +676,7 @@ class Runtime:
             unplaced=unplaced,
             accounts=self._accounts(settings.workers),
             shared_notify_socket=self._shared_socket(),
+            allowed_cpus=allowed_cpus(),
         )
 
     def _read_notify(self) -> None:
@@ -1151,6 +1154,7 @@ class Runtime:
             gpus,
             accounts=self._accounts([group], cached=True),
             shared_notify_socket=self._shared_socket(),
+            cpus=cpus_of(self.slots(), allowed_cpus()) if group.cpu_affinity == "gpu" else None,
         )
 
     # --- wiring -------------------------------------------------------------------------

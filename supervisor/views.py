@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from supervisor.journal import Event, rfc3339
-from supervisor.model import DeviceSample, ExitStatus
+from supervisor.model import DeviceSample, ExitStatus, format_cpulist
 
 STATE_SCHEMA_VERSION = 1
 POSTMORTEM_SCHEMA_VERSION = 1
@@ -71,6 +71,7 @@ def device_object(
         "temperature_slowdown_celsius": d.temperature_slowdown_c,
         "temperature_shutdown_celsius": d.temperature_shutdown_c,
         "throttle_reasons": None if throttle is None else list(throttle),
+        "cpu_affinity": None if d.cpus is None else format_cpulist(d.cpus),
         "healthy": d.healthy and quarantined is None,
         "error": d.error if quarantined is None else d.error or f"quarantined: {quarantined}",
         "cordoned": cordoned,

@@ -64,6 +64,7 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
     "encoder": ("nvmlDeviceGetEncoderUtilization",),
     "decoder": ("nvmlDeviceGetDecoderUtilization",),
     "clocks": ("nvmlDeviceGetCurrentClocksEventReasons",),
+    "cpu_affinity": ("nvmlDeviceGetCpuAffinity",),
     "processes": (
         "nvmlDeviceGetComputeRunningProcesses",
         "nvmlDeviceGetComputeRunningProcesses_v3",

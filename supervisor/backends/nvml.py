@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -95,6 +96,23 @@ def _processes(compute: Any, graphics: Any, mps: Any = ()) -> tuple[GpuProcess, 
 #: ``nvmlValue_t``'s member for each ``nvmlValueType_t`` (double, uint, ulong, ulonglong,
 #: slonglong, sint, ushort).
 _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+#: Words of 64 CPUs asked of ``nvmlDeviceGetCpuAffinity`` (at least 1024 CPUs).
+_AFFINITY_WORDS = max(16, (os.cpu_count() or 1) // 64 + 1)
+
+
+def _cpu_affinity(handle: Any) -> tuple[int, ...] | None:
+    """The CPUs close to the GPU (NVML's "ideal" affinity: its NUMA node's), None where NVML
+    cannot tell (not supported, a virtual machine without NUMA, an empty mask)."""
+    try:
+        words = pynvml.nvmlDeviceGetCpuAffinity(handle, _AFFINITY_WORDS)
+    except pynvml.NVMLError:
+        return None
+    cpus = tuple(
+        64 * i + bit for i, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1
+    )
+    return cpus or None
 
 
 def _field_number(fv: Any) -> float | None:
@@ -178,7 +196,7 @@ class NvmlBackend:
             total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / MIB
         except pynvml.NVMLError:
             total = None
-        return handle, DeviceIdentity(index, str(uuid), str(name), total)
+        return handle, DeviceIdentity(index, str(uuid), str(name), total, _cpu_affinity(handle))
 
     def _retry_handle(self, position: int) -> Any:
         """The handle of a GPU whose handle or UUID could not be read (at ``open()`` or since),
@@ -444,6 +462,7 @@ class NvmlBackend:
             decoder_percent=None if dec is None else float(dec[0]),
             clocks_event_reasons=None if clocks is None else int(clocks),
             processes=processes,
+            cpus=ident.cpus,
         )
 
     def _thresholds(self, i: int, h: Any) -> tuple[float | None, float | None]:

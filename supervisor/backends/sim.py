@@ -2,7 +2,7 @@
 
 ```
 <world>/gpus/<index>   key value lines (uuid, name, memory_total_mib, memory_base_mib, ...,
-                       lost 0/1, rc_<nvml function> <code>)
+                       lost 0/1, cpus <cpu list>, rc_<nvml function> <code>)
 <world>/procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines; files of dead
                        pids are ignored; a pid with compute, graphics (or MPS client) lines on
                        one GPU is one process (the largest figure), as NVML lists it in each
@@ -30,7 +30,7 @@ from supervisor.backends.base import (
     one_per_pid,
 )
 from supervisor.errors import BackendUnavailable
-from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
+from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent, parse_cpulist
 
 #: Defaults for keys a device file leaves out (the fake NVML library uses the same).
 DEFAULTS: Mapping[str, str] = {
@@ -131,6 +131,17 @@ class _Device:
         except ValueError:
             return None
         return value if math.isfinite(value) and value >= 0 else None
+
+    def cpus(self) -> tuple[int, ...] | None:
+        """``cpus``: the CPUs close to the GPU, a CPU list (``0-7,16-23``); None when the
+        world says none (or fails the query), as NVML where it cannot tell."""
+        text = self.keys.get("cpus", "")
+        if not text or self.rc("cpu_affinity") is not None:
+            return None
+        try:
+            return parse_cpulist(text) or None
+        except ValueError:
+            return None
 
     def rc(self, field: str) -> int | None:
         for fn in FIELD_FUNCTIONS[field]:
@@ -296,7 +307,7 @@ class SimBackend:
         except OSError as exc:
             raise BackendUnavailable(f"sim world {self.world}: {exc.strerror or exc}") from exc
         self._identities = tuple(
-            DeviceIdentity(d.index, d.uuid, d.get("name"), d.number("memory_total_mib"))
+            DeviceIdentity(d.index, d.uuid, d.get("name"), d.number("memory_total_mib"), d.cpus())
             for d in self._read_devices()
         )
         return self._identities
@@ -361,6 +372,7 @@ class SimBackend:
                 if dev.rc("processes") is not None
                 else self._processes(dev, mine, graphics, mps)
             ),
+            cpus=dev.cpus(),
         )
 
     @staticmethod

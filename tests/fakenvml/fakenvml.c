@@ -7,7 +7,8 @@
  * (see "The world cache" below):
  *
  *   gpus/<index>   one device, "key value" lines; missing keys take defaults ("hang_ms N":
- *                  every call about the device takes N ms, as with a hung driver)
+ *                  every call about the device takes N ms, as with a hung driver; "cpus
+ *                  0-7,16-23": the CPUs close to it, for nvmlDeviceGetCpuAffinity)
  *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines (a tag: the line
  *                  is in the graphics, or the MPS clients', process list instead of the
  *                  compute one); dead pids are ignored
@@ -488,6 +489,7 @@ struct device_info {
     unsigned long long ecc_uncorrected;
     unsigned int lost;
     unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
+    char cpus[512];       /* the CPUs close to it, a CPU list ("0-7,16-23"); "": not known */
     struct rc_table rc;
 };
 
@@ -517,6 +519,7 @@ static const struct kv_field DEVICE_FIELDS[] = {
     KV_FIELD("ecc_uncorrected", KV_U64, struct device_info, ecc_uncorrected),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
     KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
+    KV_FIELD("cpus", KV_STR, struct device_info, cpus),
 };
 
 static void device_defaults(struct device_info *d, unsigned int index)
@@ -1912,6 +1915,42 @@ static nvmlReturn_t get_uint(nvmlDevice_t device, const char *function, unsigned
     if (out == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     memcpy(out, (const char *)&d + offset, sizeof *out);
+    return NVML_SUCCESS;
+}
+
+/* The CPUs close to the GPU, from "cpus" (a CPU list), as a mask of cpuSetSize words; CPUs
+ * past the words given are left out, as NVML does. NOT_SUPPORTED when the world names none
+ * (a machine where the driver cannot tell), UNKNOWN for a list it cannot read. */
+EXPORT nvmlReturn_t nvmlDeviceGetCpuAffinity(nvmlDevice_t device, unsigned int cpuSetSize,
+                                             unsigned long *cpuSet)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (cpuSet == NULL || cpuSetSize == 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (d.cpus[0] == '\0')
+        return NVML_ERROR_NOT_SUPPORTED;
+    const unsigned long bits = 8 * sizeof *cpuSet;
+    memset(cpuSet, 0, cpuSetSize * sizeof *cpuSet);
+    char *save = NULL;
+    for (char *part = strtok_r(d.cpus, ",", &save); part != NULL;
+         part = strtok_r(NULL, ",", &save)) {
+        char *dash = strchr(part, '-');
+        unsigned long long lo, hi;
+        if (dash != NULL)
+            *dash = '\0';
+        if (parse_u64(trim(part), &lo) != 0)
+            return NVML_ERROR_UNKNOWN;
+        hi = lo;
+        if (dash != NULL && parse_u64(trim(dash + 1), &hi) != 0)
+            return NVML_ERROR_UNKNOWN;
+        if (hi < lo)
+            return NVML_ERROR_UNKNOWN;
+        for (unsigned long long cpu = lo; cpu <= hi && cpu < cpuSetSize * bits; cpu++)
+            cpuSet[cpu / bits] |= 1UL << (cpu % bits);
+    }
     return NVML_SUCCESS;
 }
 

@@ -630,6 +630,36 @@ def test_metrics_match_the_world(fake_nvml_libdir: Path, world: World) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def test_cpu_affinity_is_the_cpus_key_as_a_mask(fake_nvml_libdir: Path, world: World) -> None:
+    world.gpu(0, cpus="0-2,70")
+    world.gpu(1)  # no cpus: the driver cannot tell
+    world.gpu(2, cpus="5-3")
+    world.gpu(3, cpus="1", rc_nvmlDeviceGetCpuAffinity=4)
+    out = run_child(
+        """
+        nv.nvmlInit()
+        h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(4)]
+        def mask(handle, words):
+            got = attempt(nv.nvmlDeviceGetCpuAffinity, handle, words)
+            return {"ok": list(got["ok"])} if "ok" in got else got
+        emit({
+            "two": mask(h[0], 2),
+            "one": mask(h[0], 1),  # CPU 70 does not fit: left out, as NVML does
+            "none": mask(h[1], 2),
+            "bad": mask(h[2], 2),
+            "rc": mask(h[3], 2),
+        })
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    assert out["two"] == {"ok": [0b111, 1 << 6]}
+    assert out["one"] == {"ok": [0b111]}
+    assert out["none"] == {"error": "NVMLError_NotSupported"}
+    assert out["bad"] == {"error": "NVMLError_Unknown"}
+    assert out["rc"] == {"error": "NVMLError_NoPermission"}
+
+
 def test_lost_device_fails_alone(fake_nvml_libdir: Path, world: World) -> None:
     world.gpu(0)
     world.gpu(1)
