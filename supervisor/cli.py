@@ -606,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C in a client's wait (`reload --wait`, `restart --rolling --wait`) or a slow
         # answer: one line, not a traceback; what the supervisor was asked goes on there
+        if command == "logs":  # the way out of `logs -f`: nothing else to say
+            return 128 + signal.SIGINT
         goes_on = (
             " (the supervisor goes on with what it was asked)" if command in client.COMMANDS else ""
         )

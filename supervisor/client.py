@@ -584,13 +584,13 @@ def logs(
     """``logs NAME [-n N] [-f]``: the last ``lines`` lines of the worker's log, then (``follow``)
     what comes after them, every byte once across rotations (``GET .../workers/NAME/log``)."""
     path = f"{API}/workers/{_quote(name)}/log"
-    limit = LOG_TAIL_FIRST
+    limit = LOG_TAIL_FIRST if lines else 1  # -n 0: only where the log ends
     while True:  # enough of the end for `lines` lines (a line may be long)
         answer = client.request("GET", f"{path}?limit={limit}")
         data = answer.content
         offset = int(answer.headers["X-Log-Offset"])
-        whole = offset - len(data) <= 0
-        if whole or data.count(b"\n") > lines or limit >= LOG_READ_MAX:
+        whole = len(data) < limit  # the whole log (its oldest byte kept) is in `data`
+        if not lines or whole or data.count(b"\n") > lines or limit >= LOG_READ_MAX:
             break
         limit = min(LOG_READ_MAX, limit * 4)
     if lines:
@@ -605,9 +605,14 @@ def logs(
         return 0
     file = answer.headers["X-Log-File"]
     while True:
-        answer = client.request(
-            "GET", f"{path}?limit={LOG_READ_MAX}&file={_quote(file)}&offset={offset}"
-        )
+        try:
+            answer = client.request(
+                "GET", f"{path}?limit={LOG_READ_MAX}&file={_quote(file)}&offset={offset}"
+            )
+        except UsageError as exc:
+            if "unknown worker" not in str(exc):
+                raise
+            raise ApiClientError(f"{name} is gone (a reload removed it)") from None
         if answer.headers.get("X-Log-Lost"):
             print(
                 f"gpu-supervisor: some of {name}'s log was gone before it was read "

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import sys
 import threading
 from collections import deque
@@ -100,16 +101,20 @@ class RotatingFile:
                 created = True
                 return fd
 
-            try:
-                self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115 - kept open
-            except FileNotFoundError:  # first use, or the directory was removed
-                # state_dir (its parent) too, not left at the default 0755 of made parents
-                self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                self.path.parent.mkdir(mode=0o750, exist_ok=True)
-                self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
+            # Made and numbered under the lock: a reader that saw the new file before it was
+            # numbered would number it itself, then ``new=True`` renumbers it and the reader's
+            # answer names a file that no longer exists (X-Log-Lost, the backups read again).
+            with self._files_lock:
+                try:
+                    self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115 - kept open
+                except FileNotFoundError:  # first use, or the directory was removed
+                    # state_dir (its parent) too, not left at the default 0755 of made parents
+                    self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+                    self.path.parent.mkdir(mode=0o750, exist_ok=True)
+                    self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
+                with contextlib.suppress(OSError):
+                    self._number(os.fstat(self._fh.fileno()), new=created)
             self._size = self._fh.tell()
-            with self._files_lock, contextlib.suppress(OSError):
-                self._number(os.fstat(self._fh.fileno()), new=created)
         return self._fh
 
     def _backup(self, i: int) -> Path:
@@ -223,7 +228,8 @@ class RotatingFile:
     def read(self, limit: int, file: str | None = None, offset: int = 0) -> LogChunk:
         """Read this log back (from any thread).
 
-        Without ``file``: its last ``limit`` bytes (the newest file's). With ``file`` and
+        Without ``file``: its last ``limit`` bytes (from the rotated files too when the newest
+        holds fewer); the place returned is the newest file's. With ``file`` and
         ``offset`` from an earlier chunk: up to ``limit`` bytes from there, in that file even if
         it was rotated since (``x.log.1``, ...), then on in the newer ones, so that a follower
         sees every byte once. ``file=""`` (no log at the earlier read): from the oldest byte.
@@ -233,7 +239,12 @@ class RotatingFile:
             with self._files_lock:
                 for i in range(self.backups + 1):
                     try:
-                        fd = os.open(self._backup(i), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                        # O_NONBLOCK: a FIFO in its place would block the open (with the lock
+                        # held, and the event loop's next rotation waiting for it)
+                        fd = os.open(
+                            self._backup(i),
+                            os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                        )
                     except FileNotFoundError:  # no output yet, or fewer backups
                         continue
                     except OSError as exc:
@@ -241,10 +252,14 @@ class RotatingFile:
                             continue
                         raise
                     st = os.fstat(fd)
-                    fds.append((fd, st, f"{self._run}.{self._number(st)}"))
-                    if file is None:
-                        break  # a tail reads the newest file only
-            return _read_from(fds, limit, file, offset)
+                    if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a directory: not a log
+                        os.close(fd)
+                        continue
+                    # the run and number tell files apart; the inode lets another run of
+                    # the supervisor (a restart) find a follower's file again
+                    name = f"{self._run}.{self._number(st)}.{st.st_dev:x}-{st.st_ino:x}"
+                    fds.append((fd, st, name))
+            return _read_from(fds, limit, file, offset, self._run)
         finally:
             for fd, _, _ in fds:
                 os.close(fd)
@@ -658,21 +673,46 @@ def _read_at(fd: int, offset: int, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def _same_file(file: str, ids: Sequence[str], run: str) -> int | None:
+    """Where ``file``, an id an earlier run of the supervisor gave, is among ``ids`` (by its
+    inode: a file that run rotated is still the same file), or None."""
+    theirs, _, rest = file.partition(".")
+    inode = rest.partition(".")[2]
+    if theirs == run or not inode:
+        return None
+    for i, name in enumerate(ids):
+        if name.rpartition(".")[2] == inode:
+            return i
+    return None
+
+
 def _read_from(
-    fds: Sequence[tuple[int, os.stat_result, str]], limit: int, file: str | None, offset: int
+    fds: Sequence[tuple[int, os.stat_result, str]],
+    limit: int,
+    file: str | None,
+    offset: int,
+    run: str = "",
 ) -> LogChunk:
     """``RotatingFile.read`` on the files open as ``fds`` (newest first, with their ids)."""
     if not fds:
         return LogChunk(b"", "", 0, lost=bool(file))
     ids = [name for _, _, name in fds]
-    if file is None:
-        fd, st, _ = fds[0]
+    if file is None:  # the last `limit` bytes, from the rotated files too (just rotated: the
+        fd, st, _ = fds[0]  # newest file holds a line or two); the place is the newest file's
         start = max(0, st.st_size - limit)
-        data = _read_at(fd, start, limit)
-        return LogChunk(data, ids[0], start + len(data))
+        newest = _read_at(fd, start, limit)
+        parts, left = [newest], limit - len(newest)
+        for fd, st, _ in fds[1:]:
+            if left <= 0:
+                break
+            begin = max(0, st.st_size - left)
+            parts.append(_read_at(fd, begin, st.st_size - begin))
+            left -= len(parts[-1])
+        return LogChunk(b"".join(reversed(parts)), ids[0], start + len(newest))
     lost = False
-    if file in ids:
-        at = ids.index(file)
+    found = ids.index(file) if file in ids else _same_file(file, ids, run)
+    if found is not None:
+        at = found
     else:  # gone (or never seen): from the oldest byte there is
         at, offset, lost = len(fds) - 1, 0, file != ""
     if offset > fds[at][1].st_size:  # not so far in it (a client's mistake): from its start

@@ -126,3 +126,26 @@ def test_logs_follow_sees_every_line_once_while_the_log_rotates(
             follower.kill()
         follower.__exit__(None, None, None)  # waits, closes its pipes
     assert sup.stop() == 0
+
+
+def test_logs_follow_ends_saying_so_when_a_reload_removes_the_worker(
+    supervisor: SupervisorFactory,
+) -> None:
+    keep = {"name": "k", "command": COUNT, "ready": "none"}
+    sup = supervisor({"workers": [{"name": "w", "command": COUNT, "ready": "none"}, keep]})
+    sup.wait_event(event="worker.spawned", worker="w-0")
+    follower = cli_client("logs", "w-0", "-n", "1", "-f", "--url", sup.api_url())
+    try:
+        assert follower.stdout is not None
+        assert follower.stdout.readline()  # following now
+        sup.write_config({"workers": [keep]})
+        sup.signal(signal.SIGHUP)
+        sup.wait_event(event="supervisor.reload_done", timeout=30)
+        out, err = follower.communicate(timeout=30)
+        assert follower.returncode == 1
+        assert err.strip() == "gpu-supervisor: w-0 is gone (a reload removed it)"
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.__exit__(None, None, None)
+    assert sup.stop() == 0

@@ -8,6 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,15 +33,18 @@ def _drain(log: RotatingFile, file: str, offset: int, limit: int) -> tuple[bytes
             return got, file, offset
 
 
-def test_the_tail_is_the_last_bytes_of_the_newest_file(tmp_path: Path) -> None:
+def test_the_tail_is_the_last_bytes_of_the_log_across_rotations(tmp_path: Path) -> None:
     log = _log(tmp_path)
     assert log.read(10) == LogChunk(b"", "", 0)  # no output yet
     log.write(b"a" * 60)
     log.write(b"b" * 30)
     tail = log.read(10)
     assert tail.data == b"b" * 10 and tail.offset == 90 and not tail.lost
-    log.write(b"c" * 50)  # rotates: the tail is the new file's
-    assert log.read(1000).data == b"c" * 50
+    log.write(b"c" * 50)  # rotates: the tail goes on into the rotated file
+    tail = log.read(60)
+    assert tail.data == b"b" * 10 + b"c" * 50 and tail.offset == 50 and tail.file
+    assert log.read(1000).data == b"a" * 60 + b"b" * 30 + b"c" * 50
+    assert log.read(1000, tail.file, tail.offset).data == b""  # followed on from the newest
     log.close()
 
 
@@ -126,3 +130,56 @@ def test_a_link_in_place_of_the_log_is_not_followed(tmp_path: Path) -> None:
     secret.write_bytes(b"not a log")
     os.symlink(secret, tmp_path / "w-0.log")
     assert RotatingFile(tmp_path / "w-0.log", MAX, BACKUPS).read(100).data == b""
+
+
+def test_a_fifo_or_a_directory_in_place_of_a_file_is_skipped_without_blocking(
+    tmp_path: Path,
+) -> None:
+    log = _log(tmp_path)
+    log.write(b"a" * 80)
+    os.mkfifo(tmp_path / "w-0.log.3")  # opened O_RDONLY it would block until a writer came
+    os.mkdir(tmp_path / "w-0.log.2")
+    chunk = log.read(1000, "", 0)
+    assert chunk.data == b"a" * 80 and not chunk.lost
+    log.close()
+
+
+def test_a_file_made_by_a_rotation_is_numbered_before_a_reader_can_see_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader (another thread) that saw the new file before the writer numbered it would
+    # number it itself; renumbered as new, the reader's answer named a file that no longer
+    # existed (X-Log-Lost, every backup read again). The file is made under the readers' lock.
+    log = _log(tmp_path)
+    log.write(b"a" * 80)
+    at = log.read(1000)
+    made_under_lock: list[bool] = []
+    real_open = os.open
+
+    def watched(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_EXCL:  # the writer makes the file
+            made_under_lock.append(log._files_lock.locked())
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", watched)
+    log.write(b"b" * 80)  # rotates: x.log made anew
+    monkeypatch.undo()
+    assert made_under_lock == [True]
+    chunk = log.read(1000, at.file, at.offset)
+    assert not chunk.lost and chunk.data == b"b" * 80
+    log.close()
+
+
+def test_a_follower_goes_on_across_a_restart_of_the_supervisor(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.write(b"a" * 80)
+    at = log.read(1000)
+    log.close()
+    again = _log(tmp_path)  # the next run: its own numbers; the files are the same
+    again.write(b"b" * 10)
+    again.write(b"c" * 80)  # and rotated since
+    chunk = again.read(1000, at.file, at.offset)
+    assert not chunk.lost and chunk.data == b"b" * 10
+    rest = again.read(1000, chunk.file, chunk.offset)
+    assert not rest.lost and rest.data == b"c" * 80
+    again.close()
