@@ -379,6 +379,23 @@ def _has_capabilities(*bits: int, status_path: str = "/proc/self/status") -> boo
     return os.geteuid() == 0
 
 
+#: The identity map of the initial user namespace (``user_namespaces(7)``).
+_INITIAL_UID_MAP = ["0", "0", "4294967295"]
+
+
+def _in_initial_user_namespace(path: str = "/proc/self/uid_map") -> bool:
+    """True unless this process is in a user namespace of its own (a rootless or userns-
+    remapped container, ``unshare -r``): there its capabilities do not reach what the kernel
+    checks against the initial namespace, such as raising a hard resource limit. Without
+    ``/proc``: True."""
+    try:
+        with open(path, encoding="ascii") as f:
+            rows = [line.split() for line in f if line.strip()]
+    except (OSError, ValueError):
+        return True
+    return rows == [_INITIAL_UID_MAP]
+
+
 def _may_switch_user(status_path: str = "/proc/self/status") -> bool:
     """True when this process may change its user and groups (CAP_SETUID and CAP_SETGID)."""
     return _has_capabilities(CAP_SETUID, CAP_SETGID, status_path=status_path)
@@ -568,7 +585,9 @@ def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
         if isinstance(spec.account, str):
             out.append(f"group {group}: {spec.account}")
             continue
-        problem = limits_problem(spec.limits) or cpus_problem(spec.cpus)
+        problem = limits_problem(spec.limits, uid=_switched_uid(spec.account)) or cpus_problem(
+            spec.cpus
+        )
         if problem is not None:
             out.append(f"group {group}: {problem}")
             continue
@@ -587,6 +606,12 @@ def unrunnable(specs: Iterable[tuple[str, LaunchSpec]]) -> list[str]:
 
 
 # --- resource limits ([workers.limits]) ----------------------------------------------------
+
+
+def _switched_uid(account: Account | str | None) -> int | None:
+    """The user a worker switches to in its child (RLIMIT_NPROC is checked then), or None."""
+    return account.uid if isinstance(account, Account) and account.switch else None
+
 
 #: ``[workers.limits]`` names and the resources they set.
 RLIMITS: Mapping[str, int] = {
@@ -635,6 +660,8 @@ def limits_problem(
     current: Callable[[int], tuple[int, int]] = resource.getrlimit,
     may_raise: bool | None = None,
     nr_open: int | None = None,
+    uid: int | None = None,
+    tasks_of: Callable[[int], int | None] | None = None,
 ) -> str | None:
     """Why a worker could not be given ``limits`` (``LaunchSpec.limits``), or None.
 
@@ -645,7 +672,7 @@ def limits_problem(
         return None
     if nr_open is None:
         nr_open = _nr_open()
-    for name, res, _soft, hard in _kernel_limits(limits):
+    for name, res, soft, hard in _kernel_limits(limits):
         if name == "nofile" and nr_open is not None and _above(hard, nr_open):
             return (
                 f"limits.nofile: {_limit_text(hard)} is above the kernel's most open files "
@@ -653,14 +680,54 @@ def limits_problem(
             )
         now = current(res)[1]
         if _above(hard, now):
+            where = ""
             if may_raise is None:
                 may_raise = _has_capabilities(CAP_SYS_RESOURCE)
+                if may_raise and not _in_initial_user_namespace():
+                    # setrlimit(2) checks the capability in the initial user namespace
+                    may_raise = False
+                    where = " in the host's user namespace (this one is a user namespace)"
             if not may_raise:
                 return (
                     f"limits.{name}: raising the hard limit from {_limit_text(now)} to "
-                    f"{_limit_text(hard)} needs CAP_SYS_RESOURCE"
+                    f"{_limit_text(hard)} needs CAP_SYS_RESOURCE{where}"
+                )
+        if name == "nproc" and uid is not None and uid != 0 and soft != resource.RLIM_INFINITY:
+            # RLIMIT_NPROC is checked when the child switches to ``uid``: execve then fails
+            # (EAGAIN) while the user has more processes and threads than the soft limit.
+            count = (tasks_of or _tasks_of)(uid)
+            if count is not None and count > soft:
+                return (
+                    f"limits.nproc: user {uid} has {count} processes and threads already, "
+                    f"more than the limit {soft} (the program would not start: EAGAIN)"
                 )
     return None
+
+
+def _tasks_of(uid: int) -> int | None:
+    """The processes and threads whose real user is ``uid`` (as RLIMIT_NPROC counts them)."""
+    count = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
+                real = threads = None
+                for line in f:
+                    if line.startswith("Uid:"):
+                        real = int(line.split()[1])
+                    elif line.startswith("Threads:"):
+                        threads = int(line.split()[1])
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+        if real == uid and threads is not None:
+            count += threads
+    return count
 
 
 def allowed_cpus() -> frozenset[int]:
@@ -740,7 +807,8 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     # Not for a worker of another user: setpriv keeps its capabilities until the exec, so the
     # program would be found and executed with root's rights to any file; a switch in the
     # preexec_fn drops them before the working directory is entered and the program run.
-    problem = limits_problem(spec.limits) or cpus_problem(spec.cpus)
+    uid = None if account is None else account.uid
+    problem = limits_problem(spec.limits, uid=uid) or cpus_problem(spec.cpus)
     if problem is not None:
         raise SpawnError(f"cannot start {spec.argv[0]!r}: {problem}")
     # The limits and the CPUs are set in the preexec_fn too (setpriv has no option for them).
@@ -792,6 +860,13 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
         os.close(read_fd)
         os.close(write_fd)
         what = exc.strerror or str(exc)
+        nproc = next((soft for name, soft, _ in spec.limits if name == "nproc"), None)
+        if exc.errno == errno.EAGAIN and account is not None and nproc is not None:
+            # execve after the switch: the user has more processes than limits.nproc
+            raise SpawnError(
+                f"cannot start {spec.argv[0]!r} as user {account.user!r}: limits.nproc: the "
+                f"user has more processes and threads than {nproc} ({what})"
+            ) from exc
         raise SpawnError(f"cannot execute {spec.argv[0]!r}: {what}") from exc
     except (subprocess.SubprocessError, ValueError) as exc:  # ValueError: a NUL in argv/env
         os.close(read_fd)

@@ -141,7 +141,7 @@ def test_logs_follow_ends_saying_so_when_a_reload_removes_the_worker(
         sup.write_config({"workers": [keep]})
         sup.signal(signal.SIGHUP)
         sup.wait_event(event="supervisor.reload_done", timeout=30)
-        out, err = follower.communicate(timeout=30)
+        _, err = follower.communicate(timeout=30)
         assert follower.returncode == 1
         assert err.strip() == "gpu-supervisor: w-0 is gone (a reload removed it)"
     finally:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from supervisor import processes
 from supervisor.config import LimitsSection, parse_settings
 from supervisor.errors import ConfigError
 from supervisor.plan import launch_spec
@@ -151,3 +153,42 @@ def test_a_change_of_limits_is_a_change_of_the_group() -> None:
     new = parse_settings({"workers": [{**W, "limits": {"core": 0}}]}, "c.toml").workers
     diff = diff_groups(old, new)
     assert diff.changed == ("gpen",) and diff.scaled == () and diff.same_placement == ("gpen",)
+
+
+@pytest.mark.parametrize(
+    ("uid_map", "initial"),
+    [
+        ("         0          0 4294967295\n", True),
+        ("         0       1000          1\n", False),  # unshare -r
+        ("         0     100000      65536\n", False),  # a rootless or userns-remapped container
+    ],
+)
+def test_only_the_initial_user_namespace_lets_capabilities_raise_a_hard_limit(
+    tmp_path: Path, uid_map: str, initial: bool
+) -> None:
+    path = tmp_path / "uid_map"
+    path.write_text(uid_map)
+    assert processes._in_initial_user_namespace(str(path)) is initial
+
+
+@pytest.mark.parametrize(
+    ("tasks", "uid", "expected"),
+    [
+        (2, 65534, "limits.nproc: user 65534 has 2 processes and threads already, more than"),
+        (1, 65534, None),  # the kernel refuses the exec only above the limit
+        (5, None, None),  # no switch: checked at fork, by the worker's own processes
+        (5, 0, None),  # root is exempt
+    ],
+)
+def test_nproc_the_workers_user_is_over_already_is_said_before_the_fork(
+    tasks: int, uid: int | None, expected: str | None
+) -> None:
+    got = limits_problem(
+        (("nproc", 1, 1),),
+        current=_now(CURRENT),
+        may_raise=False,
+        nr_open=1048576,
+        uid=uid,
+        tasks_of=lambda _uid: tasks,
+    )
+    assert got == expected or (expected is not None and got is not None and expected in got)
