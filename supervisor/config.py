@@ -469,13 +469,17 @@ class LimitsSection(_Strict):
     @classmethod
     def _not_address_space(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for key in ("as", "data"):
-                if key in data:
-                    raise ValueError(
-                        f"{key}: never limited here: CUDA reserves far more address space "
-                        "than it uses, and the worker would fail to start on a GPU "
-                        "(health.host_memory_limit_mb limits its memory)"
-                    )
+            if "as" in data:
+                raise ValueError(
+                    "as: never limited here: CUDA reserves far more address space than it "
+                    "uses, and the worker would fail to start on a GPU "
+                    "(health.host_memory_limit_mb limits its memory)"
+                )
+            if "data" in data:
+                raise ValueError(
+                    "data: not offered: it counts a process's writable mappings, not the "
+                    "memory it uses (health.host_memory_limit_mb limits its memory)"
+                )
         return data
 
     @field_validator("nofile")

@@ -74,7 +74,7 @@ def test_the_forms_a_limit_takes(
         ({"rss": 1}, "c.toml: workers[0].limits.rss: unknown key (got 1)"),
         # a CUDA process reserves far more address space than it uses (DESIGN.md)
         ({"as": 1 << 40}, "workers[0].limits.as: never limited here: CUDA reserves far more"),
-        ({"data": 1 << 40}, "workers[0].limits.data: never limited here"),
+        ({"data": 1 << 40}, "workers[0].limits.data: not offered: it counts a process's"),
     ],
 )
 def test_a_bad_limit_is_one_line_naming_it(value: dict[str, object], expected: str) -> None:
