@@ -30,6 +30,7 @@ import math
 import os
 import re
 import resource
+import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -50,7 +51,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from supervisor._version import __version__
-from supervisor.config import is_loopback, is_loopback_name, parse_listen
+from supervisor.config import is_loopback, is_loopback_name, parse_listen, parse_signal
 from supervisor.journal import JOURNAL_SIZE, rfc3339
 from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
@@ -705,6 +706,62 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     for command in COMMANDS:
         _add_command_routes(app, post, command, worker_command, group_command)
 
+    def signal_of(value: str) -> signal.Signals:
+        try:
+            text = value.strip()
+            name = parse_signal(int(text) if text.isdigit() else text)
+        except ValueError as exc:
+            raise _problem(422, f"signal: {exc} (got {value!r})") from None
+        if not name:
+            raise _problem(422, "signal: expected a signal name such as 'SIGUSR1' (got '')")
+        return signal.Signals[name]
+
+    def send(request: Request, runner: Any, sig: signal.Signals) -> int | None:
+        pid: int | None = runner.send_signal(sig, reason="operator")
+        if pid is not None:
+            log.info(
+                "api.command",
+                command="signal",
+                signal=sig.name,
+                target=runner.name,
+                client=client_of(request),
+            )
+        return pid
+
+    @post(f"{API_PREFIX}/workers/{{name}}/signal", Worker, 200, 404, 409, 422)
+    async def signal_worker(
+        request: Request,
+        name: str,
+        signal: SignalQuery,
+    ) -> dict[str, Any]:
+        """Send a signal to one worker's process tree now (its process group, and descendants
+        that left it), as ``supervisorctl signal``; 409 while it has no process."""
+        runner = runner_of(name)
+        sig = signal_of(signal)
+        if send(request, runner, sig) is None:
+            raise _problem(409, f"cannot signal {name}: it has no process ({runner.state})")
+        obj: dict[str, Any] = rt.worker_object(runner)
+        return obj
+
+    @post(f"{API_PREFIX}/groups/{{group}}/signal", GroupAccepted, 200, 404, 409, 422)
+    async def signal_group_workers(
+        request: Request,
+        group: str,
+        signal: SignalQuery,
+    ) -> dict[str, Any]:
+        """Send a signal to every worker of a group that has a process now; 409 when none
+        has."""
+        names = group_names(group)
+        sig = signal_of(signal)
+        sent = [n for n in names if send(request, rt.runners[n], sig) is not None]
+        if not sent:
+            raise _problem(409, f"cannot signal group {group}: no worker of it has a process")
+        return {
+            "group": group,
+            "command": "signal",
+            "workers": [rt.worker_object(rt.runners[n]) for n in sent],
+        }
+
     @post(f"{API_PREFIX}/groups/{{group}}/rolling-restart", GroupAccepted, 202, 404, 409)
     async def rolling_restart(request: Request, group: str) -> dict[str, Any]:
         """Restart the group one worker at a time, each waiting for readiness."""
@@ -1235,6 +1292,8 @@ MAX_HEAD_BYTES = 64 * 1024
 #: The response header of ``/api/v1/events`` that names the supervisor's run (its events are
 #: numbered from 1 in each run).
 RUN_HEADER = "X-Gpu-Supervisor-Run"
+#: ``POST .../signal?signal=``: the query parameter.
+SignalQuery = Annotated[str, Query(description="a signal name (SIGUSR1, USR1) or number")]
 #: ``GET /api/v1/workers/{name}/log``: the bytes a tail gets, and the answer's headers.
 LOG_TAIL_BYTES = 65536
 LOG_FILE_HEADER = "X-Log-File"

@@ -53,6 +53,7 @@ COMMANDS: Mapping[str, str] = {
     "cordon": "place no more workers on a GPU (index or UUID)",
     "uncordon": "allow placing workers on a GPU again",
     "reload": "re-read the supervisor's config file (as SIGHUP) and say whether it took it",
+    "signal": "send a signal to a worker's (or every worker of a group's) process tree now",
     "logs": "a worker's output from its log file (-f: follow it, across rotations)",
     "health": "exit 0 while the supervisor answers /healthz (--ready: /readyz), else 1 "
     "(a container HEALTHCHECK that follows api.listen)",
@@ -83,6 +84,9 @@ def add_commands(sub: Any) -> None:
                 action="store_true",
                 help="ask /readyz: also 1 while a group has no ready worker (the reasons printed)",
             )
+        elif name == "signal":
+            p.add_argument("signal", help="signal name (SIGUSR1, USR1) or number")
+            p.add_argument("name", help="worker (gpen-1) or group (gpen)")
         elif name == "logs":
             p.add_argument("name", help="worker (gpen-1)")
             p.add_argument(
@@ -490,6 +494,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         return health(client, args.ready)
     if args.command == "logs":
         return logs(client, args.name, args.lines, args.follow)
+    if args.command == "signal":
+        return send_signal(client, args.signal, args.name)
     if args.command in ("cordon", "uncordon"):
         lift = args.command == "uncordon" and args.lift_quarantine
         path = f"{API}/gpus/{_quote(args.gpu)}/{args.command}"
@@ -540,6 +546,27 @@ def command(client: Client, verb: str, name: str) -> int:
         print(f"{name}: {verb} requested for {len(body['workers'])} workers ({names})")
         return 0
     print(f"{name}: {verb} requested (was {body['state']})")
+    return 0
+
+
+def send_signal(client: Client, sig: str, name: str) -> int:
+    """``signal SIG NAME``: a worker, else a group of that name."""
+    query = f"signal={_quote(sig)}"
+    try:
+        body = client.request("POST", f"{API}/workers/{_quote(name)}/signal?{query}").json()
+    except UsageError as exc:
+        if "unknown worker" not in str(exc):
+            raise
+        try:
+            body = client.request("POST", f"{API}/groups/{_quote(name)}/signal?{query}").json()
+        except UsageError as exc2:
+            if "unknown group" not in str(exc2):
+                raise
+            raise UsageError(f"gpu-supervisor: unknown worker or group {name!r}") from None
+        sent = ", ".join(f"{w['name']} (pid {w['pid']})" for w in body["workers"])
+        print(f"{name}: {sig} sent to {len(body['workers'])} workers: {sent}")
+        return 0
+    print(f"{name}: {sig} sent (pid {body['pid']})")
     return 0
 
 

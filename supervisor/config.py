@@ -115,6 +115,11 @@ def _signal_name(value: object) -> object:
 SignalName = Annotated[str, BeforeValidator(_signal_name)]
 
 
+def parse_signal(value: str | int) -> str:
+    """``SIGTERM``, ``TERM`` or a number as the canonical name (``ValueError`` saying why)."""
+    return str(_signal_name(value))
+
+
 def _gpus_value(value: object) -> object:
     if value in ("auto", "none"):
         return value

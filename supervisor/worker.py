@@ -469,7 +469,16 @@ class WorkerRunner:
             self._reaped = True
         self.post(lc.Exited(reaped.pid, reaped.status))
 
-    def _signal(self, sig: int) -> None:
+    def send_signal(self, sig: int, reason: str) -> int | None:
+        """Send ``sig`` to the worker's whole process tree now (an operator's ``signal``);
+        the leader's pid, or None when it has no process."""
+        pid = self.record.pid
+        if pid is None:
+            return None
+        self._signal(sig, reason)
+        return pid
+
+    def _signal(self, sig: int, reason: str | None = None) -> None:
         pid = self.record.pid
         if pid is None:
             return
@@ -481,7 +490,10 @@ class WorkerRunner:
                 if os.getpgid(proc.pid) != pid:
                     proc.send_signal(sig)
         self._log.info(
-            "worker.signal", pid=pid, signal=signal.Signals(sig).name, reason=self.record.reason
+            "worker.signal",
+            pid=pid,
+            signal=signal.Signals(sig).name,
+            reason=reason or self.record.reason,
         )
 
     def _exited(self, action: lc.Exit) -> None:
