@@ -282,7 +282,10 @@ def _validation_message(exc: RequestValidationError) -> str:
         return "invalid request"
     first = errors[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
-    text = f"{loc}: {first.get('msg', 'invalid')}"
+    msg = first.get("msg", "invalid")
+    if loc == "query.signal" and first.get("type") == "string_pattern_mismatch":
+        msg = "not a signal of this system (a name such as SIGUSR1 or USR1, or its number)"
+    text = f"{loc}: {msg}"
     if "input" in first and first.get("type") != "missing":
         value = repr(first["input"])
         text += f" (got {value if len(value) <= 80 else value[:77] + '...'})"
@@ -1292,8 +1295,16 @@ MAX_HEAD_BYTES = 64 * 1024
 #: The response header of ``/api/v1/events`` that names the supervisor's run (its events are
 #: numbered from 1 in each run).
 RUN_HEADER = "X-Gpu-Supervisor-Run"
-#: ``POST .../signal?signal=``: the query parameter.
-SignalQuery = Annotated[str, Query(description="a signal name (SIGUSR1, USR1) or number")]
+#: ``POST .../signal?signal=``: the query parameter, a signal this system has (its name, with
+#: or without ``SIG``, or its number), as the schema says it.
+_SIGNAL_PATTERN = "^(?:(?:SIG)?(?:{})|{})$".format(
+    "|".join(sorted(name[3:] for name in signal.Signals.__members__)),
+    "|".join(str(n) for n in sorted({s.value for s in signal.Signals})),
+)
+SignalQuery = Annotated[
+    str,
+    Query(description="a signal name (SIGUSR1, USR1) or number", pattern=_SIGNAL_PATTERN),
+]
 #: ``GET /api/v1/workers/{name}/log``: the bytes a tail gets, and the answer's headers.
 LOG_TAIL_BYTES = 65536
 LOG_FILE_HEADER = "X-Log-File"

@@ -68,7 +68,10 @@ def test_a_signal_reaches_the_whole_tree_of_a_worker_and_nothing_else_happens(
     with sup.api() as api:
         bad = api.post("/api/v1/workers/t-0/signal", params={"signal": "SIGNOPE"})
         assert bad.status_code == 422
-        assert bad.json() == {"error": "signal: unknown signal 'SIGNOPE' (got 'SIGNOPE')"}
+        assert bad.json() == {
+            "error": "query.signal: not a signal of this system (a name such as SIGUSR1 or "
+            "USR1, or its number) (got 'SIGNOPE')"
+        }
         assert api.post("/api/v1/workers/t-0/signal").status_code == 422  # none given
         assert api.post("/api/v1/workers/nope/signal?signal=USR1").status_code == 404
         assert api.post("/api/v1/groups/nope/signal?signal=USR1").status_code == 404
