@@ -395,3 +395,50 @@ def test_page_with_auth_read_takes_the_token_from_the_fragment(
     assert not browser.find_element(By.ID, "auth").is_displayed()
     assert_no_console_errors(browser)
     assert sup.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_page_shows_a_workers_output_and_follows_it_across_a_restart(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome
+) -> None:
+    sup = start(supervisor, page_config(tmp_path))
+    first = sup.ready("c-0")["pid"]
+    browser.get(sup.api_url() + "/")
+    wait_for(browser, "the workers", lambda: set(rows(browser)) == set(WORKERS))
+    assert browser.execute_script("return document.getElementById('log').hidden") is True
+
+    def log_text() -> str:
+        text: str = browser.execute_script("return document.getElementById('log-text').textContent")
+        return text
+
+    wait_for(
+        browser,
+        "c-0's name as a button",
+        lambda: browser.execute_script(
+            "const b = document.querySelector('button[data-log=\"c-0\"]');"
+            " if (b) { b.click(); } return !!b"
+        ),
+    )
+    wait_for(
+        browser,
+        "c-0's output",
+        lambda: (
+            f"--- gpu-supervisor: started pid {first} ---" in log_text()
+            and f"c-0 {first} ready" in log_text()
+        ),
+    )
+    assert browser.execute_script("return document.getElementById('log-name').textContent") == (
+        "c-0"
+    )
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/c-0/restart").status_code == 202
+    again = sup.ready("c-0", after=mark)["pid"]
+    wait_for(browser, "the restart followed", lambda: f"c-0 {again} ready" in log_text())
+    text = log_text()
+    assert text.count(f"c-0 {first} ready") == 1  # followed on, nothing shown twice
+    assert text.index(f"c-0 {first} ready") < text.index(f"started pid {again} ---")
+    browser.execute_script("document.getElementById('log-close').click()")
+    assert browser.execute_script("return document.getElementById('log').hidden") is True
+    assert_no_console_errors(browser)
+    assert sup.stop() == 0
