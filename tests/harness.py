@@ -43,6 +43,19 @@ def client(*args: str) -> subprocess.Popen[str]:
     )
 
 
+def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``gpu-supervisor ARGS`` run to its end (30 s at most), its output captured (text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        env=None if env is None else dict(env),
+        check=False,
+    )
+
+
 def worker_cmd(script: str, *args: str) -> list[str]:
     """``[python, tests/workers/<script>.py, *args]``."""
     return [sys.executable, str(WORKERS / f"{script}.py"), *args]
@@ -302,6 +315,16 @@ class Supervisor:
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the supervisor."""
         self.proc.send_signal(sig)
+
+    def reload_rejected(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Reload with ``config`` (SIGHUP), which must be rejected with nothing stopped;
+        returns the ``supervisor.reload_rejected`` event."""
+        mark = self.mark()
+        self.write_config(config)
+        self.signal(signal.SIGHUP)
+        rejected = self.wait_event(event="supervisor.reload_rejected", after=mark)
+        assert not self.find(event="worker.state", new="stopping", after=mark)
+        return rejected
 
     def wait_exit(self, timeout: float = 30.0) -> int:
         """Wait for the supervisor to exit; return its code."""

@@ -5,8 +5,6 @@ token), with their exit codes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,23 +12,12 @@ import pytest
 
 from supervisor.cli import main
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT, worker_cmd
 from tests.harness import client as cli_client
+from tests.harness import run_cli as cli
+from tests.harness import worker_cmd
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 TOKEN = "cli-token"  # noqa: S105 - test data
-
-
-def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        env=env,
-        check=False,
-    )
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

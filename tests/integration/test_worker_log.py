@@ -8,27 +8,15 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT
 from tests.harness import client as cli_client
+from tests.harness import run_cli as cli
 
 COUNT = [sys.executable, "-c", "for i in range(1, 31): print('line-%d' % i, flush=True)\n"
          "import time; time.sleep(600)"]  # fmt: skip
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
 
 
 def test_the_log_of_a_worker_through_the_api_and_the_logs_command(

@@ -4,37 +4,26 @@ bad signals and workers without a process are refused."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT
+from tests.harness import run_cli as cli
 
 # A worker whose child (in its process group) and grandchild (in a session of its own) say
-# which signal they got; SIGUSR1 kills none of them.
+# which signal they got (each line in one write: the three share the pipe); SIGUSR1 kills none
+# of them.
 TREE = [
     sys.executable,
     "-c",
     "import os, signal, sys, time\n"
-    "def said(s, f): print('got', signal.Signals(s).name, os.getpid(), flush=True)\n"
+    "def said(s, f): os.write(1, ('got %s %d\\n' % (signal.Signals(s).name, os.getpid())).encode())\n"
     "signal.signal(signal.SIGUSR1, said)\n"
     "signal.signal(signal.SIGUSR2, said)\n"
     "if os.fork() == 0 and os.fork() == 0:\n"
     "    os.setsid()\n"
-    "print('up', os.getpid(), flush=True)\n"
+    "os.write(1, ('up %d\\n' % os.getpid()).encode())\n"
     "while True: time.sleep(60)\n",
 ]
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor", *argv],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=ROOT,
-        check=False,
-    )
 
 
 def test_a_signal_reaches_the_whole_tree_of_a_worker_and_nothing_else_happens(
@@ -43,17 +32,17 @@ def test_a_signal_reaches_the_whole_tree_of_a_worker_and_nothing_else_happens(
     group = {"command": TREE, "ready": "none", "log_passthrough": True, "stop_timeout_s": 2}
     sup = supervisor({"workers": [{"name": "t", **group}, {"name": "s", "replicas": 0, **group}]})
     pid = sup.wait_event(event="worker.spawned", worker="t-0")["pid"]
-    ups = {int(sup.wait_line("[t-0] ", contains="up ", after=0).split()[2])}
-    while len(ups) < 3:  # the leader, its child and the grandchild that left the group
-        lines = [x for x in sup.stdout if x.startswith("[t-0] up ")]
-        ups = {int(x.split()[2]) for x in lines}
-        if len(ups) < 3:
-            sup.wait_line("[t-0] ", contains="up ", after=len(sup.stdout) - 1)
+
+    def ups() -> set[int] | None:  # the leader, its child and the grandchild that left
+        seen = {int(x.split()[2]) for x in sup.stdout if x.startswith("[t-0] up ")}
+        return seen if len(seen) == 3 else None
+
+    tree: set[int] = sup.wait_until(ups, "three processes up")
     url = sup.api_url()
 
     done = cli("signal", "USR1", "t-0", "--url", url)
     assert (done.returncode, done.stdout) == (0, f"t-0: USR1 sent (pid {pid})\n"), done.stderr
-    for p in ups:
+    for p in tree:
         sup.wait_line("[t-0] ", contains=f"got SIGUSR1 {p}")
     signalled = sup.wait_event(event="worker.signal", worker="t-0", signal="SIGUSR1")
     assert signalled["reason"] == "operator"
@@ -61,7 +50,7 @@ def test_a_signal_reaches_the_whole_tree_of_a_worker_and_nothing_else_happens(
 
     done = cli("signal", "12", "t", "--url", url)  # a group, a number (SIGUSR2)
     assert done.stdout == f"t: 12 sent to 1 workers: t-0 (pid {pid})\n", done.stderr
-    for p in ups:
+    for p in tree:
         sup.wait_line("[t-0] ", contains=f"got SIGUSR2 {p}")
     assert not sup.find(event="worker.exited")  # nothing else happened to it
 
