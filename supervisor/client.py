@@ -551,7 +551,9 @@ def command(client: Client, verb: str, name: str) -> int:
 
 def send_signal(client: Client, sig: str, name: str) -> int:
     """``signal SIG NAME``: a worker, else a group of that name."""
-    query = f"signal={_quote(sig)}"
+    # as kill(1) and the config take them: "usr1", "sigterm" (the API's schema names them
+    # in capitals)
+    query = f"signal={_quote(sig.strip().upper())}"
     try:
         body = client.request("POST", f"{API}/workers/{_quote(name)}/signal?{query}").json()
     except UsageError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -232,18 +233,21 @@ def clock_event_names(mask: int | None) -> tuple[str, ...] | None:
 MAX_CPUS = 8192
 
 
+_CPU_RANGE = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?", re.ASCII)
+
+
 def parse_cpulist(text: str) -> tuple[int, ...]:
     """A Linux CPU list (``"0-7,16-23"``, as ``/sys/.../local_cpulist``, ``taskset -c`` and
     cpusets write it) as sorted CPU numbers; ``ValueError`` saying what is wrong."""
     cpus: set[int] = set()
     for part in text.split(","):
         part = part.strip()
-        first, dash, last = part.partition("-")
-        try:
-            lo = int(first)
-            hi = int(last) if dash else lo
-        except ValueError:
-            raise ValueError(f"{part!r} is not a CPU number or a range such as 0-7") from None
+        # ASCII digits only: int() would take "1_0" and other scripts' digits
+        found = _CPU_RANGE.fullmatch(part)
+        if found is None:
+            raise ValueError(f"{part!r} is not a CPU number or a range such as 0-7")
+        lo = int(found[1])
+        hi = int(found[2]) if found[2] is not None else lo
         if not 0 <= lo <= hi < MAX_CPUS:
             raise ValueError(f"{part!r}: CPUs are numbered 0 to {MAX_CPUS - 1}, low to high")
         cpus.update(range(lo, hi + 1))

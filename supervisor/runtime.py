@@ -8,6 +8,7 @@ consumer, the systemd notifier and one runner per worker. Signals (and, later, t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import math
@@ -89,6 +90,7 @@ from supervisor.plan import (
     place,
     resolve_explicit,
     slot_for,
+    worker_cpus,
 )
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.attribution import alias_owner
@@ -946,6 +948,27 @@ class Runtime:
         """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
         then re-place off unusable GPUs. A string: why there is no GPU to start on now (the
         worker waits for one)."""
+        prepared = await self._prepare_gpus(runner)
+        return prepared if isinstance(prepared, str) else self._pinned_now(prepared)
+
+    def _pinned_now(self, spec: LaunchSpec) -> LaunchSpec:
+        """``spec`` with its ``cpu_affinity = "gpu"`` CPUs as of now: those close to its GPUs
+        among the ones the supervisor may use now (its own affinity can shrink while it runs:
+        a cpuset changed, a CPU taken offline; a start on the CPUs planned then would fail at
+        every restart)."""
+        group = self.settings.group(spec.group)
+        if group is None or group.cpu_affinity != "gpu":
+            return spec
+        allowed = allowed_cpus()
+        slots = self.slots()
+        if slots:
+            cpus = worker_cpus("gpu", spec.gpus, cpus_of(slots, allowed))[0]
+        else:  # no telemetry now: what it had, within what may be used now
+            cpus = tuple(sorted(set(spec.cpus or ()) & allowed)) or None
+        return spec if cpus == spec.cpus else dataclasses.replace(spec, cpus=cpus)
+
+    async def _prepare_gpus(self, runner: WorkerRunner) -> LaunchSpec | str:
+        """:meth:`_prepare` but for the CPUs."""
         await self._await_cgroup_empty(runner)
         spec = runner.spec
         gpus = spec.gpus or ()
@@ -2471,6 +2494,10 @@ class Runtime:
             self._journal_reload(request, False, reason="command", error=error)
             self._reload_over()
             return False
+        touched = {*diff.changed, *diff.added}
+        for warning in plan.warnings:  # as at start, for the groups this reload rolls out
+            if any(warning.startswith(f"group {name}:") for name in touched):
+                self.log.warning("plan.warning", message=warning)
         self.journal.append(
             self.clock.wall(),
             "reload.accepted",

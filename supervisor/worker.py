@@ -360,6 +360,9 @@ class WorkerRunner:
             return None
         if isinstance(action, lc.SendSignal):
             self._signal(action.signal)
+            # a tree an operator stopped (``signal STOP``) gets its stop signal only once it
+            # runs again: woken, as systemd does, rather than killed at stop_timeout_s
+            self._signal(signal.SIGCONT, quiet=True)
         elif isinstance(action, lc.KillTree):
             if self.record.pid is not None:
                 self._log.warning("worker.kill", pid=self.record.pid, reason=action.reason)
@@ -478,17 +481,20 @@ class WorkerRunner:
         self._signal(sig, reason)
         return pid
 
-    def _signal(self, sig: int, reason: str | None = None) -> None:
+    def _signal(self, sig: int, reason: str | None = None, *, quiet: bool = False) -> None:
         pid = self.record.pid
         if pid is None:
             return
         # Remember the tree now: descendants that left the process group are found this way.
-        self._tree = descendants(pid)
+        if not quiet:
+            self._tree = descendants(pid)
         signal_group(pid, sig)
         for proc in self._tree:
             with contextlib.suppress(psutil.Error, OSError):
                 if os.getpgid(proc.pid) != pid:
                     proc.send_signal(sig)
+        if quiet:
+            return
         self._log.info(
             "worker.signal",
             pid=pid,

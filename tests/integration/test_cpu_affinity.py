@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,52 @@ def test_cpus_that_cannot_be_had_fail_the_start_and_check_config_says_so(
         "u-0": None,
         "r-0": "0",
     }
+
+
+def test_a_gpu_pin_is_taken_again_at_a_restart_within_the_supervisors_cpus_of_then(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    make_world(tmp_path / "sim", {0: "0", 1: "1"})
+    group = {"name": "g", "gpus": [1], "cpu_affinity": "gpu"}
+    sup = supervisor(config(tmp_path, "sim", {**group, "command": worker_cmd("ready_then_sleep")}))
+    first = sup.ready("g-0")["pid"]
+    assert os.sched_getaffinity(first) == {1}
+
+    def pin_supervisor(cpus: set[int]) -> None:  # every thread, as a cpuset change would
+        for tid in os.listdir(f"/proc/{sup.pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
+
+    try:
+        pin_supervisor({0})  # the CPUs close to GPU 1 are no longer the supervisor's
+        mark = sup.mark()
+        os.kill(first, 9)
+        again = sup.ready("g-0", after=mark)["pid"]  # not a start refused at every try
+        assert not sup.find(event="worker.spawn_failed", after=mark)
+        assert os.sched_getaffinity(again) == {0}
+        pin_supervisor(MINE)
+        mark = sup.mark()
+        os.kill(again, 9)
+        assert os.sched_getaffinity(sup.ready("g-0", after=mark)["pid"]) == {1}
+    finally:
+        pin_supervisor(MINE)
+    assert sup.stop() == 0
+
+
+def test_a_reload_says_where_gpu_pins_nothing_for_the_groups_it_rolls_out(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    make_world(tmp_path / "sim", {0: "0"})  # GPU 1's CPUs are not known
+    ready = worker_cmd("ready_then_sleep")
+    keep = {"name": "k", "gpus": [0], "cpu_affinity": "gpu", "command": ready}
+    sup = supervisor(config(tmp_path, "sim", keep))
+    sup.ready("k-0")
+    assert not sup.find(event="plan.warning")
+    mark = sup.mark()
+    added = {"name": "u", "gpus": [1], "cpu_affinity": "gpu", "command": ready}
+    sup.write_config(config(tmp_path, "sim", keep, added))
+    sup.signal(signal.SIGHUP)
+    warning = sup.wait_event(event="plan.warning", after=mark)
+    assert warning["message"].startswith('group u: cpu_affinity = "gpu" pins nothing')
+    sup.ready("u-0", after=mark)
+    assert len(sup.find(event="plan.warning")) == 1  # not for the group left as it was
+    assert sup.stop() == 0

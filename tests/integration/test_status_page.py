@@ -10,6 +10,7 @@ import base64
 import hashlib
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -440,5 +441,45 @@ def test_page_shows_a_workers_output_and_follows_it_across_a_restart(
     assert text.index(f"c-0 {first} ready") < text.index(f"started pid {again} ---")
     browser.execute_script("document.getElementById('log-close').click()")
     assert browser.execute_script("return document.getElementById('log').hidden") is True
+    assert_no_console_errors(browser)
+    assert sup.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_page_shows_a_character_split_between_two_reads_whole(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome
+) -> None:
+    # "é" is two bytes in UTF-8: the first comes at start, the second when SIGUSR1 says so
+    split = [
+        sys.executable,
+        "-c",
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: os.write(1, b'\\xa9 after\\n'))\n"
+        "os.write(1, b'before caf\\xc3')\n"
+        "while True: time.sleep(60)\n",
+    ]
+    config = page_config(tmp_path)
+    config["workers"] = [{"name": "u", "command": split, "ready": "none", "stop_timeout_s": 2}]
+    sup = supervisor(config)
+    sup.wait_event(event="worker.spawned", worker="u-0")
+    browser.get(sup.api_url() + "/")
+
+    def log_text() -> str:
+        text: str = browser.execute_script("return document.getElementById('log-text').textContent")
+        return text
+
+    wait_for(
+        browser,
+        "u-0's name as a button",
+        lambda: browser.execute_script(
+            "const b = document.querySelector('button[data-log=\"u-0\"]');"
+            " if (b) { b.click(); } return !!b"
+        ),
+    )
+    wait_for(browser, "the first part", lambda: "before caf" in log_text())
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/u-0/signal?signal=SIGUSR1").status_code == 200
+    wait_for(browser, "the rest", lambda: "after" in log_text())
+    assert "before caf\u00e9 after" in log_text() and "\ufffd" not in log_text()
     assert_no_console_errors(browser)
     assert sup.stop() == 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import psutil
+
 from tests.conftest import SupervisorFactory
 from tests.harness import run_cli as cli
 
@@ -68,4 +70,44 @@ def test_a_signal_reaches_the_whole_tree_of_a_worker_and_nothing_else_happens(
         assert stopped.status_code == 409
     done = cli("signal", "USR1", "nope", "--url", url)
     assert done.returncode == 2 and "unknown worker or group 'nope'" in done.stderr
+    assert sup.stop() == 0
+
+
+def test_a_worker_an_operator_stopped_with_sigstop_still_stops_gracefully(
+    supervisor: SupervisorFactory,
+) -> None:
+    # its TERM handler runs once it is continued (SIGCONT after the stop signal, as systemd);
+    # without it the TERM waited until SIGKILL at stop_timeout_s (30 s here)
+    graceful = [
+        sys.executable,
+        "-c",
+        "import os, signal, sys, time\n"
+        "def bye(s, f):\n"
+        "    os.write(1, b'TERM handled\\n'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "os.write(1, b'up\\n')\n"
+        "while True: time.sleep(60)\n",
+    ]
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "s",
+                    "command": graceful,
+                    "ready": "none",
+                    "log_passthrough": True,
+                    "stop_timeout_s": 30,
+                }
+            ]
+        }
+    )
+    pid = sup.wait_event(event="worker.spawned", worker="s-0")["pid"]
+    sup.wait_line("[s-0] ", contains="up")
+    with sup.api() as api:
+        assert api.post("/api/v1/workers/s-0/signal?signal=SIGSTOP").status_code == 200
+        sup.wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "stopped")
+        assert api.post("/api/v1/workers/s-0/stop").status_code == 202
+    exited = sup.wait_event(event="worker.exited", worker="s-0", timeout=10)
+    assert (exited["code"], exited["signal"]) == (0, None)
+    sup.wait_line("[s-0] ", contains="TERM handled")
     assert sup.stop() == 0

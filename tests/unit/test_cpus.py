@@ -32,7 +32,9 @@ def test_a_cpu_list_reads_as_the_kernel_writes_it(text: str, cpus: tuple[int, ..
     assert parse_cpulist(text) == cpus
 
 
-@pytest.mark.parametrize("text", ["", "x", "1-", "-1", "3-1", "1,,2", f"{MAX_CPUS}", "0x1"])
+@pytest.mark.parametrize(
+    "text", ["", "x", "1-", "-1", "3-1", "1,,2", f"{MAX_CPUS}", "0x1", "1_0", "\u0663", "+1"]
+)
 def test_what_is_no_cpu_list_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="CPU"):
         parse_cpulist(text)
