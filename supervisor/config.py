@@ -164,6 +164,9 @@ class SupervisorSection(_Strict):
     log_backups: int = Field(default=5, ge=0)
     postmortem_keep: int = Field(default=200, ge=1)
     systemd_ready: Literal["groups", "start"] = "groups"
+    #: at most this many workers starting at once (spawned, not yet ready: loading a model),
+    #: across groups; the others wait their turn before they are spawned. 0: no limit
+    max_starting: int = Field(default=0, ge=0, le=4096, strict=True)
 
 
 class GpuSection(_Strict):

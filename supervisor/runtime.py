@@ -96,6 +96,7 @@ from supervisor.policy import lifecycle as lc
 from supervisor.policy.attribution import alias_owner
 from supervisor.policy.classify import classify
 from supervisor.policy.detect import ThermalTrack
+from supervisor.policy.lifecycle import may_start
 from supervisor.policy.reload import (
     ReloadDiff,
     applied_by_reload,
@@ -322,6 +323,10 @@ class Runtime:
         self.shared_error: str | None = None  # why it could not be opened
         #: ``[[workers]] user`` values as last resolved (``_accounts``)
         self._account_cache: dict[str, Account | str] = {}
+        #: ``max_starting``: workers waiting for their turn to start, first come first; and
+        #: those let go, until they have a process (or stop starting)
+        self._start_queue: list[str] = []
+        self._let_go: set[str] = set()
         self._shared_checked_at = 0.0
         self.started_wall = self.clock.wall()
         #: the monotonic start (set in ``run``, on the loop's clock): uptime is not moved by
@@ -944,12 +949,71 @@ class Runtime:
             await anyio.sleep(0.005)  # a killed process is usually gone within milliseconds
         return True
 
+    def _needs_prepare(self) -> bool:
+        """Whether a spawn goes through :meth:`_prepare` (else it is made at once, in the same
+        step): with GPU telemetry (a GPU backend without GPUs yet may get them: NVML is
+        retried), cgroups to empty, or starts to take turns at (``max_starting``, which a
+        reload may set)."""
+        return (
+            self.sampler.backend_name != "none"
+            or self.cgroups.support.contain
+            or self.settings.supervisor.max_starting > 0
+        )
+
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
         then re-place off unusable GPUs. A string: why there is no GPU to start on now (the
         worker waits for one)."""
+        await self._start_slot(runner)
         prepared = await self._prepare_gpus(runner)
         return prepared if isinstance(prepared, str) else self._pinned_now(prepared)
+
+    def _loading(self) -> set[str]:
+        """Workers that take a ``max_starting`` slot: starting with a process, or let go to
+        spawn one (their pre-start hook under way)."""
+        out = set()
+        for r in self.workers():
+            if r.state is WorkerState.STARTING and (r.record.pid or r.name in self._let_go):
+                out.add(r.name)
+        return out
+
+    async def _start_slot(self, runner: WorkerRunner) -> None:
+        """``[supervisor] max_starting``: wait (first come, first served) until fewer workers
+        than that are starting (spawned, not yet ready): loading N models at once can take
+        the host's memory or disks; the worker is spawned after its turn, so its
+        ``start_timeout_s`` runs from then."""
+        name = runner.name
+        self._let_go.discard(name)
+        if not self.settings.supervisor.max_starting:
+            return
+        self._start_queue.append(name)
+        said = False
+        try:
+            while True:
+                if runner.state is not WorkerState.STARTING:
+                    return  # stopped while it waited: what it prepares is not used
+                limit = self.settings.supervisor.max_starting  # a reload may change it
+                loading = self._loading()
+                if may_start(name, self._start_queue, loading, limit):
+                    self._let_go.add(name)
+                    return
+                if not said:
+                    said = True
+                    self.log.info(
+                        "worker.waiting_start",
+                        worker=name,
+                        max_starting=limit,
+                        starting=sorted(loading),
+                        ahead=self._start_queue.index(name),
+                    )
+                    runner.output.mark(
+                        f"waiting to start: {len(loading)} workers starting "
+                        f"(max_starting = {limit})"
+                    )
+                await self._changed.wait()
+        finally:
+            self._start_queue.remove(name)
+            self._changed_now()  # the next in line may go (or this one was stopped)
 
     def _pinned_now(self, spec: LaunchSpec) -> LaunchSpec:
         """``spec`` with its ``cpu_affinity = "gpu"`` CPUs as of now: those close to its GPUs
@@ -1291,10 +1355,8 @@ class Runtime:
             output=output,
             on_change=self._changed_now,
             register_pid=self._register_pid,
-            # (a GPU backend without GPUs yet may get them: NVML is retried)
-            prepare=self._prepare
-            if self.sampler.backend_name != "none" or self.cgroups.support.contain
-            else None,
+            prepare=self._prepare,
+            needs_prepare=self._needs_prepare,
             on_event=self._on_worker_event,
             on_exit=self._on_worker_exit,
             before_spawn=self._before_spawn,
@@ -1619,6 +1681,7 @@ class Runtime:
     def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)
         if kind == "worker.spawned":
+            self._let_go.discard(runner.name)  # its process holds the slot from now on
             self.cgroups.place(runner.name, fields["pid"])
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
@@ -2511,6 +2574,7 @@ class Runtime:
         )
         self._open_shared_for(w for g in plan.groups for w in g.workers)
         self._warn_unreadable_reporters(plan, [*diff.changed, *diff.added])
+        self._changed_now()  # workers waiting their turn (max_starting may have changed)
         # READY=1 now: the file is in force. Held until the roll-outs end (minutes: a model
         # load and stable_s a worker), systemd showed the unit "reloading" all along, held a
         # second `systemctl reload` back until then, and timed a long roll-out out.

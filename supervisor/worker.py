@@ -66,6 +66,7 @@ class WorkerRunner:
         on_change: Callable[[WorkerRunner], None],
         register_pid: Callable[[int, WorkerRunner | None], None],
         prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
+        needs_prepare: Callable[[], bool] | None = None,
         on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
         before_spawn: Callable[[WorkerRunner], Path | None] | None = None,
@@ -90,6 +91,8 @@ class WorkerRunner:
         self._on_change = on_change
         self._register_pid = register_pid
         self._prepare = prepare
+        #: whether a spawn needs ``prepare`` now (None: always when there is one)
+        self._needs_prepare = needs_prepare
         self._on_event = on_event or (lambda _r, _t, _f: None)
         self._on_exit = on_exit
         #: called right before each spawn: the cgroup its process joins (None: none); a
@@ -352,7 +355,9 @@ class WorkerRunner:
 
     def _do(self, action: lc.Action) -> lc.Event | None:
         if isinstance(action, lc.Spawn):
-            if self._prepare is None:
+            if self._prepare is None or (
+                self._needs_prepare is not None and not self._needs_prepare()
+            ):
                 return self._spawn()
             self._spawn_token += 1
             assert self._tg is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from supervisor.config import WorkerGroup
@@ -575,6 +576,16 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         return rec, []
 
     return rec, []
+
+
+def may_start(name: str, queue: Sequence[str], loading: Collection[str], limit: int) -> bool:
+    """``[supervisor] max_starting``: whether worker ``name``, waiting in ``queue`` (first come,
+    first served) while ``loading`` are starting (spawned or let go, not ready yet), may be
+    spawned now. ``limit`` 0: always."""
+    if not limit:
+        return True
+    room = limit - len(set(loading) - {name})
+    return room > 0 and name in queue[:room]
 
 
 #: The longest a worker waiting for a GPU goes without looking again (a GPU that comes back

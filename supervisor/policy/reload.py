@@ -80,13 +80,13 @@ def placement_of(group: WorkerGroup) -> tuple[object, ...]:
 #: ``[gpu]`` keys read once, when the GPU backend is opened; the others apply at a reload.
 GPU_AT_START = ("backend", "sim_dir", "sim_devices")
 #: ``[supervisor]`` keys a reload applies; the others are read once, at start.
-SUPERVISOR_LIVE = ("shutdown_timeout_s",)
+SUPERVISOR_LIVE = ("shutdown_timeout_s", "max_starting")
 
 
 def start_only_changes(old: Settings, new: Settings) -> tuple[str, ...]:
     """The keys ``new`` changes that only a restart applies (``[supervisor]`` but
-    ``shutdown_timeout_s``, the whole ``[api]``: its listener and token are set up once, and
-    ``[gpu]``'s backend), as dotted paths in declaration order."""
+    ``shutdown_timeout_s`` and ``max_starting``, the whole ``[api]``: its listener and token
+    are set up once, and ``[gpu]``'s backend), as dotted paths in declaration order."""
     out: list[str] = []
     for section, keys in (
         ("supervisor", [k for k in type(old.supervisor).model_fields if k not in SUPERVISOR_LIVE]),

@@ -472,3 +472,23 @@ def test_a_new_start_timeout_applies_to_a_worker_still_loading() -> None:
     rec, acts = lc.step(rec, lc.Retime(), 104.0, longer)
     assert acts == [] and rec.deadline == 130.0 and rec.state is S.STARTING
     assert lc.step(ready(), lc.Retime(), 104.0, longer) == (ready(), [])
+
+
+@pytest.mark.parametrize(
+    ("name", "queue", "loading", "limit", "expected"),
+    [
+        ("a", [], set(), 0, True),  # no limit
+        ("a", ["a", "b", "c"], set(), 2, True),
+        ("b", ["a", "b", "c"], set(), 2, True),
+        ("c", ["a", "b", "c"], set(), 2, False),  # its turn comes after a's or b's start
+        ("a", ["a", "b"], {"x"}, 2, True),
+        ("b", ["a", "b"], {"x"}, 2, False),
+        ("a", ["a"], {"a"}, 1, True),  # its own (stale) slot is not in its way
+        ("a", ["a"], {"x", "y"}, 1, False),  # a reload lowered the limit below what starts
+        ("z", ["a"], set(), 2, False),  # not waiting: not its turn
+    ],
+)
+def test_may_start_is_first_come_first_served_within_max_starting(
+    name: str, queue: list[str], loading: set[str], limit: int, expected: bool
+) -> None:
+    assert lc.may_start(name, queue, loading, limit) is expected
