@@ -166,7 +166,7 @@ class SupervisorSection(_Strict):
     systemd_ready: Literal["groups", "start"] = "groups"
     #: at most this many workers starting at once (spawned, not yet ready: loading a model),
     #: across groups; the others wait their turn before they are spawned. 0: no limit
-    max_starting: int = Field(default=0, ge=0, le=4096, strict=True)
+    max_starting: int = Field(default=0, ge=0, le=4096)
 
 
 class GpuSection(_Strict):

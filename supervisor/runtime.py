@@ -439,6 +439,29 @@ class Runtime:
         tail = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU telemetry"
         return f"{ready}/{len(runners)} ready, {fatal} fatal, {tail}"
 
+    def _in_line(self, names: Iterable[str]) -> bool:
+        """One of ``names`` waits its turn to start (``max_starting``)."""
+        return any(name in self._start_queue for name in names)
+
+    async def _wait_started(
+        self, queued: Callable[[], bool], predicate: Callable[[], bool], budget: float
+    ) -> bool:
+        """:meth:`wait_until`, but the ``budget`` (a start timeout in it) does not run while
+        ``queued()``: a worker waits its turn to start (``max_starting``), and its
+        ``start_timeout_s`` runs from its spawn (regression: a roll-out halted on a worker that
+        had not been spawned yet)."""
+        deadline = self.clock.now() + budget
+
+        while True:
+            left = max(0.0, deadline - self.clock.now())
+            if not await self.wait_until(lambda: predicate() or queued(), left):
+                return predicate()
+            if predicate():
+                return True
+            since = self.clock.now()
+            await self.wait_until(lambda: predicate() or not queued(), math.inf)
+            deadline += self.clock.now() - since
+
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``predicate()`` holds (re-checked on every worker change) or time runs out."""
         with anyio.move_on_after(timeout):
@@ -983,7 +1006,8 @@ class Runtime:
         the host's memory or disks; the worker is spawned after its turn, so its
         ``start_timeout_s`` runs from then."""
         name = runner.name
-        self._let_go.discard(name)
+        if name in self._let_go and runner.state is WorkerState.STARTING:
+            return  # prepared again (a reload's new plan) after its turn came: it keeps it
         if not self.settings.supervisor.max_starting:
             return
         self._start_queue.append(name)
@@ -1597,6 +1621,12 @@ class Runtime:
         group = self.settings.group(runner.spec.group)
         limited = group is not None and group.health.host_memory_limit_mb > 0
         obj["host_memory_enforcement"] = self.cgroups.support.mode if limited else None
+        if runner.name in self._start_queue:  # not to be told from a start under way else
+            ahead = self._start_queue.index(runner.name)
+            obj["reason"] = (
+                f"waiting its turn to start (max_starting = "
+                f"{self.settings.supervisor.max_starting}, {ahead} ahead)"
+            )
         return obj
 
     def changed(self) -> None:
@@ -1680,6 +1710,8 @@ class Runtime:
 
     def _on_worker_event(self, runner: WorkerRunner, kind: str, fields: dict[str, Any]) -> None:
         self.journal.append(self.clock.wall(), kind, runner.name, **fields)
+        if kind == "worker.state" and fields.get("old") == WorkerState.STARTING.value:
+            self._let_go.discard(runner.name)  # a turn is for one start (stopped, failed...)
         if kind == "worker.spawned":
             self._let_go.discard(runner.name)  # its process holds the slot from now on
             self.cgroups.place(runner.name, fields["pid"])
@@ -2104,7 +2136,8 @@ class Runtime:
             ]
 
         if (
-            await self.wait_until(
+            await self._wait_started(
+                lambda: self._in_line(r.name for r in busy()),
                 lambda: (
                     not busy()
                     or bool(failed_again())
@@ -2209,7 +2242,8 @@ class Runtime:
             attempts = runner.spawn_attempts
             going_down = _going_down(runner)
             runner.post(lc.Restart())
-            settled = await self.wait_until(
+            settled = await self._wait_started(
+                functools.partial(self._in_line, (runner.name,)),
                 _settled_after(runner, attempts),
                 self._stop_budget(runner) + runner.timing.start_timeout_s,
             )
@@ -2794,7 +2828,8 @@ class Runtime:
                 going_down = _going_down(runner)
                 runner.post(lc.Restart(ExitReason.RELOAD))
                 replaced.append(runner)
-            settled = await self.wait_until(
+            settled = await self._wait_started(
+                functools.partial(self._in_line, (runner.name,)),
                 _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + timing.start_timeout_s,
             )
@@ -2849,8 +2884,10 @@ class Runtime:
             )
 
         budget = timing.restart.backoff_max_s + self._stop_budget(runner) + timing.start_timeout_s
-        await self.wait_until(
-            lambda: settled() or self._shutting_down or self._superseded(group), budget
+        await self._wait_started(
+            functools.partial(self._in_line, (runner.name,)),
+            lambda: settled() or self._shutting_down or self._superseded(group),
+            budget,
         )
         if self._superseded(group):
             return self._roll_superseded(group)

@@ -38,13 +38,15 @@ def test_workers_start_two_at_a_time_in_their_turn(supervisor: SupervisorFactory
     for name in ("a-0", "a-1", "a-2", "b-0", "b-1"):
         sup.ready(name, timeout=30)
     assert most_starting_at_once(sup) == 2
-    waited = {e["worker"] for e in sup.find(event="worker.waiting_start")}
-    assert waited == {"a-2", "b-0", "b-1"}
-    first = sup.find(event="worker.waiting_start", worker="a-2")[0]
-    assert (first["max_starting"], first["starting"], first["ahead"]) == (2, ["a-0", "a-1"], 0)
-    # first come, first served: in config order
+    waits = sup.find(event="worker.waiting_start")
+    assert len(waits) == 3  # two started at once, three waited their turn
+    for e in waits:
+        assert e["max_starting"] == 2 and len(e["starting"]) == 2
+    # first come, first served: those that waited were spawned in the order they came
     spawned = [e["worker"] for e in sup.find(event="worker.spawned")]
-    assert spawned == ["a-0", "a-1", "a-2", "b-0", "b-1"]
+    queued = [e["worker"] for e in waits]
+    assert [w for w in spawned if w in queued] == queued
+    assert [e["ahead"] for e in waits] == [0, 1, 2]
     assert sup.stop() == 0
 
 
@@ -83,9 +85,54 @@ def test_a_reload_that_raises_max_starting_lets_the_next_ones_go(
     sup = supervisor(config)
     sup.wait_event(event="worker.waiting_start", worker="s-2")
     assert [e["worker"] for e in sup.find(event="worker.spawned")] == ["s-0"]
+    with sup.api() as api:  # told apart from a start under way
+        waiting = api.get("/api/v1/workers/s-2").json()
+        assert (waiting["state"], waiting["pid"]) == ("starting", None)
+        assert waiting["reason"] == "waiting its turn to start (max_starting = 1, 1 ahead)"
     mark = sup.mark()
     sup.write_config({**config, "supervisor": {"max_starting": 3}})
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="worker.spawned", worker="s-1", after=mark)
     sup.wait_event(event="worker.spawned", worker="s-2", after=mark)
+    assert sup.stop() == 0
+
+
+def test_a_roll_out_waits_for_a_worker_in_line_without_its_start_timeout_running(
+    supervisor: SupervisorFactory,
+) -> None:
+    # fast's roll-out gives a worker about 10 s (drain, stop, a kill's wait, its 2 s start
+    # timeout) far less than slow's 14 s load: a reload rolling fast out while its workers
+    # wait behind slow must not halt on them (they are not spawned yet)
+    slow = worker_cmd("notify_ready_late", "14")
+    fast = worker_cmd("notify_ready_late", "0.2")
+    quick = {
+        "start_timeout_s": 2,
+        "stop_timeout_s": 1,
+        "drain_timeout_s": 1,
+        "restart": {"stable_s": 0.1, "backoff_initial_s": 0.5, "backoff_max_s": 1},
+    }
+    config: dict[str, Any] = {
+        "supervisor": {"max_starting": 1},
+        "workers": [
+            {"name": "slow", "command": slow, "stop_timeout_s": 1},
+            {"name": "fast", "replicas": 2, "command": fast, **quick},
+        ],
+    }
+    sup = supervisor(config)
+    for name in ("slow-0", "fast-0", "fast-1"):
+        sup.ready(name, timeout=30)
+    mark = sup.mark()
+    with sup.api() as api:
+        assert api.post("/api/v1/workers/slow-0/restart").status_code == 202
+    sup.wait_event(event="worker.spawned", worker="slow-0", after=mark)
+    changed = [*fast, "--changed"]
+    sup.write_config(
+        {**config, "workers": [config["workers"][0], {**config["workers"][1], "command": changed}]}
+    )
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=60)
+    assert done["halted"] == []
+    for name in ("fast-0", "fast-1"):
+        spawned = sup.find(event="worker.spawned", worker=name, after=mark)
+        assert spawned and spawned[-1]["argv"] == changed
     assert sup.stop() == 0
