@@ -358,9 +358,12 @@ def test_environment_overrides_are_still_converted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("GPU_SUPERVISOR_SUPERVISOR__SHUTDOWN_TIMEOUT_S", "30")
+    monkeypatch.setenv("GPU_SUPERVISOR_SUPERVISOR__MAX_STARTING", "2")  # was refused: strict
     path = tmp_path / "c.toml"
     path.write_text("")
-    assert load_settings(path).supervisor.shutdown_timeout_s == 30
+    settings = load_settings(path)
+    assert settings.supervisor.shutdown_timeout_s == 30
+    assert settings.supervisor.max_starting == 2
 
 
 def test_a_bad_webhook_url_is_named_without_its_secret() -> None:
