@@ -274,6 +274,24 @@ def status_of(driver: Chrome) -> str:
     return str(driver.execute_script("return document.body.dataset.status"))
 
 
+def log_text(driver: Chrome) -> str:
+    """The worker output the page shows."""
+    text: str = driver.execute_script("return document.getElementById('log-text').textContent")
+    return text
+
+
+def open_output(driver: Chrome, worker: str) -> None:
+    """Click ``worker``'s name (once the page lists it): its output opens."""
+    wait_for(
+        driver,
+        f"{worker}'s name as a button",
+        lambda: driver.execute_script(
+            f"const b = document.querySelector('button[data-log=\"{worker}\"]');"
+            " if (b) { b.click(); } return !!b"
+        ),
+    )
+
+
 def assert_no_console_errors(driver: Chrome) -> None:
     """Nothing the CSP blocked, no script error."""
     logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
@@ -408,24 +426,13 @@ def test_page_shows_a_workers_output_and_follows_it_across_a_restart(
     wait_for(browser, "the workers", lambda: set(rows(browser)) == set(WORKERS))
     assert browser.execute_script("return document.getElementById('log').hidden") is True
 
-    def log_text() -> str:
-        text: str = browser.execute_script("return document.getElementById('log-text').textContent")
-        return text
-
-    wait_for(
-        browser,
-        "c-0's name as a button",
-        lambda: browser.execute_script(
-            "const b = document.querySelector('button[data-log=\"c-0\"]');"
-            " if (b) { b.click(); } return !!b"
-        ),
-    )
+    open_output(browser, "c-0")
     wait_for(
         browser,
         "c-0's output",
         lambda: (
-            f"--- gpu-supervisor: started pid {first} ---" in log_text()
-            and f"c-0 {first} ready" in log_text()
+            f"--- gpu-supervisor: started pid {first} ---" in log_text(browser)
+            and f"c-0 {first} ready" in log_text(browser)
         ),
     )
     assert browser.execute_script("return document.getElementById('log-name').textContent") == (
@@ -435,8 +442,8 @@ def test_page_shows_a_workers_output_and_follows_it_across_a_restart(
     with sup.api() as http:
         assert http.post("/api/v1/workers/c-0/restart").status_code == 202
     again = sup.ready("c-0", after=mark)["pid"]
-    wait_for(browser, "the restart followed", lambda: f"c-0 {again} ready" in log_text())
-    text = log_text()
+    wait_for(browser, "the restart followed", lambda: f"c-0 {again} ready" in log_text(browser))
+    text = log_text(browser)
     assert text.count(f"c-0 {first} ready") == 1  # followed on, nothing shown twice
     assert text.index(f"c-0 {first} ready") < text.index(f"started pid {again} ---")
     browser.execute_script("document.getElementById('log-close').click()")
@@ -464,22 +471,11 @@ def test_page_shows_a_character_split_between_two_reads_whole(
     sup.wait_event(event="worker.spawned", worker="u-0")
     browser.get(sup.api_url() + "/")
 
-    def log_text() -> str:
-        text: str = browser.execute_script("return document.getElementById('log-text').textContent")
-        return text
-
-    wait_for(
-        browser,
-        "u-0's name as a button",
-        lambda: browser.execute_script(
-            "const b = document.querySelector('button[data-log=\"u-0\"]');"
-            " if (b) { b.click(); } return !!b"
-        ),
-    )
-    wait_for(browser, "the first part", lambda: "before caf" in log_text())
+    open_output(browser, "u-0")
+    wait_for(browser, "the first part", lambda: "before caf" in log_text(browser))
     with sup.api() as http:
         assert http.post("/api/v1/workers/u-0/signal?signal=SIGUSR1").status_code == 200
-    wait_for(browser, "the rest", lambda: "after" in log_text())
-    assert "before caf\u00e9 after" in log_text() and "\ufffd" not in log_text()
+    wait_for(browser, "the rest", lambda: "after" in log_text(browser))
+    assert "before caf\u00e9 after" in log_text(browser) and "\ufffd" not in log_text(browser)
     assert_no_console_errors(browser)
     assert sup.stop() == 0
