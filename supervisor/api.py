@@ -675,7 +675,12 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         refuse_while_stopping()
         if name in rt.removing:
             raise _problem(409, f"cannot {command} {name}: a reload is removing it")
-        why = refusal(command, runner.state, stopping=runner.record.after_exit is lc.AfterExit.STOP)
+        why = refusal(
+            command,
+            runner.state,
+            stopping=runner.record.after_exit is lc.AfterExit.STOP,
+            has_process=runner.record.pid is not None,
+        )
         if why is not None:
             raise _problem(409, f"cannot {command} {name}: {why}")
         rt.submit(WorkerCommand(name, _event(command)))

@@ -21,13 +21,17 @@ COMMANDS: tuple[Command, ...] = ("start", "stop", "restart", "drain")
 _RUNNING = frozenset({S.STARTING, S.READY, S.DRAINING})
 
 
-def refusal(command: Command, state: WorkerState, *, stopping: bool = False) -> str | None:
+def refusal(
+    command: Command, state: WorkerState, *, stopping: bool = False, has_process: bool = True
+) -> str | None:
     """Why ``command`` is impossible for a worker in ``state`` now, or None when it is possible.
 
     - ``start``: possible when stopped, fatal (clears it), in backoff (starts at once) or stopping
       (starts again once the process is gone); refused while starting, ready or draining.
     - ``stop``: refused only when the worker is stopped already.
-    - ``restart``: always possible (from stopped or fatal it is a start).
+    - ``restart``: possible (from stopped or fatal it is a start), but for a worker about to
+      start that has no process yet (``has_process`` False: waiting its turn, ``max_starting``,
+      or for its GPU's release): there is nothing to restart, it starts as it is.
     - ``drain``: only a ready worker is in routing, so only a ready worker can be drained; or
       one that healing drains already (it stays stopped after that drain). ``stopping``: the
       worker is on its way to a stop for good already (an operator's drain or stop).
@@ -36,6 +40,8 @@ def refusal(command: Command, state: WorkerState, *, stopping: bool = False) -> 
         return f"worker is already {state.value}"
     if command == "stop" and state is S.STOPPED:
         return "worker is already stopped"
+    if command == "restart" and state is S.STARTING and not has_process:
+        return "worker has no process yet: it is about to start"
     if command == "drain" and state is S.DRAINING and stopping:
         return "worker is already draining"
     if command == "drain" and state not in (S.READY, S.DRAINING):

@@ -89,6 +89,11 @@ def test_a_reload_that_raises_max_starting_lets_the_next_ones_go(
         waiting = api.get("/api/v1/workers/s-2").json()
         assert (waiting["state"], waiting["pid"]) == ("starting", None)
         assert waiting["reason"] == "waiting its turn to start (max_starting = 1, 1 ahead)"
+        refused = api.post("/api/v1/workers/s-2/restart")  # nothing to restart: it starts
+        assert refused.status_code == 409
+        assert refused.json() == {
+            "error": "cannot restart s-2: worker has no process yet: it is about to start"
+        }
     mark = sup.mark()
     sup.write_config({**config, "supervisor": {"max_starting": 3}})
     sup.signal(signal.SIGHUP)

@@ -45,6 +45,15 @@ def test_command_table(command: Command, state: WorkerState, possible: bool) -> 
         assert state.value in reason
 
 
+def test_a_worker_about_to_start_without_a_process_has_nothing_to_restart() -> None:
+    # the lifecycle ignores a Restart then: the API must not answer 202 for it
+    assert refusal("restart", WorkerState.STARTING, has_process=False) == (
+        "worker has no process yet: it is about to start"
+    )
+    assert refusal("restart", WorkerState.STARTING) is None  # loading: restarted
+    assert refusal("stop", WorkerState.STARTING, has_process=False) is None
+
+
 def test_a_worker_drained_to_a_stop_already_is_not_drained_again() -> None:
     reason = refusal("drain", S.DRAINING, stopping=True)
     assert reason == "worker is already draining"
