@@ -81,7 +81,8 @@ def test_logs_follow_sees_every_line_once_while_the_log_rotates(
     ]
     sup = supervisor(
         {
-            "supervisor": {"log_max_bytes": 1000, "log_backups": 5},
+            # 20 backups: a follower held up for seconds (a loaded machine) loses nothing
+            "supervisor": {"log_max_bytes": 1000, "log_backups": 20},
             "workers": [{"name": "t", "command": ticker, "ready": "none", "stop_timeout_s": 2}],
         }
     )
@@ -107,7 +108,7 @@ def test_logs_follow_sees_every_line_once_while_the_log_rotates(
                     lines, skipped = lines[1:], True
                 numbers += [int(line.split()[1]) for line in lines]
         rotated = list((sup.state_dir / "logs").glob("t-0.log.*"))
-        assert len(rotated) == 5, rotated  # it did rotate, and more than once
+        assert len(rotated) >= 3, rotated  # it did rotate, and more than once
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
         follower.send_signal(signal.SIGINT)
         assert follower.wait(10) == 128 + signal.SIGINT
