@@ -695,39 +695,13 @@ def limits_problem(
         if name == "nproc" and uid is not None and uid != 0 and soft != resource.RLIM_INFINITY:
             # RLIMIT_NPROC is checked when the child switches to ``uid``: execve then fails
             # (EAGAIN) while the user has more processes and threads than the soft limit.
-            count = (tasks_of or _tasks_of)(uid)
+            count = (tasks_of or procfs.tasks_of_user)(uid)
             if count is not None and count > soft:
                 return (
                     f"limits.nproc: user {uid} has {count} processes and threads already, "
                     f"more than the limit {soft} (the program would not start: EAGAIN)"
                 )
     return None
-
-
-def _tasks_of(uid: int) -> int | None:
-    """The processes and threads whose real user is ``uid`` (as RLIMIT_NPROC counts them)."""
-    count = 0
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
-                real = threads = None
-                for line in f:
-                    if line.startswith("Uid:"):
-                        real = int(line.split()[1])
-                    elif line.startswith("Threads:"):
-                        threads = int(line.split()[1])
-                        break
-        except (OSError, ValueError, IndexError):
-            continue
-        if real == uid and threads is not None:
-            count += threads
-    return count
 
 
 def allowed_cpus() -> frozenset[int]:

@@ -225,6 +225,32 @@ def carrying(name: str, value: str) -> dict[int, dict[str, str]]:
     return out
 
 
+def tasks_of_user(uid: int) -> int | None:
+    """The processes and threads whose real user is ``uid`` (as RLIMIT_NPROC counts them)."""
+    count = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", encoding="ascii", errors="replace") as f:
+                real = threads = None
+                for line in f:
+                    if line.startswith("Uid:"):
+                        real = int(line.split()[1])
+                    elif line.startswith("Threads:"):
+                        threads = int(line.split()[1])
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+        if real == uid and threads is not None:
+            count += threads
+    return count
+
+
 def own_children() -> set[int]:
     """This process's children that orphans become: ``/proc/self/task/<pid>/children``.
 

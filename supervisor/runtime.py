@@ -324,7 +324,7 @@ class Runtime:
         #: ``[[workers]] user`` values as last resolved (``_accounts``)
         self._account_cache: dict[str, Account | str] = {}
         #: ``max_starting``: workers waiting for their turn to start, first come first; and
-        #: those let go, until they have a process (or stop starting)
+        #: those whose turn came, until they leave ``starting`` (their process loads meanwhile)
         self._start_queue: list[str] = []
         self._let_go: set[str] = set()
         self._shared_checked_at = 0.0
@@ -1713,7 +1713,6 @@ class Runtime:
         if kind == "worker.state" and fields.get("old") == WorkerState.STARTING.value:
             self._let_go.discard(runner.name)  # a turn is for one start (stopped, failed...)
         if kind == "worker.spawned":
-            self._let_go.discard(runner.name)  # its process holds the slot from now on
             self.cgroups.place(runner.name, fields["pid"])
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:

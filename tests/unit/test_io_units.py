@@ -185,3 +185,10 @@ def test_prctl_is_found_in_the_loaded_c_library() -> None:
     value = ctypes.c_int(-1)
     assert processes._prctl()(PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0) == 0
     assert value.value == 0  # the test process has no parent-death signal
+
+
+def test_tasks_of_a_user_count_every_thread_of_its_processes() -> None:
+    """``procfs.tasks_of_user`` counts as RLIMIT_NPROC does: threads of the real user."""
+    mine = procfs.tasks_of_user(os.getuid())
+    assert mine is not None and mine >= psutil.Process().num_threads()
+    assert procfs.tasks_of_user(2**31 - 2) == 0  # a user with no process
