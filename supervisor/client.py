@@ -529,23 +529,35 @@ def _quote(segment: str) -> str:
     return quote(segment, safe="")
 
 
-def command(client: Client, verb: str, name: str) -> int:
-    """``drain|restart|stop|start NAME``: a worker, else a group of that name."""
+def _post_to_worker_or_group(
+    client: Client, name: str, action: str, ok: int
+) -> tuple[dict[str, Any], bool]:
+    """POST ``action`` (``restart``, ``signal?signal=USR1``) to worker ``name``, else to the
+    group of that name (``ok``: the status it answers); the answer, and whether it was the
+    group's."""
     try:
-        body = client.request("POST", f"{API}/workers/{_quote(name)}/{verb}", ok=(202,)).json()
+        path = f"{API}/workers/{_quote(name)}/{action}"
+        return client.request("POST", path, ok=(ok,)).json(), False
     except UsageError as exc:
         if "unknown worker" not in str(exc):
             raise
-        try:
-            body = client.request("POST", f"{API}/groups/{_quote(name)}/{verb}", ok=(202,)).json()
-        except UsageError as exc2:
-            if "unknown group" not in str(exc2):
-                raise
-            raise UsageError(f"gpu-supervisor: unknown worker or group {name!r}") from None
+    try:
+        path = f"{API}/groups/{_quote(name)}/{action}"
+        return client.request("POST", path, ok=(ok,)).json(), True
+    except UsageError as exc:
+        if "unknown group" not in str(exc):
+            raise
+        raise UsageError(f"gpu-supervisor: unknown worker or group {name!r}") from None
+
+
+def command(client: Client, verb: str, name: str) -> int:
+    """``drain|restart|stop|start NAME``: a worker, else a group of that name."""
+    body, group = _post_to_worker_or_group(client, name, verb, 202)
+    if group:
         names = ", ".join(w["name"] for w in body["workers"])
         print(f"{name}: {verb} requested for {len(body['workers'])} workers ({names})")
-        return 0
-    print(f"{name}: {verb} requested (was {body['state']})")
+    else:
+        print(f"{name}: {verb} requested (was {body['state']})")
     return 0
 
 
@@ -553,22 +565,13 @@ def send_signal(client: Client, sig: str, name: str) -> int:
     """``signal SIG NAME``: a worker, else a group of that name."""
     # as kill(1) and the config take them: "usr1", "sigterm" (the API's schema names them
     # in capitals)
-    query = f"signal={_quote(sig.strip().upper())}"
-    try:
-        body = client.request("POST", f"{API}/workers/{_quote(name)}/signal?{query}").json()
-    except UsageError as exc:
-        if "unknown worker" not in str(exc):
-            raise
-        try:
-            body = client.request("POST", f"{API}/groups/{_quote(name)}/signal?{query}").json()
-        except UsageError as exc2:
-            if "unknown group" not in str(exc2):
-                raise
-            raise UsageError(f"gpu-supervisor: unknown worker or group {name!r}") from None
+    query = f"signal?signal={_quote(sig.strip().upper())}"
+    body, group = _post_to_worker_or_group(client, name, query, 200)
+    if group:
         sent = ", ".join(f"{w['name']} (pid {w['pid']})" for w in body["workers"])
         print(f"{name}: {sig} sent to {len(body['workers'])} workers: {sent}")
-        return 0
-    print(f"{name}: {sig} sent (pid {body['pid']})")
+    else:
+        print(f"{name}: {sig} sent (pid {body['pid']})")
     return 0
 
 
