@@ -87,6 +87,10 @@ class RotatingFile:
         self._serial = 0
         self._serials: dict[tuple[int, int], int] = {}
         self._files_lock = threading.Lock()
+        #: ``backups = 0``: the file a rotation removed (its number and size) and the number
+        #: of the one made after it (None until then): a follower that had read all of it
+        #: goes on in that one, nothing lost
+        self._removed: tuple[int, int, int | None] | None = None
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
@@ -113,7 +117,9 @@ class RotatingFile:
                     self.path.parent.mkdir(mode=0o750, exist_ok=True)
                     self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
                 with contextlib.suppress(OSError):
-                    self._number(os.fstat(self._fh.fileno()), new=created)
+                    serial = self._number(os.fstat(self._fh.fileno()), new=created)
+                    if created and self._removed is not None and self._removed[2] is None:
+                        self._removed = (*self._removed[:2], serial)
             self._size = self._fh.tell()
         return self._fh
 
@@ -138,6 +144,10 @@ class RotatingFile:
         self.close()
         with self._files_lock:
             if self.backups <= 0:
+                with contextlib.suppress(OSError):
+                    st = os.stat(self.path, follow_symlinks=False)
+                    serial = self._serials.get((st.st_dev, st.st_ino))
+                    self._removed = None if serial is None else (serial, st.st_size, None)
                 self._forget(self.path)
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
@@ -259,10 +269,25 @@ class RotatingFile:
                     # the supervisor (a restart) find a follower's file again
                     name = f"{self._run}.{self._number(st)}.{st.st_dev:x}-{st.st_ino:x}"
                     fds.append((fd, st, name))
+                if file and self._removed is not None:
+                    file, offset = self._after_removed(file, offset, [n for _, _, n in fds])
             return _read_from(fds, limit, file, offset, self._run)
         finally:
             for fd, _, _ in fds:
                 os.close(fd)
+
+    def _after_removed(self, file: str, offset: int, ids: Sequence[str]) -> tuple[str, int]:
+        """Where a follower at ``file``/``offset`` goes on when that file is the one the last
+        rotation removed (``backups = 0``) and it had read all of it: the start of the next
+        file. Anywhere else: where it was. Hold the lock."""
+        assert self._removed is not None
+        serial, size, after = self._removed
+        if after is None or offset != size or not file.startswith(f"{self._run}.{serial}."):
+            return file, offset
+        for name in ids:
+            if name.startswith(f"{self._run}.{after}."):
+                return name, 0
+        return file, offset
 
     def close(self) -> None:
         """Close the file (it is reopened on the next write)."""

@@ -985,11 +985,12 @@ class Runtime:
 
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
-        then re-place off unusable GPUs. A string: why there is no GPU to start on now (the
-        worker waits for one)."""
-        await self._start_slot(runner)
+        its turn to start (``max_starting``), then re-place off unusable GPUs. A string: why
+        there is no GPU to start on now (the worker waits for one)."""
         prepared = await self._prepare_gpus(runner)
-        return prepared if isinstance(prepared, str) else self._pinned_now(prepared)
+        if isinstance(prepared, str):
+            return prepared
+        return self._pinned_now(prepared, pinned=runner.spec.cpus is not None)
 
     def _loading(self) -> set[str]:
         """Workers that take a ``max_starting`` slot: starting with a process, or let go to
@@ -1039,30 +1040,45 @@ class Runtime:
             self._start_queue.remove(name)
             self._changed_now()  # the next in line may go (or this one was stopped)
 
-    def _pinned_now(self, spec: LaunchSpec) -> LaunchSpec:
+    def _pinned_now(self, spec: LaunchSpec, pinned: bool) -> LaunchSpec:
         """``spec`` with its ``cpu_affinity = "gpu"`` CPUs as of now: those close to its GPUs
         among the ones the supervisor may use now (its own affinity can shrink while it runs:
         a cpuset changed, a CPU taken offline; a start on the CPUs planned then would fail at
-        every restart)."""
+        every restart). ``pinned``: its last start was pinned (a move that unpins it is said).
+        """
         group = self.settings.group(spec.group)
         if group is None or group.cpu_affinity != "gpu":
             return spec
         allowed = allowed_cpus()
         slots = self.slots()
         if slots:
-            cpus = worker_cpus("gpu", spec.gpus, cpus_of(slots, allowed))[0]
+            cpus, why = worker_cpus("gpu", spec.gpus, cpus_of(slots, allowed))
+            if cpus is None and pinned:
+                # pinned until now (moved to a GPU whose CPUs the backend cannot tell):
+                # said here, where it changes (the plan's warnings are said at start)
+                self.log.warning(
+                    "worker.unpinned",
+                    worker=spec.name,
+                    gpus=list(spec.gpus or ()),
+                    reason=f'cpu_affinity = "gpu" pins nothing: {why}',
+                )
         else:  # no telemetry now: what it had, within what may be used now
             cpus = tuple(sorted(set(spec.cpus or ()) & allowed)) or None
         return spec if cpus == spec.cpus else dataclasses.replace(spec, cpus=cpus)
 
     async def _prepare_gpus(self, runner: WorkerRunner) -> LaunchSpec | str:
-        """:meth:`_prepare` but for the CPUs."""
+        """:meth:`_prepare` but for the CPUs. The turn to start is taken after the barrier
+        (waiting up to ``release_timeout_s`` for the previous process to let its GPU go is
+        not loading a model: it does not hold up the others' starts) and before placement
+        (which goes by the GPUs as they are when the worker's turn comes)."""
         await self._await_cgroup_empty(runner)
         spec = runner.spec
         gpus = spec.gpus or ()
         if spec.gpus is None and self.sampler.identities:
+            await self._start_slot(runner)
             return self._place_late(runner)
         if not gpus or not self.sampler.identities:
+            await self._start_slot(runner)
             return spec
         group = self.settings.group(spec.group)
         if (
@@ -1097,6 +1113,7 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
+        await self._start_slot(runner)
         if not self.slots():  # NVML down just now: nothing to place by, it stays where it is,
             if runner.record.gpu_waits:  # unless it waits for a GPU: it waits on
                 stuck = self.sampler.stuck_for_s()

@@ -92,10 +92,13 @@ def test_workers_run_on_the_cpus_close_to_their_gpus_or_on_the_ones_listed(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("gpu1_cpus", ["1", None])
 def test_a_worker_moved_to_another_gpu_runs_on_that_gpus_cpus(
-    supervisor: SupervisorFactory, tmp_path: Path
+    supervisor: SupervisorFactory, tmp_path: Path, gpu1_cpus: str | None
 ) -> None:
-    make_world(tmp_path / "sim", {0: "0", 1: "1"})
+    """... or, where the backend cannot tell which CPUs are close to that GPU, on the
+    supervisor's, saying so at the move (``worker.unpinned``)."""
+    make_world(tmp_path / "sim", {0: "0"} if gpu1_cpus is None else {0: "0", 1: gpu1_cpus})
     sup = supervisor(
         config(
             tmp_path,
@@ -120,7 +123,18 @@ def test_a_worker_moved_to_another_gpu_runs_on_that_gpus_cpus(
     write_atomic(gpu0, "".join(f"{k} {v}\n" for k, v in keys.items()))
     moved = sup.wait_event(event="worker.moved", worker="m-0", after=mark, timeout=20)
     assert moved["new_gpus"] == [UUID1]
-    assert os.sched_getaffinity(sup.ready("m-0", after=mark)["pid"]) == {1}
+    pid = sup.ready("m-0", after=mark)["pid"]
+    if gpu1_cpus is None:
+        assert os.sched_getaffinity(pid) == os.sched_getaffinity(sup.pid)
+        unpinned = sup.wait_event(event="worker.unpinned", worker="m-0", after=mark)
+        assert unpinned["gpus"] == [UUID1]
+        assert unpinned["reason"] == (
+            f'cpu_affinity = "gpu" pins nothing: the backend does not say which CPUs are '
+            f"close to {UUID1}"
+        )
+    else:
+        assert os.sched_getaffinity(pid) == {1}
+        assert not sup.find(event="worker.unpinned")
     assert sup.stop() == 0
 
 

@@ -4,11 +4,13 @@ once; the others wait their turn, first come first, and are spawned after it (th
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 from typing import Any
 
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, worker_cmd
+from tests.harness import Supervisor, sampled_in_tree, stuck, wait_dead, worker_cmd
 
 
 def most_starting_at_once(sup: Supervisor) -> int:
@@ -140,4 +142,43 @@ def test_a_roll_out_waits_for_a_worker_in_line_without_its_start_timeout_running
     for name in ("fast-0", "fast-1"):
         spawned = sup.find(event="worker.spawned", worker=name, after=mark)
         assert spawned and spawned[-1]["argv"] == changed
+    assert sup.stop() == 0
+
+
+def test_a_worker_held_at_the_gpu_release_barrier_does_not_hold_a_turn(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """b-0's restart waits at the GPU-release barrier (a process of its old tree, stuck in the
+    kernel, still holds memory on its GPU): it is loading nothing, so c-0, which crashes
+    meanwhile, starts at once. Regression: b-0 took the only turn before the barrier, and c-0
+    waited up to ``release_timeout_s`` and then for b-0's whole load."""
+    quick = {"log_passthrough": True, "stop_timeout_s": 2, "restart": {"stable_s": 0.1}}
+    sup = supervisor(
+        {
+            "supervisor": {"max_starting": 1, "sample_interval_s": 0.1},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "release_timeout_s": 30},
+            "workers": [
+                {"name": "b", "command": worker_cmd("gpu_user", "100", "--holder", "60"), **quick},
+                {"name": "c", "command": worker_cmd("gpu_user", "100"), **quick},
+            ],
+        },
+        log_level="debug",
+    )
+    leader = sup.ready("b-0")["pid"]
+    crashing = sup.ready("c-0")["pid"]
+    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, "b-0", holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        mark = sup.mark()
+        os.kill(leader, signal.SIGKILL)
+        sup.wait_event(event="worker.killed_leftovers", worker="b-0", after=mark)
+        sup.wait_event(event="worker.state", worker="b-0", new="starting", pid=None, after=mark)
+        os.kill(crashing, signal.SIGKILL)
+        sup.ready("c-0", after=mark)
+        # b-0 is still at the barrier: not spawned again, nor given up on it
+        assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
+        assert not sup.find(event="gpu.suspect")
+    assert not sup.find(event="worker.waiting_start", worker="c-0", after=mark)
+    assert wait_dead([holder]) == []
+    sup.ready("b-0", after=mark)
     assert sup.stop() == 0

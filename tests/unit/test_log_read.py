@@ -82,6 +82,49 @@ def test_a_follower_sees_every_byte_once_across_rotations(
         log.close()
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    # one write between two reads: with no backups, a second rotation before the follower
+    # reads would remove a file it has not read (said as lost: the test below)
+    phases=st.lists(st.tuples(st.integers(0, 120), st.integers(1, 150)), min_size=1, max_size=12)
+)
+def test_without_backups_a_follower_that_read_all_of_a_file_goes_on_in_the_next(
+    phases: list[tuple[int, int]],
+) -> None:
+    """``log_backups = 0``: a rotation removes the file; a follower that had read all of it
+    goes on in the new one, nothing said lost. Regression: every rotation read as lost."""
+    with tempfile.TemporaryDirectory() as where:
+        log = RotatingFile(Path(where) / "w-0.log", MAX, 0)
+        written, read = b"", b""
+        first = log.read(10)
+        file, offset = first.file, first.offset
+        for n, (size, limit) in enumerate(phases):
+            data = bytes((n + i) % 251 for i in range(size))
+            log.write(data)
+            written += data
+            got, file, offset = _drain(log, file, offset, limit)
+            read += got
+            assert read == written
+        log.close()
+
+
+def test_without_backups_a_file_removed_before_it_was_read_is_said_lost(tmp_path: Path) -> None:
+    log = RotatingFile(tmp_path / "w-0.log", MAX, 0)
+    log.write(b"a" * 60)
+    at = log.read(10)  # read to 60
+    log.write(b"b" * 30)  # not read before the rotation below
+    log.write(b"c" * 50)  # rotates: "a"s and "b"s are gone
+    assert log.read(1000, at.file, at.offset) == LogChunk(b"c" * 50, log.read(1).file, 50, True)
+    top = log.read(1000, at.file, at.offset)
+    log.write(b"d" * 80)  # rotates again: a follower at the end of the "c"s goes on
+    assert log.read(1000, top.file, top.offset).data == b"d" * 80
+    assert not log.read(1000, top.file, top.offset).lost
+    # two rotations past it: the file after the one it had read is gone too
+    log.write(b"e" * 80)
+    assert log.read(1000, top.file, top.offset) == LogChunk(b"e" * 80, log.read(1).file, 80, True)
+    log.close()
+
+
 def test_a_place_rotated_past_the_last_backup_is_said_and_reading_goes_on(
     tmp_path: Path,
 ) -> None:
