@@ -384,6 +384,9 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
         self.rolling: dict[str, str] = {}
+        #: groups whose operator rolling restart a reload's roll-out waits for, which restarts
+        #: every worker on a new definition anyway: the rolling restart stops there
+        self._roll_waiting: set[str] = set()
         self._halted_at: dict[str, dict[str, Any]] = {}  # group -> where its roll-out halted
         self._fingerprints: dict[str, tuple[object, ...]] = {}
         # self-healing: detectors and actions; webhook alerts
@@ -2179,22 +2182,31 @@ class Runtime:
         """A reload's roll-out of ``group`` runs and a reload was asked for after it read its
         file: the roll-out stops before the next worker goes (or while it waits on one), and
         the newer file is rolled out from there (each superseded file was rolled onto the
-        whole group before, minutes per worker with a model to load)."""
+        whole group before, minutes per worker with a model to load). So too an operator's
+        rolling restart of ``group`` once a reload that restarts the group on a new
+        definition waits for it (its restarts of the old one were waited out before)."""
+        if self._shutting_down:
+            return False
+        if self.rolling.get(group) == "rolling restart":
+            return group in self._roll_waiting
         return (
             self.rolling.get(group) == "reload"
             and self._reload_again
             and self._vetted > self._covered
-            and not self._shutting_down
         )
 
     def _roll_superseded(self, group: str) -> bool:
         """Stop ``group``'s roll-out for a newer reload (logged); False, as a halted one."""
-        self.log.info(
-            "supervisor.rollout_superseded",
-            group=group,
-            reason="a later reload rolls the group out from here",
-        )
-        self._halted_at[group] = {"reason": "superseded by a later reload", "superseded": True}
+        reason = "a later reload rolls the group out from here"
+        if self.rolling.get(group) == "rolling restart":
+            reason = "a reload restarts the group on a new definition: it rolls it out from here"
+        self.log.info("supervisor.rollout_superseded", group=group, reason=reason)
+        self._halted_at[group] = {
+            "reason": "superseded by a later reload"
+            if self.rolling.get(group) == "reload"
+            else "superseded by a reload that restarts the group on a new definition",
+            "superseded": True,
+        }
         return False
 
     def _rollout_passes_over(self, group: str, runner: WorkerRunner) -> None:
@@ -2247,7 +2259,10 @@ class Runtime:
         key = ("rolling_restart", "operator")
         self.actions_total[key] = self.actions_total.get(key, 0) + 1
         replaced: list[WorkerRunner] = []
+        superseded = functools.partial(self._superseded, group)
         for name in sorted(self.groups.get(group, []), key=self._serving):
+            if superseded():
+                return self._roll_superseded(group)
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
@@ -2260,11 +2275,13 @@ class Runtime:
             runner.post(lc.Restart())
             settled = await self._wait_started(
                 functools.partial(self._in_line, (runner.name,)),
-                _settled_after(runner, attempts),
+                _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + runner.timing.start_timeout_s,
             )
             if self._shutting_down:
                 return False
+            if superseded():  # it goes on loading; the reload's roll-out waits for it first
+                return self._roll_superseded(group)
             if settled and going_down and runner.record.waiting_for_gpu:
                 self._rollout_passes_over(group, runner)
                 continue
@@ -2731,7 +2748,22 @@ class Runtime:
                 group=group.name,
                 reason=f"a {self.rolling[group.name]} of the group is running",
             )
-            await self.wait_until(lambda: group.name not in self.rolling, math.inf)
+            # an operator's rolling restart stops before its next worker (its workers are all
+            # restarted on the new definition); one that a scale or a new threshold left
+            # running as they are is waited out
+            specs = next(g for g in plan.groups if g.group.name == group.name).workers
+            replaces = not scaled and any(
+                not in_place or not r.launches(spec)
+                for spec in specs
+                if (r := self.runners.get(spec.name)) is not None
+            )
+            if replaces:
+                self._roll_waiting.add(group.name)
+                self._changed_now()
+            try:
+                await self.wait_until(lambda: group.name not in self.rolling, math.inf)
+            finally:
+                self._roll_waiting.discard(group.name)
         if self._shutting_down:
             return False
         self.rolling[group.name] = "reload"

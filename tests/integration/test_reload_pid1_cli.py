@@ -718,32 +718,61 @@ def test_a_reload_cut_short_by_a_stop_starts_nothing(supervisor: SupervisorFacto
     assert all(w["state"] in ("stopped", "fatal") for w in state["workers"]), state
 
 
+@pytest.mark.parametrize("change", ["env", "replicas"])
 def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, change: str
 ) -> None:
     """A reload that changes a group waits for the rolling restart of it that is running, and
     a rolling restart asked for while a reload rolls the group is refused (409). Regression:
-    both rolled at once and the whole group was down (0 of 2 ready)."""
+    both rolled at once and the whole group was down (0 of 2 ready).
+
+    A reload that restarts every worker on a new definition (``env``) cuts the rolling
+    restart short before its next worker (``supervisor.rollout_superseded``; `restart
+    --rolling --wait` says so): a-1 is restarted once, on the new definition, not first on
+    the old one. Regression: the rolling restart went on to the end, every worker loaded
+    twice. One that only scales the group (``replicas``) waits it out."""
     group = g("a", "notify_ready_late", "0.5", replicas=2, port_base=9360)
     group["ready"] = "notify"
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
     mark = sup.mark()
-    with sup.api() as http:
-        assert http.post("/api/v1/groups/a/rolling-restart").status_code == 202
+    waiter = cli_client("restart", "--rolling", "a", "--wait", "--url", sup.api_url())
+    try:
         sup.wait_event(event="worker.state", worker="a-0", new="starting", after=mark)
-        sup.write_config({"workers": [{**group, "env": {"V": "2"}}]})
+        new = {**group, "env": {"V": "2"}} if change == "env" else {**group, "replicas": 3}
+        sup.write_config({"workers": [new]})
         sup.signal(signal.SIGHUP)
         waits = sup.wait_event(event="supervisor.rollout_waits", after=mark)
         assert waits["reason"] == "a rolling restart of the group is running"
-        # the reload's roll-out now: a second roll-out is refused until it ends
-        sup.wait_event(event="supervisor.rolling_restart_done", after=mark)
-        sup.wait_event(event="worker.state", worker="a-0", reason="reload", after=mark)
-        refused = http.post("/api/v1/groups/a/rolling-restart")
-        assert refused.status_code == 409, refused.text
-        assert refused.json()["error"] == "a reload of group a is already running"
+        out, _ = waiter.communicate(timeout=30)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    with sup.api() as http:
+        if change == "env":
+            superseded = sup.wait_event(event="supervisor.rollout_superseded", after=mark)
+            assert superseded["group"] == "a"
+            assert (waiter.returncode, out.strip().splitlines()[-1]) == (
+                1,
+                "a: rolling restart halted: superseded by a reload that restarts the group "
+                "on a new definition",
+            )
+            # the reload's roll-out now: a second roll-out is refused until it ends
+            sup.wait_event(event="worker.state", worker="a-1", reason="reload", after=mark)
+            refused = http.post("/api/v1/groups/a/rolling-restart")
+            assert refused.status_code == 409, refused.text
+            assert refused.json()["error"] == "a reload of group a is already running"
         sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=30)
+    if change == "env":
+        assert not sup.find(event="supervisor.rolling_restart_done", after=mark)
+        (respawn,) = sup.find(event="worker.spawned", worker="a-1", after=mark)
+        assert psutil.Process(respawn["pid"]).environ()["V"] == "2"
+    else:
+        assert (waiter.returncode, out.strip().splitlines()[-1]) == (0, "a: rolling restart done")
+        done = sup.find(event="supervisor.rolling_restart_done", after=mark)
+        started = sup.find(event="worker.spawned", worker="a-2", after=mark)
+        assert sup.events.index(done[0]) < sup.events.index(started[0])
     states = sup.find(event="worker.state", after=mark)
     assert most_not_ready(states) <= 1, states
     assert sup.stop() == 0
