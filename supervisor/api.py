@@ -183,6 +183,9 @@ class Worker(_Open):
     gpu_memory_in_use_mb: float | None
     host_rss_mb: float | None
     leak: Leak
+    #: seconds until its ``max_age_s`` recycle (0: due, waiting its turn; null: off, not
+    #: ready, or under way)
+    recycle_in_s: float | None = None
     last_exit: LastExit | None
 
 

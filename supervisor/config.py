@@ -410,6 +410,11 @@ class HealthSection(_Strict):
         "device-side assert triggered",
     )
     max_unavailable: int = Field(default=1, ge=1)
+    #: a worker ready this long is drained and restarted (0: never), plus up to
+    #: ``max_age_jitter_s`` more, drawn for each process (workers started together are not
+    #: all due together); ``max_unavailable`` holds, as for healing
+    max_age_s: NonNegativeSeconds = 0.0
+    max_age_jitter_s: NonNegativeSeconds = 0.0
     #: "torch": Python workers report what PyTorch's allocator holds (worker_site/sitecustomize.py)
     in_use_reporter: Literal["none", "torch"] = "none"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 import socket
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -44,6 +45,7 @@ from supervisor.policy.detect import (
     in_use_total,
     judge_leak,
     match_pattern,
+    max_age_due,
     reports_fresh,
     thermal_step,
     xid_class,
@@ -77,7 +79,11 @@ OOM_GUARD_S = 5.0
 #: A GPU that stays hot is looked at again for workers to migrate off it every
 #: ``thermal_sustain_s`` (10 s by default), and at most this often.
 MIGRATE_AGAIN_MIN_S = 1.0
-PER_PROCESS = frozenset({"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid"})
+PER_PROCESS = frozenset(
+    {"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid", "max_age"}
+)
+#: Scheduled, not a fault: logged at info, counted and journaled, not sent as an alert.
+ROUTINE = frozenset({"max_age"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
@@ -137,6 +143,9 @@ class _Watch:
     oom_system: bool = False  # the count is the system-wide one (no cgroup count of its own)
     spawned_at: float = 0.0
     gpu_mb: float | None = None  # at the last sample (what a migration target must have free)
+    #: the share of ``max_age_jitter_s`` this process gets, and whether its recycle is asked
+    max_age_draw: float = 0.0
+    aged: bool = False
 
 
 @dataclass
@@ -158,8 +167,10 @@ class Healer:
         alerter: Alerter | None = None,
         *,
         host_available_mb: Callable[[], float | None] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self.host = host
+        self._rng = rng or random.Random()  # noqa: S311 - spreads recycles, no secret
         self.alerter = alerter
         self.log = structlog.get_logger()
         self.state = HealState()
@@ -206,10 +217,26 @@ class Healer:
             "host_suspected": host.suspected,
             "host_projected_oom_s": _round(host.projected_oom_s),
         }
+        obj["recycle_in_s"] = self._recycle_in(name, w)
         obj["derated"] = name in self.state.derated
         if name in self.state.derated:
             obj["derated_reason"] = self.state.derated[name]
         return obj
+
+    def _recycle_in(self, name: str, w: _Watch | None) -> float | None:
+        """Seconds until ``name``'s process is due for its ``max_age_s`` recycle (0: due,
+        waiting its turn; None: off, not ready, or asked for already)."""
+        runner = self.host.runners.get(name)
+        if w is None or runner is None or w.aged or runner.record.pid != w.pid:
+            return None
+        group = self._group(runner)
+        if group is None or runner.state is not WorkerState.READY:
+            return None
+        health = group.health
+        due = max_age_due(
+            runner.record.ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw
+        )
+        return None if due is None else round(max(0.0, due - self.host.clock.now()), 1)
 
     def exit_evidence(self, name: str) -> dict[str, Any] | None:
         """The evidence of the healing action that stopped ``name`` (once)."""
@@ -429,6 +456,7 @@ class Healer:
             oom_kills_at_start=self._oom_kills_at_start(runner.name) if pid else None,
             oom_system=self.oom_events_of(runner.name) is None,
             spawned_at=self.host.clock.now(),
+            max_age_draw=self._rng.random(),
         )
         self._watch[runner.name] = w
         for key in [k for k in self._pending if k[1] == runner.name]:
@@ -452,10 +480,12 @@ class Healer:
         pid = runner.record.pid
         if w is None or w.pid != pid:
             w = self._reset(runner, pid)
+        ready_at = runner.record.ready_at
+        if pid is not None and not w.aged:
+            self._judge_age(runner, w, health, ready_at, now)
         usage = sample.workers.get(runner.name)
         if pid is None or usage is None:
             return
-        ready_at = runner.record.ready_at
         if w.gpu_floor.since is None and ready_at is not None:
             since = ready_at + health.leak_warmup_s
             w.gpu_floor.reset(since)
@@ -551,6 +581,34 @@ class Healer:
                     ),
                     newest=True,
                 )
+
+    def _judge_age(
+        self,
+        runner: WorkerRunner,
+        w: _Watch,
+        health: HealthSection,
+        ready_at: float | None,
+        now: float,
+    ) -> None:
+        """``max_age_s``: a worker ready that long is recycled (once per process; one
+        deferred by ``max_unavailable`` waits its turn)."""
+        due = max_age_due(ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw)
+        if due is None or ready_at is None or now < due or runner.state is not WorkerState.READY:
+            return
+        w.aged = True
+        self._add(
+            Finding(
+                "max_age",
+                f"ready for {now - ready_at:.0f} s (max_age_s = {health.max_age_s:g}): recycled",
+                worker=runner.name,
+                evidence={
+                    "ready_for_s": round(now - ready_at, 3),
+                    "max_age_s": health.max_age_s,
+                    "max_age_jitter_s": health.max_age_jitter_s,
+                    "due_after_s": round(due - ready_at, 3),
+                },
+            )
+        )
 
     def _judge_devices(self, sample: Sample, now: float) -> None:
         gpu = self.host.settings.gpu
@@ -835,7 +893,8 @@ class Healer:
         group = None
         if act.worker is not None and act.worker in self.host.runners:
             group = self.host.runners[act.worker].spec.group
-        self.log.warning(
+        log = self.log.info if act.reason in ROUTINE else self.log.warning
+        log(
             "heal.action",
             action=act.action,
             reason=act.reason,
@@ -853,7 +912,7 @@ class Healer:
             gpu=act.gpu,
             message=act.message,
         )
-        if self.alerter is not None:
+        if self.alerter is not None and act.reason not in ROUTINE:
             self.alerter.send(
                 alert_doc(
                     kind="alert" if act.action == "alert" else "action",

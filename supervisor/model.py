@@ -94,6 +94,8 @@ class ExitReason(enum.StrEnum):
     XID = "xid"
     GPU_LOST = "gpu_lost"
     LOG_PATTERN = "log_pattern"  # a sticky-error line in its output
+    # a scheduled recycle (``health.max_age_s``): taken like a healing drain, but no death
+    MAX_AGE = "max_age"
 
 
 #: Exits caused by a healing action: each gets a post-mortem with the action's evidence.
@@ -108,6 +110,10 @@ HEALING_REASONS = frozenset(
         ExitReason.LOG_PATTERN,
     }
 )
+
+#: Reasons of the restarts and drains the healer posts: one that finds the worker at rest
+#: (stopped, fatal, in backoff) or being stopped for good does nothing.
+HEALER_REASONS = HEALING_REASONS | {ExitReason.MAX_AGE}
 
 
 @dataclass(frozen=True, slots=True)

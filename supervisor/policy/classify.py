@@ -31,6 +31,7 @@ POSTMORTEM_EXITS = frozenset(
         ExitReason.HANG,
         ExitReason.START_TIMEOUT,
         ExitReason.DRAIN,
+        ExitReason.MAX_AGE,  # as a drain: only when it died otherwise or ran out of time
         *HEALING_REASONS,
     }
 )
@@ -85,6 +86,15 @@ def classify(
     if status is not None:
         base["exit_code"] = status.code
         base["signal"] = status.signal_name
+    if reason is ExitReason.MAX_AGE:
+        # a scheduled recycle (``max_age_s``) is a drain the supervisor asked for: no death
+        # unless the worker died otherwise while it drained. Out of time, it was stopped as
+        # planned (without a drain_signal a drain is a wait out of routing, then the stop)
+        if drain_timed_out:
+            return None
+        base.update(healing or {})
+        base["while"] = "max_age"
+        reason = ExitReason.DRAIN
     if reason is ExitReason.DRAIN and not drain_timed_out:
         # An operator's drain is no death (as a stop is not): the worker finished and exited,
         # or its drain signal's default action ended it. One that died otherwise while it
@@ -96,7 +106,7 @@ def classify(
         ):
             return None
         reason = ExitReason.SIGNAL if status.signal is not None else ExitReason.EXIT
-        base["while"] = "drain"
+        base.setdefault("while", "drain")
     if reason in HEALING_REASONS:
         return Classified(reason.value, {**base, **(healing or {})})
     if reason in (ExitReason.EXIT, ExitReason.SIGNAL):

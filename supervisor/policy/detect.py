@@ -462,6 +462,17 @@ def headroom(
 BUDGET_SAMPLES = 2
 
 
+def max_age_due(
+    ready_at: float | None, max_age_s: float, jitter_s: float, draw: float
+) -> float | None:
+    """When a worker ready since ``ready_at`` is due for its recycle (``health.max_age_s``):
+    ``max_age_s`` after it, plus ``draw`` (in [0, 1), drawn once per process) of
+    ``jitter_s``; None when off (0) or not ready."""
+    if max_age_s <= 0 or ready_at is None:
+        return None
+    return ready_at + max_age_s + min(max(draw, 0.0), 1.0) * jitter_s
+
+
 def budget_streak(streak: int, value: float | None, limit_mb: float) -> int:
     """The number of consecutive samples over ``limit_mb`` after this one (limit 0: off)."""
     if not limit_mb or value is None:

@@ -34,6 +34,7 @@ FindingKind = Literal[
     "gpu_memory_limit",  # worker: over its GPU memory budget
     "host_memory_limit",  # worker: over its host memory budget
     "log_pattern",  # worker: a sticky CUDA error in its output
+    "max_age",  # worker: ready for max_age_s: recycled (drained and restarted), no fault
     "xid_worker",  # GPU: a worker-fatal XID: restart the workers on it
     "xid_device",  # GPU: a device-fatal XID: quarantine it, move its workers
     "gpu_lost",  # GPU: stopped answering: same as device-fatal
@@ -68,6 +69,7 @@ REASON: Mapping[str, str] = {
     "gpu_memory_limit": "gpu_memory_limit",
     "host_memory_limit": "host_memory_limit",
     "log_pattern": "log_pattern",
+    "max_age": "max_age",
     "xid_worker": "xid",
     "xid_device": "xid",
     "gpu_lost": "gpu_lost",
@@ -220,6 +222,8 @@ def candidate_acts(
             choice: ActionKind = policy.on_leak
         elif f.kind in ("gpu_memory_limit", "host_memory_limit"):
             choice = policy.on_over_budget
+        elif f.kind == "max_age":
+            choice = "drain"  # a recycle: the requests in flight are finished first
         else:
             choice = "restart"
         return [act(choice, f.worker)]

@@ -16,7 +16,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from supervisor.config import WorkerGroup
-from supervisor.model import HEALING_REASONS, ExitReason, ExitStatus, WorkerState, transition
+from supervisor.model import (
+    HEALER_REASONS,
+    HEALING_REASONS,
+    ExitReason,
+    ExitStatus,
+    WorkerState,
+    transition,
+)
 from supervisor.policy.backoff import (
     FailureHistory,
     RestartPolicy,
@@ -416,7 +423,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return _move(rec, S.STOPPED, ExitReason.SHUTDOWN.value, deadline=None, gpu_waits=0)
         return rec, []
 
-    if isinstance(ev, Restart) and ev.reason in HEALING_REASONS and state in _AT_REST:
+    if isinstance(ev, Restart) and ev.reason in HEALER_REASONS and state in _AT_REST:
         return rec, []  # a healing restart queued behind a stop (or a crash): nothing to heal
 
     if state in (S.STOPPED, S.FATAL):
@@ -622,4 +629,4 @@ _AT_REST = frozenset({S.STOPPED, S.FATAL, S.BACKOFF})
 def _healing_over_stop(rec: WorkerRecord, ev: Restart) -> bool:
     """A healing restart of a worker that is being stopped for good: the stop wins (a healing
     action must not start what an operator, a reload or the shutdown is stopping)."""
-    return rec.after_exit is AfterExit.STOP and ev.reason in HEALING_REASONS
+    return rec.after_exit is AfterExit.STOP and ev.reason in HEALER_REASONS

@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, most_not_ready, worker_cmd
@@ -615,6 +616,54 @@ def test_max_unavailable_holds_when_several_workers_leak(
     sup.wait_event(event="heal.deferred")
     assert most_not_ready(sup.find(event="worker.state")) == 1
     assert sup.stop() == 0
+
+
+def test_workers_ready_for_max_age_are_recycled_one_at_a_time(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """``max_age_s``: each worker is drained and restarted once it has been ready that long,
+    one at a time (max_unavailable 1); a recycle is no death (no post-mortem, no failed
+    start) and is counted under its reason."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "m",
+                "replicas": 2,
+                "command": sim("100"),
+                "health": {"max_age_s": 1.5, "max_age_jitter_s": 0.5},
+            },
+        )
+    )
+    first = {w: sup.ready(w)["pid"] for w in ("m-0", "m-1")}
+    with sup.api() as http:
+        due = http.get("/api/v1/workers/m-0").json()["recycle_in_s"]
+        assert due is not None and 0 <= due <= 2.0
+    for w in ("m-0", "m-1"):
+        action = sup.wait_event(event="heal.action", worker=w, reason="max_age", timeout=20)
+        assert action["action"] == "drain" and action["level"] == "info"
+        assert 1.5 <= action["evidence"]["due_after_s"] <= 2.0
+        assert action["evidence"]["ready_for_s"] >= action["evidence"]["due_after_s"]
+        exited = sup.wait_event(event="worker.exited", worker=w, pid=first[w])
+        assert (exited["reason"], exited["failure"]) == ("max_age", False)
+        sup.wait_event(
+            event="worker.state", worker=w, new="ready", pid=lambda p: p not in first.values()
+        )
+    assert most_not_ready(sup.find(event="worker.state")) <= 1
+    with sup.api() as http:
+        text = http.get("/metrics").text
+    counted = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for w in ("m-0", "m-1"):
+        labels = (("group", "m"), ("reason", "max_age"), ("worker", w))
+        assert counted[("gpu_supervisor_worker_restarts_total", labels)] >= 1
+    drains = (("action", "drain"), ("reason", "max_age"))
+    assert counted[("gpu_supervisor_actions_total", drains)] >= 2
+    assert sup.stop() == 0
+    assert not sup.find(event="records.postmortem")
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):

@@ -680,3 +680,20 @@ def test_in_use_is_the_sum_of_fresh_reports_per_process(
     reports: dict[int, tuple[float, float]], now: float, total: float | None
 ) -> None:
     assert in_use_total(reports, now, 600.0) == total
+
+
+@pytest.mark.parametrize(
+    ("ready_at", "max_age_s", "jitter_s", "draw", "due"),
+    [
+        (None, 3600.0, 0.0, 0.5, None),  # not ready
+        (100.0, 0.0, 60.0, 0.5, None),  # off
+        (100.0, 3600.0, 0.0, 0.9, 3700.0),
+        (100.0, 3600.0, 600.0, 0.5, 4000.0),
+        (100.0, 3600.0, 600.0, 0.0, 3700.0),
+        (100.0, 3600.0, 600.0, 7.0, 4300.0),  # a draw is a share of the jitter, at most all
+    ],
+)
+def test_max_age_due(
+    ready_at: float | None, max_age_s: float, jitter_s: float, draw: float, due: float | None
+) -> None:
+    assert detect.max_age_due(ready_at, max_age_s, jitter_s, draw) == due

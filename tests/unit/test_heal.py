@@ -113,6 +113,12 @@ def acts_of(decision: Any) -> list[tuple[str, str | None, str | None, str]]:
             [("uncordon", None, G0, "thermal")],
         ),
         (leak("nobody-0"), GroupPolicy(), []),
+        # a recycle drains whatever on_leak says (requests in flight are finished first)
+        (
+            Finding("max_age", "ready for 86400 s", worker="w-0"),
+            GroupPolicy(on_leak="restart"),
+            [("drain", "w-0", None, "max_age")],
+        ),
     ],
 )
 def test_candidate_acts(finding: Finding, policy: GroupPolicy, expected: list[Any]) -> None:
@@ -179,6 +185,18 @@ def test_max_unavailable_defers_the_second_disruptive_action() -> None:
     assert acts_of(d) == [("drain", "w-0", None, "leak")]
     assert [f.worker for f in d.deferred] == ["w-1", "w-2"]
     assert "max_unavailable 1" in d.why_deferred[("leak", "w-1")]
+
+
+def test_recycles_wait_for_max_unavailable_and_never_cut_a_line() -> None:
+    """Three workers due at once: one is recycled, the others wait their turn (max_age is no
+    fault: unlike a sticky error or an imminent leak it never goes past max_unavailable)."""
+    workers = views(w_0=R, w_1=R, w_2=R)
+    due = [Finding("max_age", "old", worker=f"w-{i}") for i in range(3)]
+    d = decide(due, workers, {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("drain", "w-0", None, "max_age")]
+    assert [f.worker for f in d.deferred] == ["w-1", "w-2"]
+    d = decide(due[1:], views(w_0=WorkerState.STARTING, w_1=R, w_2=R), {"w": GroupPolicy()}, 1, {})
+    assert d.acts == () and len(d.deferred) == 2
 
 
 def test_a_worker_already_down_counts_against_max_unavailable() -> None:
@@ -416,6 +434,35 @@ def test_healing_exit_gets_its_reason_and_the_actions_evidence() -> None:
     assert got is not None
     assert got.reason == "leak"
     assert got.evidence["slope_mb_per_min"] == 42.0 and got.evidence["signal"] == "SIGTERM"
+
+
+@pytest.mark.parametrize(
+    ("status", "timed_out", "reason"),
+    [
+        (ExitStatus(0, None), False, None),  # it finished and exited: a recycle, no death
+        (ExitStatus(None, 10), False, None),  # its drain signal (SIGUSR1) ended it
+        (ExitStatus(None, 11), False, "signal"),  # a SIGSEGV while it drained
+        # not ended within drain_timeout_s, so stopped (stop_signal): the plan without a
+        # drain_signal (out of routing, then a graceful stop); an operator's stop neither
+        (ExitStatus(None, 15), True, None),
+    ],
+)
+def test_a_recycle_is_no_death_unless_it_died_otherwise_or_overran(
+    status: ExitStatus, timed_out: bool, reason: str | None
+) -> None:
+    got = classify(
+        ExitReason.MAX_AGE,
+        status,
+        [],
+        failure=False,
+        timing={"drain_timeout_s": 30.0},
+        healing={"action": "drain", "ready_for_s": 86400.0},
+        drain_timed_out=timed_out,
+        drain_signal=10,
+    )
+    assert (got and got.reason) == reason
+    if got is not None:
+        assert got.evidence["while"] == "max_age" and got.evidence["ready_for_s"] == 86400.0
 
 
 @pytest.mark.parametrize(

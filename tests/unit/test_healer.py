@@ -489,3 +489,71 @@ def test_the_gpu_budget_is_per_gpu_for_a_worker_on_two() -> None:
     for _ in range(2):
         sample(21000, 100)
     assert [type(e).__name__ for e in w0.posted] == ["Restart"]
+
+
+class Alerts:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, doc: dict[str, Any]) -> None:
+        self.sent.append(doc)
+
+
+def test_a_worker_ready_for_max_age_is_recycled_one_at_a_time_without_an_alert() -> None:
+    """``max_age_s`` 100 with 50 of jitter: each process is due between 100 and 150 s after it
+    was ready, at the share of the jitter drawn for it; the group's second worker waits while
+    the first is down (max_unavailable 1); a recycle is logged and counted, not sent as an
+    alert; the replacement is due again, from its own readiness."""
+    r0, r1 = Runner("r-0", GPUS[0]), Runner("r-1", GPUS[1])
+    host = Host(
+        parse_settings(
+            {
+                "gpu": {"backend": "sim"},
+                "workers": [
+                    {
+                        "name": "r",
+                        "command": ["x"],
+                        "replicas": 2,
+                        "health": {"max_age_s": 100, "max_age_jitter_s": 50},
+                    }
+                ],
+            }
+        ),
+        {"r-0": r0, "r-1": r1},
+    )
+    alerts = Alerts()
+    draws = iter([0.2, 0.4, 0.0, 0.0])  # r-0, r-1, then their next processes
+    rng = SimpleNamespace(random=lambda: next(draws))
+    healer = Healer(host, alerts, rng=rng)  # type: ignore[arg-type]
+    host.tick(healer, 109.0)
+    assert host.acts() == []  # r-0 is due at 110
+    host.tick(healer, 1.5)  # (a sample is taken 5 ms before the loop sees it)
+    assert r0.posted == [lc.Drain(restart=True, reason=ExitReason.MAX_AGE)]
+    assert host.acts() == [("drain", "r-0")]
+    r0.record.state = WorkerState.DRAINING
+    host.tick(healer, 20.0)  # r-1 due at 120: r-0 is down
+    assert r1.posted == []
+    r0.record.state = WorkerState.READY  # back: a new process, ready at 130
+    r0.record.pid, r0.record.ready_at = 200, host.clock.now()
+    healer.on_spawned(r0, 200)  # type: ignore[arg-type]
+    host.tick(healer, 0.5)
+    assert r1.posted == [lc.Drain(restart=True, reason=ExitReason.MAX_AGE)]
+    r1.record.state = WorkerState.DRAINING
+    r0.posted.clear()
+    host.tick(healer, 99.0)
+    assert r0.posted == []  # due 100 s after it was ready
+    r1.record.state = WorkerState.READY
+    r1.record.pid, r1.record.ready_at = 201, host.clock.now()
+    healer.on_spawned(r1, 201)  # type: ignore[arg-type]
+    host.tick(healer, 1.0)
+    assert r0.posted == [lc.Drain(restart=True, reason=ExitReason.MAX_AGE)]
+    assert host.actions_total == {("drain", "max_age"): 3}
+    assert alerts.sent == []
+    assert healer.exit_evidence("r-0") == {
+        "ready_for_s": 100.495,
+        "max_age_s": 100.0,
+        "max_age_jitter_s": 50.0,
+        "due_after_s": 100.0,
+        "action": "drain",
+        "message": "ready for 100 s (max_age_s = 100): recycled",
+    }

@@ -358,6 +358,19 @@ def test_a_healing_restart_does_not_undo_a_stop() -> None:
     rec = at(started(), lc.Exited(10, ExitStatus(1, None)), 100.5)
     assert rec.state is S.BACKOFF
     assert lc.step(rec, lc.Restart(ExitReason.LOG_PATTERN), 100.6, T) == (rec, [])
+    assert lc.step(rec, lc.Restart(ExitReason.MAX_AGE), 100.6, T) == (rec, [])
+
+
+def test_a_recycle_drains_then_restarts_without_counting_a_failure() -> None:
+    """``max_age_s``: drained (out of routing, the drain signal), then restarted at once; an
+    exit soon after the start is no failed start (the supervisor asked for it)."""
+    t = replace(T, drain_signal=signal.SIGUSR1)
+    rec, acts = lc.step(ready(), lc.Drain(restart=True, reason=ExitReason.MAX_AGE), 101, t)
+    assert rec.state is S.DRAINING and rec.reason == "max_age"
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(0, None)), 101.5, t)
+    (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+    assert exit_.outcome.reason is ExitReason.MAX_AGE and not exit_.failure
+    assert rec.state is S.STARTING
 
 
 def test_kill_event_kills_at_once_and_stays_stopped() -> None:
