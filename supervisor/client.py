@@ -680,6 +680,16 @@ def _num(value: Any, unit: str = "", digits: int = 0) -> str:
     return f"{float(value):.{digits}f}{unit}"
 
 
+def _duration(seconds: float) -> str:
+    """``3h05m``, ``12m30s``, ``45s``."""
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -763,6 +773,13 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
     ]
     if not_serving:
         lines += ["", "not serving:", *not_serving]
+    recycles = [
+        f"{w['name']} " + ("due (waiting its turn)" if due <= 0 else f"in {_duration(due)}")
+        for w in workers
+        if isinstance(due := w.get("recycle_in_s"), int | float)
+    ]
+    if recycles:
+        lines += ["", "next recycle (max_age_s): " + "; ".join(recycles)]
     modes = {str(m) for w in workers if (m := w.get("host_memory_enforcement")) is not None}
     if modes:
         text = {

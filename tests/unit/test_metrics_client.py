@@ -260,6 +260,7 @@ def test_status_table() -> None:
             "restarts": 2,
             "leak": {"slope_mb_per_min": 12.5, "suspected": True},
             "host_memory_enforcement": "rss_watch",
+            "recycle_in_s": 11130.4,
         },
         {"name": "b-0", "state": "stopped", "pid": None, "gpus": None, "restarts": 0},
         {
@@ -270,6 +271,7 @@ def test_status_table() -> None:
             "restarts": 0,
             "derated": True,
             "derated_reason": "GPU 0 is hot: temperature 86C",
+            "recycle_in_s": 0.0,
         },
         {
             "name": "c-0",
@@ -318,7 +320,12 @@ def test_status_table() -> None:
         "  d-0 derated: GPU 0 is hot: temperature 86C",
         "  c-0 fatal: 4 failed starts within 60s (burst 3); last: exit code 3",
     ]
-    assert lines[13] == (
+    # when max_age_s recycles each worker next (a deferred one is due)
+    assert lines[12:14] == [
+        "",
+        "next recycle (max_age_s): a-0 in 3h05m; d-0 due (waiting its turn)",
+    ]
+    assert lines[15] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
     hot = {"id": 1, "uuid": UUID1, "name": "Sim", "healthy": True, "hot": True}
