@@ -446,6 +446,25 @@ def sampled_in_tree(sup: Supervisor, worker: str, pid: int) -> dict[str, Any]:
     )
 
 
+@contextlib.contextmanager
+def stuck_holder(sup: Supervisor, worker: str, tmp_path: Path) -> Iterator[int]:
+    """The ``--holder`` child of ``worker`` (a ``gpu_user`` worker: it holds GPU memory of its
+    own), once a sample saw it in the worker's tree, held :func:`stuck` (yielded: its pid):
+    what the worker's restarts find still holding memory at the GPU-release barrier."""
+    holder = int(sup.wait_line(f"[{worker}] ", endswith=" holder").split()[2])
+    sampled_in_tree(sup, worker, holder)
+    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+        yield holder
+
+
+def crash_into_barrier(sup: Supervisor, worker: str, leader: int, after: int) -> None:
+    """Kill ``worker``'s main process (its holder stuck: :func:`stuck_holder`) and wait until
+    its restart waits at the GPU-release barrier (starting, no process yet)."""
+    os.kill(leader, signal.SIGKILL)
+    sup.wait_event(event="worker.killed_leftovers", worker=worker, after=after)
+    sup.wait_event(event="worker.state", worker=worker, new="starting", pid=None, after=after)
+
+
 def most_not_ready(states: Sequence[Mapping[str, Any]]) -> int:
     """The most workers out of ``ready`` at once in these ``worker.state`` events (counting
     only workers that were ready before: a roll-out or healing took them down)."""

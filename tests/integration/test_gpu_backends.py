@@ -16,7 +16,14 @@ import pytest
 
 from supervisor.backends.sim import SimBackend
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, sampled_in_tree, stuck, wait_dead, worker_cmd
+from tests.harness import (
+    Supervisor,
+    sampled_in_tree,
+    stuck,
+    stuck_holder,
+    wait_dead,
+    worker_cmd,
+)
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
@@ -206,9 +213,7 @@ def test_barrier_marks_suspect_and_moves(
         },
     )
     leader = sup.ready("b-0")["pid"]
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
-    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+    with stuck_holder(sup, "b-0", tmp_path) as holder:
         os.kill(leader, signal.SIGKILL)  # a crash: the supervisor kills the holder, in vain
         assert sup.wait_event(event="gpu.suspect", worker="b-0")["gpu"] == UUID0
         assert sup.wait_event(event="worker.moved", worker="b-0")["new_gpus"] == [UUID1]

@@ -17,7 +17,14 @@ import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, sampled_in_tree, stuck, wait_dead, worker_cmd
+from tests.harness import (
+    Supervisor,
+    crash_into_barrier,
+    stuck,
+    stuck_holder,
+    wait_dead,
+    worker_cmd,
+)
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-00000000-0000-0000-0000-000000000001"
@@ -196,9 +203,7 @@ def test_barrier_waits_for_release_then_restarts_in_place(
         log_level="debug",
     )
     leader = sup.ready("b-0")["pid"]
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
-    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+    with stuck_holder(sup, "b-0", tmp_path) as holder:
         mark = sup.mark()
         os.kill(leader, signal.SIGKILL)
         assert sup.wait_event(event="worker.killed_leftovers", worker="b-0")["pids"] == [holder]
@@ -274,15 +279,9 @@ def test_a_reload_while_a_restart_waits_for_the_gpu_release_starts_the_new_plan(
     cfg = config(tmp_path, b, release_timeout_s=10)
     sup = supervisor(cfg, log_level="debug")
     leader = sup.ready("b-0")["pid"]
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
-    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+    with stuck_holder(sup, "b-0", tmp_path) as holder:
         mark = sup.mark()
-        os.kill(leader, signal.SIGKILL)
-        sup.wait_event(event="worker.killed_leftovers", worker="b-0", after=mark)
-        sup.wait_event(
-            event="worker.state", worker="b-0", new="starting", pid=None, after=mark
-        )  # in the barrier now, for as long as the holder is stuck
+        crash_into_barrier(sup, "b-0", leader, mark)  # there for as long as it is stuck
         reload_env(sup, cfg, "2")
         sup.wait_event(event="supervisor.reload", changed=["b"], after=mark)
         assert len(sup.find(event="worker.spawned", worker="b-0")) == 1
@@ -626,9 +625,7 @@ def test_a_roll_out_waits_for_a_replica_held_at_the_gpu_release_barrier(
     for w in ("b-0", "b-1"):
         sup.ready(w)
     leader = sup.ready("b-2")["pid"]
-    holder = int(sup.wait_line("[b-2] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-2", holder)
-    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+    with stuck_holder(sup, "b-2", tmp_path) as holder:
         mark = sup.mark()
         with sup.api() as api:
             assert api.post("/api/v1/groups/b/rolling-restart").status_code == 202

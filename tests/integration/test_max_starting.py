@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, sampled_in_tree, stuck, wait_dead, worker_cmd
+from tests.harness import Supervisor, crash_into_barrier, stuck_holder, wait_dead, worker_cmd
 
 
 def most_starting_at_once(sup: Supervisor) -> int:
@@ -166,13 +166,9 @@ def test_a_worker_held_at_the_gpu_release_barrier_does_not_hold_a_turn(
     )
     leader = sup.ready("b-0")["pid"]
     crashing = sup.ready("c-0")["pid"]
-    holder = int(sup.wait_line("[b-0] ", endswith=" holder").split()[2])
-    sampled_in_tree(sup, "b-0", holder)
-    with stuck(holder, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+    with stuck_holder(sup, "b-0", tmp_path) as holder:
         mark = sup.mark()
-        os.kill(leader, signal.SIGKILL)
-        sup.wait_event(event="worker.killed_leftovers", worker="b-0", after=mark)
-        sup.wait_event(event="worker.state", worker="b-0", new="starting", pid=None, after=mark)
+        crash_into_barrier(sup, "b-0", leader, mark)
         os.kill(crashing, signal.SIGKILL)
         sup.ready("c-0", after=mark)
         # b-0 is still at the barrier: not spawned again, nor given up on it

@@ -65,21 +65,26 @@ def test_a_follower_sees_every_byte_once_across_rotations(
     phases: list[tuple[list[int], int]],
 ) -> None:
     with tempfile.TemporaryDirectory() as where:
-        log = _log(Path(where))
-        written, read = b"", b""
-        first = log.read(10)  # a follower that started before any output
-        file, offset = first.file, first.offset
-        n = 0
-        for sizes, limit in phases:
-            for size in sizes:
-                data = bytes((n + i) % 251 for i in range(size))  # no two the same nearby
-                n += size
-                log.write(data)
-                written += data
-            got, file, offset = _drain(log, file, offset, limit)
-            read += got
-            assert read == written
-        log.close()
+        _follow(_log(Path(where)), phases)
+
+
+def _follow(log: RotatingFile, phases: list[tuple[list[int], int]]) -> None:
+    """Write each phase's pieces, then read to the end ``limit`` bytes at a time, as a
+    follower: what it read is what was written, every byte once, nothing said lost."""
+    written, read = b"", b""
+    first = log.read(10)  # a follower that started before any output
+    file, offset = first.file, first.offset
+    n = 0
+    for sizes, limit in phases:
+        for size in sizes:
+            data = bytes((n + i) % 251 for i in range(size))  # no two the same nearby
+            n += size
+            log.write(data)
+            written += data
+        got, file, offset = _drain(log, file, offset, limit)
+        read += got
+        assert read == written
+    log.close()
 
 
 @settings(max_examples=40, deadline=None)
@@ -95,17 +100,7 @@ def test_without_backups_a_follower_that_read_all_of_a_file_goes_on_in_the_next(
     goes on in the new one, nothing said lost. Regression: every rotation read as lost."""
     with tempfile.TemporaryDirectory() as where:
         log = RotatingFile(Path(where) / "w-0.log", MAX, 0)
-        written, read = b"", b""
-        first = log.read(10)
-        file, offset = first.file, first.offset
-        for n, (size, limit) in enumerate(phases):
-            data = bytes((n + i) % 251 for i in range(size))
-            log.write(data)
-            written += data
-            got, file, offset = _drain(log, file, offset, limit)
-            read += got
-            assert read == written
-        log.close()
+        _follow(log, [([size], limit) for size, limit in phases])
 
 
 def test_without_backups_a_file_removed_before_it_was_read_is_said_lost(tmp_path: Path) -> None:
