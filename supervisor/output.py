@@ -56,6 +56,22 @@ TRIMMED_MIN_BYTES = 64 * 1024
 DRAIN_LIMIT = 1024 * 1024
 
 
+#: Each log file made gets a random tag in this extended attribute: the next run of the
+#: supervisor tells a follower's file from another that took its inode (ext4 hands a removed
+#: file's inode to the next file made). Where the filesystem keeps no user attributes, the
+#: inode alone.
+TAG_XATTR = "user.gpu_supervisor.log"
+
+
+def _tag(fd: int, new: bool = False) -> str:
+    """The tag of the log file open as ``fd`` ("" where it has none); ``new``: give it one."""
+    with contextlib.suppress(OSError):
+        if new:
+            os.setxattr(fd, TAG_XATTR, secrets.token_hex(4).encode())
+        return os.getxattr(fd, TAG_XATTR).decode("ascii", "replace")
+    return ""
+
+
 def _private(path: str, flags: int) -> int:
     """Open as ``open()`` does, a new file readable by its user and group only (a log holds
     whatever the worker prints)."""
@@ -116,6 +132,8 @@ class RotatingFile:
                     self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
                     self.path.parent.mkdir(mode=0o750, exist_ok=True)
                     self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
+                if created:
+                    _tag(self._fh.fileno(), new=True)
                 with contextlib.suppress(OSError):
                     serial = self._number(os.fstat(self._fh.fileno()), new=created)
                     if created and self._removed is not None and self._removed[2] is None:
@@ -223,6 +241,7 @@ class RotatingFile:
                         fh.write(TRIMMED_MARK)
                         # another file to a reader: one that was further on in it lost that
                         self._number(os.fstat(fh.fileno()), new=True)
+                        _tag(fh.fileno(), new=True)  # (and to the next run's)
                     freed += size
         self._size = 0
         self.trimmed += freed
@@ -268,22 +287,31 @@ class RotatingFile:
                     # the run and number tell files apart; the inode lets another run of
                     # the supervisor (a restart) find a follower's file again
                     name = f"{self._run}.{self._number(st)}.{st.st_dev:x}-{st.st_ino:x}"
+                    if tag := _tag(fd):
+                        name += f".{tag}"
                     fds.append((fd, st, name))
                 if file and self._removed is not None:
-                    file, offset = self._after_removed(file, offset, [n for _, _, n in fds])
+                    moved = self._after_removed(file, offset, [n for _, _, n in fds])
+                    if moved is None:  # the next file is not made yet: nothing to read,
+                        return LogChunk(b"", file, offset)  # nothing lost, its place kept
+                    file, offset = moved
             return _read_from(fds, limit, file, offset, self._run)
         finally:
             for fd, _, _ in fds:
                 os.close(fd)
 
-    def _after_removed(self, file: str, offset: int, ids: Sequence[str]) -> tuple[str, int]:
+    def _after_removed(self, file: str, offset: int, ids: Sequence[str]) -> tuple[str, int] | None:
         """Where a follower at ``file``/``offset`` goes on when that file is the one the last
         rotation removed (``backups = 0``) and it had read all of it: the start of the next
-        file. Anywhere else: where it was. Hold the lock."""
+        file, or None while that is not made yet (a reader between the removal and the
+        writer's next open, or an open that failed: it stays where it is). Anywhere else:
+        where it was. Hold the lock."""
         assert self._removed is not None
         serial, size, after = self._removed
-        if after is None or offset != size or not file.startswith(f"{self._run}.{serial}."):
+        if offset != size or not file.startswith(f"{self._run}.{serial}."):
             return file, offset
+        if after is None:
+            return None
         for name in ids:
             if name.startswith(f"{self._run}.{after}."):
                 return name, 0
@@ -700,13 +728,14 @@ def _read_at(fd: int, offset: int, limit: int) -> bytes:
 
 def _same_file(file: str, ids: Sequence[str], run: str) -> int | None:
     """Where ``file``, an id an earlier run of the supervisor gave, is among ``ids`` (by its
-    inode: a file that run rotated is still the same file), or None."""
+    inode and its tag: a file that run rotated is still the same file; another that took
+    its inode since has another tag), or None."""
     theirs, _, rest = file.partition(".")
-    inode = rest.partition(".")[2]
+    inode = rest.partition(".")[2]  # "dev-ino" or "dev-ino.tag"
     if theirs == run or not inode:
         return None
     for i, name in enumerate(ids):
-        if name.rpartition(".")[2] == inode:
+        if name.split(".", 2)[2:] == [inode]:
             return i
     return None
 

@@ -2189,11 +2189,12 @@ class Runtime:
             return False
         if self.rolling.get(group) == "rolling restart":
             return group in self._roll_waiting
-        return (
-            self.rolling.get(group) == "reload"
-            and self._reload_again
-            and self._vetted > self._covered
-        )
+        return self.rolling.get(group) == "reload" and self._reload_superseded()
+
+    def _reload_superseded(self) -> bool:
+        """A reload was asked for after the running one read its file, and its file would be
+        taken: it rolls out from where this one stops."""
+        return self._reload_again and self._vetted > self._covered
 
     def _roll_superseded(self, group: str) -> bool:
         """Stop ``group``'s roll-out for a newer reload (logged); False, as a halted one."""
@@ -2761,9 +2762,26 @@ class Runtime:
                 self._roll_waiting.add(group.name)
                 self._changed_now()
             try:
-                await self.wait_until(lambda: group.name not in self.rolling, math.inf)
+                # a later reload asked for meanwhile takes the group over: waited for here,
+                # it could not cut the rolling restart short if it restarts the group
+                await self.wait_until(
+                    lambda: group.name not in self.rolling or self._reload_superseded(),
+                    math.inf,
+                )
             finally:
                 self._roll_waiting.discard(group.name)
+            if group.name in self.rolling and not self._shutting_down:
+                # not begun: the later reload compares its file with what runs
+                self.log.info(
+                    "supervisor.rollout_superseded",
+                    group=group.name,
+                    reason="a later reload rolls the group out from here",
+                )
+                self._halted_at[group.name] = {
+                    "reason": "superseded by a later reload",
+                    "superseded": True,
+                }
+                return False
         if self._shutting_down:
             return False
         self.rolling[group.name] = "reload"

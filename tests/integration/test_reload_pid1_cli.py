@@ -718,6 +718,41 @@ def test_a_reload_cut_short_by_a_stop_starts_nothing(supervisor: SupervisorFacto
     assert all(w["state"] in ("stopped", "fatal") for w in state["workers"]), state
 
 
+def test_a_reload_on_a_new_definition_queued_behind_a_threshold_change_cuts_a_rolling_restart_short(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A reload that changes only a threshold waits out the operator's rolling restart of the
+    group; a reload asked for meanwhile that restarts the group on a new definition (``env``)
+    supersedes it, and cuts the rolling restart short, as it would have had it come first.
+    Regression (found in review): the new definition waited behind the threshold change's
+    wait, the rolling restart went on to its last worker, and every worker loaded twice,
+    the first time on the old definition."""
+    group = g("a", "notify_ready_late", "1.5", replicas=3, port_base=9370)
+    group["ready"] = "notify"
+    sup = supervisor({"workers": [group]})
+    for w in ("a-0", "a-1", "a-2"):
+        sup.ready(w)
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/groups/a/rolling-restart").status_code == 202
+    sup.wait_event(event="worker.state", worker="a-0", new="starting", after=mark)
+    threshold = {**group, "start_timeout_s": 40}
+    sup.write_config({"workers": [threshold]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.rollout_waits", after=mark)
+    sup.write_config({"workers": [{**threshold, "env": {"V": "2"}}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_queued", supersedes=True, after=mark)
+    sup.wait_event(event="supervisor.rollout_superseded", group="a", after=mark, timeout=30)
+    sup.wait_event(event="supervisor.reload_done", halted=[], superseded=[], after=mark, timeout=30)
+    assert not sup.find(event="supervisor.rolling_restart_done", after=mark)
+    for w in ("a-1", "a-2"):  # not reached by the rolling restart: loaded once, on V=2
+        (respawn,) = sup.find(event="worker.spawned", worker=w, after=mark)
+        assert psutil.Process(respawn["pid"]).environ()["V"] == "2"
+    assert most_not_ready(sup.find(event="worker.state", after=mark)) <= 1
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("change", ["env", "replicas"])
 def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
     supervisor: SupervisorFactory, change: str

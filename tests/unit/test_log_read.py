@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.output import TRIMMED_MARK, LogChunk, RotatingFile
+from supervisor.output import TAG_XATTR, TRIMMED_MARK, LogChunk, RotatingFile
 
 MAX, BACKUPS = 100, 3
 
@@ -120,6 +121,39 @@ def test_without_backups_a_file_removed_before_it_was_read_is_said_lost(tmp_path
     log.close()
 
 
+def test_without_backups_a_follower_reading_between_the_removal_and_the_next_file_keeps_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``log_backups = 0``: a reader (another thread) that takes the lock after a rotation
+    removed the file and before the writer made the next one finds no file. A follower that
+    had read all of the removed one lost nothing: it keeps its place. Regression: said lost,
+    its place given back as "" (from the oldest byte kept), so that the bytes of the files
+    rotated away before its next read were skipped without a word."""
+    log = RotatingFile(tmp_path / "w-0.log", MAX, 0)
+    log.write(b"a" * 60)
+    at = log.read(1000)  # read all of it
+    between: list[LogChunk] = []
+    real_open = log._open
+
+    def reader_first() -> BinaryIO:
+        if log._fh is None and not between:  # the writer is about to make the next file
+            between.append(log.read(1000, at.file, at.offset))
+        return real_open()
+
+    monkeypatch.setattr(log, "_open", reader_first)
+    log.write(b"b" * 50)  # rotates: "a"s removed, then the next file made
+    monkeypatch.undo()
+    assert between == [LogChunk(b"", at.file, at.offset)]
+    got, _, _ = _drain(log, at.file, at.offset, 1000)
+    assert got == b"b" * 50
+    # two rotations before it reads again: what it had not read is gone, and said so
+    log.write(b"c" * 60)
+    log.write(b"d" * 60)
+    chunk = log.read(1000, between[0].file, between[0].offset)
+    assert chunk.lost and chunk.data == b"d" * 60
+    log.close()
+
+
 def test_a_place_rotated_past_the_last_backup_is_said_and_reading_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -220,4 +254,35 @@ def test_a_follower_goes_on_across_a_restart_of_the_supervisor(tmp_path: Path) -
     assert not chunk.lost and chunk.data == b"b" * 10
     rest = again.read(1000, chunk.file, chunk.offset)
     assert not rest.lost and rest.data == b"c" * 80
+    again.close()
+
+
+@pytest.mark.parametrize("read_to", [60, 30])
+def test_without_backups_a_follower_across_a_restart_skips_nothing_of_the_next_file(
+    tmp_path: Path, read_to: int
+) -> None:
+    """``log_backups = 0``: the rotation removes the file and the next one is made at once;
+    the filesystem may give it the removed file's inode (ext4 does). The next run of the
+    supervisor finds a follower's file "again" by inode: a follower of the removed file must
+    not be taken for one part-way into the new one. Regression (found in review): it read
+    the new file from the removed one's offset, its first bytes skipped, nothing said. (Each
+    file is tagged in an extended attribute: where the filesystem keeps none, the inode is
+    all there is to go by.)"""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, TAG_XATTR, b"x")
+    except OSError as exc:
+        pytest.skip(f"no user extended attributes on {tmp_path}: {exc}")
+    log = RotatingFile(tmp_path / "w-0.log", MAX, 0)
+    log.write(b"a" * 60)
+    at = log.read(1000)
+    at = log.read(read_to, at.file, 0)  # read to `read_to` of the 60
+    log.write(b"b" * 70)  # rotates: the "a"s removed, the "b"s in a new file
+    log.close()
+    again = RotatingFile(tmp_path / "w-0.log", MAX, 0)  # the next run of the supervisor
+    chunk = again.read(1000, at.file, at.offset)
+    assert chunk.data == b"b" * 70
+    if read_to < 60:  # the "a"s it had not read are gone: said
+        assert chunk.lost
     again.close()
