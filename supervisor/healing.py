@@ -50,7 +50,15 @@ from supervisor.policy.detect import (
     thermal_step,
     xid_class,
 )
-from supervisor.policy.heal import EVENT_FINDINGS, Act, Finding, GroupPolicy, WorkerView, decide
+from supervisor.policy.heal import (
+    EVENT_FINDINGS,
+    ROUTINE,
+    Act,
+    Finding,
+    GroupPolicy,
+    WorkerView,
+    decide,
+)
 
 if TYPE_CHECKING:
     from supervisor.clock import Clock
@@ -82,8 +90,6 @@ MIGRATE_AGAIN_MIN_S = 1.0
 PER_PROCESS = frozenset(
     {"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid", "max_age"}
 )
-#: Scheduled, not a fault: logged at info, counted and journaled, not sent as an alert.
-ROUTINE = frozenset({"max_age"})
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
@@ -112,6 +118,8 @@ class HealHost(Protocol):
     journal: Journal
     actions_total: dict[tuple[str, str], int]
     clock: Clock
+    #: group -> the roll-out of it that runs ("rolling restart", "reload")
+    rolling: dict[str, str]
 
     def workers(self) -> list[WorkerRunner]: ...
 
@@ -143,7 +151,8 @@ class _Watch:
     oom_system: bool = False  # the count is the system-wide one (no cgroup count of its own)
     spawned_at: float = 0.0
     gpu_mb: float | None = None  # at the last sample (what a migration target must have free)
-    #: the share of ``max_age_jitter_s`` this process gets, and whether its recycle is asked
+    #: the share of ``max_age_jitter_s`` this process gets, and whether its recycle is under
+    #: way (a deferred one is not: it is judged again at each sample)
     max_age_draw: float = 0.0
     aged: bool = False
 
@@ -225,7 +234,7 @@ class Healer:
 
     def _recycle_in(self, name: str, w: _Watch | None) -> float | None:
         """Seconds until ``name``'s process is due for its ``max_age_s`` recycle (0: due,
-        waiting its turn; None: off, not ready, or asked for already)."""
+        waiting its turn; None: off, not ready, or under way)."""
         runner = self.host.runners.get(name)
         if w is None or runner is None or w.aged or runner.record.pid != w.pid:
             return None
@@ -591,11 +600,14 @@ class Healer:
         now: float,
     ) -> None:
         """``max_age_s``: a worker ready that long is recycled (once per process; one
-        deferred by ``max_unavailable`` waits its turn)."""
+        deferred by ``max_unavailable`` waits its turn, judged again at each sample: a reload
+        that turns ``max_age_s`` off or raises it past the worker's age cancels it)."""
         due = max_age_due(ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw)
-        if due is None or ready_at is None or now < due or runner.state is not WorkerState.READY:
+        if due is None or ready_at is None or now < due:
+            self._pending.pop(("max_age", runner.name), None)
             return
-        w.aged = True
+        if runner.state is not WorkerState.READY:
+            return
         self._add(
             Finding(
                 "max_age",
@@ -607,7 +619,8 @@ class Healer:
                     "max_age_jitter_s": health.max_age_jitter_s,
                     "due_after_s": round(due - ready_at, 3),
                 },
-            )
+            ),
+            newest=True,
         )
 
     def _judge_devices(self, sample: Sample, now: float) -> None:
@@ -782,6 +795,7 @@ class Healer:
             self._recent,
             can_migrate=self._can_migrate(findings),
             migrating=len(self._migrating),
+            rolling=self.host.rolling,
         )
         self._pending = {f.key: f for f in decision.deferred}
         for key, why in decision.why_deferred.items():
@@ -862,6 +876,9 @@ class Healer:
                     runner.post(lc.Restart(reason=reason))  # a stop when stopping for good
                 else:
                     runner.post(lc.Drain(restart=True, reason=reason))
+                    w = self._watch.get(runner.name)
+                    if reason is ExitReason.MAX_AGE and w is not None:
+                        w.aged = True  # under way: not asked again for this process
         elif act.action == "derate":
             if act.worker is None or act.worker in self.state.derated:
                 return

@@ -102,6 +102,11 @@ def _imminent(f: Finding) -> bool:
     return isinstance(left, int | float) and left <= LEAK_IMMINENT_S
 
 
+#: Findings about no fault (a scheduled recycle, ``max_age_s``): logged at info, not sent as
+#: an alert, and held back while a roll-out of the group runs (it replaces every worker anyway,
+#: and halts when one it replaced goes down before it has been ready for ``stable_s``).
+ROUTINE: frozenset[str] = frozenset({"max_age"})
+
 #: Findings whose restart cuts a drain short: a worker with a sticky error or a worker-fatal
 #: XID serves nothing, so waiting out ``drain_timeout_s`` only holds its GPU memory.
 CUTS_DRAIN: frozenset[str] = frozenset({"xid_worker", "log_pattern"})
@@ -299,11 +304,14 @@ def decide(
     cooldown_s: float = COOLDOWN_S,
     can_migrate: Mapping[str, bool | str] | None = None,
     migrating: int = 0,
+    rolling: Mapping[str, str] | None = None,
 ) -> Decision:
     """The actions for ``findings`` now.
 
     ``recent``: ``(action, worker or gpu, reason) -> time`` of actions already taken (for the
-    cooldown); ``migrating``: migrations still in flight (they go one at a time).
+    cooldown); ``migrating``: migrations still in flight (they go one at a time); ``rolling``:
+    group -> the roll-out of it that runs ("rolling restart", "reload"): routine findings of
+    its workers wait for it.
     """
     down: dict[str, int] = {}
     for view in workers.values():
@@ -313,7 +321,9 @@ def decide(
     acts: list[Act] = []
     deferred: list[Finding] = []
     why: dict[tuple[str, str], str] = {}
-    for f in findings:
+    # a recycle is decided after the faults: a worker due for one that leaks (or is over its
+    # budget) meanwhile is drained for that, with its post-mortem and judgement as a crash
+    for f in sorted(findings, key=lambda f: f.kind in ROUTINE):
         held_back = False
         for act in candidate_acts(f, workers, policies, can_migrate=can_migrate):
             target = act.worker or act.gpu or ""
@@ -344,6 +354,10 @@ def decide(
                 continue  # already going down (or down): its restart will come from that
             if act.action == "migrate" and (going or not view.has_process):
                 act = replace(act, redirect_only=True)
+            if f.kind in ROUTINE and rolling and view.group in rolling:
+                held_back = True
+                why[f.key] = f"a {rolling[view.group]} of group {view.group} is running"
+                continue
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
                 broken = (

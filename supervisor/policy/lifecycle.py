@@ -508,6 +508,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
         if isinstance(ev, Restart):
             return _begin_stop(rec, now, t, _restart_after(ev.reason), ev.reason)
+        if isinstance(ev, Drain) and ev.reason is ExitReason.MAX_AGE:
+            # a recycle is asked for a ready process: this one started since (the one it was
+            # for died meanwhile), and is not due (regression: stopped while it loaded)
+            return rec, []
         if isinstance(ev, Drain):
             # Not ready yet, so not routed to: nothing to drain, stop straight away.
             after = _restart_after(ev.reason) if ev.restart else AfterExit.STOP

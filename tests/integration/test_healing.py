@@ -782,3 +782,45 @@ def test_an_operator_cordon_outlives_the_heat_cordon(
     # was cordoned already)
     assert (sup.state_dir / "cordons").read_text() == f"{UUID0}\n"
     assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_recycle_never_halts_a_roll_out_of_its_group(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
+) -> None:
+    """``max_age_s`` 2 and ``stable_s`` 5: a roll-out goes on once the worker it replaced has
+    been ready for 5 s. The recycles wait for the roll-out (it replaces every worker anyway),
+    which completes; they go on after it. Regression: the replaced worker was due 2 s after its
+    new readiness and recycled while the roll-out held for it: "replaced worker did not stay
+    ready for stable_s" halted the roll-out (a reload's: the rest kept the old config) every
+    time a roll-out took longer than max_age_s."""
+    group: dict[str, Any] = {
+        "name": "m",
+        "replicas": 2,
+        "command": sim("100"),
+        "restart": {"delay_s": 0, "stable_s": 5},
+        "health": {"max_age_s": 2},
+    }
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("m-0")
+    sup.ready("m-1")
+    mark = sup.mark()
+    if how == "reload":
+        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as api:
+            assert api.post("/api/v1/groups/m/rolling-restart").status_code == 202
+    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
+
+    def over() -> bool:
+        return bool(
+            sup.find(event=done, after=mark)
+            or sup.find(event="supervisor.rollout_halted", after=mark)
+        )
+
+    sup.wait_until(over, "the roll-out to end", timeout=40)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    sup.wait_event(event="heal.action", reason="max_age", after=mark, timeout=20)
+    assert most_not_ready(sup.find(event="worker.state", after=mark)) <= 1
+    assert sup.stop() == 0

@@ -199,6 +199,32 @@ def test_recycles_wait_for_max_unavailable_and_never_cut_a_line() -> None:
     assert d.acts == () and len(d.deferred) == 2
 
 
+def test_recycles_wait_for_a_roll_out_of_their_group() -> None:
+    """A roll-out replaces every worker of the group anyway, and halts when one it replaced
+    goes down: a recycle waits for it (a fault does not: a leak is drained)."""
+    workers = views(w_0=R, w_1=R, v_0=R)
+    policies = {"w": GroupPolicy(max_unavailable=2), "v": GroupPolicy()}
+    found = [
+        Finding("max_age", "old", worker="w-0"),
+        Finding("max_age", "old", worker="v-0"),
+        leak("w-1"),
+    ]
+    d = decide(found, workers, policies, 0.0, {}, rolling={"w": "reload"})
+    assert sorted(acts_of(d)) == [("drain", "v-0", None, "max_age"), ("drain", "w-1", None, "leak")]
+    assert [f.key for f in d.deferred] == [("max_age", "w-0")]
+    assert d.why_deferred[("max_age", "w-0")] == "a reload of group w is running"
+
+
+def test_a_leak_is_acted_on_as_a_leak_though_its_worker_waits_for_a_recycle() -> None:
+    """w-0 was due for its recycle and waited its turn (w-1 was down); a leak is found on it
+    meanwhile. Once w-1 is back, w-0 is drained for its leak (its post-mortem, its judgement
+    as a crash), not recycled. Regression: the recycle, pending first, went first and the
+    leak was dropped: no post-mortem, no actions_total{reason="leak"}, no failed start."""
+    pending = [Finding("max_age", "old", worker="w-0"), leak("w-0")]
+    d = decide(pending, views(w_0=R, w_1=R), {"w": GroupPolicy()}, 0.0, {})
+    assert acts_of(d) == [("drain", "w-0", None, "leak")]
+
+
 def test_a_worker_already_down_counts_against_max_unavailable() -> None:
     workers = views(w_0=WorkerState.BACKOFF, w_1=R)
     d = decide([leak("w-1")], workers, {"w": GroupPolicy()}, 0.0, {})

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from supervisor.clock import FakeClock
 from supervisor.config import Settings, parse_settings
 from supervisor.healing import Healer
@@ -56,6 +58,7 @@ class Host:
     journal: Journal = field(default_factory=Journal)
     actions_total: dict[tuple[str, str], int] = field(default_factory=dict)
     devices: dict[str, DeviceSample] = field(default_factory=dict)
+    rolling: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.devices = {
@@ -557,3 +560,57 @@ def test_a_worker_ready_for_max_age_is_recycled_one_at_a_time_without_an_alert()
         "action": "drain",
         "message": "ready for 100 s (max_age_s = 100): recycled",
     }
+
+
+def _recycling(max_age_s: float, **health: Any) -> dict[str, Any]:
+    return {
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "r",
+                "command": ["x"],
+                "replicas": 2,
+                "health": {"max_age_s": max_age_s, **health},
+            }
+        ],
+    }
+
+
+def _two_due() -> tuple[Host, Healer, Runner, Runner]:
+    """r-0 and r-1 both due at 100 s (no jitter): r-0 is drained, r-1 waits its turn."""
+    r0, r1 = Runner("r-0", GPUS[0]), Runner("r-1", GPUS[1])
+    host = Host(parse_settings(_recycling(100)), {"r-0": r0, "r-1": r1})
+    healer = Healer(host)  # type: ignore[arg-type]
+    host.tick(healer, 101.0)
+    assert r0.posted == [lc.Drain(restart=True, reason=ExitReason.MAX_AGE)]
+    assert r1.posted == []
+    r0.record.state = WorkerState.DRAINING
+    host.tick(healer, 1.0)
+    return host, healer, r0, r1
+
+
+def test_a_deferred_recycle_says_it_is_due_in_the_worker_object() -> None:
+    """``recycle_in_s``: 0 while due and waiting its turn (docs/healing.md, api.Worker); it
+    said null (off, not ready, or under way) from the moment the recycle was first deferred."""
+    _host, healer, _r0, r1 = _two_due()
+    assert r1.posted == []
+    assert healer.annotate("r-1", {})["recycle_in_s"] == 0.0
+
+
+@pytest.mark.parametrize("max_age_s", [0.0, 1000.0])
+def test_a_reload_that_turns_recycles_off_or_later_cancels_a_deferred_one(
+    max_age_s: float,
+) -> None:
+    """r-1 is due and waits for r-0's recycle; a reload sets max_age_s to 0 (off) or raises
+    it past r-1's age ("a reload that changes max_age_s applies to the running processes at
+    once"). Regression: the deferred recycle went ahead once r-0 was back."""
+    host, healer, r0, r1 = _two_due()
+    host.settings = parse_settings(_recycling(max_age_s))
+    r0.record.state = WorkerState.READY  # back: a new process
+    r0.record.pid, r0.record.ready_at = 200, host.clock.now()
+    healer.on_spawned(r0, 200)  # type: ignore[arg-type]
+    host.tick(healer, 1.0)
+    assert r1.posted == []
+    assert healer.annotate("r-1", {})["recycle_in_s"] == (
+        None if max_age_s == 0 else pytest.approx(1000 - host.clock.now(), abs=0.1)
+    )

@@ -373,6 +373,19 @@ def test_a_recycle_drains_then_restarts_without_counting_a_failure() -> None:
     assert rec.state is S.STARTING
 
 
+def test_a_recycle_that_finds_a_new_process_starting_leaves_it_alone() -> None:
+    """A recycle is asked for a ready process; the process crashed before the worker's queue
+    got to the drain, and (``delay_s`` 0) its replacement was spawned in the same step. The
+    drain is for the process that died: the one loading now (0 s old) is not stopped (the
+    drain of a starting worker stops it at once: a second load for nothing)."""
+    rec = at(
+        ready(), lc.Exited(10, ExitStatus(None, 11)), 200.0, replace(T, restart=RestartPolicy())
+    )
+    rec = at(rec, lc.Spawned(11), 200.0)
+    assert rec.state is S.STARTING and rec.pid == 11
+    assert lc.step(rec, lc.Drain(restart=True, reason=ExitReason.MAX_AGE), 200.0, T) == (rec, [])
+
+
 def test_kill_event_kills_at_once_and_stays_stopped() -> None:
     rec, acts = lc.step(ready(), lc.Kill("shutdown timeout"), 101, T)
     # the kill says why (regression: always "stop timeout", after a second SIGTERM too)
