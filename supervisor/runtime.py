@@ -2199,15 +2199,15 @@ class Runtime:
     def _roll_superseded(self, group: str) -> bool:
         """Stop ``group``'s roll-out for a newer reload (logged); False, as a halted one."""
         reason = "a later reload rolls the group out from here"
+        halted = "superseded by a later reload"
         if self.rolling.get(group) == "rolling restart":
-            reason = "a reload restarts the group on a new definition: it rolls it out from here"
+            if self.settings.group(group) is None:
+                reason = halted = "superseded by a reload that removes the group"
+            else:
+                reason = "a reload restarts the group on a new definition: it rolls it out from here"
+                halted = "superseded by a reload that restarts the group on a new definition"
         self.log.info("supervisor.rollout_superseded", group=group, reason=reason)
-        self._halted_at[group] = {
-            "reason": "superseded by a later reload"
-            if self.rolling.get(group) == "reload"
-            else "superseded by a reload that restarts the group on a new definition",
-            "superseded": True,
-        }
+        self._halted_at[group] = {"reason": halted, "superseded": True}
         return False
 
     def _rollout_passes_over(self, group: str, runner: WorkerRunner) -> None:
@@ -2719,9 +2719,16 @@ class Runtime:
 
     async def _stop_group(self, name: str) -> None:
         runners = self._targets(name)
-        async with anyio.create_task_group() as tg:
-            for runner in runners:
-                tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
+        # an operator's rolling restart of it stops before its next worker (and does not wait
+        # out the start timeout of one this removes)
+        self._roll_waiting.add(name)
+        self._changed_now()
+        try:
+            async with anyio.create_task_group() as tg:
+                for runner in runners:
+                    tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
+        finally:
+            self._roll_waiting.discard(name)
         self.groups.pop(name, None)
 
     async def _roll_group(

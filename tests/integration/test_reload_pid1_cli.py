@@ -753,6 +753,42 @@ def test_a_reload_on_a_new_definition_queued_behind_a_threshold_change_cuts_a_ro
     assert sup.stop() == 0
 
 
+def test_a_reload_that_removes_a_group_ends_its_rolling_restart_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """An operator's rolling restart of group a is loading a-0 when a reload removes the
+    group: the rolling restart ends there (superseded), and `restart --rolling --wait` says
+    so. Regression (found in review): it waited for the removed worker to become ready, the
+    stop budget and the whole start timeout (120 s), then halted naming a worker gone."""
+    slow = tmp_path / "slow"  # once it exists, a start loads for 30 s
+    py, script = worker_cmd("notify_ready_late")
+    load = f'if [ -e {slow} ]; then t=30; else t=0.1; fi; exec {py} {script} "$t"'
+    group = g("a", replicas=2, port_base=9380, ready="notify")
+    group["command"] = ["sh", "-c", load]
+    other = g("b", port_base=9385)
+    sup = supervisor({"workers": [group, other]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    slow.touch()
+    mark = sup.mark()
+    waiter = cli_client("restart", "--rolling", "a", "--wait", "--url", sup.api_url())
+    try:
+        sup.wait_event(event="worker.state", worker="a-0", new="starting", after=mark)
+        sup.write_config({"workers": [other]})
+        sup.signal(signal.SIGHUP)
+        out, _ = waiter.communicate(timeout=30)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert (waiter.returncode, out.strip().splitlines()[-1]) == (
+        1,
+        "a: rolling restart halted: superseded by a reload that removes the group",
+    )
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=30)
+    assert not sup.find(event="worker.spawned", worker="a-1", after=mark)
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("change", ["env", "replicas"])
 def test_a_reload_and_a_rolling_restart_of_a_group_never_run_at_once(
     supervisor: SupervisorFactory, change: str
