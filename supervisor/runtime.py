@@ -2204,7 +2204,7 @@ class Runtime:
             if self.settings.group(group) is None:
                 reason = halted = "superseded by a reload that removes the group"
             else:
-                reason = "a reload restarts the group on a new definition: it rolls it out from here"
+                reason = "a reload restarts the group on a new definition: it rolls it from here"
                 halted = "superseded by a reload that restarts the group on a new definition"
         self.log.info("supervisor.rollout_superseded", group=group, reason=reason)
         self._halted_at[group] = {"reason": halted, "superseded": True}
