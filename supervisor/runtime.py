@@ -991,8 +991,8 @@ class Runtime:
         its turn to start (``max_starting``), then re-place off unusable GPUs. A string: why
         there is no GPU to start on now (the worker waits for one)."""
         prepared = await self._prepare_gpus(runner)
-        if isinstance(prepared, str):
-            return prepared
+        if isinstance(prepared, str) or runner.state is not WorkerState.STARTING:
+            return prepared  # (stopped meanwhile: not used, nothing to pin or say)
         return self._pinned_now(prepared, pinned=runner.spec.cpus is not None)
 
     def _loading(self) -> set[str]:
@@ -1004,27 +1004,30 @@ class Runtime:
                 out.add(r.name)
         return out
 
-    async def _start_slot(self, runner: WorkerRunner) -> None:
+    async def _start_slot(self, runner: WorkerRunner) -> bool:
         """``[supervisor] max_starting``: wait (first come, first served) until fewer workers
         than that are starting (spawned, not yet ready): loading N models at once can take
         the host's memory or disks; the worker is spawned after its turn, so its
-        ``start_timeout_s`` runs from then."""
+        ``start_timeout_s`` runs from then. False: it is no longer starting (stopped while
+        it waited: what it prepares is not used)."""
         name = runner.name
-        if name in self._let_go and runner.state is WorkerState.STARTING:
-            return  # prepared again (a reload's new plan) after its turn came: it keeps it
+        if runner.state is not WorkerState.STARTING:
+            return False
+        if name in self._let_go:
+            return True  # prepared again (a reload's new plan) after its turn came: it keeps it
         if not self.settings.supervisor.max_starting:
-            return
+            return True
         self._start_queue.append(name)
         said = False
         try:
             while True:
                 if runner.state is not WorkerState.STARTING:
-                    return  # stopped while it waited: what it prepares is not used
+                    return False
                 limit = self.settings.supervisor.max_starting  # a reload may change it
                 loading = self._loading()
                 if may_start(name, self._start_queue, loading, limit):
                     self._let_go.add(name)
-                    return
+                    return True
                 if not said:
                     said = True
                     self.log.info(
@@ -1078,7 +1081,8 @@ class Runtime:
         spec = runner.spec
         gpus = spec.gpus or ()
         if spec.gpus is None and self.sampler.identities:
-            await self._start_slot(runner)
+            if not await self._start_slot(runner):
+                return spec  # stopped while it waited: not placed (nothing starts)
             return self._place_late(runner)
         if not gpus or not self.sampler.identities:
             await self._start_slot(runner)
@@ -1116,7 +1120,8 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
-        await self._start_slot(runner)
+        if not await self._start_slot(runner):
+            return spec  # stopped while it waited: not placed, nor moved (nothing starts)
         if not self.slots():  # NVML down just now: nothing to place by, it stays where it is,
             if runner.record.gpu_waits:  # unless it waits for a GPU: it waits on
                 stuck = self.sampler.stuck_for_s()

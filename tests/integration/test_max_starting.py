@@ -27,7 +27,10 @@ def most_starting_at_once(sup: Supervisor) -> int:
 
 
 def test_workers_start_two_at_a_time_in_their_turn(supervisor: SupervisorFactory) -> None:
-    late = worker_cmd("notify_ready_late", "0.4")
+    # loads of 0.4, 1.4, 2.4 s by index: turns free up one at a time, so the spawns of those
+    # that waited come in the order their turns were given (two freed in the same instant let
+    # two go at once, and their spawns may come in either order)
+    late = worker_cmd("notify_ready_late", "{index}.4")
     sup = supervisor(
         {
             "supervisor": {"max_starting": 2},
@@ -178,3 +181,42 @@ def test_a_worker_held_at_the_gpu_release_barrier_does_not_hold_a_turn(
     assert wait_dead([holder]) == []
     sup.ready("b-0", after=mark)
     assert sup.stop() == 0
+
+
+def test_a_worker_stopped_while_in_line_is_not_placed_again(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """b-0 waits its turn to restart (a-0 is loading) and its GPU is cordoned: an operator
+    stops it meanwhile. Nothing starts, so nothing is placed: no `worker.moved` to another
+    GPU for a start that never comes. Regression (found in review): it was moved all the
+    same once it left the line."""
+    slow = tmp_path / "slow"  # once it exists, a start of a-0 loads for 60 s
+    py, script = worker_cmd("notify_ready_late")
+    load = f'if [ -e {slow} ]; then t=60; else t=0.1; fi; exec {py} {script} "$t"'
+    quick = {"stop_timeout_s": 2, "restart": {"stable_s": 0.1}}
+    sup = supervisor(
+        {
+            "supervisor": {"max_starting": 1, "sample_interval_s": 0.1},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            "workers": [
+                {"name": "a", "command": ["sh", "-c", load], **quick},
+                {"name": "b", "command": worker_cmd("gpu_user", "100"), **quick},
+            ],
+        }
+    )
+    sup.ready("a-0")
+    sup.ready("b-0")
+    slow.touch()
+    mark = sup.mark()
+    with sup.api() as api:
+        assert api.post("/api/v1/workers/a-0/restart").status_code == 202
+        sup.wait_event(event="worker.spawned", worker="a-0", after=mark)
+        gpu = api.get("/api/v1/workers/b-0").json()["gpus"][0]
+        assert api.post(f"/api/v1/gpus/{gpu}/cordon").status_code == 200
+        assert api.post("/api/v1/workers/b-0/restart").status_code == 202
+        sup.wait_event(event="worker.waiting_start", worker="b-0", after=mark)
+        assert api.post("/api/v1/workers/b-0/stop").status_code == 202
+        sup.wait_event(event="worker.state", worker="b-0", new="stopped", after=mark)
+    assert sup.stop() == 0  # (b-0 has left the line by then, at the latest)
+    assert not sup.find(event="worker.moved", worker="b-0", after=mark)
+    assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
