@@ -314,9 +314,14 @@ def decide(
     its workers wait for it.
     """
     down: dict[str, int] = {}
+    # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
+    # GPU) as down: it never takes a group's serving below replicas - max_unavailable
+    derated: dict[str, int] = {}
     for view in workers.values():
         if view.state is not WorkerState.READY:
             down[view.group] = down.get(view.group, 0) + 1
+        elif view.derated:
+            derated[view.group] = derated.get(view.group, 0) + 1
     taken: set[str] = set()  # workers acted on (disruptively) in this round
     acts: list[Act] = []
     deferred: list[Finding] = []
@@ -365,11 +370,15 @@ def decide(
                     or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
                     or _imminent(f)
                 )
-                if not broken and down.get(view.group, 0) >= policy.max_unavailable:
+                out = down.get(view.group, 0)
+                if f.kind in ROUTINE:
+                    out += derated.get(view.group, 0) - (1 if view.derated else 0)
+                if not broken and out >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (
-                        f"group {view.group} has {down.get(view.group, 0)} of its workers not "
-                        f"ready (max_unavailable {policy.max_unavailable})"
+                        f"group {view.group} has {out} of its workers not ready"
+                        + (" or out of routing" if f.kind in ROUTINE and derated else "")
+                        + f" (max_unavailable {policy.max_unavailable})"
                     )
                     continue
                 down[view.group] = down.get(view.group, 0) + 1

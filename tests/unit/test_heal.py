@@ -225,6 +225,24 @@ def test_a_leak_is_acted_on_as_a_leak_though_its_worker_waits_for_a_recycle() ->
     assert acts_of(d) == [("drain", "w-0", None, "leak")]
 
 
+def test_a_recycle_counts_workers_out_of_routing_as_down() -> None:
+    """w-0 is derated (its GPU is hot: ready, but out of routing): recycling w-1 would leave
+    the group serving with none of two. A fault (a leak) is judged on readiness alone; a
+    derated worker's own recycle goes (it serves nothing now anyway)."""
+    workers = views(w_0=R, w_1=R)
+    workers["w-0"] = WorkerView(group="w", state=R, gpus=(G0,), derated=True)
+    recycle = Finding("max_age", "old", worker="w-1")
+    d = decide([recycle], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert d.acts == () and "not ready or out of routing" in d.why_deferred[recycle.key]
+    assert acts_of(decide([leak("w-1")], workers, {"w": GroupPolicy()}, 0.0, {})) == [
+        ("drain", "w-1", None, "leak")
+    ]
+    own = Finding("max_age", "old", worker="w-0")
+    assert acts_of(decide([own], workers, {"w": GroupPolicy()}, 0.0, {})) == [
+        ("drain", "w-0", None, "max_age")
+    ]
+
+
 def test_a_worker_already_down_counts_against_max_unavailable() -> None:
     workers = views(w_0=WorkerState.BACKOFF, w_1=R)
     d = decide([leak("w-1")], workers, {"w": GroupPolicy()}, 0.0, {})
