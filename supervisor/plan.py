@@ -456,6 +456,11 @@ def build_plan(
                 f'{"apply" if len(ignored) > 1 else "applies"} to gpus = "auto" only; '
                 f"with a list every worker gets all of {list(group.gpus)}"
             )
+        if group.health.max_age_s and group.replicas == 1:
+            warnings.append(
+                f"group {group.name}: max_age_s recycles its only worker: the group serves "
+                "nothing while it restarts (with two replicas, one serves meanwhile)"
+            )
     cpus = None if allowed_cpus is None else cpus_of(devices or (), allowed_cpus)
     groups: list[GroupPlan] = []
     for group in settings.workers:

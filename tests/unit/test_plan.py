@@ -55,6 +55,15 @@ def test_auto_only_keys_with_a_list_are_a_warning() -> None:
     assert plan(gpus=[0, 1]).warnings == ()  # the defaults say nothing
 
 
+def test_recycling_the_only_worker_of_a_group_is_a_warning() -> None:
+    health = {"max_age_s": 86400}
+    assert plan(gpus="none", health=health).warnings == (
+        "group gpen: max_age_s recycles its only worker: the group serves nothing while it "
+        "restarts (with two replicas, one serves meanwhile)",
+    )
+    assert plan(gpus="none", replicas=2, health=health).warnings == ()
+
+
 def test_none_hides_all_gpus() -> None:
     assert plan(gpus="none").groups[0].workers[0].env["CUDA_VISIBLE_DEVICES"] == ""
 
