@@ -415,6 +415,13 @@ class HealthSection(_Strict):
     #: all due together); ``max_unavailable`` holds, as for healing
     max_age_s: NonNegativeSeconds = 0.0
     max_age_jitter_s: NonNegativeSeconds = 0.0
+    #: after ready: an HTTP URL (placeholders allowed) asked every ``liveness_interval_s``;
+    #: ``liveness_failures`` in a row without a 2xx within ``liveness_timeout_s`` -> hung ->
+    #: restart (as a missing WATCHDOG=1: for servers that do not speak sd_notify)
+    liveness_url: str = ""
+    liveness_interval_s: PositiveSeconds = 10.0
+    liveness_timeout_s: PositiveSeconds = 5.0
+    liveness_failures: int = Field(default=3, ge=1, le=1000)
     #: "torch": Python workers report what PyTorch's allocator holds (worker_site/sitecustomize.py)
     in_use_reporter: Literal["none", "torch"] = "none"
 
@@ -423,6 +430,16 @@ class HealthSection(_Strict):
     def _watchdog_measurable(cls, value: float) -> float:
         if 0 < value < MIN_WATCHDOG_S:  # WATCHDOG_USEC would be 0: "no watchdog" to the worker
             raise ValueError(f"0 (off) or at least {MIN_WATCHDOG_S} s")
+        return value
+
+    @field_validator("liveness_url")
+    @classmethod
+    def _liveness_shape(cls, value: str) -> str:
+        if value and not http_url(value, placeholders=True):
+            raise ValueError(
+                'expected "" (off) or an http:// (or https://) health URL with a host (and a '
+                "valid port)"
+            )
         return value
 
     @field_validator("log_restart_patterns")
@@ -818,6 +835,9 @@ class Settings(BaseSettings):
                     raise ValueError(f"workers[{i}].env.{key}: {msg} (got {val!r})")
             if group.ready_mode == "http" and (msg := _placeholder_errors(group.ready)):
                 raise ValueError(f"workers[{i}].ready: {msg} (got {group.ready!r})")
+            live = group.health.liveness_url
+            if live and (msg := _placeholder_errors(live)):
+                raise ValueError(f"workers[{i}].health.liveness_url: {msg} (got {live!r})")
             if (msg := _placeholder_errors(group.cwd)) is not None:
                 raise ValueError(f"workers[{i}].cwd: {msg} (got {group.cwd!r})")
             ports = _ports_of(group)

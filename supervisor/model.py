@@ -177,6 +177,16 @@ class Account:
 
 
 @dataclass(frozen=True, slots=True)
+class Liveness:
+    """``[workers.health] liveness_url``: asked while the worker is ready."""
+
+    url: str
+    interval_s: float
+    timeout_s: float
+    failures: int
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchSpec:
     """Everything needed to start one worker process; computed by ``plan``."""
 
@@ -199,6 +209,9 @@ class LaunchSpec:
     limits: tuple[tuple[str, int | None, int | None], ...] = ()
     #: ``cpu_affinity``: the CPUs it is pinned to before the program runs (None: inherited)
     cpus: tuple[int, ...] | None = None
+    #: ``health.liveness_url``: what the supervisor asks while the worker is ready (None: off);
+    #: not part of what is launched (a reload that changes it applies to the running process)
+    liveness: Liveness | None = field(default=None, compare=False)
 
 
 # --- GPUs ----------------------------------------------------------------------------------

@@ -12,7 +12,14 @@ from pathlib import Path
 
 from supervisor.config import Settings, WorkerGroup
 from supervisor.errors import PlacementError
-from supervisor.model import Account, DeviceSample, LaunchSpec, format_cpulist, parse_cpulist
+from supervisor.model import (
+    Account,
+    DeviceSample,
+    LaunchSpec,
+    Liveness,
+    format_cpulist,
+    parse_cpulist,
+)
 
 #: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
 Assignment = Mapping[str, tuple[str, ...] | None]
@@ -208,6 +215,17 @@ def launch_spec(
     if group.health.in_use_reporter == "torch" and notify_socket is not None:
         env.update(in_use_reporter_env(env.get("PYTHONPATH", ""), notify_socket, group))
     ready_url = _expand(group.ready, values) if group.ready_mode == "http" else None
+    h = group.health
+    liveness = (
+        Liveness(
+            _expand(h.liveness_url, values),
+            h.liveness_interval_s,
+            h.liveness_timeout_s,
+            h.liveness_failures,
+        )
+        if h.liveness_url
+        else None
+    )
     return LaunchSpec(
         name=name,
         group=group.name,
@@ -223,6 +241,7 @@ def launch_spec(
         account=account,
         limits=group.limits.items(),
         cpus=worker_cpus(group.cpu_affinity, gpus, cpus)[0],
+        liveness=liveness,
     )
 
 

@@ -1864,6 +1864,8 @@ class Runtime:
                 why = "not ready within start_timeout_s"
             elif runner.watchdog_triggered:
                 why = "the worker sent WATCHDOG=trigger"
+            elif runner.liveness_failed is not None:
+                why = runner.liveness_failed
             else:
                 why = "no WATCHDOG=1 within watchdog_s"
             detail = f"{why}; {outcome.detail}" if outcome.detail else why
@@ -1889,6 +1891,7 @@ class Runtime:
             restarted=restarted,
             last_probe=runner.last_probe,
             watchdog_triggered=runner.watchdog_triggered,
+            liveness_failed=runner.liveness_failed,
         )
         runner.after_step(functools.partial(self._write_postmortem, dead))
 
@@ -1918,6 +1921,7 @@ class Runtime:
             drain_signal=timing.drain_signal,
             last_probe=dead.last_probe,
             watchdog_triggered=dead.watchdog_triggered,
+            liveness_failed=dead.liveness_failed,
         )
         # The restart is counted under what the death was found to be (a CUDA OOM, not
         # "exit"), as the post-mortem and the worker object's last_exit say.
@@ -3142,3 +3146,4 @@ class _Death:
     restarted: bool  # the lifecycle restarts it (or backs off to): counted in restarts_total
     last_probe: str | None = None  # what its last readiness probe got (HTTP readiness)
     watchdog_triggered: bool = False  # it sent WATCHDOG=trigger
+    liveness_failed: str | None = None  # its liveness URL failed (health.liveness_url)

@@ -82,6 +82,9 @@ class WorkerRunner:
         self.status_text = ""
         self.stopping_notified = False
         self.watchdog_triggered = False  # the process sent WATCHDOG=trigger
+        #: why its liveness URL made it count as hung (``health.liveness_url``), or None
+        self.liveness_failed: str | None = None
+        self._liveness_pid: int | None = None  # the process a liveness task asks about
         self.started_wall: float | None = None
         self.spawn_attempts = 0
         #: the reload request whose roll-out last set this worker's definition (0: none)
@@ -166,6 +169,9 @@ class WorkerRunner:
         self._configured = (spec, timing)
         self.output.passthrough = passthrough
         self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
+        pid = self._current_pid()
+        if pid is not None:  # a liveness URL a reload adds applies to the running process
+            self._start_liveness(pid)
 
     def planned(self, spec: LaunchSpec, timing: lc.Timing) -> bool:
         """True when this worker is configured from exactly this plan (reload), or runs it
@@ -412,6 +418,7 @@ class WorkerRunner:
         self._tree = []
         self.stopping_notified = False
         self.watchdog_triggered = False
+        self.liveness_failed = None
         self.status_text = ""
         self.started_wall = self._clock.wall()
         self._create_time = None
@@ -422,6 +429,7 @@ class WorkerRunner:
         self._tg.start_soon(self.output.pump, child.output_fd)
         if self.spec.ready_url is not None:
             self._tg.start_soon(self._probe_health, child.pid, self.spec.ready_url)
+        self._start_liveness(child.pid)
         self.output.mark(f"started pid {child.pid}")
         self._log.info("worker.spawned", pid=child.pid, argv=list(self.spec.argv), reason="start")
         self._on_event(self, "worker.spawned", {"pid": child.pid})
@@ -582,6 +590,84 @@ class WorkerRunner:
                         return
                     self.last_probe = f"HTTP {response.status_code}"
                 await anyio.sleep(HEALTH_POLL_S)
+
+    def _start_liveness(self, pid: int) -> None:
+        """Ask the liveness URL about process ``pid`` while it is ready (one task a process)."""
+        if self.spec.liveness is not None and self._liveness_pid != pid and self._tg is not None:
+            self._liveness_pid = pid
+            self._tg.start_soon(self._probe_liveness, pid)
+
+    async def _probe_liveness(self, pid: int) -> None:
+        """``health.liveness_url``: asked every ``liveness_interval_s`` while the worker is
+        ready; ``liveness_failures`` answers in a row that are no 2xx (an error status, no
+        answer within ``liveness_timeout_s``, a refused connection) make it hung: restarted
+        as a missing heartbeat is (reason ``hang``). A server whose engine died behind a
+        live HTTP front (its /health says 500) is caught so, without sd_notify."""
+        import httpx  # only groups with a liveness URL pay for the import
+
+        failed, last = 0, ""
+        try:
+            async with httpx.AsyncClient(trust_env=False, follow_redirects=True) as client:
+                while self._current_pid() == pid:
+                    live = self.spec.liveness
+                    if live is None:
+                        return  # a reload turned it off
+                    began = anyio.current_time()
+                    if self.record.state is not WorkerState.READY:
+                        failed = 0  # (loading, draining: not asked, nor counted)
+                    else:
+                        answer = await _ask(client, live.url, live.timeout_s)
+                        if answer is None:  # a URL httpx cannot use: never a restart
+                            self._log.error("worker.liveness_probe_failed", pid=pid, url=live.url)
+                            return
+                        ok, what = answer
+                        if self._current_pid() != pid or self.record.state is not WorkerState.READY:
+                            failed = 0  # it left ready meanwhile: not its answer to judge
+                        elif ok:
+                            failed = 0
+                        else:
+                            failed, last = failed + 1, what
+                            self._log.info(
+                                "worker.liveness_probe",
+                                pid=pid,
+                                url=live.url,
+                                answer=what,
+                                failed=failed,
+                                of=live.failures,
+                            )
+                            if failed >= live.failures:
+                                self.liveness_failed = (
+                                    f"{failed} liveness probes in a row failed ({live.url}; "
+                                    f"last: {last})"
+                                )
+                                self._log.warning(
+                                    "worker.liveness_failed",
+                                    pid=pid,
+                                    url=live.url,
+                                    failures=failed,
+                                    last=last,
+                                )
+                                self.post(lc.Heartbeat(pid, trigger=True))
+                                return
+                    await anyio.sleep(max(0.0, live.interval_s - (anyio.current_time() - began)))
+        finally:
+            if self._liveness_pid == pid:
+                self._liveness_pid = None
+
+
+async def _ask(client: Any, url: str, timeout: float) -> tuple[bool, str] | None:
+    """One liveness probe: (a 2xx, what it got), or None when the URL cannot be asked at all."""
+    import httpx
+
+    try:
+        response = await client.get(url, timeout=timeout)
+    except httpx.TimeoutException:
+        return False, f"timed out after {timeout:g} s"
+    except httpx.HTTPError as exc:
+        return False, connection_reason(exc)[:200]
+    except Exception:  # a URL httpx cannot use: never the supervisor's end
+        return None
+    return response.is_success, f"HTTP {response.status_code}"
 
 
 def is_idle(runner: WorkerRunner) -> bool:

@@ -72,6 +72,7 @@ def classify(
     drain_signal: int | None = None,
     last_probe: str | None = None,
     watchdog_triggered: bool = False,
+    liveness_failed: str | None = None,
 ) -> Classified | None:
     """The post-mortem reason and evidence, or None when this exit gets no post-mortem.
 
@@ -128,6 +129,8 @@ def classify(
                 # the worker said it was hung itself (WATCHDOG=trigger), however recent its
                 # last heartbeat
                 "watchdog_trigger": watchdog_triggered,
+                # or its liveness URL failed (health.liveness_url): how
+                **({"liveness_failed": liveness_failed} if liveness_failed else {}),
             },
         )
     if reason is ExitReason.START_TIMEOUT:

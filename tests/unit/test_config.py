@@ -113,6 +113,19 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "ready": "tcp://x"}]},
             'workers[0].ready: expected "notify", "none" or an http:// (or https://) health URL',
         ),
+        (
+            {"workers": [{**W, "health": {"liveness_url": "127.0.0.1:{port}/health"}}]},
+            'workers[0].health.liveness_url: expected "" (off) or an http:// (or https://) '
+            "health URL",
+        ),
+        (
+            {"workers": [{**W, "health": {"liveness_url": "http://127.0.0.1:{prot}/health"}}]},
+            "workers[0].health.liveness_url: unknown placeholder {prot}",
+        ),
+        (
+            {"workers": [{**W, "health": {"liveness_failures": 0}}]},
+            "workers[0].health.liveness_failures: Input should be greater than or equal to 1",
+        ),
         ({"gpu": {"sim_dir": " "}}, "gpu.sim_dir: an empty path"),
         (  # regression: a traceback (OverflowError) from check-config and run
             {"workers": [{**W, "health": {"watchdog_s": 1e308}}]},

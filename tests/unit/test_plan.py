@@ -64,6 +64,19 @@ def test_recycling_the_only_worker_of_a_group_is_a_warning() -> None:
     assert plan(gpus="none", replicas=2, health=health).warnings == ()
 
 
+def test_the_liveness_url_is_the_workers_and_not_part_of_what_is_launched() -> None:
+    health = {"liveness_url": "http://127.0.0.1:{port}/live", "liveness_failures": 5}
+    w = plan(gpus="none", port_base=9100, replicas=2, health=health).groups[0].workers[1]
+    assert w.liveness is not None
+    assert (w.liveness.url, w.liveness.interval_s, w.liveness.failures) == (
+        "http://127.0.0.1:9101/live",
+        10.0,
+        5,
+    )
+    # a reload that changes only it launches nothing new: applied to the running process
+    assert w == plan(gpus="none", port_base=9100, replicas=2).groups[0].workers[1]
+
+
 def test_none_hides_all_gpus() -> None:
     assert plan(gpus="none").groups[0].workers[0].env["CUDA_VISIBLE_DEVICES"] == ""
 

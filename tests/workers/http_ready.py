@@ -1,5 +1,8 @@
 """Serve GET /health on PORT: 503 for argv[1] seconds, then 200 (``--redirect``: /health
-answers 307 to /health/, which answers that, as a framework does for a route with a slash)."""
+answers 307 to /health/, which answers that, as a framework does for a route with a slash;
+``--sick-when PATH``: 500 while PATH exists, as a server whose engine died behind a live HTTP
+front; ``--stall-when PATH``: no answer for 30 s while PATH exists; each answer is said on
+stdout, ``answered CODE``)."""
 
 import http.server
 import os
@@ -12,6 +15,13 @@ ready_at = time.monotonic() + (float(sys.argv[1]) if len(sys.argv) > 1 else 0.3)
 redirect = "--redirect" in sys.argv
 
 
+def _path_after(flag: str) -> str | None:
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+
+
+sick_when, stall_when = _path_after("--sick-when"), _path_after("--stall-when")
+
+
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if redirect and self.path == "/health":
@@ -19,10 +29,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "/health/")
             self.end_headers()
             return
+        if stall_when is not None and os.path.exists(stall_when):
+            time.sleep(30)
         code = 200 if time.monotonic() >= ready_at else 503
+        if sick_when is not None and os.path.exists(sick_when):
+            code = 500
         self.send_response(code)
         self.end_headers()
         self.wfile.write(b"ok" if code == 200 else b"loading")
+        say(f"answered {code}")
 
     def log_message(self, format: str, *args: object) -> None:
         pass
