@@ -788,9 +788,9 @@ def test_an_operator_cordon_outlives_the_heat_cordon(
 def test_a_recycle_never_halts_a_roll_out_of_its_group(
     supervisor: SupervisorFactory, tmp_path: Path, how: str
 ) -> None:
-    """``max_age_s`` 2 and ``stable_s`` 5: a roll-out goes on once the worker it replaced has
-    been ready for 5 s. The recycles wait for the roll-out (it replaces every worker anyway),
-    which completes; they go on after it. Regression: the replaced worker was due 2 s after its
+    """``max_age_s`` 0.5 and ``stable_s`` 1.5: a roll-out goes on once the worker it replaced
+    has been ready for 1.5 s. The recycles wait for the roll-out (it replaces every worker anyway),
+    which completes; they go on after it. Regression: the replaced worker was due 0.5 s after its
     new readiness and recycled while the roll-out held for it: "replaced worker did not stay
     ready for stable_s" halted the roll-out (a reload's: the rest kept the old config) every
     time a roll-out took longer than max_age_s."""
@@ -798,8 +798,8 @@ def test_a_recycle_never_halts_a_roll_out_of_its_group(
         "name": "m",
         "replicas": 2,
         "command": sim("100"),
-        "restart": {"delay_s": 0, "stable_s": 5},
-        "health": {"max_age_s": 2},
+        "restart": {"delay_s": 0, "stable_s": 1.5},
+        "health": {"max_age_s": 0.5},
     }
     sup = supervisor(config(tmp_path, group))
     sup.ready("m-0")

@@ -108,17 +108,19 @@ def test_a_reload_that_raises_max_starting_lets_the_next_ones_go(
 
 
 def test_a_roll_out_waits_for_a_worker_in_line_without_its_start_timeout_running(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
-    # fast's roll-out gives a worker about 10 s (drain, stop, a kill's wait, its 2 s start
-    # timeout) far less than slow's 14 s load: a reload rolling fast out while its workers
-    # wait behind slow must not halt on them (they are not spawned yet)
-    slow = worker_cmd("notify_ready_late", "14")
+    # fast's roll-out gives a worker about 6.7 s (drain, stop, a kill's wait, its 1 s start
+    # timeout), less than slow's 9 s load at its restart: a reload rolling fast out while its
+    # workers wait behind slow must not halt on them (they are not spawned yet)
+    loads = tmp_path / "loads"  # once it exists, slow loads for 9 s
+    py, script = worker_cmd("notify_ready_late")
+    slow = ["sh", "-c", f'if [ -e {loads} ]; then t=9; else t=0.1; fi; exec {py} {script} "$t"']
     fast = worker_cmd("notify_ready_late", "0.2")
     quick = {
-        "start_timeout_s": 2,
-        "stop_timeout_s": 1,
-        "drain_timeout_s": 1,
+        "start_timeout_s": 1,
+        "stop_timeout_s": 0.5,
+        "drain_timeout_s": 0.2,
         "restart": {"stable_s": 0.1, "backoff_initial_s": 0.5, "backoff_max_s": 1},
     }
     config: dict[str, Any] = {
@@ -131,6 +133,7 @@ def test_a_roll_out_waits_for_a_worker_in_line_without_its_start_timeout_running
     sup = supervisor(config)
     for name in ("slow-0", "fast-0", "fast-1"):
         sup.ready(name, timeout=30)
+    loads.touch()
     mark = sup.mark()
     with sup.api() as api:
         assert api.post("/api/v1/workers/slow-0/restart").status_code == 202
