@@ -282,7 +282,7 @@ def test_alert_rules_are_valid_and_documented() -> None:
         "gpu_supervisor_gpu_throttled",
         "gpu_supervisor_gpu_throttle_reason",
         "gpu_supervisor_gpu_temperature_celsius",
-        'increase(gpu_supervisor_worker_restarts_total{reason!~"restart|reload"}[15m])',
+        'increase(gpu_supervisor_worker_restarts_total{reason!~"restart|reload|max_age"}[15m])',
         "gpu_supervisor_worker_leak_slope_bytes_per_second",
         "gpu_supervisor_worker_projected_oom_seconds < 600",
         'gpu_supervisor_worker_state{state="fatal"} == 1',
