@@ -7,7 +7,9 @@ supervisor process's own user+system CPU over the window (workers excluded). Tar
 none <= 0.1 s per minute; sim at 2 Hz <= 0.3 s per minute; every worker reporting its in-use
 GPU memory (``in_use_reporter = "torch"``: workers holding a changing amount in
 ``tests/fake_torch``, so the reporter thread in each sends every 5 s) adds <= 0.1 s per minute
-to the sim figure.
+to the sim figure. With ``health.liveness_url`` on every worker (each answers its health URL;
+asked every 10 s, the default: 3.2 probes a second), what the probes add to the figure without
+GPU telemetry is reported (no target: the cost of the feature).
 
 Two readings of the same window: ``utime + stime`` of ``/proc/<pid>/stat`` (psutil; the kernel
 charges whole clock ticks to whichever task is running when a tick lands, so a process that
@@ -76,10 +78,13 @@ TORCH_WORKER = (
 )
 
 
-def config(base: Path, backend: str, reports: bool = False) -> Path:
-    path = base / f"{backend}{'-reports' if reports else ''}.toml"
+def config(base: Path, backend: str, reports: bool = False, liveness: bool = False) -> Path:
+    path = base / f"{backend}{'-reports' if reports else ''}{'-liveness' if liveness else ''}.toml"
     worker = [sys.executable, "-S", str(ROOT / "bench" / "worker.py"), str(base / "starts.txt")]
     extra = ""
+    if liveness:
+        worker.append("--http")
+        extra = 'port_base = 18500\nhealth = { liveness_url = "http://127.0.0.1:{port}/health" }\n'
     if reports:
         program = base / "torch_worker.py"
         program.write_text(TORCH_WORKER + "\n")
@@ -145,28 +150,31 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-idle-") as tmp:
         base = Path(tmp)
         rows = []
-        for backend, reports, target in (
-            ("none", False, 0.1),
-            ("sim", False, 0.3),
-            ("sim", True, 0.1),
-        ):
-            cfg = config(base, backend, reports)
+        modes: tuple[tuple[str, bool, bool, float | None], ...] = (
+            ("none", False, False, 0.1),
+            ("sim", False, False, 0.3),
+            ("sim", True, False, 0.1),
+            ("none", False, True, None),
+        )
+        for backend, reports, liveness, target in modes:
+            cfg = config(base, backend, reports, liveness)
             per_min, precise, rss = measure(cfg, args.seconds, args.python)
-            rows.append((backend, reports, per_min, precise, rss, target))
+            rows.append((backend, reports, liveness, per_min, precise, rss, target))
     print(f"32 idle workers, {args.seconds:g} s window, supervisor process only:")
     print("| backend | CPU s/min (ticks) | CPU s/min (cgroup, ns) | RSS MiB | target | verdict |")
     print("|---|---|---|---|---|---|")
-    base_judged = 0.0
-    for backend, reports, per_min, precise, rss, target in rows:
+    base_of: dict[str, float] = {}
+    for backend, reports, liveness, per_min, precise, rss, target in rows:
         judged = per_min if precise is None else precise
         label, goal = backend, f"<= {target}"
-        if reports:  # judged on what the reports add to the same backend without them
-            judged -= base_judged
-            label = f"{backend} + in-use reports (6.4/s), added"
-            goal = f"+ <= {target}"
+        if reports or liveness:  # judged on what they add to the same backend without them
+            judged -= base_of[backend]
+            what = "in-use reports (6.4/s)" if reports else "liveness probes (3.2/s)"
+            label = f"{backend} + {what}, added: {judged:+.3f}"
+            goal = "-" if target is None else f"+ <= {target}"
         else:
-            base_judged = judged
-        verdict = "PASS" if judged <= target else "FAIL"
+            base_of[backend] = judged
+        verdict = "-" if target is None else "PASS" if judged <= target else "FAIL"
         shown = "n/a" if precise is None else f"{precise:.3f}"
         print(f"| {label} | {per_min:.3f} | {shown} | {rss:.1f} | {goal} | {verdict} |")
     print("verdict on the cgroup reading where there is one (precise), else on the ticks")

@@ -7,6 +7,7 @@ On start it appends ``<pid> <time.time_ns()>`` to the file named by ``BENCH_STAR
 ``GPU_SUPERVISOR_SIM_DIR``, GPUs from ``CUDA_VISIBLE_DEVICES``), as a sim workload would.
 ``--ignore-term`` makes it ignore SIGTERM (installed *before* the start line is written, so
 a worker that has announced itself is guaranteed to need the supervisor's SIGKILL).
+``--http`` answers every GET on ``PORT`` with 200 (a health URL) instead of pausing.
 Stdlib only; meant to be run with ``python -S`` so that start-up cost is minimal and equal
 for every supervisor.
 """
@@ -52,8 +53,26 @@ def main(argv: list[str]) -> int:
         os.write(fd, line)  # one write() with O_APPEND: lines never interleave
     finally:
         os.close(fd)
+    if "--http" in argv:
+        serve_health(int(os.environ["PORT"]))
     while True:
         signal.pause()
+
+
+def serve_health(port: int) -> None:
+    import http.server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 
 if __name__ == "__main__":

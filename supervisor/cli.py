@@ -129,6 +129,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "port": w.port,
                     "gpus": None if w.gpus is None else list(w.gpus),
                     "ready": w.ready_url or gp.group.ready,
+                    "liveness": None if w.liveness is None else w.liveness.url,
                     "command": list(w.argv),
                     "cwd": w.cwd,
                     "user": gp.group.user or None,

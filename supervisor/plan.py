@@ -475,6 +475,12 @@ def build_plan(
                 f'{"apply" if len(ignored) > 1 else "applies"} to gpus = "auto" only; '
                 f"with a list every worker gets all of {list(group.gpus)}"
             )
+        if group.health.liveness_url and group.ready_mode == "none":
+            warnings.append(
+                f'group {group.name}: liveness_url with ready = "none": asked from the start, '
+                "while it may still be loading (no answer then restarts it as hung); set ready "
+                "to its health URL"
+            )
         if group.health.max_age_s and group.replicas == 1:
             warnings.append(
                 f"group {group.name}: max_age_s recycles its only worker: the group serves "

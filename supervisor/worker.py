@@ -85,6 +85,7 @@ class WorkerRunner:
         #: why its liveness URL made it count as hung (``health.liveness_url``), or None
         self.liveness_failed: str | None = None
         self._liveness_pid: int | None = None  # the process a liveness task asks about
+        self._liveness_wake: anyio.Event | None = None  # set by a reload: settings changed
         self.started_wall: float | None = None
         self.spawn_attempts = 0
         #: the reload request whose roll-out last set this worker's definition (0: none)
@@ -169,6 +170,8 @@ class WorkerRunner:
         self._configured = (spec, timing)
         self.output.passthrough = passthrough
         self._log = structlog.get_logger().bind(worker=spec.name, group=spec.group)
+        if self._liveness_wake is not None:  # the waiting liveness task reads them again
+            self._liveness_wake.set()
         pid = self._current_pid()
         if pid is not None:  # a liveness URL a reload adds applies to the running process
             self._start_liveness(pid)
@@ -597,6 +600,12 @@ class WorkerRunner:
             self._liveness_pid = pid
             self._tg.start_soon(self._probe_liveness, pid)
 
+    async def _liveness_pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or less when a reload changes the liveness settings."""
+        wake = self._liveness_wake = anyio.Event()
+        with anyio.move_on_after(seconds):
+            await wake.wait()
+
     async def _probe_liveness(self, pid: int) -> None:
         """``health.liveness_url``: asked every ``liveness_interval_s`` while the worker is
         ready; ``liveness_failures`` answers in a row that are no 2xx (an error status, no
@@ -606,68 +615,109 @@ class WorkerRunner:
         import httpx  # only groups with a liveness URL pay for the import
 
         failed, last = 0, ""
+        asked_at: float | None = None  # when the last probe (or look at the state) began
         try:
             async with httpx.AsyncClient(trust_env=False, follow_redirects=True) as client:
                 while self._current_pid() == pid:
                     live = self.spec.liveness
                     if live is None:
                         return  # a reload turned it off
-                    began = anyio.current_time()
+                    now = anyio.current_time()
+                    if asked_at is not None and now < asked_at + live.interval_s:
+                        # due by the interval as it is now: a reload wakes the wait (and a
+                        # shorter interval applies at once, not after the old one ran out)
+                        await self._liveness_pause(asked_at + live.interval_s - now)
+                        continue
+                    asked_at = now
                     if self.record.state is not WorkerState.READY:
                         failed = 0  # (loading, draining: not asked, nor counted)
+                        continue
+                    ok, what = await _ask(client, live.url, live.timeout_s)
+                    if ok is None:  # a URL that cannot be asked at all: never a restart
+                        self._log.error(
+                            "worker.liveness_probe_failed", pid=pid, url=live.url, error=what
+                        )
+                        return
+                    # judged by the settings as they are now: a reload while it was in
+                    # flight may have turned the probe off, loosened it or moved the URL
+                    now_live = self.spec.liveness
+                    if now_live is None:
+                        return
+                    if (
+                        self._current_pid() != pid
+                        or self.record.state is not WorkerState.READY
+                        or now_live.url != live.url
+                    ):
+                        failed = 0  # not its answer to judge (it left ready, another URL)
+                    elif ok:
+                        failed = 0
                     else:
-                        answer = await _ask(client, live.url, live.timeout_s)
-                        if answer is None:  # a URL httpx cannot use: never a restart
-                            self._log.error("worker.liveness_probe_failed", pid=pid, url=live.url)
-                            return
-                        ok, what = answer
-                        if self._current_pid() != pid or self.record.state is not WorkerState.READY:
-                            failed = 0  # it left ready meanwhile: not its answer to judge
-                        elif ok:
-                            failed = 0
-                        else:
-                            failed, last = failed + 1, what
-                            self._log.info(
-                                "worker.liveness_probe",
+                        failed, last = failed + 1, what
+                        self._log.info(
+                            "worker.liveness_probe",
+                            pid=pid,
+                            url=live.url,
+                            answer=what,
+                            failed=failed,
+                            of=now_live.failures,
+                        )
+                        if failed >= now_live.failures:
+                            self.liveness_failed = (
+                                f"{failed} liveness probes in a row failed ({live.url}; "
+                                f"last: {last})"
+                            )
+                            self._log.warning(
+                                "worker.liveness_failed",
                                 pid=pid,
                                 url=live.url,
-                                answer=what,
-                                failed=failed,
-                                of=live.failures,
+                                failures=failed,
+                                last=last,
                             )
-                            if failed >= live.failures:
-                                self.liveness_failed = (
-                                    f"{failed} liveness probes in a row failed ({live.url}; "
-                                    f"last: {last})"
-                                )
-                                self._log.warning(
-                                    "worker.liveness_failed",
-                                    pid=pid,
-                                    url=live.url,
-                                    failures=failed,
-                                    last=last,
-                                )
-                                self.post(lc.Heartbeat(pid, trigger=True))
-                                return
-                    await anyio.sleep(max(0.0, live.interval_s - (anyio.current_time() - began)))
+                            self.post(lc.Heartbeat(pid, trigger=True))
+                            return
         finally:
             if self._liveness_pid == pid:
                 self._liveness_pid = None
 
 
-async def _ask(client: Any, url: str, timeout: float) -> tuple[bool, str] | None:
-    """One liveness probe: (a 2xx, what it got), or None when the URL cannot be asked at all."""
+async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]:
+    """One liveness probe: (a 2xx, what it got); (None, why) when the URL cannot be asked at
+    all (httpx cannot use it; an https URL whose certificate is refused: a restart mends
+    neither, and a healthy worker would be restarted for it again and again)."""
+    import ssl
+
     import httpx
 
+    timed_out = False, f"timed out after {timeout:g} s"
+    response = None
     try:
-        response = await client.get(url, timeout=timeout)
+        # the timeout bounds the whole probe (redirects, a body that trickles in), not only
+        # each connect and read as httpx's own does
+        with anyio.move_on_after(timeout):
+            response = await client.get(url, timeout=timeout)
     except httpx.TimeoutException:
-        return False, f"timed out after {timeout:g} s"
+        return timed_out
     except httpx.HTTPError as exc:
+        if _caused_by(exc, ssl.SSLCertVerificationError):
+            return None, connection_reason(exc)[:200]
         return False, connection_reason(exc)[:200]
-    except Exception:  # a URL httpx cannot use: never the supervisor's end
-        return None
+    except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
+        return None, repr(exc)[:200]
+    if response is None:
+        return timed_out
     return response.is_success, f"HTTP {response.status_code}"
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """``exc`` is, or was raised from, a ``kind``."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_idle(runner: WorkerRunner) -> bool:

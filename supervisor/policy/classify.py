@@ -120,6 +120,11 @@ def classify(
             )
         return Classified(reason.value, base)
     if reason is ExitReason.HANG:
+        if liveness_failed:  # its liveness URL failed (health.liveness_url): how (the
+            # heartbeat figures say nothing of it)
+            return Classified(
+                "hang", {**base, "watchdog_trigger": False, "liveness_failed": liveness_failed}
+            )
         return Classified(
             "hang",
             {
@@ -129,8 +134,6 @@ def classify(
                 # the worker said it was hung itself (WATCHDOG=trigger), however recent its
                 # last heartbeat
                 "watchdog_trigger": watchdog_triggered,
-                # or its liveness URL failed (health.liveness_url): how
-                **({"liveness_failed": liveness_failed} if liveness_failed else {}),
             },
         )
     if reason is ExitReason.START_TIMEOUT:

@@ -7,6 +7,8 @@ die behind a live HTTP front (its /health answers 500 while the process runs on)
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ def test_a_worker_whose_health_url_fails_is_restarted_as_hung(
     assert action["message"].startswith(doc["evidence"]["liveness_failed"])
     assert doc["evidence"]["liveness_failed"].endswith(f"last: {failed['last']})")
     assert doc["evidence"]["watchdog_trigger"] is False
+    assert "silent_for_s" not in doc["evidence"]  # (a heartbeat's figure: none here)
     sup.ready("web-0", after=mark)
     assert sup.stop() == 0
 
@@ -116,4 +119,95 @@ def test_a_reload_that_adds_a_liveness_url_applies_to_the_running_worker(
     sup.wait_event(event="worker.liveness_failed", worker="web-0", pid=first, after=mark)
     sick.unlink()
     sup.ready("web-0", after=mark)
+    assert sup.stop() == 0
+
+
+def test_a_reload_mid_probe_judges_the_answer_by_the_new_settings(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A reload that raises liveness_failures while a probe is in flight (a slow /health: the
+    operator loosens the check after a failure): the answer is judged by the new settings
+    (regression: by the ones it was sent under, and the worker was restarted as hung)."""
+    stall = tmp_path / "stall"
+    slow = fast(liveness_timeout_s=3, liveness_failures=2)
+    cfg = {"workers": [web(tmp_path, 18964, "--stall-when", str(stall), **slow)]}
+    sup = supervisor(cfg)
+    first = sup.ready("web-0")["pid"]
+    mark = sup.mark()
+    stall.touch()  # no answer: each probe takes liveness_timeout_s
+    sup.wait_event(event="worker.liveness_probe", worker="web-0", failed=1, after=mark)
+    # the next probe is in flight (3 s): loosen the check meanwhile
+    looser = fast(liveness_timeout_s=3, liveness_failures=10)
+    sup.write_config({"workers": [web(tmp_path, 18964, "--stall-when", str(stall), **looser)]})
+    reload_mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/reload").status_code == 202
+    sup.wait_event(event="supervisor.reload_done", after=reload_mark, halted=[])
+    second = sup.wait_event(event="worker.liveness_probe", worker="web-0", failed=2, after=mark)
+    stall.unlink()
+    assert second["of"] == 10
+    assert not sup.find(event="worker.liveness_failed")
+    assert sup.find(event="worker.state", worker="web-0", new="ready")[-1]["pid"] == first
+    assert sup.stop() == 0
+
+
+def test_a_reload_that_shortens_the_interval_applies_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """liveness_interval_s lowered by a reload: the next probe is due by the new interval, not
+    after the old one has run out (regression: a 10-minute interval lowered to 1 s was asked
+    again 10 minutes later)."""
+    sick = tmp_path / "sick"
+    cfg = {"workers": [web(tmp_path, 18965, "--sick-when", str(sick), **fast())]}
+    cfg["workers"][0]["health"]["liveness_interval_s"] = 600
+    sup = supervisor(cfg)
+    first = sup.ready("web-0")["pid"]
+    mark = sup.mark()
+    sup.write_config({"workers": [web(tmp_path, 18965, "--sick-when", str(sick), **fast())]})
+    with sup.api() as http:
+        assert http.post("/api/v1/reload").status_code == 202
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[])
+    sick.touch()
+    sup.wait_event(event="worker.liveness_failed", worker="web-0", pid=first, after=mark)
+    sick.unlink()
+    sup.ready("web-0", after=mark)
+    assert sup.stop() == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_an_https_url_whose_certificate_is_refused_restarts_nothing(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A worker serving HTTPS with a self-signed certificate (ready by sd_notify or at once;
+    an https ``ready`` URL would never pass, certificates being verified): its liveness URL
+    cannot be asked, which a restart does not mend. Said once (``liveness_probe_failed``),
+    not probed again (regression: every probe failed, CERTIFICATE_VERIFY_FAILED, and the
+    healthy worker was restarted as hung every few probes, forever)."""
+    files = ["-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")]
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            *files,
+            "-subj",
+            "/CN=localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    # ready at once: the probes while it binds are refused (not enough in a row to matter)
+    live = fast(liveness_url="https://127.0.0.1:{port}/health", liveness_failures=10)
+    group = web(tmp_path, 18966, "--tls", str(tmp_path), **live)
+    sup = supervisor({"workers": [{**group, "ready": "none"}]})
+    sup.ready("web-0")
+    failed = sup.wait_event(event="worker.liveness_probe_failed", worker="web-0")
+    assert "CERTIFICATE_VERIFY_FAILED" in failed["error"]
+    assert not sup.find(event="worker.liveness_failed")
+    assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
     assert sup.stop() == 0

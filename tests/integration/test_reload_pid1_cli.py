@@ -1141,6 +1141,7 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
     path.write_text(
         "[supervisor]\nstate_dir='/tmp/x'\n[[workers]]\nname='gpen'\nreplicas=2\n"
         "command=['app','--port','{port}']\ngpus=[0]\n"
+        "health={liveness_url='http://127.0.0.1:{port}/health'}\n"
     )
     result = cli("check-config", "-c", str(path))
     assert result.returncode == 0, result.stderr
@@ -1155,6 +1156,7 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
 
     plan = json.loads(result.stdout)
     assert [w["port"] for w in plan["workers"]] == [8001, 8002]
+    assert plan["workers"][1]["liveness"] == "http://127.0.0.1:8002/health"
 
 
 def test_a_group_runs_in_its_working_directory(

@@ -75,6 +75,11 @@ def test_the_liveness_url_is_the_workers_and_not_part_of_what_is_launched() -> N
     )
     # a reload that changes only it launches nothing new: applied to the running process
     assert w == plan(gpus="none", port_base=9100, replicas=2).groups[0].workers[1]
+    # asked from the start when it is ready at once: said
+    assert plan(gpus="none", ready="none", health=health).warnings == (
+        'group gpen: liveness_url with ready = "none": asked from the start, while it may '
+        "still be loading (no answer then restarts it as hung); set ready to its health URL",
+    )
 
 
 def test_none_hides_all_gpus() -> None:

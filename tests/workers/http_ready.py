@@ -1,11 +1,13 @@
 """Serve GET /health on PORT: 503 for argv[1] seconds, then 200 (``--redirect``: /health
 answers 307 to /health/, which answers that, as a framework does for a route with a slash;
 ``--sick-when PATH``: 500 while PATH exists, as a server whose engine died behind a live HTTP
-front; ``--stall-when PATH``: no answer for 30 s while PATH exists; each answer is said on
-stdout, ``answered CODE``)."""
+front; ``--stall-when PATH``: no answer for 30 s while PATH exists; ``--tls DIR``: HTTPS with
+DIR/cert.pem and DIR/key.pem (a self-signed certificate); each answer is said on stdout,
+``answered CODE``)."""
 
 import http.server
 import os
+import ssl
 import sys
 import time
 
@@ -44,5 +46,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 server = http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), Handler)
+if (tls := _path_after("--tls")) is not None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(os.path.join(tls, "cert.pem"), os.path.join(tls, "key.pem"))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
 say("listening")
 server.serve_forever()
