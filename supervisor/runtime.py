@@ -148,7 +148,7 @@ from supervisor.views import (
     postmortem_id,
     state_doc,
 )
-from supervisor.worker import WorkerRunner, is_idle
+from supervisor.worker import HttpProbes, WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
@@ -384,6 +384,8 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
         self.rolling: dict[str, str] = {}
+        #: one HTTP client for every worker's readiness and liveness probes
+        self.http_probes = HttpProbes()
         #: groups whose operator rolling restart a reload's roll-out waits for, which restarts
         #: every worker on a new definition anyway: the rolling restart stops there
         self._roll_waiting: set[str] = set()
@@ -1410,6 +1412,7 @@ class Runtime:
             on_exit=self._on_worker_exit,
             before_spawn=self._before_spawn,
             read_notify=self._read_notify,
+            probes=self.http_probes,
         )
         output.on_line = functools.partial(self.healer.on_line, runner)
         return runner
@@ -2377,6 +2380,8 @@ class Runtime:
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()
         self.recorder.report_unwritten()
+        with anyio.move_on_after(KILL_WAIT_S):
+            await self.http_probes.aclose()
         self._done.set()
 
     async def _remove_cgroups(self) -> None:

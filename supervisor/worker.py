@@ -43,6 +43,37 @@ LATE_S = 0.25
 STALL_GRACE_S = 0.5
 
 
+class HttpProbes:
+    """One HTTP client for the health probes of every worker of a runtime (readiness and
+    liveness URLs): made at the first probe (importing httpx and loading the CA store take
+    ~50 ms of CPU, a client ~7 ms more: once, not at every start of every worker), closed
+    with the runtime. Never through ``http_proxy`` (the workers are on this machine);
+    redirects are followed (a framework's /health -> /health/); each request has its own
+    timeout."""
+
+    def __init__(self) -> None:
+        self._client: Any = None
+
+    def client(self) -> Any:
+        """The ``httpx.AsyncClient`` (made now if there is none)."""
+        if self._client is None:
+            import httpx  # only supervisors with an HTTP health URL pay for the import
+
+            self._client = httpx.AsyncClient(
+                trust_env=False,
+                follow_redirects=True,
+                # one connection a worker at most at a time; kept between probes while the
+                # worker keeps it open (HTTP/1.1)
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     """What the pre-start hook found for spawn ``token``: a spec to start, or why no GPU can
@@ -71,8 +102,10 @@ class WorkerRunner:
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
         before_spawn: Callable[[WorkerRunner], Path | None] | None = None,
         read_notify: Callable[[], object] | None = None,
+        probes: HttpProbes | None = None,
     ) -> None:
         self.spec = spec
+        self._probes = probes or HttpProbes()
         self.timing = timing
         self._configured = (spec, timing)  # as planned (``spec`` may be re-placed at a start)
         self._started_as: tuple[LaunchSpec, lc.Timing] | None = None
@@ -569,30 +602,27 @@ class WorkerRunner:
         import httpx  # only groups with an HTTP health URL pay for the import
 
         self.last_probe = None
-        # never through http_proxy: the worker is on this machine; a redirect is followed (a
-        # framework's /health -> /health/), the first 2xx at the end of it is ready
-        async with httpx.AsyncClient(
-            timeout=HEALTH_TIMEOUT_S, trust_env=False, follow_redirects=True
-        ) as client:
-            # The process, not the record: a start after the pre-start hook queues its
-            # ``Spawned`` and this task may run before the record has the pid.
-            while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
-                try:
-                    response = await client.get(url)
-                except httpx.TimeoutException:
-                    self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
-                except httpx.HTTPError as exc:
-                    self.last_probe = connection_reason(exc)[:200]
-                except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
-                    self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
-                    self.last_probe = f"cannot be asked: {exc!r}"
+        client = self._probes.client()  # (HttpProbes: no proxy, redirects followed: the
+        # first 2xx at the end of them is ready)
+        # The process, not the record: a start after the pre-start hook queues its
+        # ``Spawned`` and this task may run before the record has the pid.
+        while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
+            try:
+                response = await client.get(url, timeout=HEALTH_TIMEOUT_S)
+            except httpx.TimeoutException:
+                self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
+            except httpx.HTTPError as exc:
+                self.last_probe = connection_reason(exc)[:200]
+            except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
+                self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
+                self.last_probe = f"cannot be asked: {exc!r}"
+                return
+            else:
+                if response.is_success:
+                    self.post(lc.Ready(pid))
                     return
-                else:
-                    if response.is_success:
-                        self.post(lc.Ready(pid))
-                        return
-                    self.last_probe = f"HTTP {response.status_code}"
-                await anyio.sleep(HEALTH_POLL_S)
+                self.last_probe = f"HTTP {response.status_code}"
+            await anyio.sleep(HEALTH_POLL_S)
 
     def _start_liveness(self, pid: int) -> None:
         """Ask the liveness URL about process ``pid`` while it is ready (one task a process)."""
@@ -612,69 +642,66 @@ class WorkerRunner:
         answer within ``liveness_timeout_s``, a refused connection) make it hung: restarted
         as a missing heartbeat is (reason ``hang``). A server whose engine died behind a
         live HTTP front (its /health says 500) is caught so, without sd_notify."""
-        import httpx  # only groups with a liveness URL pay for the import
-
         failed, last = 0, ""
         asked_at: float | None = None  # when the last probe (or look at the state) began
         try:
-            async with httpx.AsyncClient(trust_env=False, follow_redirects=True) as client:
-                while self._current_pid() == pid:
-                    live = self.spec.liveness
-                    if live is None:
-                        return  # a reload turned it off
-                    now = anyio.current_time()
-                    if asked_at is not None and now < asked_at + live.interval_s:
-                        # due by the interval as it is now: a reload wakes the wait (and a
-                        # shorter interval applies at once, not after the old one ran out)
-                        await self._liveness_pause(asked_at + live.interval_s - now)
-                        continue
-                    asked_at = now
-                    if self.record.state is not WorkerState.READY:
-                        failed = 0  # (loading, draining: not asked, nor counted)
-                        continue
-                    ok, what = await _ask(client, live.url, live.timeout_s)
-                    if ok is None:  # a URL that cannot be asked at all: never a restart
-                        self._log.error(
-                            "worker.liveness_probe_failed", pid=pid, url=live.url, error=what
+            client = self._probes.client()
+            while self._current_pid() == pid:
+                live = self.spec.liveness
+                if live is None:
+                    return  # a reload turned it off
+                now = anyio.current_time()
+                if asked_at is not None and now < asked_at + live.interval_s:
+                    # due by the interval as it is now: a reload wakes the wait (and a
+                    # shorter interval applies at once, not after the old one ran out)
+                    await self._liveness_pause(asked_at + live.interval_s - now)
+                    continue
+                asked_at = now
+                if self.record.state is not WorkerState.READY:
+                    failed = 0  # (loading, draining: not asked, nor counted)
+                    continue
+                ok, what = await _ask(client, live.url, live.timeout_s)
+                if ok is None:  # a URL that cannot be asked at all: never a restart
+                    self._log.error(
+                        "worker.liveness_probe_failed", pid=pid, url=live.url, error=what
+                    )
+                    return
+                # judged by the settings as they are now: a reload while it was in
+                # flight may have turned the probe off, loosened it or moved the URL
+                now_live = self.spec.liveness
+                if now_live is None:
+                    return
+                if (
+                    self._current_pid() != pid
+                    or self.record.state is not WorkerState.READY
+                    or now_live.url != live.url
+                ):
+                    failed = 0  # not its answer to judge (it left ready, another URL)
+                elif ok:
+                    failed = 0
+                else:
+                    failed, last = failed + 1, what
+                    self._log.info(
+                        "worker.liveness_probe",
+                        pid=pid,
+                        url=live.url,
+                        answer=what,
+                        failed=failed,
+                        of=now_live.failures,
+                    )
+                    if failed >= now_live.failures:
+                        self.liveness_failed = (
+                            f"{failed} liveness probes in a row failed ({live.url}; last: {last})"
                         )
-                        return
-                    # judged by the settings as they are now: a reload while it was in
-                    # flight may have turned the probe off, loosened it or moved the URL
-                    now_live = self.spec.liveness
-                    if now_live is None:
-                        return
-                    if (
-                        self._current_pid() != pid
-                        or self.record.state is not WorkerState.READY
-                        or now_live.url != live.url
-                    ):
-                        failed = 0  # not its answer to judge (it left ready, another URL)
-                    elif ok:
-                        failed = 0
-                    else:
-                        failed, last = failed + 1, what
-                        self._log.info(
-                            "worker.liveness_probe",
+                        self._log.warning(
+                            "worker.liveness_failed",
                             pid=pid,
                             url=live.url,
-                            answer=what,
-                            failed=failed,
-                            of=now_live.failures,
+                            failures=failed,
+                            last=last,
                         )
-                        if failed >= now_live.failures:
-                            self.liveness_failed = (
-                                f"{failed} liveness probes in a row failed ({live.url}; "
-                                f"last: {last})"
-                            )
-                            self._log.warning(
-                                "worker.liveness_failed",
-                                pid=pid,
-                                url=live.url,
-                                failures=failed,
-                                last=last,
-                            )
-                            self.post(lc.Heartbeat(pid, trigger=True))
-                            return
+                        self.post(lc.Heartbeat(pid, trigger=True))
+                        return
         finally:
             if self._liveness_pid == pid:
                 self._liveness_pid = None
