@@ -486,6 +486,12 @@ def build_plan(
                 f"group {group.name}: max_age_s recycles its only worker: the group serves "
                 "nothing while it restarts (with two replicas, one serves meanwhile)"
             )
+        elif group.health.max_age_s and 1 < group.replicas <= group.health.max_unavailable:
+            warnings.append(
+                f"group {group.name}: max_age_s may recycle all {group.replicas} of its "
+                f"workers at once (max_unavailable {group.health.max_unavailable}): the group "
+                "serves nothing while they restart (keep max_unavailable below replicas)"
+            )
     cpus = None if allowed_cpus is None else cpus_of(devices or (), allowed_cpus)
     groups: list[GroupPlan] = []
     for group in settings.workers:

@@ -48,8 +48,9 @@ class HttpProbes:
     liveness URLs): made at the first probe (importing httpx and loading the CA store take
     ~50 ms of CPU, a client ~7 ms more: once, not at every start of every worker), closed
     with the runtime. Never through ``http_proxy`` (the workers are on this machine);
-    redirects are followed (a framework's /health -> /health/); each request has its own
-    timeout."""
+    redirects are followed (a framework's /health -> /health/); no cookie is kept (a cookie
+    ignores ports: one worker's would go to every other, and to later processes); each
+    request has its own timeout."""
 
     def __init__(self) -> None:
         self._client: Any = None
@@ -57,11 +58,17 @@ class HttpProbes:
     def client(self) -> Any:
         """The ``httpx.AsyncClient`` (made now if there is none)."""
         if self._client is None:
+            import http.cookiejar
+
             import httpx  # only supervisors with an HTTP health URL pay for the import
 
             self._client = httpx.AsyncClient(
                 trust_env=False,
                 follow_redirects=True,
+                # keeps no cookie: one worker's (or process's) would go to every other
+                cookies=http.cookiejar.CookieJar(
+                    http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
+                ),
                 # one connection a worker at most at a time; kept between probes while the
                 # worker keeps it open (HTTP/1.1)
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),

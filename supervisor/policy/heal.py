@@ -315,13 +315,14 @@ def decide(
     """
     down: dict[str, int] = {}
     # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
-    # GPU) as down: it never takes a group's serving below replicas - max_unavailable
-    derated: dict[str, int] = {}
-    for view in workers.values():
+    # GPU, or by a derate of this round) as down: it never takes a group's serving below
+    # replicas - max_unavailable
+    derated: set[str] = set()
+    for name, view in workers.items():
         if view.state is not WorkerState.READY:
             down[view.group] = down.get(view.group, 0) + 1
         elif view.derated:
-            derated[view.group] = derated.get(view.group, 0) + 1
+            derated.add(name)
     taken: set[str] = set()  # workers acted on (disruptively) in this round
     acts: list[Act] = []
     deferred: list[Finding] = []
@@ -340,6 +341,8 @@ def decide(
                 continue
             if not act.disruptive:
                 acts.append(act)
+                if act.action == "derate" and workers[act.worker or ""].state is WorkerState.READY:
+                    derated.add(act.worker or "")
                 continue
             view = workers[act.worker or ""]
             if view.state in (WorkerState.STOPPED, WorkerState.FATAL):
@@ -370,18 +373,21 @@ def decide(
                     or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
                     or _imminent(f)
                 )
-                out = down.get(view.group, 0)
-                if f.kind in ROUTINE:
-                    out += derated.get(view.group, 0) - (1 if view.derated else 0)
+                # (the worker itself is no more out of routing for its own recycle)
+                unrouted = sum(
+                    1 for n in derated if n != act.worker and workers[n].group == view.group
+                )
+                out = down.get(view.group, 0) + (unrouted if f.kind in ROUTINE else 0)
                 if not broken and out >= policy.max_unavailable:
                     held_back = True
                     why[f.key] = (
                         f"group {view.group} has {out} of its workers not ready"
-                        + (" or out of routing" if f.kind in ROUTINE and derated else "")
+                        + (" or out of routing" if f.kind in ROUTINE and unrouted else "")
                         + f" (max_unavailable {policy.max_unavailable})"
                     )
                     continue
                 down[view.group] = down.get(view.group, 0) + 1
+                derated.discard(act.worker or "")  # counted as down from now
             if act.action == "migrate":
                 migrating += 1
             taken.add(act.worker or "")

@@ -546,3 +546,42 @@ def test_host_oom_needs_sigkill_and_an_oom_kill(
 )
 def test_in_use_reports_are_finite_mib_or_ignored(raw: str, expected: float | None) -> None:
     assert parse_in_use(raw) == expected
+
+
+def test_a_derated_worker_recycled_counts_once_against_max_unavailable() -> None:
+    """max_unavailable 2, w-0 derated and due, w-1 due, w-2 serving: recycling w-0 takes
+    nothing more out of routing, so w-1 goes too (one serves meanwhile). Regression: w-0,
+    once taken, was counted both as derated and as down, and w-1 was held back."""
+    workers = views(w_0=R, w_1=R, w_2=R)
+    workers["w-0"] = WorkerView(group="w", state=R, gpus=(G0,), derated=True)
+    due = [Finding("max_age", "old", worker=w) for w in ("w-0", "w-1")]
+    d = decide(due, workers, {"w": GroupPolicy(max_unavailable=2)}, 0.0, {})
+    assert acts_of(d) == [("drain", "w-0", None, "max_age"), ("drain", "w-1", None, "max_age")]
+    assert d.deferred == ()
+
+
+def test_a_recycle_held_back_says_out_of_routing_only_for_its_own_group() -> None:
+    """Another group's derated worker is no reason given for this group's recycle."""
+    workers = views(w_0=WorkerState.BACKOFF, w_1=R, v_0=R)
+    workers["v-0"] = WorkerView(group="v", state=R, gpus=(G0,), derated=True)
+    recycle = Finding("max_age", "old", worker="w-1")
+    d = decide([recycle], workers, {"w": GroupPolicy(), "v": GroupPolicy()}, 0.0, {})
+    assert d.why_deferred[recycle.key] == (
+        "group w has 1 of its workers not ready (max_unavailable 1)"
+    )
+
+
+def test_a_recycle_counts_a_worker_derated_in_the_same_round() -> None:
+    """GPU-1 turns hot (w-1 derated: out of routing) in the round w-0 is due for its recycle:
+    w-0 waits, or the group of two serves with none. Regression: the derate, decided first,
+    was not counted, and w-0 went too."""
+    workers = views(w_0=R, w_1=R)
+    recycle = Finding("max_age", "old", worker="w-0")
+    d = decide([Finding("thermal", "hot", gpu=G1), recycle], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert [a for a in acts_of(d) if a[0] in ("derate", "drain")] == [
+        ("derate", "w-1", G1, "thermal")
+    ]
+    assert d.deferred == (recycle,)
+    own = Finding("max_age", "old", worker="w-1")  # derated now, it serves nothing: it goes
+    d = decide([Finding("thermal", "hot", gpu=G1), own], workers, {"w": GroupPolicy()}, 0.0, {})
+    assert ("drain", "w-1", None, "max_age") in acts_of(d)

@@ -62,3 +62,49 @@ def test_a_probe_gives_up_at_liveness_timeout_s_in_all(trickle: str) -> None:
     answer = anyio.run(probe)
     assert answer == (False, "timed out after 0.5 s")
     assert time.monotonic() - began < 2.0
+
+
+class _Cookies(http.server.BaseHTTPRequestHandler):
+    """Sets a cookie, and says in its body which cookies it was sent."""
+
+    def do_GET(self) -> None:
+        body = (self.headers.get("Cookie") or "").encode()
+        self.send_response(200)
+        self.send_header("Set-Cookie", f"session=from-{id(self.server)}; Path=/")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_the_shared_probe_client_sends_no_worker_the_cookies_of_another() -> None:
+    """One client asks every worker (HttpProbes): a cookie one worker's /health sets must not
+    go to another worker (nor to the next process on its port), as it did not when each
+    probe had a client of its own."""
+    from supervisor.worker import HttpProbes
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Cookies) for _ in range(2)]
+    for server in servers:
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    urls = [f"http://127.0.0.1:{s.server_address[1]}/health" for s in servers]
+
+    async def probe() -> list[str]:
+        probes = HttpProbes()
+        try:
+            with anyio.fail_after(5):  # the test's own bound
+                got = []
+                for url in [*urls, *urls]:
+                    got.append((await probes.client().get(url, timeout=2.0)).text)
+                return got
+        finally:
+            await probes.aclose()
+
+    try:
+        assert anyio.run(probe) == ["", "", "", ""]
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -64,6 +64,17 @@ def test_recycling_the_only_worker_of_a_group_is_a_warning() -> None:
     assert plan(gpus="none", replicas=2, health=health).warnings == ()
 
 
+def test_recycling_every_worker_of_a_group_at_once_is_a_warning() -> None:
+    """max_unavailable 2 lets a recycle take both of two replicas at once (due together with
+    no max_age_jitter_s): the group serves nothing meanwhile, as a group of one does."""
+    health = {"max_age_s": 86400, "max_unavailable": 2}
+    assert plan(gpus="none", replicas=2, health=health).warnings == (
+        "group gpen: max_age_s may recycle all 2 of its workers at once (max_unavailable 2): "
+        "the group serves nothing while they restart (keep max_unavailable below replicas)",
+    )
+    assert plan(gpus="none", replicas=3, health=health).warnings == ()
+
+
 def test_the_liveness_url_is_the_workers_and_not_part_of_what_is_launched() -> None:
     health = {"liveness_url": "http://127.0.0.1:{port}/live", "liveness_failures": 5}
     w = plan(gpus="none", port_base=9100, replicas=2, health=health).groups[0].workers[1]
