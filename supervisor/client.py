@@ -681,8 +681,10 @@ def _num(value: Any, unit: str = "", digits: int = 0) -> str:
 
 
 def _duration(seconds: float) -> str:
-    """``3h05m``, ``12m30s``, ``45s``."""
+    """``3h05m``, ``12m30s``, ``45s``, ``<1s``."""
     whole = round(seconds)
+    if whole == 0 and seconds > 0:
+        return "<1s"
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
     if hours:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.client import format_status, resolve, url_for
+from supervisor.client import _duration, format_status, resolve, url_for
 from supervisor.config import ApiSection
 from supervisor.errors import ConfigError, UsageError
 from supervisor.healing import HealState
@@ -230,6 +230,14 @@ def test_token_file_checks(tmp_path: Path, mode: int, text: str, error: str | No
     missing = ApiSection(listen="127.0.0.1:0", token_file=tmp_path / "nope")
     with pytest.raises(ConfigError, match="file not found"):
         load_token(missing)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(11130.4, "3h05m"), (750, "12m30s"), (45.2, "45s"), (0.3, "<1s"), (0, "0s")],
+)
+def test_durations_in_the_status_footer(seconds: float, text: str) -> None:
+    assert _duration(seconds) == text
 
 
 def test_status_table() -> None:
