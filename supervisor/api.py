@@ -158,6 +158,16 @@ class Leak(_Open):
     source: Literal["nvml", "worker"]
 
 
+class LivenessState(_Open):
+    """``health.liveness_url``: the URL asked, the failed probes in a row (of how many make
+    the worker hung) and the last failed answer."""
+
+    url: str
+    failed: int
+    of: int
+    last: str | None
+
+
 class LastExit(_Open):
     code: int | None
     signal: str | int | None
@@ -186,6 +196,8 @@ class Worker(_Open):
     #: seconds until its ``max_age_s`` recycle (0: due, waiting its turn; null: off, not
     #: ready, or under way)
     recycle_in_s: float | None = None
+    #: ``health.liveness_url`` (null: none)
+    liveness: LivenessState | None = None
     last_exit: LastExit | None
 
 

@@ -782,6 +782,14 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
     ]
     if recycles:
         lines += ["", "next recycle (max_age_s): " + "; ".join(recycles)]
+    failing = [
+        f"  {w['name']}: {live['failed']} of {live['of']} probes of {live['url']} failed in a "
+        f"row (last: {live['last']})"
+        for w in workers
+        if isinstance(live := w.get("liveness"), dict) and live.get("failed")
+    ]
+    if failing:
+        lines += ["", "failing liveness probes:", *failing]
     modes = {str(m) for w in workers if (m := w.get("host_memory_enforcement")) is not None}
     if modes:
         text = {

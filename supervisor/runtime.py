@@ -1649,6 +1649,13 @@ class Runtime:
         group = self.settings.group(runner.spec.group)
         limited = group is not None and group.health.host_memory_limit_mb > 0
         obj["host_memory_enforcement"] = self.cgroups.support.mode if limited else None
+        live = runner.spec.liveness
+        failed, last = runner.liveness_failing
+        obj["liveness"] = (
+            None
+            if live is None
+            else {"url": live.url, "failed": failed, "of": live.failures, "last": last or None}
+        )
         if runner.name in self._start_queue:  # not to be told from a start under way else
             ahead = self._start_queue.index(runner.name)
             obj["reason"] = (

@@ -126,6 +126,9 @@ class WorkerRunner:
         self.liveness_failed: str | None = None
         self._liveness_pid: int | None = None  # the process a liveness task asks about
         self._liveness_wake: anyio.Event | None = None  # set by a reload: settings changed
+        #: failed liveness probes in a row of the current process and the last answer (the
+        #: worker object's ``liveness``)
+        self.liveness_failing: tuple[int, str] = (0, "")
         self.started_wall: float | None = None
         self.spawn_attempts = 0
         #: the reload request whose roll-out last set this worker's definition (0: none)
@@ -462,6 +465,7 @@ class WorkerRunner:
         self.stopping_notified = False
         self.watchdog_triggered = False
         self.liveness_failed = None
+        self.liveness_failing = (0, "")
         self.status_text = ""
         self.started_wall = self._clock.wall()
         self._create_time = None
@@ -688,6 +692,12 @@ class WorkerRunner:
                     failed = 0
                 else:
                     failed, last = failed + 1, what
+                if self._current_pid() == pid and (
+                    (failed, last if failed else "") != self.liveness_failing
+                ):
+                    self.liveness_failing = (failed, last if failed else "")
+                    self._on_change(self)  # (the worker object says it)
+                if failed:
                     self._log.info(
                         "worker.liveness_probe",
                         pid=pid,

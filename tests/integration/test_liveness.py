@@ -89,14 +89,25 @@ def test_a_healthy_worker_is_only_asked(supervisor: SupervisorFactory, tmp_path:
         {"workers": [web(tmp_path, 18962, "--sick-when", str(flaky), **fast(liveness_failures=2))]}
     )
     sup.ready("web-0")
-    for _ in range(2):  # a failure, then one that passes: the next failure counts from 1
-        mark = sup.mark()
-        flaky.touch()
-        sup.wait_event(event="worker.liveness_probe", worker="web-0", failed=1, after=mark)
-        flaky.unlink()
-        seen = len(sup.stdout)
-        passed = sup.wait_line("[web-0] ", endswith="answered 200", after=seen)
-        sup.wait_line("[web-0] ", endswith="answered 200", after=sup.stdout.index(passed, seen) + 1)
+    url = "http://127.0.0.1:18962/health"
+    with sup.api() as http:
+        for _ in range(2):  # a failure, then one that passes: the next failure counts from 1
+            mark = sup.mark()
+            flaky.touch()
+            sup.wait_event(event="worker.liveness_probe", worker="web-0", failed=1, after=mark)
+            flaky.unlink()
+            # the worker object says so until a probe passes
+            live = http.get("/api/v1/workers/web-0").json()["liveness"]
+            assert live in (
+                {"url": url, "failed": 1, "of": 2, "last": "HTTP 500"},
+                {"url": url, "failed": 0, "of": 2, "last": None},
+            )
+            seen = len(sup.stdout)
+            passed = sup.wait_line("[web-0] ", endswith="answered 200", after=seen)
+            again = sup.stdout.index(passed, seen) + 1
+            sup.wait_line("[web-0] ", endswith="answered 200", after=again)
+            live = http.get("/api/v1/workers/web-0").json()["liveness"]
+            assert live == {"url": url, "failed": 0, "of": 2, "last": None}
     assert not sup.find(event="worker.liveness_failed")
     assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
     assert sup.stop() == 0

@@ -280,6 +280,7 @@ def test_status_table() -> None:
             "derated": True,
             "derated_reason": "GPU 0 is hot: temperature 86C",
             "recycle_in_s": 0.0,
+            "liveness": {"url": "http://h:1/health", "failed": 2, "of": 3, "last": "HTTP 500"},
         },
         {
             "name": "c-0",
@@ -333,7 +334,13 @@ def test_status_table() -> None:
         "",
         "next recycle (max_age_s): a-0 in 3h05m; d-0 due (waiting its turn)",
     ]
-    assert lines[15] == (
+    # a ready worker whose liveness probes fail (not yet restarted)
+    assert lines[14:17] == [
+        "",
+        "failing liveness probes:",
+        "  d-0: 2 of 3 probes of http://h:1/health failed in a row (last: HTTP 500)",
+    ]
+    assert lines[18] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
     hot = {"id": 1, "uuid": UUID1, "name": "Sim", "healthy": True, "hot": True}
