@@ -241,10 +241,7 @@ class Healer:
         group = self._group(runner)
         if group is None or runner.state is not WorkerState.READY:
             return None
-        health = group.health
-        due = max_age_due(
-            runner.record.ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw
-        )
+        due = _recycle_due(runner, w, group.health)
         return None if due is None else round(max(0.0, due - self.host.clock.now()), 1)
 
     def exit_evidence(self, name: str) -> dict[str, Any] | None:
@@ -602,7 +599,7 @@ class Healer:
         """``max_age_s``: a worker ready that long is recycled (once per process; one
         deferred by ``max_unavailable`` waits its turn, judged again at each sample: a reload
         that turns ``max_age_s`` off or raises it past the worker's age cancels it)."""
-        due = max_age_due(ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw)
+        due = _recycle_due(runner, w, health)
         if due is None or ready_at is None or now < due:
             self._pending.pop(("max_age", runner.name), None)
             return
@@ -1008,6 +1005,13 @@ class Healer:
 
     def _uuid_of(self, index: int) -> str | None:
         return next((s.uuid for s in self.host.slots() if s.index == index), None)
+
+
+def _recycle_due(runner: WorkerRunner, w: _Watch, health: HealthSection) -> float | None:
+    """When ``runner``'s process (watched as ``w``) is due for its ``max_age_s`` recycle."""
+    return max_age_due(
+        runner.record.ready_at, health.max_age_s, health.max_age_jitter_s, w.max_age_draw
+    )
 
 
 def _budget(

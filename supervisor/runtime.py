@@ -25,6 +25,7 @@ from collections.abc import (
     Collection,
     Coroutine,
     Iterable,
+    Iterator,
     Mapping,
     MutableMapping,
     Sequence,
@@ -2215,11 +2216,12 @@ class Runtime:
         taken: it rolls out from where this one stops."""
         return self._reload_again and self._vetted > self._covered
 
-    def _roll_superseded(self, group: str) -> bool:
-        """Stop ``group``'s roll-out for a newer reload (logged); False, as a halted one."""
+    def _roll_superseded(self, group: str, kind: str | None = None) -> bool:
+        """Stop ``group``'s roll-out (``kind``: "reload", "rolling restart"; by default the
+        one that runs) for a newer reload (logged); False, as a halted one."""
         reason = "a later reload rolls the group out from here"
         halted = "superseded by a later reload"
-        if self.rolling.get(group) == "rolling restart":
+        if (kind or self.rolling.get(group)) == "rolling restart":
             if self.settings.group(group) is None:
                 reason = halted = "superseded by a reload that removes the group"
             else:
@@ -2742,15 +2744,23 @@ class Runtime:
         runners = self._targets(name)
         # an operator's rolling restart of it stops before its next worker (and does not wait
         # out the start timeout of one this removes)
-        self._roll_waiting.add(name)
-        self._changed_now()
-        try:
+        with self._superseding(name):
             async with anyio.create_task_group() as tg:
                 for runner in runners:
                     tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
-        finally:
-            self._roll_waiting.discard(name)
         self.groups.pop(name, None)
+
+    @contextlib.contextmanager
+    def _superseding(self, group: str, supersede: bool = True) -> Iterator[None]:
+        """While this runs, an operator's rolling restart of ``group`` is superseded (it stops
+        before its next worker: :meth:`_superseded`); ``supersede`` False: it is not."""
+        if supersede:
+            self._roll_waiting.add(group)
+            self._changed_now()
+        try:
+            yield
+        finally:
+            self._roll_waiting.discard(group)
 
     async def _roll_group(
         self,
@@ -2786,30 +2796,16 @@ class Runtime:
                 for spec in specs
                 if (r := self.runners.get(spec.name)) is not None
             )
-            if replaces:
-                self._roll_waiting.add(group.name)
-                self._changed_now()
-            try:
+            with self._superseding(group.name, replaces):
                 # a later reload asked for meanwhile takes the group over: waited for here,
                 # it could not cut the rolling restart short if it restarts the group
                 await self.wait_until(
                     lambda: group.name not in self.rolling or self._reload_superseded(),
                     math.inf,
                 )
-            finally:
-                self._roll_waiting.discard(group.name)
             if group.name in self.rolling and not self._shutting_down:
                 # not begun: the later reload compares its file with what runs
-                self.log.info(
-                    "supervisor.rollout_superseded",
-                    group=group.name,
-                    reason="a later reload rolls the group out from here",
-                )
-                self._halted_at[group.name] = {
-                    "reason": "superseded by a later reload",
-                    "superseded": True,
-                }
-                return False
+                return self._roll_superseded(group.name, "reload")
         if self._shutting_down:
             return False
         self.rolling[group.name] = "reload"
