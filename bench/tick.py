@@ -6,8 +6,9 @@ Builds the fake library (tests/fakenvml), writes a sim world with 8 devices and 
 (64 sleeping children of this script, 8 per GPU), then in a child process (ld.so reads
 LD_LIBRARY_PATH only at exec) times, interleaved in one run:
 
-- bare: the pynvml calls one tick needs, called directly (12 per device: 10 before the
-  graphics process list was read, 11 before the MPS clients' list was);
+- bare: the pynvml calls one tick needs, called directly (15 per device: 10 before the
+  graphics process list was read, 11 before the MPS clients' list was, 12 before the ECC
+  counts and the row remapper were);
 - backend: ``NvmlBackend.sample()`` (the same calls plus our error mapping and dataclasses);
 - tick: the sampler's whole blocking tick (backend + /proc trees of 64 workers + attribution).
 
@@ -55,10 +56,15 @@ def bare():
             pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h)
         if MPS:
             pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(h)
+        if ECC:
+            pynvml.nvmlDeviceGetTotalEccErrors(h, 0, 0)
+            pynvml.nvmlDeviceGetTotalEccErrors(h, 1, 0)
+            pynvml.nvmlDeviceGetRemappedRows(h)
 import inspect
 _nvml = sys.modules["supervisor.backends.nvml"]
 GRAPHICS = hasattr(_nvml, "_processes")
 MPS = GRAPHICS and "mps" in inspect.signature(_nvml._processes).parameters
+ECC = hasattr(_nvml, "_ecc_counts")
 refs = {f"w-{i}": WorkerRef(pid, (ids[i % len(ids)].uuid,)) for i, pid in enumerate(pids)}
 sampler = Sampler(lambda: backend, 0.5, lambda: refs, lambda s: None, lambda e: None)
 sampler.backend = backend; sampler.available = True; sampler.identities = ids

@@ -256,6 +256,16 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def _gpu_health(d: DeviceSample) -> str:
+    """The ``gpus`` table's HEALTH cell: what the row remapper says counts too."""
+    if not d.healthy:
+        return f"UNHEALTHY ({d.error})"
+    rows = d.remapped_rows
+    if rows is not None and rows.failure:
+        return "UNHEALTHY (row remap failed)"
+    return "ok, reset pending (row remap)" if rows is not None and rows.pending else "ok"
+
+
 def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) -> str:
     """The ``gpus`` table."""
     if not devices:
@@ -293,7 +303,7 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
                 _fmt(d.power_watts, "W"),
                 "n/a" if throttle is None else (",".join(throttle) or "-"),
                 "n/a" if d.cpus is None else format_cpulist(d.cpus),
-                "ok" if d.healthy else f"UNHEALTHY ({d.error})",
+                _gpu_health(d),
                 procs,
             )
         )

@@ -702,7 +702,10 @@ def _health(d: Mapping[str, Any]) -> str:
     ok."""
     if not d.get("healthy"):
         return f"UNHEALTHY ({d.get('error') or 'lost'})"
-    return "HOT" if d.get("hot") else "ok"
+    health = "HOT" if d.get("hot") else "ok"
+    if (d.get("remapped_rows") or {}).get("pending"):
+        health += ", reset pending (row remap)"
+    return health
 
 
 def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> str:

@@ -28,7 +28,14 @@ import structlog
 from supervisor import procfs
 from supervisor.alerts import Alerter, alert_doc
 from supervisor.errors import PlacementError
-from supervisor.model import DeviceSample, ExitReason, Sample, WorkerState, XidEvent
+from supervisor.model import (
+    DeviceSample,
+    ExitReason,
+    RemappedRows,
+    Sample,
+    WorkerState,
+    XidEvent,
+)
 from supervisor.plan import GpuSlot, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.detect import (
@@ -195,6 +202,8 @@ class Healer:
         self.need_mb: dict[str, float] = {}
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
+        #: (finding kind, GPU) of the row remapper's flags that are on (acted on once)
+        self._remap_flags: set[tuple[str, str]] = set()
         self._migrate_again_at: dict[str, float] = {}  # GPU -> when to look at it again
         self._host_available_mb = host_available_mb or _host_available_mb
         self._host_free_at: float | None = None
@@ -641,6 +650,8 @@ class Healer:
                     )
                 continue
             self._lost.discard(d.uuid)
+            if d.remapped_rows is not None:
+                self._judge_rows(d, d.remapped_rows)
             track = self.state.thermal.get(d.uuid, ThermalTrack())
             track, change = thermal_step(track, d, now, settings)
             self.state.thermal[d.uuid] = track
@@ -674,6 +685,51 @@ class Healer:
                         evidence=evidence,
                     )
                 )
+
+    def _judge_rows(self, d: DeviceSample, rows: RemappedRows) -> None:
+        """The row remapper's flags, each acted on when it turns on (or is on at the first
+        sample: an XID from before the supervisor started is never delivered, the flags
+        stay): a failed remap quarantines the GPU (as XID 64 would) and moves its workers; a
+        remap pending until the next reset is an alert (running work is unaffected, NVIDIA
+        says; the reset is the operator's to schedule). An operator's lift of the quarantine
+        holds while the flag stays on."""
+        evidence = {
+            "gpu_index": d.index,
+            "remapped_rows": {
+                "correctable": rows.correctable,
+                "uncorrectable": rows.uncorrectable,
+                "pending": rows.pending,
+                "failure": rows.failure,
+            },
+        }
+        flags = (
+            (
+                rows.failure,
+                Finding(
+                    "row_remap_failure",
+                    f"GPU {d.index}: a row remap failed (memory it cannot repair; reset it, "
+                    "and replace it if it comes again)",
+                    gpu=d.uuid,
+                    evidence=evidence,
+                ),
+            ),
+            (
+                rows.pending,
+                Finding(
+                    "row_remap_pending",
+                    f"GPU {d.index}: a row remap is pending (reset the GPU when it can be emptied)",
+                    gpu=d.uuid,
+                    evidence=evidence,
+                ),
+            ),
+        )
+        for on, finding in flags:
+            if not on:
+                self._remap_flags.discard(finding.key)
+                self._pending.pop(finding.key, None)
+            elif finding.key not in self._remap_flags:
+                self._remap_flags.add(finding.key)
+                self._add(finding)
 
     # --- policy and actions -------------------------------------------------------------
 

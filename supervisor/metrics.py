@@ -85,6 +85,26 @@ class RuntimeCollector(Collector):
         healthy = _gauge("gpu_healthy", "1 while the GPU answers NVML queries.", GPU_LABELS)
         cordoned = _gauge("gpu_cordoned", "1 while no worker may be placed on the GPU.", GPU_LABELS)
         xid = _counter("gpu_xid_errors", "XID errors reported for the GPU.", [*GPU_LABELS, "xid"])
+        ecc = _counter(
+            "gpu_ecc_errors",
+            "ECC errors since the driver loaded (NVML's volatile counters), by type.",
+            [*GPU_LABELS, "type"],
+        )
+        rows = _gauge(
+            "gpu_remapped_rows",
+            "Rows of GPU memory remapped by the row remapper, by the errors that caused it.",
+            [*GPU_LABELS, "type"],
+        )
+        remap_pending = _gauge(
+            "gpu_row_remap_pending",
+            "1 while a row remap waits for the GPU's next reset.",
+            GPU_LABELS,
+        )
+        remap_failure = _gauge(
+            "gpu_row_remap_failure",
+            "1 when a row remap failed (the GPU is quarantined; replace it if it comes again).",
+            GPU_LABELS,
+        )
         quarantined = rt.healer.state.quarantined
         labels_of: dict[str, list[str]] = {}
         for ident in rt.sampler.identities:
@@ -108,10 +128,20 @@ class RuntimeCollector(Collector):
                     reason.add_metric([*labels, name], float(name in active))
             healthy.add_metric(labels, float(d.healthy and d.uuid not in quarantined))
             cordoned.add_metric(labels, float(d.uuid in rt.cordoned))
+            if d.ecc_errors_corrected is not None:
+                ecc.add_metric([*labels, "corrected"], d.ecc_errors_corrected)
+            if d.ecc_errors_uncorrected is not None:
+                ecc.add_metric([*labels, "uncorrected"], d.ecc_errors_uncorrected)
+            if d.remapped_rows is not None:
+                rows.add_metric([*labels, "correctable"], d.remapped_rows.correctable)
+                rows.add_metric([*labels, "uncorrectable"], d.remapped_rows.uncorrectable)
+                remap_pending.add_metric(labels, float(d.remapped_rows.pending))
+                remap_failure.add_metric(labels, float(d.remapped_rows.failure))
         for (gpu, code), count in sorted(rt.xid_counts.items()):
             labels = labels_of.get(gpu, [gpu, gpu if gpu.startswith("GPU-") else "", ""])
             xid.add_metric([*labels, str(code)], count)
         yield from (util, used, total, temp, power, throttled, reason, healthy, cordoned, xid)
+        yield from (ecc, rows, remap_pending, remap_failure)
 
     def _workers(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime

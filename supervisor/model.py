@@ -93,6 +93,7 @@ class ExitReason(enum.StrEnum):
     THERMAL = "thermal"  # migrated off a hot GPU
     XID = "xid"
     GPU_LOST = "gpu_lost"
+    ROW_REMAP_FAILURE = "row_remap_failure"  # moved off a GPU whose row remapper failed
     LOG_PATTERN = "log_pattern"  # a sticky-error line in its output
     # a scheduled recycle (``health.max_age_s``): taken like a healing drain, but no death
     MAX_AGE = "max_age"
@@ -107,6 +108,7 @@ HEALING_REASONS = frozenset(
         ExitReason.THERMAL,
         ExitReason.XID,
         ExitReason.GPU_LOST,
+        ExitReason.ROW_REMAP_FAILURE,
         ExitReason.LOG_PATTERN,
     }
 )
@@ -308,6 +310,19 @@ class GpuProcess:
 
 
 @dataclass(frozen=True, slots=True)
+class RemappedRows:
+    """A GPU's row remapper (Ampere and later, ``nvmlDeviceGetRemappedRows``): rows of its
+    memory remapped for correctable and uncorrectable errors, a remap waiting for the GPU's
+    next reset (``pending``), and whether a remap failed (``failure``: the GPU has a bad row it
+    could not replace: NVIDIA's "reset, then replace the GPU if it comes again")."""
+
+    correctable: int
+    uncorrectable: int
+    pending: bool
+    failure: bool
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSample:
     """One device at one tick. Every field the device does not report is None, never 0."""
 
@@ -328,6 +343,10 @@ class DeviceSample:
     encoder_percent: float | None = None
     decoder_percent: float | None = None
     clocks_event_reasons: int | None = None
+    #: volatile ECC error counts (since the driver loaded), None without ECC (off, GeForce)
+    ecc_errors_corrected: int | None = None
+    ecc_errors_uncorrected: int | None = None
+    remapped_rows: RemappedRows | None = None  # None: no row remapper (pre-Ampere, MIG)
     processes: tuple[GpuProcess, ...] | None = None  # None: the process list is unavailable
     cpus: tuple[int, ...] | None = None  # the CPUs close to it (DeviceIdentity.cpus)
 

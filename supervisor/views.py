@@ -34,6 +34,7 @@ POSTMORTEM_REASONS = frozenset(
         "thermal",
         "xid",
         "gpu_lost",
+        "row_remap_failure",  # moved off a GPU whose row remapper failed (docs/healing.md)
         "log_pattern",  # a sticky-error line; not in DESIGN.md section 8 (docs/healing.md)
         "drain",
         "start_timeout",
@@ -53,6 +54,7 @@ def device_object(
     """The device object of DESIGN.md section 6; unsupported fields are null, never 0."""
     worker_of = worker_of or {}
     throttle = d.throttle_reasons
+    rows = d.remapped_rows
     return {
         "id": d.index,
         "uuid": d.uuid,
@@ -72,6 +74,19 @@ def device_object(
         "temperature_shutdown_celsius": d.temperature_shutdown_c,
         "throttle_reasons": None if throttle is None else list(throttle),
         "cpu_affinity": None if d.cpus is None else format_cpulist(d.cpus),
+        "ecc_errors": (
+            None
+            if d.ecc_errors_corrected is None and d.ecc_errors_uncorrected is None
+            else {"corrected": d.ecc_errors_corrected, "uncorrected": d.ecc_errors_uncorrected}
+        ),
+        "remapped_rows": None
+        if rows is None
+        else {
+            "correctable": rows.correctable,
+            "uncorrectable": rows.uncorrectable,
+            "pending": rows.pending,
+            "failure": rows.failure,
+        },
         "healthy": d.healthy and quarantined is None,
         "error": d.error if quarantined is None else d.error or f"quarantined: {quarantined}",
         "cordoned": cordoned,

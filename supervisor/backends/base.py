@@ -64,6 +64,8 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
     "encoder": ("nvmlDeviceGetEncoderUtilization",),
     "decoder": ("nvmlDeviceGetDecoderUtilization",),
     "clocks": ("nvmlDeviceGetCurrentClocksEventReasons",),
+    "ecc": ("nvmlDeviceGetTotalEccErrors",),
+    "remapped_rows": ("nvmlDeviceGetRemappedRows",),
     "cpu_affinity": ("nvmlDeviceGetCpuAffinity",),
     "processes": (
         "nvmlDeviceGetComputeRunningProcesses",

@@ -36,7 +36,7 @@ from supervisor.backends.base import (
     one_per_pid,
 )
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
-from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
+from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, RemappedRows, XidEvent
 
 T = TypeVar("T")
 MIB = 1024 * 1024
@@ -122,6 +122,22 @@ def _field_number(fv: Any) -> float | None:
     if not 0 <= kind < len(_VALUE_MEMBERS):
         return None
     return float(getattr(fv.value, _VALUE_MEMBERS[kind]))  # only the member it is
+
+
+def _ecc_counts(handle: Any) -> tuple[int, int]:
+    """Corrected and uncorrected ECC errors since the driver loaded (volatile counters)."""
+    return (
+        int(
+            pynvml.nvmlDeviceGetTotalEccErrors(
+                handle, pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC
+            )
+        ),
+        int(
+            pynvml.nvmlDeviceGetTotalEccErrors(
+                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+            )
+        ),
+    )
 
 
 class NvmlBackend:
@@ -418,6 +434,8 @@ class NvmlBackend:
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
         dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
         clocks = q(i, "clocks", lambda: self._clock_reasons(h))
+        ecc = q(i, "ecc", lambda: _ecc_counts(h))
+        rows = q(i, "remapped_rows", lambda: pynvml.nvmlDeviceGetRemappedRows(h))
         procs = v(
             i,
             "processes",
@@ -461,6 +479,13 @@ class NvmlBackend:
             encoder_percent=None if enc is None else float(enc[0]),
             decoder_percent=None if dec is None else float(dec[0]),
             clocks_event_reasons=None if clocks is None else int(clocks),
+            ecc_errors_corrected=None if ecc is None else ecc[0],
+            ecc_errors_uncorrected=None if ecc is None else ecc[1],
+            remapped_rows=(
+                None
+                if rows is None
+                else RemappedRows(int(rows[0]), int(rows[1]), bool(rows[2]), bool(rows[3]))
+            ),
             processes=processes,
             cpus=ident.cpus,
         )

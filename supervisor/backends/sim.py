@@ -30,7 +30,14 @@ from supervisor.backends.base import (
     one_per_pid,
 )
 from supervisor.errors import BackendUnavailable
-from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent, parse_cpulist
+from supervisor.model import (
+    DeviceIdentity,
+    DeviceSample,
+    GpuProcess,
+    RemappedRows,
+    XidEvent,
+    parse_cpulist,
+)
 
 #: Defaults for keys a device file leaves out (the fake NVML library uses the same).
 DEFAULTS: Mapping[str, str] = {
@@ -46,6 +53,12 @@ DEFAULTS: Mapping[str, str] = {
     "clocks_event_reasons": "0",
     "encoder_percent": "0",
     "decoder_percent": "0",
+    "ecc_corrected": "0",
+    "ecc_uncorrected": "0",
+    "remapped_rows_correctable": "0",
+    "remapped_rows_uncorrectable": "0",
+    "remapped_rows_pending": "0",
+    "remapped_rows_failure": "0",
     "lost": "0",
 }
 
@@ -142,6 +155,16 @@ class _Device:
             return parse_cpulist(text) or None
         except ValueError:
             return None
+
+    def remapped_rows(self) -> RemappedRows | None:
+        """``remapped_rows_*``: the row remapper, as ``nvmlDeviceGetRemappedRows`` reads it."""
+        if self.rc("remapped_rows") is not None:
+            return None
+        counts = [self.number(f"remapped_rows_{k}") for k in ("correctable", "uncorrectable")]
+        flags = [self.number(f"remapped_rows_{k}") for k in ("pending", "failure")]
+        return RemappedRows(
+            int(counts[0] or 0), int(counts[1] or 0), bool(flags[0]), bool(flags[1])
+        )
 
     def rc(self, field: str) -> int | None:
         for fn in FIELD_FUNCTIONS[field]:
@@ -351,6 +374,8 @@ class SimBackend:
             free = total - used
         thresholds_ok = dev.rc("thresholds") is None
         clocks = field("clocks", "clocks_event_reasons")
+        corrected = field("ecc", "ecc_corrected")
+        uncorrected = field("ecc", "ecc_uncorrected")
         return DeviceSample(
             index=dev.index,
             uuid=uuid,
@@ -367,6 +392,9 @@ class SimBackend:
             encoder_percent=field("encoder", "encoder_percent"),
             decoder_percent=field("decoder", "decoder_percent"),
             clocks_event_reasons=None if clocks is None else int(clocks),
+            ecc_errors_corrected=None if corrected is None else int(corrected),
+            ecc_errors_uncorrected=None if uncorrected is None else int(uncorrected),
+            remapped_rows=dev.remapped_rows(),
             processes=(
                 None
                 if dev.rc("processes") is not None

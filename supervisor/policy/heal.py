@@ -38,6 +38,8 @@ FindingKind = Literal[
     "xid_worker",  # GPU: a worker-fatal XID: restart the workers on it
     "xid_device",  # GPU: a device-fatal XID: quarantine it, move its workers
     "gpu_lost",  # GPU: stopped answering: same as device-fatal
+    "row_remap_failure",  # GPU: its row remapper failed (a bad row it cannot replace): same
+    "row_remap_pending",  # GPU: a row remap waits for its next reset: alert only
     "thermal",  # GPU: hot or power-braked for long enough
     "thermal_cleared",  # GPU: cool again
 ]
@@ -60,7 +62,15 @@ DISRUPTIVE: frozenset[str] = frozenset({"drain", "restart", "migrate"})
 
 #: Findings about a GPU (the others are about one worker).
 GPU_FINDINGS: frozenset[str] = frozenset(
-    {"xid_worker", "xid_device", "gpu_lost", "thermal", "thermal_cleared"}
+    {
+        "xid_worker",
+        "xid_device",
+        "gpu_lost",
+        "row_remap_failure",
+        "row_remap_pending",
+        "thermal",
+        "thermal_cleared",
+    }
 )
 
 #: The post-mortem / metrics reason of each finding.
@@ -73,6 +83,8 @@ REASON: Mapping[str, str] = {
     "xid_worker": "xid",
     "xid_device": "xid",
     "gpu_lost": "gpu_lost",
+    "row_remap_failure": "row_remap_failure",
+    "row_remap_pending": "row_remap_pending",
     "thermal": "thermal",
     "thermal_cleared": "thermal",
 }
@@ -86,7 +98,7 @@ COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
 #: A worker-fatal XID is not one when several workers share the GPU (it is one process's fault,
 #: NVML does not say whose: its siblings wait), but it is for the one worker running on the GPU
 #: (:func:`_sole_on`): its CUDA context is gone.
-BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "log_pattern"})
+BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "row_remap_failure", "log_pattern"})
 #: A leak projected to run out of memory within this long is acted on whatever
 #: ``max_unavailable`` says: the worker is about to die of it anyway, and waiting only turns a
 #: drain into a crash (requests in flight lost; on a shared GPU, its neighbours' allocations
@@ -236,9 +248,13 @@ def candidate_acts(
     acts: list[Act] = []
     if f.kind == "xid_worker":
         acts += [act("restart", n) for n in on_gpu]
-    elif f.kind in ("xid_device", "gpu_lost"):
+    elif f.kind in ("xid_device", "gpu_lost", "row_remap_failure"):
         acts.append(act("quarantine"))
         acts += [act("drain", n) for n in on_gpu]
+    elif f.kind == "row_remap_pending":
+        # NVIDIA: running work is unaffected and new work may start; the remap takes effect
+        # at the GPU's next reset, which only an operator can choose the moment of
+        acts.append(act("alert"))
     elif f.kind == "thermal":
         alerted = cordoned = False
         # a GPU still hot whose migrate workers could not move when it turned hot (or came

@@ -487,6 +487,10 @@ struct device_info {
     unsigned int clock_video_mhz;
     unsigned long long ecc_corrected;
     unsigned long long ecc_uncorrected;
+    unsigned int remapped_rows_correctable;
+    unsigned int remapped_rows_uncorrectable;
+    unsigned int remapped_rows_pending;
+    unsigned int remapped_rows_failure;
     unsigned int lost;
     unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
     char cpus[512];       /* the CPUs close to it, a CPU list ("0-7,16-23"); "": not known */
@@ -517,6 +521,11 @@ static const struct kv_field DEVICE_FIELDS[] = {
     KV_FIELD("clock_video_mhz", KV_U32, struct device_info, clock_video_mhz),
     KV_FIELD("ecc_corrected", KV_U64, struct device_info, ecc_corrected),
     KV_FIELD("ecc_uncorrected", KV_U64, struct device_info, ecc_uncorrected),
+    KV_FIELD("remapped_rows_correctable", KV_U32, struct device_info, remapped_rows_correctable),
+    KV_FIELD("remapped_rows_uncorrectable", KV_U32, struct device_info,
+             remapped_rows_uncorrectable),
+    KV_FIELD("remapped_rows_pending", KV_U32, struct device_info, remapped_rows_pending),
+    KV_FIELD("remapped_rows_failure", KV_U32, struct device_info, remapped_rows_failure),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
     KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
     KV_FIELD("cpus", KV_STR, struct device_info, cpus),
@@ -2049,6 +2058,25 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned in
     if (eccCounts == NULL || errorType > 1 || counterType > 1)
         return NVML_ERROR_INVALID_ARGUMENT;
     *eccCounts = errorType == 0 ? d.ecc_corrected : d.ecc_uncorrected;
+    return NVML_SUCCESS;
+}
+
+/* The row remapper (Ampere and later): rows remapped for correctable and uncorrectable
+ * errors, a remap pending until the next reset, and whether a remap failed (0/1). */
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows,
+                                              unsigned int *uncRows, unsigned int *isPending,
+                                              unsigned int *failureOccurred)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (corrRows == NULL || uncRows == NULL || isPending == NULL || failureOccurred == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *corrRows = d.remapped_rows_correctable;
+    *uncRows = d.remapped_rows_uncorrectable;
+    *isPending = d.remapped_rows_pending != 0;
+    *failureOccurred = d.remapped_rows_failure != 0;
     return NVML_SUCCESS;
 }
 

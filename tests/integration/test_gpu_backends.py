@@ -4,6 +4,7 @@ reads it through the real pynvml and the fake libnvidia-ml.so.1 built by the tes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -866,3 +867,100 @@ def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_li
         assert [(p["pid"], p["used_mb"]) for p in dev["processes"]] == [(proc.pid, 1536.5)], dev
         assert dev["memory"]["used_mb"] == 1536.5, dev
         assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
+
+
+def test_both_backends_read_ecc_and_the_row_remapper_alike(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """ECC counts and the row remapper in the device object (and the `gpus` table's HEALTH)
+    through both backends; a GPU without them (NOT_SUPPORTED: ECC off, pre-Ampere) has null,
+    never zeros."""
+    world = tmp_path / "sim"
+    SimBackend(world, 3).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("ecc_corrected 7\necc_uncorrected 1\nremapped_rows_correctable 2\n")
+        fh.write("remapped_rows_uncorrectable 1\nremapped_rows_pending 1\n")
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("rc_nvmlDeviceGetTotalEccErrors 3\nrc_nvmlDeviceGetRemappedRows 3\n")
+    with open(world / "gpus" / "2", "a") as fh:
+        fh.write("remapped_rows_uncorrectable 4\nremapped_rows_failure 1\n")
+    for name in ("sim", "nvml"):
+        d0, d1, d2 = gpus_on_nvml(world, fake_nvml_libdir, name)
+        assert d0["ecc_errors"] == {"corrected": 7, "uncorrected": 1}, name
+        assert d0["remapped_rows"] == {
+            "correctable": 2,
+            "uncorrectable": 1,
+            "pending": True,
+            "failure": False,
+        }, name
+        assert (d1["ecc_errors"], d1["remapped_rows"]) == (None, None), name
+        assert d2["remapped_rows"]["failure"] is True, name
+        table = subprocess.run(
+            [sys.executable, "-m", "supervisor", "gpus", "--backend", name]
+            + (["--sim-dir", str(world)] if name == "sim" else []),
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "GPU_SUPERVISOR_SIM_DIR": str(world),
+                "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+            },
+            timeout=30,
+            check=True,
+        ).stdout.splitlines()
+        health = [re.split(r"\s{2,}", row.strip())[-2] for row in table[1:]]
+        assert health == [
+            "ok, reset pending (row remap)",
+            "ok",
+            "UNHEALTHY (row remap failed)",
+        ], table
+
+
+def test_a_gpu_whose_row_remap_failed_is_quarantined_and_its_worker_moved(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """A remap failure (on at start: its XID 64 came before the supervisor watched) on
+    GPU 0 quarantines it: the worker runs on GPU 1; a remap pending there is an alert, no
+    more; the flags and ECC counts are in the API's device objects and in /metrics (a
+    failure while a worker runs there: tests/integration/test_healing.py)."""
+    gpus = tmp_path / "sim" / "gpus"
+    with open(gpus / "0", "a") as fh:
+        fh.write("remapped_rows_uncorrectable 8\nremapped_rows_failure 1\n")
+    with open(gpus / "1", "a") as fh:
+        fh.write("remapped_rows_pending 1\necc_uncorrected 1\n")
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {
+            "name": "g",
+            "max_workers_per_gpu": 1,
+            "restart": {"stable_s": 0.1},
+            "command": worker_cmd("gpu_user", "10"),
+        },
+    )
+    assert sup.wait_event(event="heal.action", action="quarantine")["gpu"] == UUID0
+    alert = sup.wait_event(event="heal.action", action="alert")
+    assert (alert["gpu"], alert["reason"]) == (UUID1, "row_remap_pending")
+    sup.ready("g-0")
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID1]
+        devices = {d["uuid"]: d for d in http.get("/api/v1/gpu/status").json()["devices"]}
+        metrics = http.get("/metrics").text
+    assert devices[UUID0]["quarantined"] is True and devices[UUID0]["healthy"] is False
+    assert devices[UUID0]["remapped_rows"]["failure"] is True
+    assert devices[UUID1]["remapped_rows"]["pending"] is True
+    assert devices[UUID1]["ecc_errors"] == {"corrected": 0, "uncorrected": 1}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    seen = {
+        (s.name, s.labels["gpu"], s.labels.get("type")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if "row_remap" in s.name or "ecc_errors" in s.name
+    }
+    assert seen[("gpu_supervisor_gpu_row_remap_failure", "0", None)] == 1.0
+    assert seen[("gpu_supervisor_gpu_row_remap_pending", "1", None)] == 1.0
+    assert seen[("gpu_supervisor_gpu_row_remap_failure", "1", None)] == 0.0
+    assert seen[("gpu_supervisor_gpu_ecc_errors_total", "1", "uncorrected")] == 1.0
+    assert sup.stop() == 0

@@ -472,6 +472,41 @@ def test_xid_79_quarantines_the_gpu_and_moves_its_workers(
     assert sup.stop() == 0
 
 
+def test_a_row_remap_failure_while_running_moves_the_worker_with_a_postmortem(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """GPU 0's row remapper reports a failed remap while g-0 serves there: the GPU is
+    quarantined and g-0 drained and started on GPU 1 (reason ``row_remap_failure``, its
+    post-mortem with the remapper's figures); /readyz names the GPU. A pending remap on GPU 1
+    meanwhile is an alert only: g-0 starts and stays there."""
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}))
+    sup.ready("g-0")
+    mark = sup.mark()
+    set_gpu(tmp_path, 1, remapped_rows_pending=1)
+    alert = sup.wait_event(event="heal.action", action="alert", after=mark)
+    assert (alert["gpu"], alert["reason"]) == (UUID1, "row_remap_pending")
+    set_gpu(tmp_path, 0, remapped_rows_uncorrectable=3, remapped_rows_failure=1)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark)
+    drain = sup.wait_event(event="heal.action", action="drain", after=mark)
+    assert (drain["worker"], drain["reason"]) == ("g-0", "row_remap_failure")
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+    assert moved["new_gpus"] == [UUID1]
+    doc = postmortem(sup, "row_remap_failure")
+    assert doc["evidence"]["remapped_rows"] == {
+        "correctable": 0,
+        "uncorrectable": 3,
+        "pending": False,
+        "failure": True,
+    }, doc
+    sup.ready("g-0", after=mark)
+    with sup.api() as api:
+        ready = api.get("/readyz").json()
+        assert [g["uuid"] for g in ready["gpus_unhealthy"]] == [UUID0]
+        assert "row remap failed" in ready["gpus_unhealthy"][0]["error"]
+    assert len(sup.find(event="heal.action", after=mark)) == 3  # alert, quarantine, drain
+    assert sup.stop() == 0
+
+
 def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

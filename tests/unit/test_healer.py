@@ -614,3 +614,66 @@ def test_a_reload_that_turns_recycles_off_or_later_cancels_a_deferred_one(
     assert healer.annotate("r-1", {})["recycle_in_s"] == (
         None if max_age_s == 0 else pytest.approx(1000 - host.clock.now(), abs=0.1)
     )
+
+
+def _rows(host: Host, gpu: str, *, pending: bool = False, failure: bool = False) -> None:
+    from supervisor.model import RemappedRows
+
+    host.devices[gpu] = replace(
+        host.devices[gpu], remapped_rows=RemappedRows(3, 1 if failure else 0, pending, failure)
+    )
+
+
+def test_a_failed_row_remap_quarantines_the_gpu_once_and_moves_its_workers() -> None:
+    """``remapped_rows.failure`` (seen at the first sample: the XID 64 that came with it
+    was before the supervisor watched) quarantines GPU-0 and drains both its workers at once
+    (they serve on memory the GPU cannot repair: max_unavailable does not hold them back),
+    reason ``row_remap_failure``; a flag that stays on is not acted on again, and an
+    operator's lift of the quarantine holds while it does."""
+    a0, a1 = Runner("a-0", GPUS[0]), Runner("a-1", GPUS[0])
+    host, healer = setup("derate", a0, a1)
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
+                for g in host.settings.workers
+            )
+        }
+    )
+    _rows(host, GPUS[0], failure=True)
+    host.tick(healer)
+    assert GPUS[0] in healer.state.quarantined
+    assert "row remap failed" in healer.state.quarantined[GPUS[0]]
+    drain = lc.Drain(restart=True, reason=ExitReason.ROW_REMAP_FAILURE)
+    assert a0.posted == [drain] and a1.posted == [drain]
+    assert host.actions_total[("quarantine", "row_remap_failure")] == 1
+    assert healer.lift_quarantine(GPUS[0]) is not None
+    for _ in range(3):
+        host.tick(healer)
+    assert GPUS[0] not in healer.state.quarantined  # the operator's word holds
+    assert host.actions_total[("quarantine", "row_remap_failure")] == 1
+    # cleared (the GPU was replaced or reset and repaired), then failing again: acted on again
+    _rows(host, GPUS[0])
+    host.tick(healer)
+    _rows(host, GPUS[0], failure=True)
+    host.tick(healer)
+    assert GPUS[0] in healer.state.quarantined
+    assert host.actions_total[("quarantine", "row_remap_failure")] == 2
+
+
+def test_a_pending_row_remap_is_an_alert_once_and_touches_no_worker() -> None:
+    """``remapped_rows.pending``: running work is unaffected (NVIDIA): one alert, reason
+    ``row_remap_pending``, no worker posted to, no quarantine or cordon; again only after it
+    cleared (the GPU was reset) and came back."""
+    a0 = Runner("a-0", GPUS[1])
+    host, healer = setup("derate", a0)
+    _rows(host, GPUS[1], pending=True)
+    for _ in range(3):
+        host.tick(healer, 70.0)  # past the alert cooldown: still once
+    assert host.actions_total == {("alert", "row_remap_pending"): 1}
+    assert a0.posted == [] and not healer.state.quarantined and not host.cordoned
+    _rows(host, GPUS[1])
+    host.tick(healer)
+    _rows(host, GPUS[1], pending=True)
+    host.tick(healer, 70.0)
+    assert host.actions_total == {("alert", "row_remap_pending"): 2}
