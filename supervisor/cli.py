@@ -404,7 +404,7 @@ def postmortem_table(rows: Sequence[dict[str, Any]]) -> str:
     header = ("ID", "WORKER", "REASON", "ENDED", "EXIT")
     table = [header]
     for r in rows:
-        ex = r.get("exit") or {}
+        ex = _obj(r.get("exit"))  # a file written by hand or by another version: any JSON
         if ex.get("signal_name"):
             exit_text = str(ex["signal_name"])
         elif ex.get("code") is not None:

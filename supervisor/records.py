@@ -154,15 +154,24 @@ def lock_state_dir(state_dir: Path) -> int | None:
     Two supervisors on one ``state_dir`` would take each other's live workers for orphans of
     a killed predecessor and kill them, steal each other's notify socket and overwrite each
     other's records. Returns the lock's file descriptor (kept open: the lock ends with the
-    process, however it ends), or None when the file cannot be opened (a read-only or missing
-    ``state_dir``: records are degraded anyway). Raises ``StateDirBusy`` naming the holder.
+    process, however it ends), or None when the file cannot be opened (a missing ``state_dir``,
+    or a read-only one without the file: records are degraded anyway; a read-only one with the
+    file is locked through a read-only descriptor). Raises ``StateDirBusy`` naming the holder.
     """
+    # never through a link: the pid would be written into whatever file it names
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        # never through a link: the pid would be written into whatever file it names
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(state_dir / LOCK_FILE, flags, 0o644)
-    except OSError:
-        return None
+        fd = os.open(state_dir / LOCK_FILE, flags | os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return None
+        # A state_dir that went read-only (an error remount) while a supervisor runs there:
+        # its lock file can still be locked read-only (regression: a second supervisor was
+        # not refused, took the first one's live workers for orphans and killed them).
+        try:
+            fd = os.open(state_dir / LOCK_FILE, flags | os.O_RDONLY)
+        except OSError:
+            return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -182,6 +191,14 @@ def write_lock_pid(fd: int) -> bool:
     """Write our pid into the held lock file (what a refused second supervisor names); False
     when it could not be written (a full disk: try again later)."""
     try:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            # locked read-only (state_dir was read-only at start): written through a
+            # writable description of the same file, once the disk takes writes again
+            writable = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                return write_lock_pid(writable)
+            finally:
+                os.close(writable)
         os.ftruncate(fd, 0)
         data = f"{os.getpid()}\n".encode()
         return os.pwrite(fd, data, 0) == len(data)

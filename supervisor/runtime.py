@@ -515,6 +515,7 @@ class Runtime:
                 if self.alerter is not None:
                     await tg.start(self.alerter.serve)
                 await self._open_gpus()
+                self._suspect_unended_orphans()
                 try:
                     # A worker that cannot be placed (its GPU lost or missing, none fitting)
                     # does not keep the others from starting: it is placed at its start.
@@ -636,7 +637,12 @@ class Runtime:
 
     async def _open_gpus(self) -> None:
         gpu = self.settings.gpu
-        if not await self.sampler.open() and gpu.backend == "auto":
+        # A call of the open still in flight is a slow or hung driver, not NVML failing to
+        # initialise: auto keeps NVML (down meanwhile, opened again once the call returns).
+        # Regression: it fell back to no telemetry for good (workers unplaced, XIDs unwatched)
+        # though NVML answered seconds later.
+        opened = await self.sampler.open()
+        if not opened and gpu.backend == "auto" and self.sampler.stuck_for_s() is None:
             self.log.warning(
                 "gpu.no_telemetry",
                 reason="backend auto: NVML did not initialise; running without GPU telemetry",
@@ -1577,6 +1583,35 @@ class Runtime:
                     verdict=r["verdict"],
                     signal=r.get("signal"),
                 )
+
+    def _suspect_unended_orphans(self) -> None:
+        """A predecessor's orphan that the start-up reclaim could not end (stuck in the
+        kernel after an XID: SIGKILL stays pending) and that holds GPU memory makes its GPU
+        suspect, as at the GPU-release barrier: not placed on while NVML lists it (a worker
+        of its own goes back there only when no other GPU fits). Regression: new workers were
+        placed onto that GPU, next to the memory it still held."""
+        left = {
+            r["pid"]: str(r["worker"])
+            for r in self.reclaimed
+            if r["verdict"] == "end" and r.get("ended") is False
+        }
+        sample = self.sampler.last
+        if not left or sample is None or not sample.nvml_available:
+            return
+        for d in sample.devices:
+            pids = frozenset(p.pid for p in d.processes or () if p.pid in left)
+            if not pids:
+                continue
+            worker = left[min(pids)]
+            self.suspect[d.uuid] = pids
+            self._suspect_of[d.uuid] = worker
+            self.log.warning(
+                "gpu.suspect",
+                worker=worker,
+                gpu=d.uuid,
+                pids=sorted(pids),
+                reason="memory of a previous supervisor's orphan that could not be ended",
+            )
 
     def _state_snapshot(self) -> dict[str, Any]:
         sample = self.sampler.last

@@ -56,6 +56,9 @@ EVENTS_RETRY_S = 30.0
 HANDLE_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
+#: How many times a process list is asked for when it answers INSUFFICIENT_SIZE: processes
+#: started between pynvml's two calls (the count, then the list) and outgrew its buffer.
+LIST_TRIES = 3
 
 
 def _code(exc: BaseException) -> int | None:
@@ -68,6 +71,20 @@ def _describe(exc: BaseException) -> str:
         return str(exc)
     except Exception:  # pynvml's __str__ calls into the library
         return f"NVML error {_code(exc)}"
+
+
+def _listed(fn: Callable[[], T]) -> T:
+    """``fn()`` (a process list), asked again while the list grew between NVML's two calls
+    (NVML.md section 2: "retry"). Regression: one such race made the list unknown for the
+    tick (the device's processes null, its workers' GPU memory "unavailable", and the
+    GPU-release barrier, which cannot tell then, let a restart through)."""
+    for _ in range(LIST_TRIES - 1):
+        try:
+            return fn()
+        except pynvml.NVMLError as exc:
+            if _code(exc) != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                raise
+    return fn()
 
 
 _SLOWDOWN = pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
@@ -440,8 +457,8 @@ class NvmlBackend:
             i,
             "processes",
             self._procs_v3,
-            lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h),
-            lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h),
+            lambda: _listed(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h)),
+            lambda: _listed(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h)),
         )
         graphics = mps = None
         if procs is not None:
@@ -449,15 +466,15 @@ class NvmlBackend:
                 i,
                 "graphics_processes",
                 self._procs_v3,
-                lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h),
-                lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(h),
+                lambda: _listed(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h)),
+                lambda: _listed(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(h)),
             )
             mps = v(
                 i,
                 "mps_processes",
                 self._procs_v3,
-                lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(h),
-                lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2(h),
+                lambda: _listed(lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(h)),
+                lambda: _listed(lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2(h)),
             )
         total = used = free = None
         if mem is not None:

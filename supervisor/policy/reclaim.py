@@ -15,7 +15,9 @@ environment was started by a supervisor of this ``state_dir``: it is ended.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +61,19 @@ class Verdict(enum.StrEnum):
 
 
 def _number(value: object) -> float | None:
+    """A finite number (a JSON parser takes ``NaN``, ``Infinity`` and ``1e999``), else None."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            number = float(value)
+            return number if math.isfinite(number) else None
     return None
+
+
+def _ticks(create_time: float, btime: float, hz: int) -> int | None:
+    """``create_time`` in clock ticks since a boot at ``btime``; None where a malformed record
+    gives no finite number (``1e308``: an overflow, not a crash of the start-up)."""
+    ticks = (create_time - btime) * hz
+    return round(ticks) if math.isfinite(ticks) else None
 
 
 def candidates(doc: Mapping[str, Any], boot_id: str = "", hz: int = 100) -> list[Candidate]:
@@ -95,18 +107,18 @@ def candidates(doc: Mapping[str, Any], boot_id: str = "", hz: int = 100) -> list
             entries += [
                 (t.get("pid"), t.get("create_time"), False) for t in tree if isinstance(t, dict)
             ]
-        for pid, ct, leader in entries:
+        for pid, raw, leader in entries:
+            ct = _number(raw)
             if (
                 isinstance(pid, int)
                 and not isinstance(pid, bool)
                 and pid > 1
-                and isinstance(ct, int | float)
-                and not isinstance(ct, bool)
+                and ct is not None
                 and pid not in seen
             ):
                 seen.add(pid)
-                ticks = round((float(ct) - btime) * hz) if same_boot and btime is not None else None
-                out.append(Candidate(name, pid, float(ct), leader, ticks, other_boot))
+                ticks = _ticks(ct, btime, hz) if same_boot and btime is not None else None
+                out.append(Candidate(name, pid, ct, leader, ticks, other_boot))
     return out
 
 

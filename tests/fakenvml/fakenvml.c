@@ -8,7 +8,9 @@
  *
  *   gpus/<index>   one device, "key value" lines; missing keys take defaults ("hang_ms N":
  *                  every call about the device takes N ms, as with a hung driver; "cpus
- *                  0-7,16-23": the CPUs close to it, for nvmlDeviceGetCpuAffinity)
+ *                  0-7,16-23": the CPUs close to it, for nvmlDeviceGetCpuAffinity; "procs_race
+ *                  N": the next N process-list calls with a buffer answer INSUFFICIENT_SIZE,
+ *                  as when processes start between the count and the list)
  *   procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines (a tag: the line
  *                  is in the graphics, or the MPS clients', process list instead of the
  *                  compute one); dead pids are ignored
@@ -247,9 +249,16 @@ _Static_assert(sizeof(nvmlPciInfo_t) == 68, "nvmlPciInfo_t");
 
 static pthread_mutex_t g_init_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards g_init_refcount */
 static pthread_mutex_t g_event_lock = PTHREAD_MUTEX_INITIALIZER;  /* guards g_event_sets */
+static pthread_mutex_t g_race_lock = PTHREAD_MUTEX_INITIALIZER;   /* guards g_race */
 static unsigned int g_init_refcount;
 static struct nvmlDevice_st g_devices[MAX_DEVICES];
 static struct nvmlEventSet_st g_event_sets[MAX_EVENT_SETS];
+
+/* Per device: the "procs_race" value last seen, and how many calls it has failed since. */
+static struct {
+    unsigned int value;
+    unsigned int failed;
+} g_race[MAX_DEVICES];
 
 static int is_initialized(void)
 {
@@ -493,6 +502,9 @@ struct device_info {
     unsigned int remapped_rows_failure;
     unsigned int lost;
     unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
+    /* the process list grows between NVML's two calls: that many calls with a buffer answer
+       INSUFFICIENT_SIZE (counted again each time the value changes) */
+    unsigned int procs_race;
     char cpus[512];       /* the CPUs close to it, a CPU list ("0-7,16-23"); "": not known */
     struct rc_table rc;
 };
@@ -528,6 +540,7 @@ static const struct kv_field DEVICE_FIELDS[] = {
     KV_FIELD("remapped_rows_failure", KV_U32, struct device_info, remapped_rows_failure),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
     KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
+    KV_FIELD("procs_race", KV_U32, struct device_info, procs_race),
     KV_FIELD("cpus", KV_STR, struct device_info, cpus),
 };
 
@@ -2084,6 +2097,24 @@ EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int 
 /* Running processes (two-call protocol)                                                       */
 /* ------------------------------------------------------------------------------------------ */
 
+/* Whether this process-list call (one with a buffer large enough) is one that "procs_race"
+   makes fail: the first <value> such calls on the device after the value changed. */
+static int race_now(const struct device_info *d)
+{
+    int fail = 0;
+    pthread_mutex_lock(&g_race_lock);
+    if (g_race[d->index].value != d->procs_race) {
+        g_race[d->index].value = d->procs_race;
+        g_race[d->index].failed = 0;
+    }
+    if (g_race[d->index].failed < d->procs_race) {
+        g_race[d->index].failed++;
+        fail = 1;
+    }
+    pthread_mutex_unlock(&g_race_lock);
+    return fail;
+}
+
 static nvmlReturn_t running_processes(nvmlDevice_t device, const char *function,
                                       enum proc_kind kind, unsigned int *infoCount,
                                       nvmlProcessInfo_t *infos)
@@ -2106,6 +2137,11 @@ static nvmlReturn_t running_processes(nvmlDevice_t device, const char *function,
         free(entries);
         *infoCount = (unsigned int)n;
         return n == 0 ? NVML_SUCCESS : NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (n > 0 && race_now(&d)) { /* as if more processes started after the count was taken */
+        free(entries);
+        *infoCount = *infoCount + 1;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
     }
     for (int i = 0; i < n; i++) {
         infos[i].pid = entries[i].pid;

@@ -552,6 +552,36 @@ def test_process_list_two_call_protocol(
     assert out["idle_raw"] == 0
 
 
+def test_procs_race_fails_that_many_filled_calls(
+    fake_nvml_libdir: Path, world: World, sleepers: list[int]
+) -> None:
+    """`procs_race N`: the next N process-list calls with a buffer answer INSUFFICIENT_SIZE
+    (processes started between the count and the list), counted again when N changes."""
+    a = sleepers[0]
+    world.gpu(0, procs_race=2)
+    world.procs(a, "0 100")
+    out = run_child(
+        f"""
+        nv.nvmlInit()
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        first = [attempt(lambda: procs(nv.nvmlDeviceGetComputeRunningProcesses(h)))
+                 for _ in range(3)]
+        with open({str(world.root / "gpus" / ".0.tmp")!r}, "w") as fh:
+            fh.write("procs_race 1\\n")
+        os.replace({str(world.root / "gpus" / ".0.tmp")!r}, {str(world.root / "gpus" / "0")!r})
+        second = [attempt(lambda: procs(nv.nvmlDeviceGetGraphicsRunningProcesses(h)))
+                  for _ in range(2)]
+        emit({{"first": first, "second": second}})
+        """,
+        libdir=fake_nvml_libdir,
+        world=world,
+    )
+    race = {"error": "NVMLError_InsufficientSize"}
+    assert out["first"] == [race, race, {"ok": by_pid({a: 100 * MIB})}]
+    # a list with no process is answered by the first call alone: nothing to race
+    assert out["second"] == [{"ok": []}, {"ok": []}]
+
+
 # --------------------------------------------------------------------------------------------
 # Metrics
 # --------------------------------------------------------------------------------------------

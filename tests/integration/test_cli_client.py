@@ -433,6 +433,20 @@ def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
     assert code == 2 and "cannot read it" in err and err.count("\n") <= 1, err
 
 
+@pytest.mark.parametrize("exit_", ["killed", [3], 3])
+def test_postmortem_list_takes_an_exit_of_another_type(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], exit_: object
+) -> None:
+    """Regression: a post-mortem whose ``exit`` is not an object (written by hand, by another
+    version) made ``postmortem list`` a traceback (AttributeError), for every post-mortem."""
+    pms = tmp_path / "postmortems"
+    pms.mkdir()
+    odd = "20261206T010101.000000Z-w-0-exit"
+    (pms / f"{odd}.json").write_text(json.dumps({"id": odd, "worker": {}, "exit": exit_}))
+    code, out, err = run(capsys, "postmortem", "list", "--state-dir", str(tmp_path))
+    assert code == 0 and odd in out and not err, err
+
+
 def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -347,6 +347,40 @@ def test_nvml_init_failure_is_degraded_and_auto_falls_back(
     assert sup.stop() == 0
 
 
+def test_auto_keeps_nvml_when_its_open_is_only_slow(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """`backend = "auto"` and a driver that answers slowly at the start (calls of 1.5 s: the
+    open outlasts the stuck limit). That is not NVML failing to initialise. Regression: auto
+    fell back to no telemetry for good (workers unplaced, XIDs unwatched, nvml_available
+    false) though NVML answered seconds later."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    gpu0 = (world / "gpus" / "0").read_text()
+    (world / "gpus" / "0").write_text(gpu0 + "hang_ms 1500\n")
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "auto"},
+        "workers": [{"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    sup = supervisor(
+        cfg,
+        env={"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)},
+        log_level="debug",
+    )
+    stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", timeout=20))
+    (world / "gpus" / "0").write_text(gpu0)  # the driver answers at once from now on
+    sup.ready("g-0")
+    up = sup.wait_event(event="gpu.backend", backend="nvml", after=stuck_at, timeout=20)
+    assert up["uuids"] == [UUID0]
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
+    with sup.api() as http:
+        status = http.get("/api/v1/gpu/status").json()
+        assert status["backend"] == "nvml" and status["nvml_available"] is True, status
+    assert not sup.find(event="gpu.no_telemetry")
+    assert sup.stop() == 0
+
+
 def test_a_hung_nvml_call_does_not_hold_up_the_stop(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
@@ -710,6 +744,36 @@ b.close()
     out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "said: XIDs are not watched: nvmlEventSetCreate" in out.stdout, out.stdout
     assert "xids: [79]" in out.stdout, out.stdout
+
+
+def test_a_process_list_that_grew_between_the_two_calls_is_asked_again(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Processes that start between NVML's two calls (the count, then the list) make the
+    second answer INSUFFICIENT_SIZE; NVML.md says retry. Regression: the list was unknown for
+    that tick (processes null, the workers' GPU memory "unavailable", and the GPU-release
+    barrier, which cannot tell then, let a restart through)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    gpu0 = world / "gpus" / "0"
+    with subprocess.Popen(["sleep", "60"]) as proc:
+        try:
+            (world / "procs" / str(proc.pid)).write_text("0 500\n")
+            script = f"""
+import pathlib
+import supervisor.backends.nvml as n
+b = n.NvmlBackend()
+b.open()
+gpu0 = pathlib.Path({str(gpu0)!r})
+gpu0.write_text(gpu0.read_text() + "procs_race 1\\n")
+(d,) = b.sample()
+print("listed:", None if d.processes is None else [(p.pid, p.used_mb) for p in d.processes])
+b.close()
+"""
+            out = on_fake_nvml(script, world, fake_nvml_libdir)
+        finally:
+            proc.kill()
+    assert f"listed: [({proc.pid}, 500.0)]" in out.stdout, out.stdout
 
 
 def test_drivers_before_clocks_event_reasons_still_give_the_throttle_reasons(

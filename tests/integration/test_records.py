@@ -20,7 +20,7 @@ import pytest
 
 from supervisor.config import SupervisorSection
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, alive, wait_dead, worker_cmd
+from tests.harness import Supervisor, alive, stuck_holder, wait_dead, worker_cmd
 from tests.schemas import validate_file
 
 #: SIGKILLs of the supervisor in the churn test (the bench script runs more).
@@ -326,6 +326,43 @@ def test_restarted_supervisor_reclaims_orphans(
     state = validate_file(second.state_dir / "state.json")
     reclaimed = {r["pid"]: r for r in state["supervisor"]["reclaimed"]}
     assert reclaimed[grandchild]["verdict"] == "end"
+
+
+def test_a_gpu_an_orphan_still_holds_after_the_reclaim_is_suspect(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """SIGKILL the supervisor while a worker's memory-holding child is stuck in the kernel
+    (SIGKILL stays pending): the next supervisor's reclaim cannot end it. Regression: its
+    GPU was placed on as if free (no GPU-release barrier after a restart of the supervisor);
+    now it is suspect as at the barrier, and the workers go to the other GPU."""
+    config = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [
+            group("b", "gpu_user", "1000", "--holder", "600", health={"leak_window_s": 10})
+        ],
+    }
+    first = supervisor(config, log_level="debug")
+    first.ready("b-0")
+    with stuck_holder(first, "b-0", tmp_path) as holder:
+        first.wait_event(event="records.state_written", pids=lambda p: holder in p)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait_exit()
+        config["workers"][0]["replicas"] = 3
+        second = supervisor(config)
+        ended = second.wait_event(event="supervisor.reclaimed_orphan", pid=holder, timeout=20)
+        assert ended["ended"] is False
+        suspect = second.wait_event(event="gpu.suspect", gpu=lambda g: g is not None)
+        assert suspect["pids"] == [holder] and suspect["worker"] == "b-0"
+        placed = [second.ready(f"b-{i}", timeout=20)["worker"] for i in range(3)]
+        with second.api() as http:
+            workers = http.get("/api/v1/workers").json()
+            devices = http.get("/api/v1/gpu/status").json()["devices"]
+        assert sorted(w["name"] for w in workers) == sorted(placed)
+        assert all(suspect["gpu"] not in w["gpus"] for w in workers), (suspect, workers)
+        assert [d["suspect"] for d in devices if d["uuid"] == suspect["gpu"]] == [True]
+    second.wait_event(event="gpu.released", gpu=suspect["gpu"], timeout=15)
+    assert second.stop() == 0
 
 
 @pytest.mark.parametrize("record", ["with_boot_time", "without_boot_time", "unreadable"])
@@ -864,6 +901,37 @@ def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: P
     assert sup.stop() == 0
     assert not (small_fs / "state.json").exists()
     assert not Path(moved["path"]).parent.exists()  # the temporary directory is removed
+
+
+def test_a_second_supervisor_is_refused_on_a_state_dir_gone_read_only(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """state_dir goes read-only under a running supervisor (the kernel's error remount; here a
+    read-only bind mount over it, which leaves the first one's open files be), and a second
+    supervisor is started with it. Regression: the lock file could not be opened for writing,
+    so the second one ran unlocked, took the first one's live workers in state.json for
+    orphans and killed them. The lock is taken through a read-only descriptor now."""
+    first = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    pid = first.wait_event(event="worker.spawned", worker="w-0")["pid"]
+    first.ready("w-0")
+
+    def recorded() -> bool:
+        doc = json.loads((small_fs / "state.json").read_text() or "{}")
+        return [w.get("pid") for w in doc.get("workers", [])] == [pid]
+
+    first.wait_until(lambda: (small_fs / "state.json").exists() and recorded(), "w-0 recorded")
+    subprocess.run(["mount", "--bind", str(small_fs), str(small_fs)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(small_fs)], check=True)
+        second = supervisor({"workers": [group("w", "ready_then_sleep")]})
+        assert second.wait_exit() == 1
+        busy = f"is in use by another gpu-supervisor (pid {first.pid})"
+        assert second.raw_stderr and busy in second.raw_stderr[-1], second.raw_stderr
+        assert not second.find(event="supervisor.reclaimed_orphan")
+        assert alive(pid)
+    finally:
+        subprocess.run(["umount", str(small_fs)], check=True)
+    assert first.stop() == 0
 
 
 def test_postmortem_cli_lists_newest_first_and_shows_one(

@@ -29,6 +29,7 @@ from supervisor.records import (
     failure_kind,
     lock_state_dir,
     remove_temp_files,
+    write_lock_pid,
 )
 from supervisor.views import (
     SamplePoint,
@@ -442,6 +443,29 @@ def test_reclaim_candidates_carry_ticks_from_the_records_boot_time() -> None:
     assert candidates(doc, "", hz=100) == [Candidate("a-0", 10, 1050.25, True)]  # unknown now
 
 
+def test_reclaim_candidates_never_fail_on_numbers_out_of_range() -> None:
+    """Regression: a state.json with a create time or boot time that is no finite number of
+    ticks (``1e308``, ``NaN``, ``Infinity``: JSON parsers take them; a bit flipped on disk)
+    raised OverflowError in the start-up reclaim: the supervisor crashed with a traceback at
+    every start, a crash loop until someone removed the file."""
+    doc = {
+        "supervisor": {"boot_time": 1000.0, "boot_id": "b1"},
+        "workers": [
+            {"name": "a-0", "pid": 10, "pid_create_time": 1e308},
+            {"name": "b-0", "pid": 11, "pid_create_time": float("nan")},
+            {"name": "c-0", "pid": 12, "pid_create_time": 10**400},
+            {"name": "d-0", "pid": 13, "pid_create_time": 1050.25},
+        ],
+    }
+    assert candidates(doc, "b1", hz=100) == [
+        Candidate("a-0", 10, 1e308, True, None),
+        Candidate("d-0", 13, 1050.25, True, 5025),
+    ]
+    for bad in (float("nan"), float("inf"), -1e308):
+        doc["supervisor"]["boot_time"] = bad
+        assert [c.pid for c in candidates(doc, "b1", hz=100)] == [10, 13]
+
+
 def test_procfs_create_time_is_psutils() -> None:
     assert procfs.create_time(os.getpid()) == psutil.Process().create_time()
     assert procfs.create_time(2**22 + 12345) is None
@@ -540,6 +564,18 @@ def test_records_and_logs_are_not_for_everyone_to_read(tmp_path: Path) -> None:
     assert (tmp_path / "state.json").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "logs" / "w-0.log").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "logs").stat().st_mode & 0o777 == 0o750
+
+
+def test_a_lock_taken_read_only_names_its_holder_once_it_can(tmp_path: Path) -> None:
+    """The lock of a state_dir that was read-only at start is held through a read-only
+    descriptor; our pid is written through a writable one of the same file."""
+    (tmp_path / "lock").write_text("12345\n")
+    fd = os.open(tmp_path / "lock", os.O_RDONLY)
+    try:
+        assert write_lock_pid(fd)
+        assert (tmp_path / "lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        os.close(fd)
 
 
 def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
