@@ -335,12 +335,11 @@ def test_a_gpu_an_orphan_still_holds_after_the_reclaim_is_suspect(
     (SIGKILL stays pending): the next supervisor's reclaim cannot end it. Regression: its
     GPU was placed on as if free (no GPU-release barrier after a restart of the supervisor);
     now it is suspect as at the barrier, and the workers go to the other GPU."""
-    config = {
+    holder_group = group("b", "gpu_user", "1000", "--holder", "600", health={"leak_window_s": 10})
+    config: dict[str, Any] = {
         "supervisor": {"sample_interval_s": 0.1},
         "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
-        "workers": [
-            group("b", "gpu_user", "1000", "--holder", "600", health={"leak_window_s": 10})
-        ],
+        "workers": [holder_group],
     }
     first = supervisor(config, log_level="debug")
     first.ready("b-0")
@@ -348,7 +347,7 @@ def test_a_gpu_an_orphan_still_holds_after_the_reclaim_is_suspect(
         first.wait_event(event="records.state_written", pids=lambda p: holder in p)
         os.kill(first.pid, signal.SIGKILL)
         first.wait_exit()
-        config["workers"][0]["replicas"] = 3
+        holder_group["replicas"] = 3
         second = supervisor(config)
         ended = second.wait_event(event="supervisor.reclaimed_orphan", pid=holder, timeout=20)
         assert ended["ended"] is False

@@ -448,7 +448,7 @@ def test_reclaim_candidates_never_fail_on_numbers_out_of_range() -> None:
     ticks (``1e308``, ``NaN``, ``Infinity``: JSON parsers take them; a bit flipped on disk)
     raised OverflowError in the start-up reclaim: the supervisor crashed with a traceback at
     every start, a crash loop until someone removed the file."""
-    doc = {
+    doc: dict[str, Any] = {
         "supervisor": {"boot_time": 1000.0, "boot_id": "b1"},
         "workers": [
             {"name": "a-0", "pid": 10, "pid_create_time": 1e308},
