@@ -35,9 +35,10 @@ from supervisor.errors import (
 )
 from supervisor.listen import load_token, open_api, serve_api
 from supervisor.logs import configure_logging
-from supervisor.model import DeviceSample, format_cpulist
+from supervisor.model import DeviceSample, format_cpulist, recovery_action_name
 from supervisor.notify import socket_path_for
 from supervisor.plan import Plan, build_plan, slot_for
+from supervisor.policy.heal import RECOVERY_QUARANTINES
 from supervisor.processes import (
     allowed_cpus,
     protect_from_oom_killer,
@@ -263,7 +264,11 @@ def _gpu_health(d: DeviceSample) -> str:
     rows = d.remapped_rows
     if rows is not None and rows.failure:
         return "UNHEALTHY (row remap failed)"
-    return "ok, reset pending (row remap)" if rows is not None and rows.pending else "ok"
+    action = recovery_action_name(d.recovery_action)
+    if action in RECOVERY_QUARANTINES:
+        return f"UNHEALTHY (needs {action})"
+    health = "ok, reset pending (row remap)" if rows is not None and rows.pending else "ok"
+    return health if action in (None, "none") else f"{health}, recovery action {action}"
 
 
 def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) -> str:

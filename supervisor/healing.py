@@ -35,6 +35,7 @@ from supervisor.model import (
     Sample,
     WorkerState,
     XidEvent,
+    recovery_action_name,
 )
 from supervisor.plan import GpuSlot, place
 from supervisor.policy import lifecycle as lc
@@ -204,6 +205,8 @@ class Healer:
         self._lost: set[str] = set()
         #: (finding kind, GPU) of the row remapper's flags that are on (acted on once)
         self._remap_flags: set[tuple[str, str]] = set()
+        #: GPU -> the recovery action code last read (acted on when it changes)
+        self._recovery: dict[str, int] = {}
         self._migrate_again_at: dict[str, float] = {}  # GPU -> when to look at it again
         self._host_available_mb = host_available_mb or _host_available_mb
         self._host_free_at: float | None = None
@@ -652,6 +655,7 @@ class Healer:
             self._lost.discard(d.uuid)
             if d.remapped_rows is not None:
                 self._judge_rows(d, d.remapped_rows)
+            self._judge_recovery(d)
             track = self.state.thermal.get(d.uuid, ThermalTrack())
             track, change = thermal_step(track, d, now, settings)
             self.state.thermal[d.uuid] = track
@@ -730,6 +734,30 @@ class Healer:
             elif finding.key not in self._remap_flags:
                 self._remap_flags.add(finding.key)
                 self._add(finding)
+
+    def _judge_recovery(self, d: DeviceSample) -> None:
+        """The driver's recovery action for the GPU (R550 and later), acted on when it changes
+        to one other than ``none`` (or is one at the first sample): a reset or a reboot
+        quarantines the GPU and moves its workers (nothing there works until then), others
+        (``drain_p2p``) are alerts. Back to ``none`` (the GPU was reset) lifts nothing: the
+        operator does (``uncordon --lift-quarantine``), as after a device-fatal XID; an
+        operator's lift holds while the action stays the same."""
+        code = d.recovery_action
+        if code is None or code == self._recovery.get(d.uuid):
+            return  # (a reading that failed changes nothing: the last one stands)
+        self._recovery[d.uuid] = code
+        self._pending.pop(("recovery_action", d.uuid), None)
+        name = recovery_action_name(code)
+        if code == 0 or name is None:
+            return
+        self._add(
+            Finding(
+                "recovery_action",
+                f"GPU {d.index}: the driver says it needs {name.replace('_', ' ')}",
+                gpu=d.uuid,
+                evidence={"gpu_index": d.index, "recovery_action": name},
+            )
+        )
 
     # --- policy and actions -------------------------------------------------------------
 

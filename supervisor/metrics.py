@@ -19,7 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from supervisor.model import CLOCK_EVENT_REASONS, Sample, WorkerState
+from supervisor.model import (
+    CLOCK_EVENT_REASONS,
+    RECOVERY_ACTIONS,
+    Sample,
+    WorkerState,
+    recovery_action_name,
+)
 
 if TYPE_CHECKING:
     from supervisor.runtime import Runtime
@@ -105,6 +111,12 @@ class RuntimeCollector(Collector):
             "1 when a row remap failed (the GPU is quarantined; replace it if it comes again).",
             GPU_LABELS,
         )
+        recovery = _gauge(
+            "gpu_recovery_action",
+            "1 for the recovery action the driver says the GPU needs now (none: 1 when it needs "
+            "none).",
+            [*GPU_LABELS, "action"],
+        )
         quarantined = rt.healer.state.quarantined
         labels_of: dict[str, list[str]] = {}
         for ident in rt.sampler.identities:
@@ -128,6 +140,13 @@ class RuntimeCollector(Collector):
                     reason.add_metric([*labels, name], float(name in active))
             healthy.add_metric(labels, float(d.healthy and d.uuid not in quarantined))
             cordoned.add_metric(labels, float(d.uuid in rt.cordoned))
+            action = recovery_action_name(d.recovery_action)
+            if action is not None:
+                for name in (
+                    *RECOVERY_ACTIONS.values(),
+                    *((action,) if action.startswith("code_") else ()),
+                ):
+                    recovery.add_metric([*labels, name], float(name == action))
             if d.ecc_errors_corrected is not None:
                 ecc.add_metric([*labels, "corrected"], d.ecc_errors_corrected)
             if d.ecc_errors_uncorrected is not None:
@@ -141,7 +160,7 @@ class RuntimeCollector(Collector):
             labels = labels_of.get(gpu, [gpu, gpu if gpu.startswith("GPU-") else "", ""])
             xid.add_metric([*labels, str(code)], count)
         yield from (util, used, total, temp, power, throttled, reason, healthy, cordoned, xid)
-        yield from (ecc, rows, remap_pending, remap_failure)
+        yield from (ecc, rows, remap_pending, remap_failure, recovery)
 
     def _workers(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime

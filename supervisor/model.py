@@ -94,6 +94,7 @@ class ExitReason(enum.StrEnum):
     XID = "xid"
     GPU_LOST = "gpu_lost"
     ROW_REMAP_FAILURE = "row_remap_failure"  # moved off a GPU whose row remapper failed
+    RECOVERY_ACTION = "recovery_action"  # moved off a GPU the driver says needs a reset
     LOG_PATTERN = "log_pattern"  # a sticky-error line in its output
     # a scheduled recycle (``health.max_age_s``): taken like a healing drain, but no death
     MAX_AGE = "max_age"
@@ -109,6 +110,7 @@ HEALING_REASONS = frozenset(
         ExitReason.XID,
         ExitReason.GPU_LOST,
         ExitReason.ROW_REMAP_FAILURE,
+        ExitReason.RECOVERY_ACTION,
         ExitReason.LOG_PATTERN,
     }
 )
@@ -309,6 +311,27 @@ class GpuProcess:
     used_mb: float | None
 
 
+#: NVML's GPU recovery actions (``nvmlDeviceGpuRecoveryAction_t``, field
+#: ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``): what the driver says a GPU needs after an error.
+RECOVERY_ACTIONS: Mapping[int, str] = {
+    0: "none",
+    1: "gpu_reset",
+    2: "node_reboot",
+    3: "drain_p2p",
+    4: "drain_and_reset",
+    5: "recover_imex_domain",
+    6: "bus_reset",
+    7: "system_reboot",
+}
+
+
+def recovery_action_name(code: int | None) -> str | None:
+    """The name of a recovery action code (``code_<n>`` for one this version does not know)."""
+    if code is None:
+        return None
+    return RECOVERY_ACTIONS.get(code, f"code_{code}")
+
+
 @dataclass(frozen=True, slots=True)
 class RemappedRows:
     """A GPU's row remapper (Ampere and later, ``nvmlDeviceGetRemappedRows``): rows of its
@@ -343,6 +366,8 @@ class DeviceSample:
     encoder_percent: float | None = None
     decoder_percent: float | None = None
     clocks_event_reasons: int | None = None
+    #: the driver's GPU recovery action (``RECOVERY_ACTIONS``; None: not reported, before R550)
+    recovery_action: int | None = None
     #: volatile ECC error counts (since the driver loaded), None without ECC (off, GeForce)
     ecc_errors_corrected: int | None = None
     ecc_errors_uncorrected: int | None = None

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from supervisor.journal import Event, rfc3339
-from supervisor.model import DeviceSample, ExitStatus, format_cpulist
+from supervisor.model import DeviceSample, ExitStatus, format_cpulist, recovery_action_name
 
 STATE_SCHEMA_VERSION = 1
 POSTMORTEM_SCHEMA_VERSION = 1
@@ -35,6 +35,7 @@ POSTMORTEM_REASONS = frozenset(
         "xid",
         "gpu_lost",
         "row_remap_failure",  # moved off a GPU whose row remapper failed (docs/healing.md)
+        "recovery_action",  # moved off a GPU the driver says needs a reset (docs/healing.md)
         "log_pattern",  # a sticky-error line; not in DESIGN.md section 8 (docs/healing.md)
         "drain",
         "start_timeout",
@@ -74,6 +75,7 @@ def device_object(
         "temperature_shutdown_celsius": d.temperature_shutdown_c,
         "throttle_reasons": None if throttle is None else list(throttle),
         "cpu_affinity": None if d.cpus is None else format_cpulist(d.cpus),
+        "recovery_action": recovery_action_name(d.recovery_action),
         "ecc_errors": (
             None
             if d.ecc_errors_corrected is None and d.ecc_errors_uncorrected is None

@@ -56,6 +56,8 @@ EVENTS_RETRY_S = 30.0
 HANDLE_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
+#: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h, R550 and later)
+_FI_RECOVERY_ACTION = 230
 #: How many times a process list is asked for when it answers INSUFFICIENT_SIZE: processes
 #: started between pynvml's two calls (the count, then the list) and outgrew its buffer.
 LIST_TRIES = 3
@@ -445,7 +447,7 @@ class NvmlBackend:
             lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
             lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
         )
-        slowdown, shutdown = self._thresholds(i, h)
+        slowdown, shutdown, recovery = self._field_values(i, h)
         power = q(i, "power", lambda: pynvml.nvmlDeviceGetPowerUsage(h))
         limit = q(i, "power_limit", lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h))
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
@@ -496,6 +498,7 @@ class NvmlBackend:
             encoder_percent=None if enc is None else float(enc[0]),
             decoder_percent=None if dec is None else float(dec[0]),
             clocks_event_reasons=None if clocks is None else int(clocks),
+            recovery_action=recovery,
             ecc_errors_corrected=None if ecc is None else ecc[0],
             ecc_errors_uncorrected=None if ecc is None else ecc[1],
             remapped_rows=(
@@ -507,26 +510,34 @@ class NvmlBackend:
             cpus=ident.cpus,
         )
 
-    def _thresholds(self, i: int, h: Any) -> tuple[float | None, float | None]:
-        """Slowdown and shutdown temperatures: from field values where the driver has them,
-        else (older GPUs answer those fields NOT_SUPPORTED) from the threshold queries."""
-        slowdown: float | None = None
-        shutdown: float | None = None
-        if self._threshold_fields and (i, "threshold_fields") not in self._unsupported:
-            values = self._query(
-                i,
-                "threshold_fields",
-                lambda: pynvml.nvmlDeviceGetFieldValues(h, [_FI_SLOWDOWN, _FI_SHUTDOWN]),
-            )
-            if values is not None:
-                slowdown, shutdown = _field_number(values[0]), _field_number(values[1])
-                if all(int(v.nvmlReturn) in UNSUPPORTED_CODES for v in values):
-                    self._unsupported.add((i, "threshold_fields"))  # the queries from now on
+    def _field_values(self, i: int, h: Any) -> tuple[float | None, float | None, int | None]:
+        """Slowdown and shutdown temperatures and the GPU recovery action, in one
+        ``nvmlDeviceGetFieldValues`` call: the temperatures from their fields where the driver
+        has them, else (older GPUs answer those fields NOT_SUPPORTED) from the threshold
+        queries; the recovery action (R550 and later: what the driver says the GPU needs
+        after an error) None where the field is not there."""
+        thresholds = (i, "threshold_fields") not in self._unsupported
+        recovery = (i, "recovery_action") not in self._unsupported
+        ids = [_FI_SLOWDOWN, _FI_SHUTDOWN] if thresholds else []
+        ids += [_FI_RECOVERY_ACTION] if recovery else []
+        got: dict[int, Any] = {}
+        if self._threshold_fields and ids:
+            values = self._query(i, "field_values", lambda: pynvml.nvmlDeviceGetFieldValues(h, ids))
+            got = {int(v.fieldId): v for v in values or ()}
+            for field, wanted, of in (
+                ("threshold_fields", thresholds, (_FI_SLOWDOWN, _FI_SHUTDOWN)),
+                ("recovery_action", recovery, (_FI_RECOVERY_ACTION,)),
+            ):
+                if wanted and got and all(int(got[f].nvmlReturn) in UNSUPPORTED_CODES for f in of):
+                    self._unsupported.add((i, field))  # not asked for again
+        slowdown = _field_number(got[_FI_SLOWDOWN]) if _FI_SLOWDOWN in got else None
+        shutdown = _field_number(got[_FI_SHUTDOWN]) if _FI_SHUTDOWN in got else None
+        action = _field_number(got[_FI_RECOVERY_ACTION]) if _FI_RECOVERY_ACTION in got else None
         if slowdown is None:
             slowdown = self._threshold(i, h, "threshold_slowdown", _SLOWDOWN)
         if shutdown is None:
             shutdown = self._threshold(i, h, "threshold_shutdown", _SHUTDOWN)
-        return slowdown, shutdown
+        return slowdown, shutdown, None if action is None else int(action)
 
     def _threshold(self, i: int, h: Any, field: str, which: int) -> float | None:
         value = self._query(i, field, lambda: pynvml.nvmlDeviceGetTemperatureThreshold(h, which))

@@ -59,6 +59,7 @@ DEFAULTS: Mapping[str, str] = {
     "remapped_rows_uncorrectable": "0",
     "remapped_rows_pending": "0",
     "remapped_rows_failure": "0",
+    "recovery_action": "0",
     "lost": "0",
 }
 
@@ -374,6 +375,7 @@ class SimBackend:
             free = total - used
         thresholds_ok = dev.rc("thresholds") is None
         clocks = field("clocks", "clocks_event_reasons")
+        recovery = field("recovery_action", "recovery_action")
         corrected = field("ecc", "ecc_corrected")
         uncorrected = field("ecc", "ecc_uncorrected")
         return DeviceSample(
@@ -392,6 +394,7 @@ class SimBackend:
             encoder_percent=field("encoder", "encoder_percent"),
             decoder_percent=field("decoder", "decoder_percent"),
             clocks_event_reasons=None if clocks is None else int(clocks),
+            recovery_action=None if recovery is None else int(recovery),
             ecc_errors_corrected=None if corrected is None else int(corrected),
             ecc_errors_uncorrected=None if uncorrected is None else int(uncorrected),
             remapped_rows=dev.remapped_rows(),

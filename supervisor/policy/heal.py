@@ -40,6 +40,7 @@ FindingKind = Literal[
     "gpu_lost",  # GPU: stopped answering: same as device-fatal
     "row_remap_failure",  # GPU: its row remapper failed (a bad row it cannot replace): same
     "row_remap_pending",  # GPU: a row remap waits for its next reset: alert only
+    "recovery_action",  # GPU: the driver says it needs a reset or a reboot (or P2P drained)
     "thermal",  # GPU: hot or power-braked for long enough
     "thermal_cleared",  # GPU: cool again
 ]
@@ -68,6 +69,7 @@ GPU_FINDINGS: frozenset[str] = frozenset(
         "gpu_lost",
         "row_remap_failure",
         "row_remap_pending",
+        "recovery_action",
         "thermal",
         "thermal_cleared",
     }
@@ -85,6 +87,7 @@ REASON: Mapping[str, str] = {
     "gpu_lost": "gpu_lost",
     "row_remap_failure": "row_remap_failure",
     "row_remap_pending": "row_remap_pending",
+    "recovery_action": "recovery_action",
     "thermal": "thermal",
     "thermal_cleared": "thermal",
 }
@@ -98,7 +101,24 @@ COOLED: frozenset[str] = frozenset({"alert", *DISRUPTIVE})
 #: A worker-fatal XID is not one when several workers share the GPU (it is one process's fault,
 #: NVML does not say whose: its siblings wait), but it is for the one worker running on the GPU
 #: (:func:`_sole_on`): its CUDA context is gone.
-BROKEN: frozenset[str] = frozenset({"xid_device", "gpu_lost", "row_remap_failure", "log_pattern"})
+BROKEN: frozenset[str] = frozenset(
+    {"xid_device", "gpu_lost", "row_remap_failure", "recovery_action", "log_pattern"}
+)
+#: The driver's recovery actions (``evidence["recovery_action"]`` of a ``recovery_action``
+#: finding) after which nothing on the GPU works until it is reset or the machine rebooted
+#: (NVIDIA: "terminate all GPU processes"): quarantined as after a device-fatal XID. The
+#: others (``drain_p2p``: quiesce peer-to-peer traffic, then ask again; one this version does
+#: not know) are alerts.
+RECOVERY_QUARANTINES: frozenset[str] = frozenset(
+    {
+        "gpu_reset",
+        "drain_and_reset",
+        "bus_reset",
+        "node_reboot",
+        "system_reboot",
+        "recover_imex_domain",
+    }
+)
 #: A leak projected to run out of memory within this long is acted on whatever
 #: ``max_unavailable`` says: the worker is about to die of it anyway, and waiting only turns a
 #: drain into a crash (requests in flight lost; on a shared GPU, its neighbours' allocations
@@ -248,9 +268,13 @@ def candidate_acts(
     acts: list[Act] = []
     if f.kind == "xid_worker":
         acts += [act("restart", n) for n in on_gpu]
-    elif f.kind in ("xid_device", "gpu_lost", "row_remap_failure"):
+    elif f.kind in ("xid_device", "gpu_lost", "row_remap_failure") or (
+        f.kind == "recovery_action" and f.evidence.get("recovery_action") in RECOVERY_QUARANTINES
+    ):
         acts.append(act("quarantine"))
         acts += [act("drain", n) for n in on_gpu]
+    elif f.kind == "recovery_action":
+        acts.append(act("alert"))
     elif f.kind == "row_remap_pending":
         # NVIDIA: running work is unaffected and new work may start; the remap takes effect
         # at the GPU's next reset, which only an operator can choose the moment of

@@ -111,7 +111,9 @@ typedef enum {
 #define NVML_FI_DEV_TEMPERATURE_SLOWDOWN_TLIMIT 194u
 #define NVML_FI_DEV_TEMPERATURE_MEM_MAX_TLIMIT 195u
 #define NVML_FI_DEV_TEMPERATURE_GPU_MAX_TLIMIT 196u
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230u
 
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1u
 #define NVML_VALUE_TYPE_SIGNED_INT 5u
 
 #define NVML_CLOCK_GRAPHICS 0u
@@ -500,6 +502,7 @@ struct device_info {
     unsigned int remapped_rows_uncorrectable;
     unsigned int remapped_rows_pending;
     unsigned int remapped_rows_failure;
+    unsigned int recovery_action; /* field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION */
     unsigned int lost;
     unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
     /* the process list grows between NVML's two calls: that many calls with a buffer answer
@@ -538,6 +541,7 @@ static const struct kv_field DEVICE_FIELDS[] = {
              remapped_rows_uncorrectable),
     KV_FIELD("remapped_rows_pending", KV_U32, struct device_info, remapped_rows_pending),
     KV_FIELD("remapped_rows_failure", KV_U32, struct device_info, remapped_rows_failure),
+    KV_FIELD("recovery_action", KV_U32, struct device_info, recovery_action),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
     KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
     KV_FIELD("procs_race", KV_U32, struct device_info, procs_race),
@@ -1902,6 +1906,10 @@ static void fill_field(const struct device_info *d, nvmlFieldValue_t *v, int64_t
         break;
     case NVML_FI_DEV_TEMPERATURE_GPU_MAX_TLIMIT:
         v->value.siVal = (int)d->temperature_gpu_max_c;
+        break;
+    case NVML_FI_DEV_GET_GPU_RECOVERY_ACTION:
+        v->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+        v->value.uiVal = d->recovery_action;
         break;
     default:
         v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;

@@ -933,19 +933,21 @@ def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_li
         assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
 
 
-def test_both_backends_read_ecc_and_the_row_remapper_alike(
+def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(
     tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
-    """ECC counts and the row remapper in the device object (and the `gpus` table's HEALTH)
+    """ECC counts, the row remapper and the driver's recovery action in the device object (and
+    the `gpus` table's HEALTH)
     through both backends; a GPU without them (NOT_SUPPORTED: ECC off, pre-Ampere) has null,
     never zeros."""
     world = tmp_path / "sim"
     SimBackend(world, 3).open()
     with open(world / "gpus" / "0", "a") as fh:
         fh.write("ecc_corrected 7\necc_uncorrected 1\nremapped_rows_correctable 2\n")
-        fh.write("remapped_rows_uncorrectable 1\nremapped_rows_pending 1\n")
+        fh.write("remapped_rows_uncorrectable 1\nremapped_rows_pending 1\nrecovery_action 3\n")
     with open(world / "gpus" / "1", "a") as fh:
         fh.write("rc_nvmlDeviceGetTotalEccErrors 3\nrc_nvmlDeviceGetRemappedRows 3\n")
+        fh.write("rc_nvmlDeviceGetFieldValues 3\n")
     with open(world / "gpus" / "2", "a") as fh:
         fh.write("remapped_rows_uncorrectable 4\nremapped_rows_failure 1\n")
     for name in ("sim", "nvml"):
@@ -958,7 +960,8 @@ def test_both_backends_read_ecc_and_the_row_remapper_alike(
             "failure": False,
         }, name
         assert (d1["ecc_errors"], d1["remapped_rows"]) == (None, None), name
-        assert d2["remapped_rows"]["failure"] is True, name
+        assert (d0["recovery_action"], d1["recovery_action"]) == ("drain_p2p", None), name
+        assert d2["remapped_rows"]["failure"] is True and d2["recovery_action"] == "none", name
         table = subprocess.run(
             [sys.executable, "-m", "supervisor", "gpus", "--backend", name]
             + (["--sim-dir", str(world)] if name == "sim" else []),
@@ -974,10 +977,15 @@ def test_both_backends_read_ecc_and_the_row_remapper_alike(
         ).stdout.splitlines()
         health = [re.split(r"\s{2,}", row.strip())[-2] for row in table[1:]]
         assert health == [
-            "ok, reset pending (row remap)",
+            "ok, reset pending (row remap), recovery action drain_p2p",
             "ok",
             "UNHEALTHY (row remap failed)",
         ], table
+    # a driver before R550 (the field unknown): null, the temperatures from the fields still
+    with open(world / "gpus" / "2", "a") as fh:
+        fh.write("rc_field_230 3\n")
+    d2 = gpus_on_nvml(world, fake_nvml_libdir)[2]
+    assert d2["recovery_action"] is None and d2["temperature_slowdown_celsius"] == 87, d2
 
 
 def test_a_gpu_whose_row_remap_failed_is_quarantined_and_its_worker_moved(

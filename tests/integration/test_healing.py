@@ -507,6 +507,36 @@ def test_a_row_remap_failure_while_running_moves_the_worker_with_a_postmortem(
     assert sup.stop() == 0
 
 
+def test_a_recovery_action_of_a_reset_moves_the_worker_off_the_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The driver says GPU 0 needs a reset (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, after an
+    XID 154 say): the GPU is quarantined and g-0 drained and started on GPU 1 (reason
+    ``recovery_action``, its post-mortem naming the action); the metric names it."""
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}))
+    sup.ready("g-0")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, recovery_action=1)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark)
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+    assert moved["new_gpus"] == [UUID1]
+    doc = postmortem(sup, "recovery_action")
+    assert doc["evidence"]["recovery_action"] == "gpu_reset", doc
+    sup.ready("g-0", after=mark)
+    with sup.api() as api:
+        gpu0 = api.get("/api/v1/gpu/status").json()["devices"][0]
+        metrics = api.get("/metrics").text
+    assert (gpu0["recovery_action"], gpu0["quarantined"]) == ("gpu_reset", True), gpu0
+    actions = {
+        s.labels["action"]: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "gpu_supervisor_gpu_recovery_action" and s.labels["gpu"] == "0"
+    }
+    assert actions["gpu_reset"] == 1.0 and actions["none"] == 0.0, actions
+    assert sup.stop() == 0
+
+
 def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

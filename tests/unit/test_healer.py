@@ -677,3 +677,39 @@ def test_a_pending_row_remap_is_an_alert_once_and_touches_no_worker() -> None:
     _rows(host, GPUS[1], pending=True)
     host.tick(healer, 70.0)
     assert host.actions_total == {("alert", "row_remap_pending"): 2}
+
+
+def _recovery(host: Host, gpu: str, code: int) -> None:
+    host.devices[gpu] = replace(host.devices[gpu], recovery_action=code)
+
+
+def test_a_recovery_action_of_a_reset_quarantines_the_gpu_when_it_changes() -> None:
+    """The driver's recovery action (R550+): ``gpu_reset`` quarantines GPU-0 and drains both
+    its workers at once (nothing there works until the reset), reason ``recovery_action``;
+    the same action at the next samples is not acted on again (an operator's lift holds);
+    ``none`` after the reset lifts nothing by itself; ``drain_p2p`` and a code this version
+    does not know are alerts only."""
+    a0, a1 = Runner("a-0", GPUS[0]), Runner("a-1", GPUS[0])
+    host, healer = setup("derate", a0, a1)
+    _recovery(host, GPUS[0], 0)
+    host.tick(healer)
+    assert host.actions_total == {}
+    _recovery(host, GPUS[0], 1)
+    host.tick(healer)
+    assert "gpu reset" in healer.state.quarantined[GPUS[0]]
+    drain = lc.Drain(restart=True, reason=ExitReason.RECOVERY_ACTION)
+    assert a0.posted == [drain] and a1.posted == [drain]
+    assert healer.lift_quarantine(GPUS[0]) is not None
+    host.tick(healer)
+    assert GPUS[0] not in healer.state.quarantined
+    _recovery(host, GPUS[0], 0)
+    host.tick(healer)
+    for code in (3, 9):
+        _recovery(host, GPUS[0], code)
+        host.tick(healer, 70.0)
+    assert host.actions_total == {
+        ("quarantine", "recovery_action"): 1,
+        ("drain", "recovery_action"): 2,
+        ("alert", "recovery_action"): 2,
+    }
+    assert GPUS[0] not in healer.state.quarantined
