@@ -45,7 +45,7 @@ def bare():
         pynvml.nvmlDeviceGetMemoryInfo(h, pynvml.nvmlMemory_v2)
         pynvml.nvmlDeviceGetUtilizationRates(h)
         pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
-        pynvml.nvmlDeviceGetFieldValues(h, [194, 193])
+        pynvml.nvmlDeviceGetFieldValues(h, FIELDS)
         pynvml.nvmlDeviceGetPowerUsage(h)
         pynvml.nvmlDeviceGetEnforcedPowerLimit(h)
         pynvml.nvmlDeviceGetEncoderUtilization(h)
@@ -65,6 +65,8 @@ _nvml = sys.modules["supervisor.backends.nvml"]
 GRAPHICS = hasattr(_nvml, "_processes")
 MPS = GRAPHICS and "mps" in inspect.signature(_nvml._processes).parameters
 ECC = hasattr(_nvml, "_ecc_counts")
+# the recovery action is read in the thresholds' call (one more field, no more calls)
+FIELDS = [194, 193, 230] if hasattr(_nvml, "_FI_RECOVERY_ACTION") else [194, 193]
 refs = {f"w-{i}": WorkerRef(pid, (ids[i % len(ids)].uuid,)) for i, pid in enumerate(pids)}
 sampler = Sampler(lambda: backend, 0.5, lambda: refs, lambda s: None, lambda e: None)
 sampler.backend = backend; sampler.available = True; sampler.identities = ids

@@ -176,6 +176,8 @@ class NvmlBackend:
         self._threshold_fields = True
         self._clocks_event = True  # nvmlDeviceGetCurrentClocksEventReasons is there
         self._older: set[tuple[int, str]] = set()  # (GPU, field) answered by the older call
+        #: GPU -> the field ids its field-values call asks for (those not found unsupported)
+        self._field_ids: dict[int, list[int]] = {}
         self._event_set: Any = None
         #: Why no event set could be made (None: made, or no GPU supports XID events), and
         #: when to try again: a passing failure must not leave XIDs unwatched for good.
@@ -515,24 +517,44 @@ class NvmlBackend:
         ``nvmlDeviceGetFieldValues`` call: the temperatures from their fields where the driver
         has them, else (older GPUs answer those fields NOT_SUPPORTED) from the threshold
         queries; the recovery action (R550 and later: what the driver says the GPU needs
-        after an error) None where the field is not there."""
-        thresholds = (i, "threshold_fields") not in self._unsupported
-        recovery = (i, "recovery_action") not in self._unsupported
-        ids = [_FI_SLOWDOWN, _FI_SHUTDOWN] if thresholds else []
-        ids += [_FI_RECOVERY_ACTION] if recovery else []
-        got: dict[int, Any] = {}
+        after an error) None where the field is not there. A field answered NOT_SUPPORTED is
+        not asked for again (every tick pays for this call: kept lean)."""
+        slowdown = shutdown = action = None
+        ids = self._field_ids.get(i)
+        if ids is None:
+            ids = self._field_ids[i] = [
+                *(
+                    (_FI_SLOWDOWN, _FI_SHUTDOWN)
+                    if (i, "threshold_fields") not in self._unsupported
+                    else ()
+                ),
+                *(
+                    (_FI_RECOVERY_ACTION,)
+                    if (i, "recovery_action") not in self._unsupported
+                    else ()
+                ),
+            ]
         if self._threshold_fields and ids:
             values = self._query(i, "field_values", lambda: pynvml.nvmlDeviceGetFieldValues(h, ids))
-            got = {int(v.fieldId): v for v in values or ()}
-            for field, wanted, of in (
-                ("threshold_fields", thresholds, (_FI_SLOWDOWN, _FI_SHUTDOWN)),
-                ("recovery_action", recovery, (_FI_RECOVERY_ACTION,)),
-            ):
-                if wanted and got and all(int(got[f].nvmlReturn) in UNSUPPORTED_CODES for f in of):
-                    self._unsupported.add((i, field))  # not asked for again
-        slowdown = _field_number(got[_FI_SLOWDOWN]) if _FI_SLOWDOWN in got else None
-        shutdown = _field_number(got[_FI_SHUTDOWN]) if _FI_SHUTDOWN in got else None
-        action = _field_number(got[_FI_RECOVERY_ACTION]) if _FI_RECOVERY_ACTION in got else None
+            unsupported: set[int] = set()
+            for v in values or ():
+                if v.nvmlReturn:
+                    if int(v.nvmlReturn) in UNSUPPORTED_CODES:
+                        unsupported.add(int(v.fieldId))
+                    continue
+                fid = v.fieldId
+                if fid == _FI_SLOWDOWN:
+                    slowdown = _field_number(v)
+                elif fid == _FI_SHUTDOWN:
+                    shutdown = _field_number(v)
+                elif fid == _FI_RECOVERY_ACTION:
+                    action = _field_number(v)
+            if unsupported:
+                if {_FI_SLOWDOWN, _FI_SHUTDOWN} <= unsupported:
+                    self._unsupported.add((i, "threshold_fields"))  # the queries from now on
+                if _FI_RECOVERY_ACTION in unsupported:
+                    self._unsupported.add((i, "recovery_action"))
+                self._field_ids.pop(i, None)
         if slowdown is None:
             slowdown = self._threshold(i, h, "threshold_slowdown", _SLOWDOWN)
         if shutdown is None:
