@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from supervisor.backends.sim import write_atomic
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, worker_cmd
 from tests.tools import REQUIRE_ENV, require_tool, tools_required
@@ -324,6 +325,18 @@ def test_page_shows_workers_gpus_and_follows_a_state_change(
         assert cells[0] == str(index) and cells[1] == "Simulated GPU"
         assert "/ 80.0 GiB" in cells[3]
         assert "healthy" in cells[7]
+    # GPU 1's row remap waits for a reset and the driver asks for P2P to be drained (alerts:
+    # nothing moves): both are flagged
+    gpu1 = tmp_path / "sim" / "gpus" / "1"
+    write_atomic(gpu1, gpu1.read_text() + "remapped_rows_pending 1\nrecovery_action 3\n")
+    wait_for(
+        browser,
+        "GPU 1's reset pending and recovery action",
+        lambda: (
+            "reset pending" in gpu_rows(browser)[1][7]
+            and "needs drain p2p" in gpu_rows(browser)[1][7]
+        ),
+    )
     # The GPU workers' memory (300 MiB each) and a sparkline of at least two polled samples.
     wait_for(
         browser,
