@@ -268,6 +268,8 @@ def _gpu_health(d: DeviceSample) -> str:
     if action in RECOVERY_QUARANTINES:
         return f"UNHEALTHY (needs {action})"
     health = "ok, reset pending (row remap)" if rows is not None and rows.pending else "ok"
+    if d.retired_pages_pending:
+        health = "ok, reset pending (retired pages)"
     return health if action in (None, "none") else f"{health}, recovery action {action}"
 
 

@@ -705,6 +705,8 @@ def _health(d: Mapping[str, Any]) -> str:
     health = "HOT" if d.get("hot") else "ok"
     if (d.get("remapped_rows") or {}).get("pending"):
         health += ", reset pending (row remap)"
+    if d.get("retired_pages_pending"):
+        health += ", reset pending (retired pages)"
     if d.get("recovery_action") not in (None, "none"):
         health += f", recovery action {d['recovery_action']}"
     return health

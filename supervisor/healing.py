@@ -203,7 +203,7 @@ class Healer:
         self.need_mb: dict[str, float] = {}
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
-        #: (finding kind, GPU) of the row remapper's flags that are on (acted on once)
+        #: (finding kind, GPU) of the memory-error flags that are on (acted on once)
         self._remap_flags: set[tuple[str, str]] = set()
         #: GPU -> the recovery action code last read (acted on when it changes)
         self._recovery: dict[str, int] = {}
@@ -655,6 +655,17 @@ class Healer:
             self._lost.discard(d.uuid)
             if d.remapped_rows is not None:
                 self._judge_rows(d, d.remapped_rows)
+            if d.retired_pages_pending is not None:
+                self._flag(
+                    d.retired_pages_pending,
+                    Finding(
+                        "retired_pages_pending",
+                        f"GPU {d.index}: retired pages wait for a reset (reset the GPU when it "
+                        "can be emptied)",
+                        gpu=d.uuid,
+                        evidence={"gpu_index": d.index, "retired_pages_pending": True},
+                    ),
+                )
             self._judge_recovery(d)
             track = self.state.thermal.get(d.uuid, ThermalTrack())
             track, change = thermal_step(track, d, now, settings)
@@ -728,12 +739,17 @@ class Healer:
             ),
         )
         for on, finding in flags:
-            if not on:
-                self._remap_flags.discard(finding.key)
-                self._pending.pop(finding.key, None)
-            elif finding.key not in self._remap_flags:
-                self._remap_flags.add(finding.key)
-                self._add(finding)
+            self._flag(on, finding)
+
+    def _flag(self, on: bool, finding: Finding) -> None:
+        """A GPU's flag ``finding`` stands for: acted on when it turns on (or is on at the
+        first sample), not again while it stays on."""
+        if not on:
+            self._remap_flags.discard(finding.key)
+            self._pending.pop(finding.key, None)
+        elif finding.key not in self._remap_flags:
+            self._remap_flags.add(finding.key)
+            self._add(finding)
 
     def _judge_recovery(self, d: DeviceSample) -> None:
         """The driver's recovery action for the GPU (R550 and later), acted on when it changes

@@ -111,6 +111,11 @@ class RuntimeCollector(Collector):
             "1 when a row remap failed (the GPU is quarantined; replace it if it comes again).",
             GPU_LABELS,
         )
+        retired = _gauge(
+            "gpu_retired_pages_pending",
+            "1 while pages retired for ECC errors wait for the GPU's next reset (before Ampere).",
+            GPU_LABELS,
+        )
         recovery = _gauge(
             "gpu_recovery_action",
             "1 for the recovery action the driver says the GPU needs now (none: 1 when it needs "
@@ -140,6 +145,8 @@ class RuntimeCollector(Collector):
                     reason.add_metric([*labels, name], float(name in active))
             healthy.add_metric(labels, float(d.healthy and d.uuid not in quarantined))
             cordoned.add_metric(labels, float(d.uuid in rt.cordoned))
+            if d.retired_pages_pending is not None:
+                retired.add_metric(labels, float(d.retired_pages_pending))
             action = recovery_action_name(d.recovery_action)
             if action is not None:
                 for name in (
@@ -160,7 +167,7 @@ class RuntimeCollector(Collector):
             labels = labels_of.get(gpu, [gpu, gpu if gpu.startswith("GPU-") else "", ""])
             xid.add_metric([*labels, str(code)], count)
         yield from (util, used, total, temp, power, throttled, reason, healthy, cordoned, xid)
-        yield from (ecc, rows, remap_pending, remap_failure, recovery)
+        yield from (ecc, rows, remap_pending, remap_failure, retired, recovery)
 
     def _workers(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime

@@ -372,6 +372,9 @@ class DeviceSample:
     ecc_errors_corrected: int | None = None
     ecc_errors_uncorrected: int | None = None
     remapped_rows: RemappedRows | None = None  # None: no row remapper (pre-Ampere, MIG)
+    #: pages retired for ECC errors wait for a reset or driver reload (before Ampere: page
+    #: retirement; None where the GPU has none, Ampere and later included)
+    retired_pages_pending: bool | None = None
     processes: tuple[GpuProcess, ...] | None = None  # None: the process list is unavailable
     cpus: tuple[int, ...] | None = None  # the CPUs close to it (DeviceIdentity.cpus)
 

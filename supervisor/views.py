@@ -89,6 +89,7 @@ def device_object(
             "pending": rows.pending,
             "failure": rows.failure,
         },
+        "retired_pages_pending": d.retired_pages_pending,
         "healthy": d.healthy and quarantined is None,
         "error": d.error if quarantined is None else d.error or f"quarantined: {quarantined}",
         "cordoned": cordoned,

@@ -66,6 +66,7 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
     "clocks": ("nvmlDeviceGetCurrentClocksEventReasons",),
     "ecc": ("nvmlDeviceGetTotalEccErrors",),
     "remapped_rows": ("nvmlDeviceGetRemappedRows",),
+    "retired_pages": ("nvmlDeviceGetRetiredPagesPendingStatus",),
     "recovery_action": ("nvmlDeviceGetFieldValues",),
     "cpu_affinity": ("nvmlDeviceGetCpuAffinity",),
     "processes": (

@@ -457,6 +457,11 @@ class NvmlBackend:
         clocks = q(i, "clocks", lambda: self._clock_reasons(h))
         ecc = q(i, "ecc", lambda: _ecc_counts(h))
         rows = q(i, "remapped_rows", lambda: pynvml.nvmlDeviceGetRemappedRows(h))
+        retired = (
+            None  # Ampere and later remap rows instead: not asked
+            if rows is not None
+            else q(i, "retired_pages", lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h))
+        )
         procs = v(
             i,
             "processes",
@@ -508,6 +513,7 @@ class NvmlBackend:
                 if rows is None
                 else RemappedRows(int(rows[0]), int(rows[1]), bool(rows[2]), bool(rows[3]))
             ),
+            retired_pages_pending=None if retired is None else bool(retired),
             processes=processes,
             cpus=ident.cpus,
         )

@@ -60,6 +60,7 @@ DEFAULTS: Mapping[str, str] = {
     "remapped_rows_pending": "0",
     "remapped_rows_failure": "0",
     "recovery_action": "0",
+    "retired_pages_pending": "0",
     "lost": "0",
 }
 
@@ -376,6 +377,8 @@ class SimBackend:
         thresholds_ok = dev.rc("thresholds") is None
         clocks = field("clocks", "clocks_event_reasons")
         recovery = field("recovery_action", "recovery_action")
+        retired = field("retired_pages", "retired_pages_pending")
+        rows = dev.remapped_rows()
         corrected = field("ecc", "ecc_corrected")
         uncorrected = field("ecc", "ecc_uncorrected")
         return DeviceSample(
@@ -397,7 +400,9 @@ class SimBackend:
             recovery_action=None if recovery is None else int(recovery),
             ecc_errors_corrected=None if corrected is None else int(corrected),
             ecc_errors_uncorrected=None if uncorrected is None else int(uncorrected),
-            remapped_rows=dev.remapped_rows(),
+            remapped_rows=rows,
+            # as NVML is asked: page retirement only where the GPU has no row remapper
+            retired_pages_pending=None if rows is not None or retired is None else bool(retired),
             processes=(
                 None
                 if dev.rc("processes") is not None

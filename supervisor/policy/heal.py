@@ -40,6 +40,7 @@ FindingKind = Literal[
     "gpu_lost",  # GPU: stopped answering: same as device-fatal
     "row_remap_failure",  # GPU: its row remapper failed (a bad row it cannot replace): same
     "row_remap_pending",  # GPU: a row remap waits for its next reset: alert only
+    "retired_pages_pending",  # GPU (before Ampere): retired pages wait for a reset: alert
     "recovery_action",  # GPU: the driver says it needs a reset or a reboot (or P2P drained)
     "thermal",  # GPU: hot or power-braked for long enough
     "thermal_cleared",  # GPU: cool again
@@ -69,6 +70,7 @@ GPU_FINDINGS: frozenset[str] = frozenset(
         "gpu_lost",
         "row_remap_failure",
         "row_remap_pending",
+        "retired_pages_pending",
         "recovery_action",
         "thermal",
         "thermal_cleared",
@@ -87,6 +89,7 @@ REASON: Mapping[str, str] = {
     "gpu_lost": "gpu_lost",
     "row_remap_failure": "row_remap_failure",
     "row_remap_pending": "row_remap_pending",
+    "retired_pages_pending": "retired_pages_pending",
     "recovery_action": "recovery_action",
     "thermal": "thermal",
     "thermal_cleared": "thermal",
@@ -275,7 +278,7 @@ def candidate_acts(
         acts += [act("drain", n) for n in on_gpu]
     elif f.kind == "recovery_action":
         acts.append(act("alert"))
-    elif f.kind == "row_remap_pending":
+    elif f.kind in ("row_remap_pending", "retired_pages_pending"):
         # NVIDIA: running work is unaffected and new work may start; the remap takes effect
         # at the GPU's next reset, which only an operator can choose the moment of
         acts.append(act("alert"))

@@ -503,6 +503,7 @@ struct device_info {
     unsigned int remapped_rows_pending;
     unsigned int remapped_rows_failure;
     unsigned int recovery_action; /* field 230, NVML_FI_DEV_GET_GPU_RECOVERY_ACTION */
+    unsigned int retired_pages_pending;
     unsigned int lost;
     unsigned int hang_ms; /* every call about this device takes this long (a hung driver) */
     /* the process list grows between NVML's two calls: that many calls with a buffer answer
@@ -542,6 +543,7 @@ static const struct kv_field DEVICE_FIELDS[] = {
     KV_FIELD("remapped_rows_pending", KV_U32, struct device_info, remapped_rows_pending),
     KV_FIELD("remapped_rows_failure", KV_U32, struct device_info, remapped_rows_failure),
     KV_FIELD("recovery_action", KV_U32, struct device_info, recovery_action),
+    KV_FIELD("retired_pages_pending", KV_U32, struct device_info, retired_pages_pending),
     KV_FIELD("lost", KV_U32, struct device_info, lost),
     KV_FIELD("hang_ms", KV_U32, struct device_info, hang_ms),
     KV_FIELD("procs_race", KV_U32, struct device_info, procs_race),
@@ -2079,6 +2081,20 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned in
     if (eccCounts == NULL || errorType > 1 || counterType > 1)
         return NVML_ERROR_INVALID_ARGUMENT;
     *eccCounts = errorType == 0 ? d.ecc_corrected : d.ecc_uncorrected;
+    return NVML_SUCCESS;
+}
+
+/* Page retirement (before Ampere): retired pages wait for a reset or a driver reload (0/1). */
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device,
+                                                           unsigned int *isPending)
+{
+    struct device_info d;
+    nvmlReturn_t ret = device_begin(device, __func__, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (isPending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isPending = d.retired_pages_pending != 0;
     return NVML_SUCCESS;
 }
 

@@ -32,6 +32,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.backends.sim import SimBackend
 from supervisor.config import Settings, parse_listen, parse_settings
 from supervisor.errors import ConfigError
 from tests.conftest import SupervisorFactory
@@ -612,6 +613,9 @@ def test_artifacts_match_a_real_scrape(supervisor: SupervisorFactory, tmp_path: 
     """Every metric and label of the dashboard, the rules and KEDA is in a real exposition; the
     Deployment's preStop script drains a group of a running supervisor."""
     sim_dir = tmp_path / "sim"
+    SimBackend(sim_dir, 2).open()
+    with open(sim_dir / "gpus" / "1", "a") as fh:  # a GPU from before Ampere: no row remapper
+        fh.write("rc_nvmlDeviceGetRemappedRows 3\n")
     common = {"stop_timeout_s": 2, "log_passthrough": True, "restart": {"stable_s": 0.1}}
     sup = supervisor(
         {

@@ -936,8 +936,8 @@ def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_li
 def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(
     tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
-    """ECC counts, the row remapper and the driver's recovery action in the device object (and
-    the `gpus` table's HEALTH)
+    """ECC counts, the row remapper (or page retirement) and the driver's recovery action in the
+    device object (and the `gpus` table's HEALTH)
     through both backends; a GPU without them (NOT_SUPPORTED: ECC off, pre-Ampere) has null,
     never zeros."""
     world = tmp_path / "sim"
@@ -947,7 +947,7 @@ def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(
         fh.write("remapped_rows_uncorrectable 1\nremapped_rows_pending 1\nrecovery_action 3\n")
     with open(world / "gpus" / "1", "a") as fh:
         fh.write("rc_nvmlDeviceGetTotalEccErrors 3\nrc_nvmlDeviceGetRemappedRows 3\n")
-        fh.write("rc_nvmlDeviceGetFieldValues 3\n")
+        fh.write("rc_nvmlDeviceGetFieldValues 3\nretired_pages_pending 1\n")  # before Ampere
     with open(world / "gpus" / "2", "a") as fh:
         fh.write("remapped_rows_uncorrectable 4\nremapped_rows_failure 1\n")
     for name in ("sim", "nvml"):
@@ -961,6 +961,8 @@ def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(
         }, name
         assert (d1["ecc_errors"], d1["remapped_rows"]) == (None, None), name
         assert (d0["recovery_action"], d1["recovery_action"]) == ("drain_p2p", None), name
+        # page retirement only where there is no row remapper (as NVML is asked)
+        assert (d0["retired_pages_pending"], d1["retired_pages_pending"]) == (None, True), name
         assert d2["remapped_rows"]["failure"] is True and d2["recovery_action"] == "none", name
         table = subprocess.run(
             [sys.executable, "-m", "supervisor", "gpus", "--backend", name]
@@ -978,7 +980,7 @@ def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(
         health = [re.split(r"\s{2,}", row.strip())[-2] for row in table[1:]]
         assert health == [
             "ok, reset pending (row remap), recovery action drain_p2p",
-            "ok",
+            "ok, reset pending (retired pages)",
             "UNHEALTHY (row remap failed)",
         ], table
     # a driver before R550 (the field unknown): null, the temperatures from the fields still

@@ -679,6 +679,18 @@ def test_a_pending_row_remap_is_an_alert_once_and_touches_no_worker() -> None:
     assert host.actions_total == {("alert", "row_remap_pending"): 2}
 
 
+def test_retired_pages_pending_is_an_alert_once() -> None:
+    """Before Ampere: pages retired for ECC errors wait for a reset: one alert (reason
+    ``retired_pages_pending``), nothing else; again only after it cleared and came back."""
+    a0 = Runner("a-0", GPUS[1])
+    host, healer = setup("derate", a0)
+    for pending in (True, True, False, True):
+        host.devices[GPUS[1]] = replace(host.devices[GPUS[1]], retired_pages_pending=pending)
+        host.tick(healer, 70.0)
+    assert host.actions_total == {("alert", "retired_pages_pending"): 2}
+    assert a0.posted == [] and not healer.state.quarantined
+
+
 def _recovery(host: Host, gpu: str, code: int) -> None:
     host.devices[gpu] = replace(host.devices[gpu], recovery_action=code)
 
