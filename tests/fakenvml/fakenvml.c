@@ -2088,14 +2088,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, unsigned in
 EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device,
                                                            unsigned int *isPending)
 {
-    struct device_info d;
-    nvmlReturn_t ret = device_begin(device, __func__, &d);
-    if (ret != NVML_SUCCESS)
-        return ret;
-    if (isPending == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *isPending = d.retired_pages_pending != 0;
-    return NVML_SUCCESS;
+    return get_uint(device, __func__, isPending, offsetof(struct device_info, retired_pages_pending));
 }
 
 /* The row remapper (Ampere and later): rows remapped for correctable and uncorrectable
