@@ -58,6 +58,9 @@ _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
 #: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h, R550 and later)
 _FI_RECOVERY_ACTION = 230
+#: How often the memory-error counters and flags (ECC, row remapper, page retirement) are read
+#: (s); the sim backend reads its world at every sample.
+MEMORY_ERRORS_EVERY_S = 5.0
 #: How many times a process list is asked for when it answers INSUFFICIENT_SIZE: processes
 #: started between pynvml's two calls (the count, then the list) and outgrew its buffer.
 LIST_TRIES = 3
@@ -176,6 +179,8 @@ class NvmlBackend:
         self._threshold_fields = True
         self._clocks_event = True  # nvmlDeviceGetCurrentClocksEventReasons is there
         self._older: set[tuple[int, str]] = set()  # (GPU, field) answered by the older call
+        #: GPU -> when its memory-error readings are due again, and the last ones
+        self._memory_read: dict[int, tuple[float, tuple[Any, Any, Any]]] = {}
         #: GPU -> the field ids its field-values call asks for (those not found unsupported)
         self._field_ids: dict[int, list[int]] = {}
         self._event_set: Any = None
@@ -455,13 +460,7 @@ class NvmlBackend:
         enc = q(i, "encoder", lambda: pynvml.nvmlDeviceGetEncoderUtilization(h))
         dec = q(i, "decoder", lambda: pynvml.nvmlDeviceGetDecoderUtilization(h))
         clocks = q(i, "clocks", lambda: self._clock_reasons(h))
-        ecc = q(i, "ecc", lambda: _ecc_counts(h))
-        rows = q(i, "remapped_rows", lambda: pynvml.nvmlDeviceGetRemappedRows(h))
-        retired = (
-            None  # Ampere and later remap rows instead: not asked
-            if rows is not None
-            else q(i, "retired_pages", lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h))
-        )
+        ecc, rows, retired = self._memory_errors(i, h)
         procs = v(
             i,
             "processes",
@@ -517,6 +516,27 @@ class NvmlBackend:
             processes=processes,
             cpus=ident.cpus,
         )
+
+    def _memory_errors(self, i: int, h: Any) -> tuple[Any, Any, Any]:
+        """ECC counts, the row remapper and (before Ampere) page retirement: read at the first
+        sample and then every ``MEMORY_ERRORS_EVERY_S`` (they change once in months; three or
+        four driver calls a GPU at every tick would cost more than all they tell), the last
+        readings kept in between. The flags they carry are acted on by healing; the XIDs that
+        come with the errors themselves are delivered at once."""
+        now = self._clock()
+        kept = self._memory_read.get(i)
+        if kept is not None and now < kept[0]:
+            return kept[1]
+        q = self._query
+        ecc = q(i, "ecc", lambda: _ecc_counts(h))
+        rows = q(i, "remapped_rows", lambda: pynvml.nvmlDeviceGetRemappedRows(h))
+        retired = (
+            None  # Ampere and later remap rows instead: not asked
+            if rows is not None
+            else q(i, "retired_pages", lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(h))
+        )
+        self._memory_read[i] = (now + MEMORY_ERRORS_EVERY_S, (ecc, rows, retired))
+        return ecc, rows, retired
 
     def _field_values(self, i: int, h: Any) -> tuple[float | None, float | None, int | None]:
         """Slowdown and shutdown temperatures and the GPU recovery action, in one

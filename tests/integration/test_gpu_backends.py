@@ -1038,3 +1038,34 @@ def test_a_gpu_whose_row_remap_failed_is_quarantined_and_its_worker_moved(
     assert seen[("gpu_supervisor_gpu_row_remap_failure", "1", None)] == 0.0
     assert seen[("gpu_supervisor_gpu_ecc_errors_total", "1", "uncorrected")] == 1.0
     assert sup.stop() == 0
+
+
+def test_memory_errors_are_read_every_few_seconds_not_at_every_tick(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """The nvml backend reads ECC counts and the row remapper at the first sample, then every
+    MEMORY_ERRORS_EVERY_S (they change once in months; three driver calls a GPU at every tick
+    cost more than they tell): a pending remap written meanwhile shows once it is due."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    gpu0 = world / "gpus" / "0"
+    script = f"""
+import pathlib
+import supervisor.backends.nvml as n
+now = [100.0]
+b = n.NvmlBackend(clock=lambda: now[0])
+b.open()
+gpu0 = pathlib.Path({str(gpu0)!r})
+seen = [b.sample()[0].remapped_rows.pending]
+gpu0.write_text(gpu0.read_text() + "remapped_rows_pending 1\\necc_corrected 5\\n")
+now[0] += n.MEMORY_ERRORS_EVERY_S - 0.1
+d = b.sample()[0]
+seen.append((d.remapped_rows.pending, d.ecc_errors_corrected))
+now[0] += 0.2
+d = b.sample()[0]
+seen.append((d.remapped_rows.pending, d.ecc_errors_corrected))
+print("seen:", seen)
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "seen: [False, (False, 0), (True, 5)]" in out.stdout, out.stdout

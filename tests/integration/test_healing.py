@@ -358,8 +358,13 @@ def test_migrate_waits_for_a_cooler_gpu_and_never_places_onto_a_hot_one(
     sup = supervisor(config(tmp_path, group))
     assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
     mark = sup.mark()
-    for gpu in (0, 1):
-        set_gpu(tmp_path, gpu, temperature_c=86, temperature_slowdown_c=87)
+    # GPU 1 hot first, as the supervisor sees it. Regression (flaky): both heated one after
+    # the other, a sample taken between the two writes saw GPU 0 hot one sample before GPU 1,
+    # which was then still cool (its thermal_sustain_s not over): m-0 rightly migrated, and
+    # started on GPU 0 again as GPU 1 turned hot while it drained (worker.gpu_hot), no alert
+    set_gpu(tmp_path, 1, temperature_c=86, temperature_slowdown_c=87)
+    sup.wait_api("/api/v1/gpu/status", lambda s: s["devices"][1]["hot"])
+    set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
     alert = sup.wait_event(event="heal.action", action="alert", worker="m-0", after=mark)
     assert alert["evidence"]["migrate"] == "no cooler GPU has room", alert
     set_gpu(tmp_path, 1, temperature_c=40)
