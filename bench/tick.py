@@ -6,9 +6,9 @@ Builds the fake library (tests/fakenvml), writes a sim world with 8 devices and 
 (64 sleeping children of this script, 8 per GPU), then in a child process (ld.so reads
 LD_LIBRARY_PATH only at exec) times, interleaved in one run:
 
-- bare: the pynvml calls one tick needs, called directly (15 per device: 10 before the
-  graphics process list was read, 11 before the MPS clients' list was, 12 before the ECC
-  counts and the row remapper were);
+- bare: the pynvml calls one tick needs, called directly (12 per device: 10 before the
+  graphics process list was read, 11 before the MPS clients' list was; 15 while the ECC
+  counts and the row remapper were read at every tick, before they were read every 5 s);
 - backend: ``NvmlBackend.sample()`` (the same calls plus our error mapping and dataclasses);
 - tick: the sampler's whole blocking tick (backend + /proc trees of 64 workers + attribution).
 
@@ -64,7 +64,8 @@ import inspect
 _nvml = sys.modules["supervisor.backends.nvml"]
 GRAPHICS = hasattr(_nvml, "_processes")
 MPS = GRAPHICS and "mps" in inspect.signature(_nvml._processes).parameters
-ECC = hasattr(_nvml, "_ecc_counts")
+# the ECC counts and the repair flags: at every tick before they were read every 5 s
+ECC = hasattr(_nvml, "_ecc_counts") and not hasattr(_nvml, "MEMORY_ERRORS_EVERY_S")
 # the recovery action is read in the thresholds' call (one more field, no more calls)
 FIELDS = [194, 193, 230] if hasattr(_nvml, "_FI_RECOVERY_ACTION") else [194, 193]
 refs = {f"w-{i}": WorkerRef(pid, (ids[i % len(ids)].uuid,)) for i, pid in enumerate(pids)}
