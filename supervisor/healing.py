@@ -89,14 +89,27 @@ OOM_READ_EVERY_S = 2.0  # /proc/vmstat costs the kernel ~0.2 ms a read: not at e
 #: (the kernel's kill of a process with a large memory takes seconds to reap: unmapping it,
 #: tearing down its GPU context)
 OOM_GUARD_S = 5.0
-#: Reasons of findings about one process: a new process of the worker is judged afresh.
-#: (``xid`` too: a new process is only concerned by XIDs after its start, ``_came_after``, and
-#: one on the replacement within a minute of the last restart is news, not the same burst)
 #: A GPU that stays hot is looked at again for workers to migrate off it every
 #: ``thermal_sustain_s`` (10 s by default), and at most this often.
 MIGRATE_AGAIN_MIN_S = 1.0
+#: Reasons of findings about one process: a new process of the worker is judged afresh.
+#: (``xid`` too: a new process is only concerned by XIDs after its start, ``_came_after``, and
+#: one on the replacement within a minute of the last restart is news, not the same burst;
+#: ``gpu_lost``, ``row_remap_failure`` and ``recovery_action`` too: a worker moved off one GPU
+#: whose other GPU fails within the minute must move again, or it stays on a quarantined GPU
+#: for good)
 PER_PROCESS = frozenset(
-    {"leak", "gpu_memory_limit", "host_memory_limit", "log_pattern", "xid", "max_age"}
+    {
+        "leak",
+        "gpu_memory_limit",
+        "host_memory_limit",
+        "log_pattern",
+        "xid",
+        "gpu_lost",
+        "row_remap_failure",
+        "recovery_action",
+        "max_age",
+    }
 )
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.

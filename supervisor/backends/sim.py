@@ -170,10 +170,17 @@ class _Device:
 
     def rc(self, field: str) -> int | None:
         for fn in FIELD_FUNCTIONS[field]:
-            value = self.keys.get(f"rc_{fn}")
-            if value is not None:
-                with contextlib.suppress(ValueError):
-                    return int(value)
+            code = self.rc_of(fn)
+            if code is not None:
+                return code
+        return None
+
+    def rc_of(self, fn: str) -> int | None:
+        """The code the world makes NVML function ``fn`` fail with (None: it answers)."""
+        value = self.keys.get(f"rc_{fn}")
+        if value is not None:
+            with contextlib.suppress(ValueError):
+                return int(value)
         return None
 
 
@@ -374,7 +381,9 @@ class SimBackend:
             held = sum(p.used_mb or 0.0 for p in one_per_pid((*mine, *graphics, *mps)))
             used = min(total, base + held)
             free = total - used
-        thresholds_ok = dev.rc("thresholds") is None
+        # as NVML is asked: the field values, and the threshold queries where those fail
+        # (regression: either one failing made them null here, not through NVML)
+        thresholds_ok = any(dev.rc_of(fn) is None for fn in FIELD_FUNCTIONS["thresholds"])
         clocks = field("clocks", "clocks_event_reasons")
         recovery = field("recovery_action", "recovery_action")
         retired = field("retired_pages", "retired_pages_pending")

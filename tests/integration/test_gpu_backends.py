@@ -1069,3 +1069,34 @@ b.close()
 """
     out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "seen: [False, (False, 0), (True, 5)]" in out.stdout, out.stdout
+
+
+def test_both_backends_read_the_thresholds_where_one_of_their_two_calls_fails(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML reads the temperature thresholds from the field-values call (with the recovery
+    action), and from nvmlDeviceGetTemperatureThreshold where that call fails: GPU 0's
+    field-values call fails (its recovery action null, the way a world says "no recovery
+    action" through the sim), GPU 1's threshold query fails, GPU 2's both. Regression: the sim
+    made the thresholds null where either failed (GPU 0's thermal margin check lost there,
+    not through NVML)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 3).open()
+    for index, keys in enumerate(
+        (
+            "rc_nvmlDeviceGetFieldValues 999\n",
+            "rc_nvmlDeviceGetTemperatureThreshold 3\n",
+            "rc_nvmlDeviceGetFieldValues 3\nrc_nvmlDeviceGetTemperatureThreshold 3\n",
+        )
+    ):
+        with open(world / "gpus" / str(index), "a") as fh:
+            fh.write(keys)
+    seen = {}
+    for name in ("sim", "nvml"):
+        seen[name] = [
+            (d["temperature_slowdown_celsius"], d["temperature_shutdown_celsius"])
+            for d in gpus_on_nvml(world, fake_nvml_libdir, name)
+        ]
+        assert seen[name][2] == (None, None), (name, seen)
+        assert None not in (*seen[name][0], *seen[name][1]), (name, seen)
+    assert seen["sim"] == seen["nvml"], seen

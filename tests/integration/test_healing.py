@@ -542,6 +542,31 @@ def test_a_recovery_action_of_a_reset_moves_the_worker_off_the_gpu(
     assert sup.stop() == 0
 
 
+def test_a_worker_moved_off_a_gpu_needing_a_reset_moves_again_when_its_new_one_does(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The driver says g-0's GPU needs a reset: g-0 moves to another GPU; seconds later the
+    driver says that one needs a reset too (an error reaching the GPUs one by one): g-0 moves
+    again, to the third. Regression: the drain of g-0 for ``recovery_action`` a minute ago held
+    back this one (a cooldown about the process before), and g-0 stayed on a quarantined GPU."""
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}, sim_devices=3))
+    sup.ready("g-0")
+    seen: set[str] = set()
+    for _ in range(2):
+        with sup.api() as api:
+            (gpu,) = api.get("/api/v1/workers/g-0").json()["gpus"]
+        seen.add(gpu)
+        mark = sup.mark()
+        set_gpu(tmp_path, int(gpu[-1]), recovery_action=1)
+        sup.wait_event(event="heal.action", action="quarantine", gpu=gpu, after=mark)
+        drain = sup.wait_event(event="heal.action", action="drain", after=mark)
+        assert (drain["worker"], drain["gpu"]) == ("g-0", gpu)
+        moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+        assert moved["new_gpus"][0] not in seen, moved
+        sup.ready("g-0", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_worker_listed_on_a_quarantined_gpu_waits_for_it(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -725,3 +725,39 @@ def test_a_recovery_action_of_a_reset_quarantines_the_gpu_when_it_changes() -> N
         ("alert", "recovery_action"): 2,
     }
     assert GPUS[0] not in healer.state.quarantined
+
+
+@pytest.mark.parametrize("kind", ["recovery_action", "row_remap_failure", "gpu_lost"])
+def test_a_worker_moved_off_a_failing_gpu_moves_again_when_its_new_gpu_fails(kind: str) -> None:
+    """a-0 is drained off GPU-0 (its recovery action says reset, a row remap failed, it was
+    lost) and
+    starts on GPU-1; 10 s later GPU-1 fails the same way (a fabric error reaching the GPUs one
+    by one): GPU-1 is quarantined and a-0, a new process there, is drained off it too.
+    Regression: the 60 s cooldown of (drain, a-0, reason) outlived the process it was about,
+    the drain was dropped, and with the flag staying on a-0 stayed on a quarantined GPU for
+    good."""
+    a0 = Runner("a-0", GPUS[0])
+    host, healer = setup("derate", a0)
+
+    def fail(gpu: str) -> None:
+        if kind == "recovery_action":
+            _recovery(host, gpu, 1)
+        elif kind == "gpu_lost":
+            host.devices[gpu] = DeviceSample(0, gpu, "sim", healthy=False, error="GPU is lost")
+        else:
+            _rows(host, gpu, failure=True)
+
+    fail(GPUS[0])
+    host.tick(healer)
+    drain = lc.Drain(restart=True, reason=ExitReason(kind))
+    assert a0.posted == [drain]
+    a0.posted.clear()
+    a0.spec.gpus = (GPUS[1],)  # drained: started again on GPU-1
+    a0.record.pid, a0.record.started_at = 200, host.clock.now()
+    healer.on_spawned(a0, 200)  # type: ignore[arg-type]
+    host.tick(healer, 5.0)
+    fail(GPUS[1])
+    host.tick(healer, 5.0)
+    assert set(healer.state.quarantined) == {GPUS[0], GPUS[1]}
+    assert a0.posted == [drain]
+    assert host.actions_total[("drain", kind)] == 2
