@@ -137,9 +137,8 @@ def _cpu_affinity(handle: Any) -> tuple[int, ...] | None:
     return cpus or None
 
 
-def _field_number(fv: Any) -> float | None:
-    if fv.nvmlReturn != 0:
-        return None
+def _field_value(fv: Any) -> float | None:
+    """The number of a field value that was answered (``nvmlReturn`` 0)."""
     kind = int(fv.valueType)
     if not 0 <= kind < len(_VALUE_MEMBERS):
         return None
@@ -562,21 +561,23 @@ class NvmlBackend:
             ]
         if self._threshold_fields and ids:
             values = self._query(i, "field_values", lambda: pynvml.nvmlDeviceGetFieldValues(h, ids))
-            unsupported: set[int] = set()
-            for v in values or ():
-                if v.nvmlReturn:
-                    if int(v.nvmlReturn) in UNSUPPORTED_CODES:
-                        unsupported.add(int(v.fieldId))
-                    continue
-                fid = v.fieldId
-                if fid == _FI_SLOWDOWN:
-                    slowdown = _field_number(v)
+            unsupported: list[int] = []
+            # pynvml fills an array laid out in the order of ``ids`` (each entry's fieldId is
+            # set from them before the call): read by position, each attribute once (every
+            # attribute of these structs goes through pynvml's __getattribute__)
+            for fid, v in zip(ids, values or (), strict=False):
+                rc = v.nvmlReturn
+                if rc:
+                    if int(rc) in UNSUPPORTED_CODES:
+                        unsupported.append(fid)
+                elif fid == _FI_SLOWDOWN:
+                    slowdown = _field_value(v)
                 elif fid == _FI_SHUTDOWN:
-                    shutdown = _field_number(v)
-                elif fid == _FI_RECOVERY_ACTION:
-                    action = _field_number(v)
+                    shutdown = _field_value(v)
+                else:
+                    action = _field_value(v)
             if unsupported:
-                if {_FI_SLOWDOWN, _FI_SHUTDOWN} <= unsupported:
+                if _FI_SLOWDOWN in unsupported and _FI_SHUTDOWN in unsupported:
                     self._unsupported.add((i, "threshold_fields"))  # the queries from now on
                 if _FI_RECOVERY_ACTION in unsupported:
                     self._unsupported.add((i, "recovery_action"))
