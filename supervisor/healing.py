@@ -217,7 +217,7 @@ class Healer:
         self._migrating: set[str] = set()
         self._lost: set[str] = set()
         #: (finding kind, GPU) of the memory-error flags that are on (acted on once)
-        self._remap_flags: set[tuple[str, str]] = set()
+        self._flags_on: set[tuple[str, str]] = set()
         #: GPU -> the recovery action code last read (acted on when it changes)
         self._recovery: dict[str, int] = {}
         self._migrate_again_at: dict[str, float] = {}  # GPU -> when to look at it again
@@ -758,10 +758,10 @@ class Healer:
         """A GPU's flag ``finding`` stands for: acted on when it turns on (or is on at the
         first sample), not again while it stays on."""
         if not on:
-            self._remap_flags.discard(finding.key)
+            self._flags_on.discard(finding.key)
             self._pending.pop(finding.key, None)
-        elif finding.key not in self._remap_flags:
-            self._remap_flags.add(finding.key)
+        elif finding.key not in self._flags_on:
+            self._flags_on.add(finding.key)
             self._add(finding)
 
     def _judge_recovery(self, d: DeviceSample) -> None:
