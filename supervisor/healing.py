@@ -17,7 +17,7 @@ import os
 import random
 import socket
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -339,6 +339,24 @@ class Healer:
                 ),
                 self.host.clock.now(),
             )
+
+    def on_migration_stayed(self, runner: WorkerRunner, gpus: Sequence[str], why: str) -> None:
+        """A migration's worker started on the hot GPU it was leaving: no cooler GPU had room
+        by its start (the target filled up or turned hot while it drained). An alert, as when
+        no cooler GPU had room at the decision (regression: only a log line, so the operator
+        saw a migrate and never learned that the worker stayed); it moves once one has room
+        (judged again every ``thermal_sustain_s``, a migrate at most once a minute)."""
+        self._record(
+            Act(
+                "alert",
+                "thermal",
+                f"could not move off its hot GPU: {why}; started there again",
+                worker=runner.name,
+                gpu=gpus[0] if gpus else None,
+                evidence={"gpus": list(gpus), "migrate": why},
+            ),
+            self.host.clock.now(),
+        )
 
     def on_line(self, runner: WorkerRunner, line: str) -> None:
         """A line of a worker's output: a sticky-error pattern restarts it."""

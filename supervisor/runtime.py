@@ -1183,6 +1183,8 @@ class Runtime:
                         gpus=list(gpus),
                         reason=f"no cooler GPU has room ({unplaced}): starting on its hot GPU",
                     )
+                    if avoid:  # a migration that could not move it: said, not only logged
+                        self.healer.on_migration_stayed(runner, gpus, unplaced)
                     return spec
                 with contextlib.suppress(PlacementError):
                     chosen = self._place_one(runner, slots)

@@ -382,6 +382,35 @@ def test_migrate_waits_for_a_cooler_gpu_and_never_places_onto_a_hot_one(
     assert sup.stop() == 0
 
 
+def test_a_migration_whose_target_turned_hot_while_it_drained_is_said(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """GPU 0 turns hot, m-0 is to move to GPU 1; GPU 1 turns hot too while m-0 drains: m-0
+    starts on GPU 0 again (no cooler GPU has room) and an alert says so. Regression: only a
+    log line (worker.gpu_hot): the operator saw a migrate and never learned that the worker
+    stayed."""
+    group = {
+        "name": "m",
+        "command": sim("100"),
+        "drain_timeout_s": 3,  # it does not exit by itself: GPU 1 turns hot meanwhile
+        "health": {"on_thermal": "migrate"},
+    }
+    sup = supervisor(config(tmp_path, group))
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
+    sup.wait_event(event="heal.action", action="migrate", worker="m-0", after=mark)
+    set_gpu(tmp_path, 1, temperature_c=86, temperature_slowdown_c=87)
+    sup.wait_api("/api/v1/gpu/status", lambda s: s["devices"][1]["hot"])
+    stayed = sup.wait_event(event="worker.gpu_hot", worker="m-0", after=mark, timeout=15)
+    assert stayed["gpus"] == [UUID0]
+    alert = sup.wait_event(event="heal.action", action="alert", worker="m-0", after=mark)
+    assert (alert["reason"], alert["gpu"]) == ("thermal", UUID0), alert
+    assert "could not move off its hot GPU" in alert["message"], alert
+    sup.ready("m-0", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_migrate_worker_on_a_hot_cordoned_gpu_restarts_there_when_nothing_else_fits(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
