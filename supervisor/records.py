@@ -224,14 +224,20 @@ def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     return value
 
 
-def read_cordons(state_dir: Path) -> set[str]:
+def read_cordons(state_dir: Path) -> tuple[set[str], str | None]:
     """The GPUs an operator cordoned (``state_dir/cordons``: one UUID a line), so that a
-    cordon outlives a restart of the supervisor; empty when there is no such file."""
+    cordon outlives a restart of the supervisor: (the UUIDs, None); none when there is no
+    such file; (none, why) when there is one that cannot be read (the caller says so: an
+    operator's maintenance cordon must not be lost without a word)."""
     try:
         text = (state_dir / CORDONS_FILE).read_text()
-    except (OSError, UnicodeDecodeError):
-        return set()
-    return {line.strip() for line in text.splitlines() if line.strip()}
+    except FileNotFoundError:
+        return set(), None
+    except UnicodeDecodeError:
+        return set(), "not text (UTF-8)"
+    except OSError as exc:
+        return set(), exc.strerror or str(exc)
+    return {line.strip() for line in text.splitlines() if line.strip()}, None
 
 
 def write_cordons(state_dir: Path, uuids: Iterable[str]) -> None:
@@ -377,7 +383,13 @@ class PostmortemStore:
 
     def read(self, id_: str) -> dict[str, Any]:
         """One post-mortem's content (FileNotFoundError if there is none, ValueError if bad)."""
-        doc = json.loads(self.path_of(id_).read_bytes())
+        path = self.path_of(id_)
+        try:
+            doc = json.loads(path.read_bytes())
+        except json.JSONDecodeError as exc:  # torn by hand or by a disk: say which file
+            raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not JSON (not UTF-8 text)") from None
         if not isinstance(doc, dict):
             raise ValueError(f"{id_}: not a JSON object")
         return doc

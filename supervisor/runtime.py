@@ -122,6 +122,7 @@ from supervisor.processes import (
 from supervisor.reclaim import KILL_WAIT_S as RECLAIM_KILL_WAIT_S
 from supervisor.reclaim import TERM_WAIT_S, reclaim
 from supervisor.records import (
+    CORDONS_FILE,
     INSTANCE_FILE,
     LOCK_FILE,
     POSTMORTEM_DIR,
@@ -1515,7 +1516,16 @@ class Runtime:
                     path=os.fspath(state_dir / INSTANCE_FILE),
                     reason="cannot write state_dir's id yet: retried after each state write",
                 )
-            self.cordoned |= read_cordons(state_dir)  # the operator's, before a restart
+            kept, unreadable = read_cordons(state_dir)  # the operator's, before a restart
+            self.cordoned |= kept
+            if unreadable is not None:
+                self.log.warning(
+                    "records.cordons_unreadable",
+                    path=os.fspath(state_dir / CORDONS_FILE),
+                    error=unreadable,
+                    reason="the GPUs cordoned before this start are not known: cordon them "
+                    "again (the file is written anew at the next cordon or uncordon)",
+                )
             if self.cordoned:
                 self.log.info("gpu.cordons_kept", gpus=sorted(self.cordoned), reason="operator")
         if self._state_lock is None:

@@ -842,8 +842,14 @@ def test_event_wait_in_a_thread_sees_a_line_appended_while_waiting(
                 result["event"] = type(exc).__name__
         t = threading.Thread(target=waiter)
         t.start()
+        # queries while the wait is in progress (the event comes only after "registered"): a
+        # wait that held the library's lock would hold these up until its 10 s timeout, and
+        # the event appended then would be missed. (Regression, flaky: with the first query
+        # made only after "registered", the event could end the wait before it: 0 queries.)
+        nv.nvmlDeviceGetMemoryInfo(h1)
+        nv.nvmlDeviceGetTemperature(h1, 0)
+        queries = 1
         print("registered", flush=True)
-        queries = 0
         while t.is_alive():
             nv.nvmlDeviceGetMemoryInfo(h1)
             nv.nvmlDeviceGetTemperature(h1, 0)

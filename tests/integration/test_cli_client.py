@@ -433,6 +433,24 @@ def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
     assert code == 2 and "cannot read it" in err and err.count("\n") <= 1, err
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [(b'{"id": "x", "worker": {', "not JSON (Expecting"), (b'{"id": "\xff"}', "not UTF-8")],
+)
+def test_postmortem_show_of_a_torn_file_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, said: str
+) -> None:
+    """A post-mortem cut short (a disk error, a copy interrupted) or not text: one line that
+    names the file. Regression: the JSON parser's message alone ("Expecting value: line 1
+    column 5"), without saying which file."""
+    pms = tmp_path / "postmortems"
+    pms.mkdir()
+    torn = pms / "20261206T010101.000000Z-w-0-exit.json"
+    torn.write_bytes(content)
+    code, _, err = run(capsys, "postmortem", "show", "20261206T0101", "--state-dir", str(tmp_path))
+    assert code == 2 and str(torn) in err and said in err and err.count("\n") <= 1, err
+
+
 @pytest.mark.parametrize("exit_", ["killed", [3], 3])
 def test_postmortem_list_takes_an_exit_of_another_type(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], exit_: object

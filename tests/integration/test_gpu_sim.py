@@ -444,6 +444,26 @@ def test_scaling_an_auto_group_leaves_its_workers_where_they_are(
     assert sup.stop() == 0
 
 
+def test_a_cordons_file_that_cannot_be_read_is_said(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """state_dir/cordons is there but not text (a disk error, a hand edit): the operator's
+    cordons from before are not known, and the start says so; the next cordon writes the file
+    anew. Regression: it was read as "no cordon" without a word (a maintenance cordon lost)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cordons").write_bytes(b"GPU-\xff\xfe\n")
+    sup = supervisor(config(tmp_path, {"name": "g", "command": worker_cmd("gpu_user", "100")}))
+    said = sup.wait_event(event="records.cordons_unreadable")
+    assert said["error"] == "not text (UTF-8)" and said["path"] == str(state / "cordons")
+    assert not sup.find(event="gpu.cordons_kept")
+    sup.ready("g-0")
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+    assert (state / "cordons").read_text() == f"{UUID1}\n"
+    assert sup.stop() == 0
+
+
 def test_an_operator_cordon_outlives_a_restart_of_the_supervisor(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
