@@ -254,6 +254,7 @@ class Sampler:
         self._host_lock = threading.Lock()
         self._tick_token = 0  # a tick given up on (its GPU call hung) has an old one
         self._said_stuck = False  # gpu.call_stuck said, gpu.call_returned not yet
+        self._opening: GpuBackend | None = None  # the backend whose open() is in flight
         self._gpus_opened = anyio.Event()  # set when a backend with GPUs is opened (XID loop)
         self._xid_limiter = anyio.CapacityLimiter(1)
         #: when the backend call now in flight began (None: none is): a hung driver
@@ -300,14 +301,14 @@ class Sampler:
 
     async def open(self) -> bool:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
-        backend = self._factory()
+        backend = self._opening = self._factory()
         try:
             opened = await self._bounded(backend.open)
             self.identities = self._named_all(opened)
         except BackendUnavailable as exc:
             self.available = False
             self.error = str(exc)
-            self.backend = backend
+            self.backend, self._opening = backend, None
             self._reopen_at = time.monotonic() + self._reopen_delay
             self._log.warning(
                 "gpu.unavailable",
@@ -317,7 +318,7 @@ class Sampler:
             )
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
             return False
-        self.backend = backend
+        self.backend, self._opening = backend, None
         self.available = True
         self.error = None
         if self.identities:
@@ -633,7 +634,8 @@ class Sampler:
         took = self.stuck_for_s()
         self._log.warning(
             "gpu.call_stuck",
-            backend=self.backend_name,
+            # an open that hangs: the backend being opened (not yet self.backend)
+            backend=self._opening.name if self._opening is not None else self.backend_name,
             stuck_for_s=None if took is None else round(took, 3),
             reason="an NVML call has not returned: the driver may be hung; GPU "
             "telemetry counts as down until it does",

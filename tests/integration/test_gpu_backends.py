@@ -368,7 +368,9 @@ def test_auto_keeps_nvml_when_its_open_is_only_slow(
         env={"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)},
         log_level="debug",
     )
-    stuck_at = sup.events.index(sup.wait_event(event="gpu.call_stuck", timeout=20))
+    stuck = sup.wait_event(event="gpu.call_stuck", timeout=20)
+    assert stuck["backend"] == "nvml", stuck  # the one being opened (it said "none")
+    stuck_at = sup.events.index(stuck)
     (world / "gpus" / "0").write_text(gpu0)  # the driver answers at once from now on
     sup.ready("g-0")
     up = sup.wait_event(event="gpu.backend", backend="nvml", after=stuck_at, timeout=20)
