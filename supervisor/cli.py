@@ -258,19 +258,17 @@ def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
 
 
 def _gpu_health(d: DeviceSample) -> str:
-    """The ``gpus`` table's HEALTH cell: what the row remapper says counts too."""
+    """The ``gpus`` table's HEALTH cell: a one-shot reading, no healer, so what a supervisor
+    would quarantine the GPU for (a failed row remap, a reset or reboot asked for) is said
+    here; the rest as ``status`` says it (``client.repair_notes``)."""
     if not d.healthy:
         return f"UNHEALTHY ({d.error})"
-    rows = d.remapped_rows
-    if rows is not None and rows.failure:
+    if d.remapped_rows is not None and d.remapped_rows.failure:
         return "UNHEALTHY (row remap failed)"
     action = recovery_action_name(d.recovery_action)
     if action in RECOVERY_QUARANTINES:
         return f"UNHEALTHY (needs {action})"
-    health = "ok, reset pending (row remap)" if rows is not None and rows.pending else "ok"
-    if d.retired_pages_pending:
-        health = "ok, reset pending (retired pages)"
-    return health if action in (None, "none") else f"{health}, recovery action {action}"
+    return "ok" + client.repair_notes(device_object(d))
 
 
 def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) -> str:

@@ -702,14 +702,20 @@ def _health(d: Mapping[str, Any]) -> str:
     ok."""
     if not d.get("healthy"):
         return f"UNHEALTHY ({d.get('error') or 'lost'})"
-    health = "HOT" if d.get("hot") else "ok"
+    return ("HOT" if d.get("hot") else "ok") + repair_notes(d)
+
+
+def repair_notes(d: Mapping[str, Any]) -> str:
+    """What a device object says waits for the operator (a reset for a memory repair, the
+    driver's recovery action), as a suffix of a HEALTH cell (``status``, ``gpus``)."""
+    notes = ""
     if (d.get("remapped_rows") or {}).get("pending"):
-        health += ", reset pending (row remap)"
+        notes += ", reset pending (row remap)"
     if d.get("retired_pages_pending"):
-        health += ", reset pending (retired pages)"
+        notes += ", reset pending (retired pages)"
     if d.get("recovery_action") not in (None, "none"):
-        health += f", recovery action {d['recovery_action']}"
-    return health
+        notes += f", recovery action {d['recovery_action']}"
+    return notes
 
 
 def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> str:

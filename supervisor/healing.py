@@ -31,7 +31,6 @@ from supervisor.errors import PlacementError
 from supervisor.model import (
     DeviceSample,
     ExitReason,
-    RemappedRows,
     Sample,
     WorkerState,
     XidEvent,
@@ -684,19 +683,7 @@ class Healer:
                     )
                 continue
             self._lost.discard(d.uuid)
-            if d.remapped_rows is not None:
-                self._judge_rows(d, d.remapped_rows)
-            if d.retired_pages_pending is not None:
-                self._flag(
-                    d.retired_pages_pending,
-                    Finding(
-                        "retired_pages_pending",
-                        f"GPU {d.index}: retired pages wait for a reset (reset the GPU when it "
-                        "can be emptied)",
-                        gpu=d.uuid,
-                        evidence={"gpu_index": d.index, "retired_pages_pending": True},
-                    ),
-                )
+            self._judge_memory(d)
             self._judge_recovery(d)
             track = self.state.thermal.get(d.uuid, ThermalTrack())
             track, change = thermal_step(track, d, now, settings)
@@ -732,13 +719,27 @@ class Healer:
                     )
                 )
 
-    def _judge_rows(self, d: DeviceSample, rows: RemappedRows) -> None:
-        """The row remapper's flags, each acted on when it turns on (or is on at the first
-        sample: an XID from before the supervisor started is never delivered, the flags
-        stay): a failed remap quarantines the GPU (as XID 64 would) and moves its workers; a
-        remap pending until the next reset is an alert (running work is unaffected, NVIDIA
-        says; the reset is the operator's to schedule). An operator's lift of the quarantine
-        holds while the flag stays on."""
+    def _judge_memory(self, d: DeviceSample) -> None:
+        """The memory-repair flags (the row remapper's; page retirement's before Ampere), each
+        acted on when it turns on (or is on at the first sample: an XID from before the
+        supervisor started is never delivered, the flags stay): a failed remap quarantines
+        the GPU (as XID 64 would) and moves its workers; a repair pending until the next reset
+        is an alert (running work is unaffected, NVIDIA says; the reset is the operator's to
+        schedule). An operator's lift of the quarantine holds while the flag stays on."""
+        if d.retired_pages_pending is not None:
+            self._flag(
+                d.retired_pages_pending,
+                Finding(
+                    "retired_pages_pending",
+                    f"GPU {d.index}: retired pages wait for a reset (reset the GPU when it can "
+                    "be emptied)",
+                    gpu=d.uuid,
+                    evidence={"gpu_index": d.index, "retired_pages_pending": True},
+                ),
+            )
+        rows = d.remapped_rows
+        if rows is None:
+            return
         evidence = {
             "gpu_index": d.index,
             "remapped_rows": {
