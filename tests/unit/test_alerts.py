@@ -445,13 +445,15 @@ def scripted(
     return httpx.MockTransport(handler), seen
 
 
+# Retry-After 0.5 s against the 0.01 s backoff: apart by enough that a loaded CI machine's
+# stall does not blur them (regression, flaky: 0.1 against a 0.09 bound, 0.16 seen in CI)
 @pytest.mark.parametrize(
     ("first", "min_gap", "max_gap"),
     [
-        (httpx.Response(429, headers={"Retry-After": "0.1"}), 0.09, 1.0),
-        (httpx.Response(503, headers={"Retry-After": "0.1"}), 0.09, 1.0),
-        (httpx.Response(503, headers={"Retry-After": "later"}), 0.0, 0.09),  # the backoff
-        (httpx.Response(500, headers={"Retry-After": "5"}), 0.0, 0.09),  # only on 429/503
+        (httpx.Response(429, headers={"Retry-After": "0.5"}), 0.45, 3.0),
+        (httpx.Response(503, headers={"Retry-After": "0.5"}), 0.45, 3.0),
+        (httpx.Response(503, headers={"Retry-After": "later"}), 0.0, 0.45),  # the backoff
+        (httpx.Response(500, headers={"Retry-After": "5"}), 0.0, 0.45),  # only on 429/503
     ],
 )
 async def test_retry_after_is_honoured_on_429_and_503(
