@@ -48,7 +48,7 @@ from supervisor.processes import (
     resolve_accounts,
     unrunnable,
 )
-from supervisor.records import POSTMORTEM_DIR, PostmortemStore
+from supervisor.records import POSTMORTEM_DIR, PostmortemStore, read_file
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object
 
@@ -491,7 +491,7 @@ def _postmortem(args: argparse.Namespace) -> int:
         path = _postmortem_file(args.id)
         if path is not None:
             try:
-                doc = json.loads(path.read_bytes())
+                doc = json.loads(read_file(path))
             except (OSError, ValueError) as exc:
                 raise UsageError(
                     f"gpu-supervisor postmortem show: {args.id!r}: not a post-mortem ({exc})"

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -104,6 +105,37 @@ def failure_kind(exc: OSError) -> str:
     if isinstance(exc, ThreadUnavailable):
         return "no_thread"
     return _KINDS.get(exc.errno or 0, "other")
+
+
+#: The most a record read back at start is allowed to be (``state.json`` of thousands of
+#: workers is a few MiB): a file bigger than this was not written by the supervisor.
+READ_LIMIT = 64 << 20
+
+
+def read_file(path: Path, limit: int = READ_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``; OSError for anything else.
+
+    Opened without blocking and never through a FIFO, a device or a directory put in a record's
+    place (``open()`` of a FIFO waits for a writer: the supervisor would hang at start), nor a
+    file larger than ``limit`` (EFBIG).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, 1 << 20):
+            size += len(chunk)
+            if size > limit:  # grew while read
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -213,7 +245,7 @@ def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     path = state_dir / INSTANCE_FILE
     if keep is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
-            found = path.read_text().strip()
+            found = read_file(path, 4096).decode().strip()
             if _INSTANCE.match(found):
                 return found
     value = keep or uuid.uuid4().hex
@@ -230,7 +262,7 @@ def read_cordons(state_dir: Path) -> tuple[set[str], str | None]:
     such file; (none, why) when there is one that cannot be read (the caller says so: an
     operator's maintenance cordon must not be lost without a word)."""
     try:
-        text = (state_dir / CORDONS_FILE).read_text()
+        text = read_file(state_dir / CORDONS_FILE).decode()
     except FileNotFoundError:
         return set(), None
     except UnicodeDecodeError:
@@ -385,7 +417,7 @@ class PostmortemStore:
         """One post-mortem's content (FileNotFoundError if there is none, ValueError if bad)."""
         path = self.path_of(id_)
         try:
-            doc = json.loads(path.read_bytes())
+            doc = json.loads(read_file(path))
         except json.JSONDecodeError as exc:  # torn by hand or by a disk: say which file
             raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
         except UnicodeDecodeError:
@@ -426,7 +458,7 @@ class PostmortemStore:
 def read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None when it is missing or does not parse."""
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_file(path))
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

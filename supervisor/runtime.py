@@ -1558,7 +1558,8 @@ class Runtime:
             self.log.warning(
                 "records.previous_state_unreadable",
                 path=os.fspath(state_dir / STATE_FILE),
-                reason="not a JSON object: leftovers are found by their environment only",
+                reason="not a JSON object in a regular file: leftovers are found by their "
+                "environment only",
             )
         # by the environment marker only while we hold state_dir's lock (else another
         # supervisor may run with the same state_dir, and its workers carry the same id)

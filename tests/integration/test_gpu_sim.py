@@ -464,6 +464,30 @@ def test_a_cordons_file_that_cannot_be_read_is_said(
     assert sup.stop() == 0
 
 
+def test_fifos_in_place_of_the_records_do_not_hang_the_start(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """FIFOs named state.json, instance and cordons in state_dir (a hand's mkfifo, a restore
+    that kept special files): each is said or replaced, and the supervisor starts. Regression:
+    open() of a FIFO waits for a writer, and the start hung before any worker ran."""
+    state = tmp_path / "state"
+    state.mkdir()
+    for name in ("state.json", "instance", "cordons"):
+        os.mkfifo(state / name)
+    sup = supervisor(config(tmp_path, {"name": "g", "command": worker_cmd("gpu_user", "100")}))
+    said = sup.wait_event(event="records.cordons_unreadable")
+    assert said["error"] == "not a regular file"
+    assert sup.wait_event(event="records.previous_state_unreadable")["path"] == str(
+        state / "state.json"
+    )
+    sup.ready("g-0")
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+    assert (state / "cordons").read_text() == f"{UUID1}\n"  # the FIFO replaced by a file
+    assert len((state / "instance").read_text().strip()) == 32
+    assert sup.stop() == 0
+
+
 def test_an_operator_cordon_outlives_a_restart_of_the_supervisor(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -527,6 +527,26 @@ def test_a_state_dirs_instance_id(tmp_path: Path) -> None:
     assert instance_id(tmp_path) not in (None, first)  # a damaged file gets a new id
 
 
+def test_records_are_read_only_from_regular_files(tmp_path: Path) -> None:
+    """A FIFO, a directory or an oversized file in a record's place is an OSError at once
+    (never a blocked open, never a whole disk read into memory); a regular file is read."""
+    from supervisor.records import read_file
+
+    (tmp_path / "file").write_bytes(b"x" * 100)
+    assert read_file(tmp_path / "file") == b"x" * 100
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError, match="not a regular file") as fifo:
+        read_file(tmp_path / "fifo")
+    assert fifo.value.errno == errno.EINVAL
+    with pytest.raises(OSError, match="not a regular file"):
+        read_file(tmp_path)
+    with pytest.raises(OSError, match="larger than") as big:
+        read_file(tmp_path / "file", limit=99)
+    assert big.value.errno == errno.EFBIG
+    with pytest.raises(FileNotFoundError):
+        read_file(tmp_path / "missing")
+
+
 async def test_state_json_removed_by_hand_is_written_again(tmp_path: Path) -> None:
     """Regression: with state_dir (or state.json alone) removed, state.json came back only at
     the next change of the document: on a quiet fleet (sim, backend none) never. A figure that
