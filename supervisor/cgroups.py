@@ -182,6 +182,9 @@ class WorkerCgroups:
         self.log = structlog.get_logger()
         self._failed_once = False
         self._placed: set[str] = set()  # workers whose current process is in their cgroup
+        #: workers whose current process was given their cgroup (its OOM-kill count is theirs;
+        #: kept past ``kill``, for the post-mortem of the process that died)
+        self._given: set[str] = set()
         self._leftover: set[str] = set()  # removed workers whose directory is still there
 
     def path(self, worker: str) -> Path | None:
@@ -192,9 +195,13 @@ class WorkerCgroups:
         return s.root / f"{PREFIX}{worker}"
 
     def events_file(self, worker: str) -> Path | None:
-        """The worker's ``memory.events`` (its ``oom_kill`` count), when it has a budget there."""
+        """The worker's ``memory.events`` (its ``oom_kill`` count), when its process was given
+        its cgroup and the memory controller counts there (None: the machine's count is the
+        one to judge by; a worker without a budget gets no cgroup without containment)."""
         path = self.path(worker)
-        return None if path is None or not self.support.memory else path / "memory.events"
+        if path is None or not self.support.memory or worker not in self._given:
+            return None
+        return path / "memory.events"
 
     def prepare(self, worker: str, memory_max_mb: float) -> Path | None:
         """Create the worker's cgroup (with ``memory.max`` when it has a budget) for a spawn.
@@ -202,6 +209,7 @@ class WorkerCgroups:
         None when it gets none: no containment here, and no budget or no memory controller.
         """
         self._placed.discard(worker)
+        self._given.discard(worker)
         path = self.path(worker)
         limited = self.support.memory and memory_max_mb > 0
         if path is None or not (limited or self.support.contain):
@@ -217,6 +225,7 @@ class WorkerCgroups:
             self._failed(worker, path, exc)
             return None
         self._leftover.discard(worker)
+        self._given.add(worker)
         return path
 
     def place(self, worker: str, pid: int, memory_max_mb: float | None = None) -> bool:
@@ -235,6 +244,7 @@ class WorkerCgroups:
         return True
 
     def _failed(self, worker: str, path: Path, exc: OSError) -> None:
+        self._given.discard(worker)
         if not self._failed_once:
             self._failed_once = True
             self.log.warning(
@@ -280,6 +290,7 @@ class WorkerCgroups:
         """Remove the worker's cgroup; False when it is still there (killed processes still
         exiting: :meth:`sweep` tries again)."""
         self._placed.discard(worker)
+        self._given.discard(worker)
         path = self.path(worker)
         if path is None:
             return True

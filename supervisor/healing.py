@@ -163,6 +163,8 @@ class _Watch:
     gpu_leak_source: Literal["nvml", "worker"] = "nvml"
     gpu_streak: int = 0
     host_streak: int = 0
+    #: when the host figures last counted for ``host_streak`` were read (``Sample.host_at``)
+    host_read_at: float | None = None
     gpu_leak: LeakVerdict = NO_VERDICT
     host_leak: LeakVerdict = NO_VERDICT
     judged_at: float = float("-inf")
@@ -551,7 +553,13 @@ class Healer:
             else usage.gpu_memory_mb
         )
         w.gpu_streak = budget_streak(w.gpu_streak, on_one, health.gpu_memory_limit_mb)
-        w.host_streak = budget_streak(w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb)
+        # /proc is read less often than samples come: only a new reading counts (a spike seen
+        # in one reading, repeated by the samples until the next, is not two samples over)
+        if sample.host_at is None or sample.host_at != w.host_read_at:
+            w.host_read_at = sample.host_at
+            w.host_streak = budget_streak(
+                w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb
+            )
         # A breach deferred (max_unavailable) is acted on only while it lasts, with the newest
         # figures: one that ended meanwhile must not restart a healthy worker later.
         for kind, streak, used in (

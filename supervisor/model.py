@@ -418,6 +418,9 @@ class Sample:
     nvml_available: bool
     error: str | None = None
     duration_s: float = 0.0
+    #: when ``/proc`` was read for the workers' host figures (it is read less often than the
+    #: GPUs: samples in between repeat that reading); None: unknown, a reading per sample
+    host_at: float | None = None
 
     def device(self, uuid: str) -> DeviceSample | None:
         """The device with this UUID, if sampled."""

@@ -24,7 +24,9 @@ from supervisor.model import (
 #: worker name -> GPU UUIDs (None: CUDA_VISIBLE_DEVICES left unset)
 Assignment = Mapping[str, tuple[str, ...] | None]
 
-#: Variables of the supervisor's own service manager that must not leak into workers.
+#: Variables of the supervisor's own service manager that must not leak into workers (nor
+#: the budget a supervisor started from a worker's environment was given: a worker gets its
+#: group's, or none).
 SCRUBBED_ENV = frozenset(
     {
         "NOTIFY_SOCKET",
@@ -35,6 +37,7 @@ SCRUBBED_ENV = frozenset(
         "LISTEN_FDNAMES",
         "GPU_SUPERVISOR_IN_USE_SOCKET",
         "GPU_SUPERVISOR_IN_USE_EVERY_S",
+        "GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB",
     }
 )
 #: The directory whose ``sitecustomize.py`` reports a Python worker's in-use GPU memory

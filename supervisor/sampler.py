@@ -217,6 +217,11 @@ class HostSampler:
         return trees, usage, visible
 
     @property
+    def read_at(self) -> float | None:
+        """When ``/proc`` was last read (monotonic): the time of the figures returned."""
+        return self._at
+
+    @property
     def aliases(self) -> Mapping[int, int]:
         """Pid in a worker's own PID namespace -> its pid here (from ``NSpid``, unique only)."""
         return self._aliases
@@ -467,6 +472,7 @@ class Sampler:
             nvml_available=ok,
             error=error,
             duration_s=t1 - t0,
+            host_at=self._host.read_at,
         )
 
     async def tick(self) -> Sample:

@@ -332,9 +332,13 @@ def _came_after(f: Finding, view: WorkerView) -> bool:
 
 
 def _sole_on(gpu: str | None, workers: Mapping[str, WorkerView]) -> bool:
-    """Exactly one worker with a process runs on ``gpu``: an XID there is its own."""
+    """Exactly one worker with a process runs on ``gpu``: an XID there is its own (one
+    without a process, in backoff or about to spawn, holds no CUDA context there)."""
     idle = (WorkerState.STOPPED, WorkerState.FATAL)
-    return sum(1 for v in workers.values() if gpu in v.gpus and v.state not in idle) == 1
+    return (
+        sum(1 for v in workers.values() if gpu in v.gpus and v.has_process and v.state not in idle)
+        == 1
+    )
 
 
 def decide(

@@ -220,3 +220,25 @@ def test_the_first_budget_added_by_a_reload_enables_memory_max(tmp_path: Path) -
     now = with_memory(support, move_self=False)
     assert now.memory and now.contain and (root / "cgroup.subtree_control").read_text() == "+memory"
     assert with_memory(now) is now  # probed once
+
+
+def test_a_worker_without_a_cgroup_has_no_oom_count_of_its_own(tmp_path: Path) -> None:
+    """The memory controller is delegated (some group has a budget) but there is no
+    containment (no cgroup.kill, Linux < 5.14): a worker without ``host_memory_limit_mb`` gets
+    no cgroup. Its ``memory.events`` was named all the same; reading it failed and the count
+    fell back to the whole machine's since its spawn, said to be the cgroup's: a SIGKILL (an
+    operator's) hours after any OOM kill elsewhere on the host was called ``host_oom``. Now it
+    has none (the healer then judges the system-wide count near the death, scope ``host``)."""
+    root = fake_cgroup(tmp_path, "cpu memory pids")
+    cgroups = WorkerCgroups(probe(root, move_self=False))
+    assert cgroups.prepare("gpen-0", 512) is not None
+    assert cgroups.events_file("gpen-0") == root / f"{PREFIX}gpen-0" / "memory.events"
+    assert cgroups.prepare("plain-0", 0) is None
+    assert cgroups.events_file("plain-0") is None
+    # a reload that lifts the budget: the cgroup is left unused (the process does not join it)
+    assert cgroups.prepare("gpen-0", 0) is None
+    assert cgroups.events_file("gpen-0") is None
+    # one whose cgroup could not be made has none either
+    (root / f"{PREFIX}bad-0").write_text("")  # mkdir fails
+    assert cgroups.prepare("bad-0", 512) is None
+    assert cgroups.events_file("bad-0") is None

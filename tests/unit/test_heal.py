@@ -585,3 +585,28 @@ def test_a_recycle_counts_a_worker_derated_in_the_same_round() -> None:
     own = Finding("max_age", "old", worker="w-1")  # derated now, it serves nothing: it goes
     d = decide([Finding("thermal", "hot", gpu=G1), own], workers, {"w": GroupPolicy()}, 0.0, {})
     assert ("drain", "w-1", None, "max_age") in acts_of(d)
+
+
+def test_a_worker_fatal_xid_is_its_own_beside_a_sibling_in_backoff_on_the_gpu() -> None:
+    """w-0 runs on GPU-0; w-2, placed there too, is in backoff (no process: it crashed, and
+    waits to start again). XID 13 on GPU-0 is w-0's own, its CUDA context is gone: it is
+    restarted at once. Regression: the sibling without a process counted as a second worker
+    on the GPU, so the XID was "not its own" and w-0 waited for max_unavailable, which that
+    very sibling held (not ready): it served errors for as long as w-2 kept crashing."""
+    xid = Finding("xid_worker", "XID 13", gpu=G0)
+    policies = {"w": GroupPolicy()}
+    for state in (WorkerState.BACKOFF, WorkerState.STARTING):
+        workers = {
+            "w-0": WorkerView("w", R, (G0,), started_at=1.0),
+            "w-2": WorkerView("w", state, (G0,), has_process=False),
+        }
+        d = decide([xid], workers, policies, 30.0, {})
+        assert ("restart", "w-0", G0, "xid") in acts_of(d) and d.deferred == (), state
+    # a sibling that has a process there (starting: it may hold a CUDA context) still counts:
+    # it is restarted (not ready anyway), w-0 waits its turn
+    workers = {
+        "w-0": WorkerView("w", R, (G0,), started_at=1.0),
+        "w-2": WorkerView("w", WorkerState.STARTING, (G0,), started_at=2.0),
+    }
+    d = decide([xid], workers, policies, 30.0, {})
+    assert acts_of(d) == [("restart", "w-2", G0, "xid")] and d.deferred == (xid,)

@@ -761,3 +761,43 @@ def test_a_worker_moved_off_a_failing_gpu_moves_again_when_its_new_gpu_fails(kin
     assert set(healer.state.quarantined) == {GPUS[0], GPUS[1]}
     assert a0.posted == [drain]
     assert host.actions_total[("drain", kind)] == 2
+
+
+def test_one_reading_of_host_memory_over_its_budget_is_not_two_samples() -> None:
+    """``/proc`` is read every 2 s (``HOST_EVERY_S``) while samples come every 0.5 s, and the
+    samples in between repeat the last reading: one reading of RSS over
+    ``host_memory_limit_mb`` (a spike) counted as two consecutive samples and restarted the
+    worker. Now only a new reading counts (``Sample.host_at``): two readings over it do."""
+    from supervisor.model import WorkerUsage
+
+    w0 = Runner("w-0", GPUS[0])
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": {"host_memory_limit_mb": 100}}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    healer = Healer(host)  # type: ignore[arg-type]
+
+    def sample(rss: float, read_at: float) -> None:
+        host.clock.advance(0.5)
+        usage = WorkerUsage("w-0", (100,), 10.0, {GPUS[0]: 10.0}, "pid", rss, 1.0)
+        healer.on_sample(
+            Sample(
+                host.clock.now(),
+                tuple(host.devices.values()),
+                {"w-0": usage},
+                True,
+                host_at=read_at,
+            )
+        )
+
+    sample(50, 0.4)
+    for _ in range(4):  # one reading (at 1.0) of a spike, repeated by four samples
+        sample(150, 1.0)
+    sample(50, 3.0)
+    assert not w0.posted
+    sample(150, 5.0)
+    sample(150, 5.0)
+    assert not w0.posted
+    sample(160, 7.0)  # a second reading over it
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]

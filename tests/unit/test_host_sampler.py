@@ -123,3 +123,15 @@ def test_a_members_create_time_only_while_it_is_that_process(
         monkeypatch.setattr(procfs, "read_stat", reused)  # no sample since: the tree is stale
         assert host.member_create_time(child) is None
         assert host.member_create_time(leader.pid) == procfs.create_time(leader.pid)
+
+
+def test_samples_between_reads_say_when_their_reading_was_taken() -> None:
+    """Between two reads of ``/proc`` (``every_s``) a sample repeats the last reading; it says
+    when that reading was taken, so the budget's two consecutive samples are two readings."""
+    with leader_with_child() as (leader, _child):
+        host = HostSampler(every_s=3600.0)
+        host.sample({"w-0": leader.pid})
+        first = host.read_at
+        assert first is not None
+        _, usage, _ = host.sample({"w-0": leader.pid})
+        assert host.read_at == first and usage["w-0"][0] is not None

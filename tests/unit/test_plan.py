@@ -187,3 +187,21 @@ def test_more_room_when_a_gpu_became_usable_or_holds_fewer_workers(
 ) -> None:
     """When workers waiting for a GPU are woken (before their next look)."""
     assert more_room(before, now) is expected
+
+
+def test_a_budget_in_the_supervisors_environment_is_not_passed_to_workers_without_one() -> None:
+    """``GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB`` is set for workers whose group has a
+    ``gpu_memory_limit_mb`` (DESIGN.md section 4: "when set"); one in the supervisor's own
+    environment (a supervisor started from a worker's, or a shell that tried a worker out) went
+    on to every worker of a group without a budget, which capped itself to a budget nobody set.
+    The group's own ``env`` may still set it."""
+    settings = parse_settings({"workers": [{"name": "a", "command": ["x"]}]})
+    inherited = {"PATH": "/bin", "GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB": "2000"}
+    w = build_plan(settings, inherited, "/n.sock").groups[0].workers[0]
+    assert "GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB" not in w.env
+    budget = {"name": "a", "command": ["x"], "health": {"gpu_memory_limit_mb": 500}}
+    p = build_plan(parse_settings({"workers": [budget]}), inherited, "/n.sock")
+    assert p.groups[0].workers[0].env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] == "500"
+    own = {"name": "a", "command": ["x"], "env": {"GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB": "700"}}
+    p = build_plan(parse_settings({"workers": [own]}), inherited, "/n.sock")
+    assert p.groups[0].workers[0].env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] == "700"
