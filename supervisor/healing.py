@@ -120,13 +120,19 @@ def floor_bucket_s(window_s: float) -> float:
     return FLOOR_BUCKET_S * window_s / DEFAULT_WINDOW_S
 
 
+#: The most MiB a report may say (a PiB: no GPU holds that): the sum of a worker's reports
+#: stays a finite number the API's JSON can carry (two ranks at 1e308 summed to infinity).
+IN_USE_MAX_MB = 2.0**30
+
+
 def parse_in_use(value: str) -> float | None:
-    """The MiB of an ``X_GPU_MEMORY_IN_USE_MB`` report (None: not a finite number >= 0)."""
+    """The MiB of an ``X_GPU_MEMORY_IN_USE_MB`` report (None: not a number from 0 to
+    ``IN_USE_MAX_MB``)."""
     try:
         mb = float(value)
     except ValueError:
         return None
-    return mb if math.isfinite(mb) and mb >= 0 else None
+    return mb if 0 <= mb <= IN_USE_MAX_MB else None
 
 
 class HealHost(Protocol):

@@ -539,6 +539,9 @@ def test_host_oom_needs_sigkill_and_an_oom_kill(
         ("-1", None),
         ("nan", None),
         ("inf", None),
+        ("1e308", None),  # two ranks' sum would be infinite (not JSON)
+        ("1073741824", 2.0**30),
+        ("1073741825", None),
         ("lots", None),
         ("", None),
         ("12 MiB", None),
