@@ -91,6 +91,10 @@ OOM_GUARD_S = 5.0
 #: A GPU that stays hot is looked at again for workers to migrate off it every
 #: ``thermal_sustain_s`` (10 s by default), and at most this often.
 MIGRATE_AGAIN_MIN_S = 1.0
+#: A worker an action to take down was posted to counts as leaving until its task takes the
+#: action (a step of the event loop), for this long at most (an action its lifecycle ignores
+#: does not hold its group's other findings back for good).
+POSTED_HOLD_S = 5.0
 #: Reasons of findings about one process: a new process of the worker is judged afresh.
 #: (``xid`` too: a new process is only concerned by XIDs after its start, ``_came_after``, and
 #: one on the replacement within a minute of the last restart is news, not the same burst;
@@ -217,6 +221,9 @@ class Healer:
         self._recent: dict[tuple[str, str, str], float] = {}
         #: worker -> evidence of the healing action that is stopping it (for its post-mortem)
         self._exit_evidence: dict[str, dict[str, Any]] = {}
+        #: worker -> (its process's pid and start, when, the state it goes to) of an action
+        #: posted to take it down: until its task takes it, the worker still says ready
+        self._posted: dict[str, tuple[int | None, float | None, float, WorkerState]] = {}
         #: worker -> GPUs its next placement must avoid (migrate)
         self.avoid: dict[str, set[str]] = {}
         #: worker -> GPU memory it used when its migration was decided (the target must fit it)
@@ -315,6 +322,7 @@ class Healer:
         are not hot is back in routing.
         """
         self._reset(runner, pid)
+        self._posted.pop(runner.name, None)
         self._migrating.discard(runner.name)
         self.need_mb.pop(runner.name, None)
         for key in [k for k in self._recent if k[1] == runner.name and k[2] in PER_PROCESS]:
@@ -913,7 +921,7 @@ class Healer:
         views = {
             r.name: WorkerView(
                 group=r.spec.group,
-                state=r.state,
+                state=self._state_of(r, now),
                 gpus=tuple(r.spec.gpus or ()),
                 derated=r.name in self.state.derated,
                 has_process=r.record.pid is not None,
@@ -949,6 +957,23 @@ class Healer:
         for act in decision.acts:
             self._execute(act, now)
         self._prune_recent(now)
+
+    def _state_of(self, runner: WorkerRunner, now: float) -> WorkerState:
+        """The worker's state as decisions see it: leaving once an action to take it down was
+        posted, before its task has taken it (a finding judged in that step of the loop, an
+        XID or a log line, must count it down: max_unavailable)."""
+        posted = self._posted.get(runner.name)
+        if posted is None:
+            return runner.state
+        pid, started_at, at, leaving = posted
+        if (
+            runner.state is WorkerState.READY
+            and (runner.record.pid, runner.record.started_at) == (pid, started_at)
+            and now - at < POSTED_HOLD_S
+        ):
+            return leaving
+        del self._posted[runner.name]  # taken (or a new process): its own state says it
+        return runner.state
 
     def _can_migrate(self, findings: list[Finding]) -> dict[str, bool | str]:
         hot = {f.gpu for f in findings if f.kind == "thermal" and f.gpu}
@@ -1015,13 +1040,17 @@ class Healer:
                     "action": act.action,
                     "message": act.message,
                 }
+                record = runner.record
                 if act.action in ("restart", "stop"):
                     runner.post(lc.Restart(reason=reason))  # a stop when stopping for good
+                    leaving = WorkerState.STOPPING
                 else:
                     runner.post(lc.Drain(restart=True, reason=reason))
+                    leaving = WorkerState.DRAINING
                     w = self._watch.get(runner.name)
                     if reason is ExitReason.MAX_AGE and w is not None:
                         w.aged = True  # under way: not asked again for this process
+                self._posted[runner.name] = (record.pid, record.started_at, now, leaving)
         elif act.action == "derate":
             if act.worker is None or act.worker in self.state.derated:
                 return

@@ -368,6 +368,63 @@ def test_a_second_xid_while_the_first_is_deferred_concerns_the_processes_there_t
     assert not w2.posted
 
 
+def test_a_worker_an_action_was_posted_to_counts_as_down_before_its_task_takes_it() -> None:
+    """XID 13 on GPU-0 restarts w-0 (and x-0 beside it); XID 13 on GPU-1, judged in the same
+    step of the loop (its task has not taken the Restart yet: w-0 still says ready), waits for
+    w-0 to be back (max_unavailable 1). Regression: w-1 was restarted too, both of group w
+    down at once. Once w-0's new process runs, w-1's turn comes."""
+    from supervisor.model import XidEvent
+
+    w0, x0 = Runner("w-0", GPUS[0]), Runner("x-0", GPUS[0])
+    w1, x1 = Runner("w-1", GPUS[1]), Runner("x-1", GPUS[1])
+    host, healer = setup("derate", w0, w1, x0, x1)
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
+                for g in host.settings.workers
+            )
+        }
+    )
+    host.clock.advance(10.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    healer.on_xid(XidEvent(1, GPUS[1], 13, host.clock.now()))
+    assert [type(e).__name__ for e in w0.posted + x0.posted] == ["Restart", "Restart"]
+    assert not w1.posted and not x1.posted  # deferred: w-0 and x-0 are going down
+    host.clock.advance(2.0)
+    for r in (w0, x0):  # restarted, ready again
+        r.record.pid, r.record.started_at = 200, host.clock.now()
+        healer.on_spawned(r, 200)  # type: ignore[arg-type]
+    host.tick(healer)
+    assert [type(e).__name__ for e in w1.posted + x1.posted] == ["Restart", "Restart"]
+
+
+def test_an_action_its_worker_never_takes_holds_the_group_back_only_a_while() -> None:
+    """A Restart posted to w-0 that its lifecycle ignored (it stays ready, same process):
+    w-0 counts as going down for POSTED_HOLD_S, not for good."""
+    from supervisor.healing import POSTED_HOLD_S
+    from supervisor.model import XidEvent
+
+    w0, x0 = Runner("w-0", GPUS[0]), Runner("x-0", GPUS[0])
+    w1, x1 = Runner("w-1", GPUS[1]), Runner("x-1", GPUS[1])
+    host, healer = setup("derate", w0, w1, x0, x1)
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
+                for g in host.settings.workers
+            )
+        }
+    )
+    host.clock.advance(10.0)
+    healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
+    healer.on_xid(XidEvent(1, GPUS[1], 13, host.clock.now()))
+    assert not w1.posted
+    host.clock.advance(POSTED_HOLD_S + 1)
+    host.tick(healer)
+    assert [type(e).__name__ for e in w1.posted] == ["Restart"]
+
+
 def test_a_worker_started_on_a_gpu_that_is_hot_already_is_derated() -> None:
     """GPU-0 turned hot with g-0 on it (derated); g-1 starts there afterwards (a scale, an
     explicit list): derated at its start. Regression: it was routed to, preferred even."""
