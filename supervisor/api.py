@@ -51,7 +51,13 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from supervisor._version import __version__
-from supervisor.config import is_loopback, is_loopback_name, parse_listen, parse_signal
+from supervisor.config import (
+    is_loopback,
+    is_loopback_name,
+    metrics_target,
+    parse_listen,
+    parse_signal,
+)
 from supervisor.journal import JOURNAL_SIZE, rfc3339
 from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
@@ -889,13 +895,15 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         for group in rt.settings.workers:
             if not group.metrics_path:
                 continue
+            path, params = metrics_target(group.metrics_path)
             for n in rt.groups.get(group.name, []):
                 runner = rt.runners.get(n)
                 if runner is None or runner.spec.port is None:
                     continue
                 labels = {"worker": n, "group": group.name}
-                if group.metrics_path != "/metrics":
-                    labels["__metrics_path__"] = group.metrics_path
+                if path != "/metrics":
+                    labels["__metrics_path__"] = path
+                labels.update((f"__param_{k}", v) for k, v in params.items())
                 out.append({"targets": [f"127.0.0.1:{runner.spec.port}"], "labels": labels})
         return out
 
@@ -1357,6 +1365,11 @@ _HEAD_REFUSAL = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY)
 )
+#: What a request the HTTP parser refuses (400) usually got wrong.
+_BAD_REQUEST_HINT = (
+    "the request line or a header does not parse as HTTP/1.1 (a path or query must be "
+    "ASCII, anything else percent-encoded: a worker name such as gpen-\u00e4 as gpen-%C3%A4)"
+)
 #: The event of shed connections (at most once a minute, with running totals).
 SHED_EVENT = "api.connections_shed"
 
@@ -1525,6 +1538,16 @@ class _GuardedHttp(HttpToolsProtocol):
                     self.transport.close()
                 return
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refuses: the JSON error every other refusal is (uvicorn's
+        own is text/plain), and the connection closed."""
+        body = json.dumps({"error": f"{msg.rstrip('.')}: {_BAD_REQUEST_HINT}"}).encode()
+        self.transport.write(
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes, self._head_tail = False, 0, b""

@@ -91,6 +91,21 @@ Xid = Annotated[int, Field(ge=1, strict=True)]  # NVML's XID numbers start at 1
 PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 
+#: A Prometheus label name (``__param_<name>`` of a scrape target).
+_LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def metrics_target(metrics_path: str) -> tuple[str, dict[str, str]]:
+    """``metrics_path`` as Prometheus scrapes it: the URL path (``__metrics_path__``) and the
+    query parameters (``__param_<name>``: one value each, the first). Prometheus puts
+    ``__metrics_path__`` in the URL's path, escaping a ``?``: a query must go as params."""
+    path, _, query = metrics_path.partition("?")
+    params: dict[str, str] = {}
+    for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        params.setdefault(name, value)
+    return path, params
+
+
 def _signal_name(value: object) -> object:
     """Accept ``SIGTERM``, ``TERM`` or a signal number; return the canonical name."""
     if isinstance(value, bool):
@@ -566,7 +581,7 @@ class WorkerGroup(_Strict):
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
-        if not _GROUP_NAME.match(value) or len(value) > 64:
+        if not _GROUP_NAME.fullmatch(value) or len(value) > 64:
             raise ValueError(
                 "group names are letters, digits, '_', '.' and '-' (not ending in -<number>), "
                 "at most 64 characters"
@@ -605,6 +620,15 @@ class WorkerGroup(_Strict):
     def _metrics_path_shape(cls, value: str) -> str:
         if value and (not value.startswith("/") or any(c.isspace() for c in value)):
             raise ValueError('expected an absolute URL path such as "/metrics"')
+        if "#" in value:
+            raise ValueError(f"a URL path has no fragment (got {value!r})")
+        _, params = metrics_target(value)
+        for name in params:
+            if not _LABEL_NAME.fullmatch(name):
+                raise ValueError(
+                    f"query parameter {name!r}: Prometheus takes only names of letters, digits "
+                    f"and '_' (not starting with a digit) as __param_<name> (got {value!r})"
+                )
         return value
 
     @field_validator("cwd")

@@ -246,7 +246,7 @@ def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     if keep is None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             found = read_file(path, 4096).decode().strip()
-            if _INSTANCE.match(found):
+            if _INSTANCE.fullmatch(found):
                 return found
     value = keep or uuid.uuid4().hex
     try:
@@ -361,7 +361,7 @@ class PostmortemStore:
 
     def path_of(self, id_: str) -> Path:
         """The file of post-mortem ``id_`` (raises ValueError for a malformed id)."""
-        if not _ID.match(id_):
+        if not _ID.fullmatch(id_):
             raise ValueError(f"not a post-mortem id: {id_!r}")
         return self.directory / f"{id_}.json"
 
@@ -391,7 +391,7 @@ class PostmortemStore:
             names = os.listdir(self.directory)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.match(n[:-5])]
+        ids = [n[: -len(".json")] for n in names if n.endswith(".json") and _ID.fullmatch(n[:-5])]
         with self._order_lock:
             order = dict(self._order)
         ours = sorted((i for i in ids if i in order), key=order.__getitem__, reverse=True)
@@ -442,17 +442,25 @@ class PostmortemStore:
             worker = doc.get("worker")
             if not isinstance(worker, dict):  # written by hand or by something else
                 worker = {}
+            # a field of another type is left out (null), not taken on trust: the API's list
+            # answered 500 for every file because of one such
+            exit_ = doc.get("exit")
             out.append(
                 {
                     "id": id_,
-                    "worker": worker.get("name"),
-                    "group": worker.get("group"),
-                    "reason": doc.get("reason"),
-                    "ended_at": worker.get("ended_at"),
-                    "exit": doc.get("exit"),
+                    "worker": _text(worker.get("name")),
+                    "group": _text(worker.get("group")),
+                    "reason": _text(doc.get("reason")),
+                    "ended_at": _text(worker.get("ended_at")),
+                    "exit": exit_ if isinstance(exit_, dict) else None,
                 }
             )
         return out
+
+
+def _text(value: object) -> str | None:
+    """``value`` if it is a string, else None (a post-mortem field of another type)."""
+    return value if isinstance(value, str) else None
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

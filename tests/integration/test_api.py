@@ -559,3 +559,62 @@ def test_head_is_answered_as_a_get_without_its_body(supervisor: SupervisorFactor
         # a routing decision takes a turn: a HEAD must change nothing, so it is no GET there
         assert http.head("/api/v1/route", params={"group": "c"}).status_code == 405
     assert sup.stop() == 0
+
+
+def test_a_post_mortem_file_of_another_shape_does_not_break_the_list(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: one file in postmortems/ written by hand or by another tool, whose fields
+    had other types (`"exit": 3`, a number for the worker's name), made `GET
+    /api/v1/postmortems` answer 500 for every file; `postmortem list` showed it."""
+    sup = supervisor({"workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}]})
+    sup.ready("c-0")
+    odd = "20260101T000000.000000Z-x-exit"
+    (sup.state_dir / "postmortems" / f"{odd}.json").write_text(
+        '{"worker": {"name": 5, "group": ["g"], "ended_at": 7}, "exit": 3, "reason": {"a": 1}}'
+    )
+    with sup.api() as http:
+        answer = http.get("/api/v1/postmortems")
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == [
+            {
+                "id": odd,
+                "worker": None,
+                "group": None,
+                "reason": None,
+                "ended_at": None,
+                "exit": None,
+            }
+        ]
+        assert http.get(f"/api/v1/postmortems/{odd}").json()["exit"] == 3  # the file as it is
+    assert not sup.find(event="api.error")
+    assert sup.stop() == 0
+
+
+def test_targets_pass_a_metrics_path_query_as_params(supervisor: SupervisorFactory) -> None:
+    """Regression: `metrics_path = "/metrics?format=prometheus"` went into `__metrics_path__`
+    whole: Prometheus puts that label in the URL's path (escaping the `?`), so every scrape of
+    the workers asked for `/metrics%3Fformat=prometheus` and got a 404. The query goes in
+    `__param_<name>` labels, as Prometheus's HTTP service discovery takes them."""
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "c",
+                    "command": worker_cmd("ready_then_sleep"),
+                    "metrics_path": "/stats/prometheus?format=prometheus&usedonly",
+                }
+            ]
+        }
+    )
+    sup.ready("c-0")
+    with sup.api() as http:
+        [target] = http.get("/api/v1/targets").json()
+    assert target["labels"] == {
+        "worker": "c-0",
+        "group": "c",
+        "__metrics_path__": "/stats/prometheus",
+        "__param_format": "prometheus",
+        "__param_usedonly": "",
+    }
+    assert sup.stop() == 0

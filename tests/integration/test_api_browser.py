@@ -3,6 +3,7 @@ oversized request heads, tokens that cannot be sent (real server, real sockets).
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -129,3 +130,31 @@ def test_tokens_that_cannot_be_sent_are_errors_not_tracebacks(tmp_path: Path) ->
     finally:
         srv.close()
         taker.join(10)
+
+
+def test_a_request_that_does_not_parse_gets_a_json_error(supervisor: SupervisorFactory) -> None:
+    """Regression: a request line the HTTP parser refuses (`curl .../workers/gpen-ä` sends the
+    name as raw UTF-8, not percent-encoded) got uvicorn's text/plain "Invalid HTTP request
+    received." instead of the JSON error every other refusal is."""
+    sup = supervisor(
+        {
+            "gpu": {"backend": "none"},
+            "api": {"listen": "127.0.0.1:0"},
+            "workers": [{"name": "a", "command": worker_cmd("ready_then_sleep")}],
+        }
+    )
+    sup.ready("a-0")
+    parts = urlsplit(sup.api_url())
+    with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
+        s.sendall("GET /api/v1/workers/a-ä HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert b"content-type: application/json" in head.lower(), answer
+    error = json.loads(body)["error"]
+    assert "percent-encoded" in error, error
+    with sup.api() as http:  # the server goes on
+        assert http.get("/api/v1/workers/a-0").status_code == 200
+    assert sup.stop() == 0

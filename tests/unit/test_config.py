@@ -148,6 +148,8 @@ def bad(data: dict[str, object]) -> str:
             "workers[0].restart: backoff_max_s (1) is below backoff_initial_s (10)",
         ),
         ({"workers": [{**W, "name": "gpen-1"}]}, "workers[0].name: group names are letters"),
+        # `$` matched before a trailing newline: the name went into file names and labels
+        ({"workers": [{**W, "name": "gpen\n"}]}, "workers[0].name: group names are letters"),
         ({"workers": [{"command": ["x"]}]}, "workers[0].name: required key is missing"),
         (
             {"workers": [{**W, "port_base": 65535, "replicas": 2}]},
@@ -295,6 +297,19 @@ def test_bad_alerts_and_metrics_path() -> None:
         {"workers": [{**W, "metrics_path": "metrics"}]}
     )
     assert "supervisor.postmortem_keep" in bad({"supervisor": {"postmortem_keep": 0}})
+    # a query goes to Prometheus as __param_<name> labels: names it cannot take are refused
+    assert "query parameter 'name[]': Prometheus takes only names" in bad(
+        {"workers": [{**W, "metrics_path": "/metrics?name[]=x"}]}
+    )
+    assert "metrics_path: a URL path has no fragment" in bad(
+        {"workers": [{**W, "metrics_path": "/metrics#x"}]}
+    )
+    assert (
+        parse_settings({"workers": [{**W, "metrics_path": "/metrics?format=prometheus"}]})
+        .workers[0]
+        .metrics_path
+        == "/metrics?format=prometheus"
+    )
 
 
 @pytest.mark.parametrize(("name", "value"), [("WORKERS", "not json"), ("GPU", "{bad")])
