@@ -383,6 +383,8 @@ def browser_refusal(
     host = origin = fetch_site = None
     for key, value in headers:
         if key == b"host":
+            if host is not None:  # which one is meant? (RFC 9112: a 400)
+                return "more than one Host header"
             host = value.decode("latin-1")
         elif key == b"origin":
             origin = value.decode("latin-1")

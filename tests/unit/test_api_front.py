@@ -207,6 +207,8 @@ H = list[tuple[bytes, bytes]]
         ("GET", [(b"host", b"127.0.0.1:9811"), (b"origin", b"http://evil.example")], True, None),
         # DNS rebinding: a foreign name resolved to 127.0.0.1 is same-origin with itself
         ("GET", [(b"host", b"evil.example:9811")], True, "loopback"),
+        # two Hosts: which is meant? (the check read the last, a proxy may route by the first)
+        ("GET", [(b"host", b"evil.example"), (b"host", b"127.0.0.1")], True, "more than one"),
         ("POST", [(b"host", b"evil.example"), (b"origin", b"http://evil.example")], True, "Host"),
         # a listener on another interface is reached by any name; cross-site POSTs still not
         ("GET", [(b"host", b"sup.internal:9811")], False, None),
