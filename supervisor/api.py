@@ -573,7 +573,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     def gpu_uuid(ident: str) -> str:
         uuid = rt.resolve_gpu(ident)
         if uuid is None:
-            known = ", ".join(f"{d.index}" for d in rt.sampler.identities) or "none"
+            known = ", ".join(str(i) for i in sorted(set(rt.gpu_ids().values()))) or "none"
             raise _problem(404, f"unknown GPU {ident!r} (known: {known})")
         return uuid
 
@@ -581,6 +581,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         request: Request, ident: str, cordon: bool, lift: bool = False
     ) -> dict[str, Any]:
         uuid = gpu_uuid(ident)
+        index = rt.gpu_ids()[uuid]
         if lift and uuid in rt.healer.state.quarantined and not rt.gpu_answers(uuid):
             raise _problem(
                 409,
@@ -602,7 +603,6 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             ),
             CORDON_WAIT_S,
         )
-        index = next(d.index for d in rt.sampler.identities if d.uuid == uuid)
         return {
             "id": index,
             "uuid": uuid,

@@ -349,6 +349,13 @@ def place(
     Without devices (no telemetry) ``auto`` places nothing (None). Raises ``PlacementError``.
     """
     fixed = dict(fixed or {})
+    # One GPU listed twice (two files of a simulated world with one UUID: a copied device
+    # file) is one GPU: the first listing stands (regression: gpus_per_worker = 2 put it
+    # twice in CUDA_VISIBLE_DEVICES)
+    first: dict[str, GpuSlot] = {}
+    for d in devices:
+        first.setdefault(d.uuid, d)
+    devices = list(first.values())
     result: dict[str, tuple[str, ...] | None] = {}
     counts = {d.uuid: 0 for d in devices}
     committed = {d.uuid: 0.0 for d in devices}
@@ -370,7 +377,11 @@ def place(
             if name in fixed and (only is None or name not in only):
                 result[name] = fixed[name]
                 take(fixed[name], group.health.gpu_memory_limit_mb)
-    for gi, group in enumerate(groups):
+    # Then the workers on GPUs as listed (explicit lists, "none"): wherever they stand in the
+    # config, the auto ones are placed around them (regression: an explicit group after an
+    # auto one landed on GPUs the auto workers had filled, budgets over the GPU's memory).
+    order = sorted(enumerate(groups), key=lambda item: item[1].gpus == "auto")
+    for gi, group in order:
         for i in range(group.replicas):
             name = f"{group.name}-{i}"
             if name in result or (only is not None and name not in only):
@@ -394,7 +405,12 @@ def place(
                 chosen = gpu_assignment(group)
             result[name] = chosen
             take(chosen, group.health.gpu_memory_limit_mb)
-    return result
+    return {
+        n: result[n]
+        for g in groups
+        for n in (f"{g.name}-{i}" for i in range(g.replicas))
+        if n in result
+    }
 
 
 def _pick(

@@ -139,7 +139,7 @@ from supervisor.records import (
     write_cordons,
     write_lock_pid,
 )
-from supervisor.sampler import Sampler, WorkerRef, host_interval, stuck_text
+from supervisor.sampler import LOST_UNLISTED, Sampler, WorkerRef, host_interval, stuck_text
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.views import (
     SamplePoint,
@@ -344,7 +344,8 @@ class Runtime:
         )
         self._set_host_interval()
         self.suspect: dict[str, frozenset[int]] = {}  # GPU UUID -> old pids still holding memory
-        self._suspect_of: dict[str, str] = {}  # GPU UUID -> the worker whose old pids those are
+        #: GPU UUID -> each old pid there still holding memory -> the worker it was of
+        self._suspect_of: dict[str, dict[int, str]] = {}
         #: workers that could not be placed at start (a GPU lost or missing, none fitting):
         #: placed at each start until they are; why not
         self._unplaced: dict[str, str] = {}
@@ -841,11 +842,19 @@ class Runtime:
             listener(sample)
         if self.suspect and sample.nvml_available:  # without telemetry nothing is seen gone
             listed = {p.pid for d in sample.devices for p in d.processes or ()}
+            # one in a PID namespace of its own is listed under its pid there, as at the
+            # barrier (regression: said released at the next sample, its memory still held)
+            inner = procfs.inner_pids(frozenset().union(*self.suspect.values()))
+            listed |= {inner[p] for p in listed if p in inner and procfs.running(inner[p])}
             for uuid, pids in list(self.suspect.items()):
                 if not pids & listed:
                     del self.suspect[uuid]
                     self._suspect_of.pop(uuid, None)
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
+                elif pids - listed:  # some of them let go: suspect for the others still
+                    self.suspect[uuid] = pids & listed
+                    held = self._suspect_of.get(uuid, {})
+                    self._suspect_of[uuid] = {p: w for p, w in held.items() if p in listed}
         self._wake_gpu_waiters()
         # state.json shows the devices (with their flags) and each worker's tree (for orphan
         # reclaim): only a sample that changes one of them needs a new snapshot.
@@ -1121,8 +1130,7 @@ class Runtime:
         if old and runner.last_exit_at is not None:
             held = await self._await_release(old, gpus, self.settings.gpu.release_timeout_s)
             for uuid, pids in held.items():
-                self.suspect[uuid] = pids
-                self._suspect_of[uuid] = runner.name
+                self._suspect(uuid, dict.fromkeys(pids, runner.name))
                 self.log.warning(
                     "gpu.suspect",
                     worker=runner.name,
@@ -1191,7 +1199,7 @@ class Runtime:
                     chosen = self._place_one(runner, slots)
                     unplaced = None
         if unplaced is not None:
-            own = {u for u in gpus if self._suspect_of.get(u) == runner.name}
+            own = {u for u in gpus if runner.name in self._suspect_of.get(u, {}).values()}
             # rather than fail (a migration too, once no cooler GPU is to be had: regression,
             # a hot and cordoned GPU made its worker wait for a GPU)
             if may_restart_in_place(gpus, slots, own):
@@ -1597,6 +1605,13 @@ class Runtime:
                     signal=r.get("signal"),
                 )
 
+    def _suspect(self, uuid: str, of: Mapping[int, str]) -> None:
+        """GPU ``uuid`` suspect for the old pids in ``of`` (pid -> the worker it was of) as well
+        as for those it is suspect for already (regression: another worker's stuck pids there
+        replaced the first one's, and the GPU was said released while its memory was held)."""
+        self._suspect_of[uuid] = {**self._suspect_of.get(uuid, {}), **of}
+        self.suspect[uuid] = frozenset(self._suspect_of[uuid])
+
     def _suspect_unended_orphans(self) -> None:
         """A predecessor's orphan that the start-up reclaim could not end (stuck in the
         kernel after an XID: SIGKILL stays pending) and that holds GPU memory makes its GPU
@@ -1616,8 +1631,7 @@ class Runtime:
             if not pids:
                 continue
             worker = left[min(pids)]
-            self.suspect[d.uuid] = pids
-            self._suspect_of[d.uuid] = worker
+            self._suspect(d.uuid, {p: left[p] for p in pids})
             self.log.warning(
                 "gpu.suspect",
                 worker=worker,
@@ -2148,12 +2162,26 @@ class Runtime:
             return False
         return any(d.uuid == uuid and d.healthy for d in last.devices)
 
+    def gpu_ids(self) -> dict[str, int]:
+        """Every GPU known, UUID -> index: those the last sample lists first (the world or
+        the driver as it is now: a GPU added since the backend opened, one renumbered), then
+        those listed when it opened, then those no longer listed (lost)."""
+        sample = self.sampler.last
+        devices = sample.devices if sample is not None else ()
+        listed = [(d.uuid, d.index) for d in devices if d.error != LOST_UNLISTED]
+        opened = [(i.uuid, i.index) for i in self.sampler.identities]
+        out: dict[str, int] = {}
+        for uuid, index in (*listed, *opened, *((d.uuid, d.index) for d in devices)):
+            out.setdefault(uuid, index)
+        return out
+
     def resolve_gpu(self, ident: str) -> str | None:
-        """The UUID of the GPU with this index or UUID (None when there is none)."""
-        for d in self.sampler.identities:
-            if ident == d.uuid or ident == str(d.index):
-                return d.uuid
-        return None
+        """The UUID of the GPU with this index or UUID (None when there is none); an index
+        is the GPU's at the last sample where one lists it (:meth:`gpu_ids`)."""
+        ids = self.gpu_ids()
+        if ident in ids:
+            return ident
+        return next((uuid for uuid, index in ids.items() if ident == str(index)), None)
 
     async def _rolling_restart(self, group: str) -> None:
         done = False

@@ -20,6 +20,7 @@ from tests.conftest import SupervisorFactory
 from tests.harness import (
     Supervisor,
     crash_into_barrier,
+    sampled_in_tree,
     stuck,
     stuck_holder,
     wait_dead,
@@ -387,8 +388,20 @@ def test_the_release_barrier_waits_for_a_process_listed_under_its_namespace_pid(
     with stuck(inner.pid, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
         with sup.api() as http:
             assert http.post("/api/v1/workers/ns-0/restart").status_code == 202
-        assert sup.wait_event(event="gpu.suspect", worker="ns-0", timeout=20)["gpu"] == UUID0
+        said = sup.wait_event(event="gpu.suspect", worker="ns-0", timeout=20)
+        assert said["gpu"] == UUID0
+        # it stays suspect while its memory is held (regression: released at the next
+        # sample, which lists the process under its namespace pid, not ours)
+        sup.ready("ns-0", after=sup.events.index(said))
+        sup.wait_events(3, event="gpu.sample", after=sup.mark())
+        assert not sup.find(event="gpu.released")
+        with sup.api() as http:
+            (gpu0,) = [
+                d for d in http.get("/api/v1/gpu/status").json()["devices"] if d["uuid"] == UUID0
+            ]
+            assert gpu0["suspect"] is True, gpu0
     assert wait_dead([inner.pid]) == []
+    sup.wait_event(event="gpu.released", gpu=UUID0)
     assert sup.stop() == 0
 
 
@@ -681,4 +694,94 @@ def test_a_roll_out_waits_for_a_replica_held_at_the_gpu_release_barrier(
         assert sup.events.index(down) > sup.events.index(back)
         sup.wait_event(event="supervisor.rolling_restart_done", after=mark, timeout=15)
     assert wait_dead([holder]) == []
+    assert sup.stop() == 0
+
+
+def test_a_gpu_that_appears_in_the_world_can_be_cordoned(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A GPU added to the world while the supervisor runs is placed on (the sample lists it):
+    the operator can cordon it, by index or UUID, and the answer names it; an index goes to
+    the GPU listed at that index now (not one no longer listed that had it when the backend
+    opened). Regression: 404 "unknown GPU '1' (known: 0)" for the new GPU, and after a
+    renumbering `cordon 0` cordoned the GPU gone from the world."""
+    one = {"max_workers_per_gpu": 1, "command": worker_cmd("gpu_user", "100")}
+    sup = supervisor(config(tmp_path, {"name": "g", "replicas": 2, **one}, sim_devices=1))
+    sup.ready("g-0")
+    sup.wait_event(event="worker.waiting_gpu", worker="g-1")
+    uuid9 = "GPU-00000000-0000-0000-0000-000000000009"
+    gpus = tmp_path / "sim" / "gpus"
+    text = (gpus / "0").read_text().replace(UUID0, uuid9)
+    (gpus / ".new").write_text(text)
+    (gpus / ".new").rename(gpus / "1")
+    sup.ready("g-1")
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/g-1").json()["gpus"] == [uuid9]
+        cordoned = http.post("/api/v1/gpus/1/cordon")
+        assert cordoned.status_code == 200, cordoned.text
+        assert cordoned.json() == {"id": 1, "uuid": uuid9, "cordoned": True, "quarantined": False}
+        devices = {d["uuid"]: d for d in http.get("/api/v1/gpu/status").json()["devices"]}
+        assert devices[uuid9]["cordoned"] is True
+        assert http.post(f"/api/v1/gpus/{uuid9}/uncordon").json()["cordoned"] is False
+        # GPU 0 leaves the world, the new one is renumbered 0: index 0 is the new one now
+        mark = sup.mark()
+        (gpus / "0").unlink()
+        (gpus / "1").rename(gpus / "0")
+        sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark)
+        cordoned = http.post("/api/v1/gpus/0/cordon")
+        assert cordoned.status_code == 200, cordoned.text
+        assert cordoned.json()["uuid"] == uuid9
+    assert sup.stop() == 0
+
+
+def test_a_gpu_suspect_for_two_workers_stays_suspect_until_both_let_go(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """b-0 and b-1 share GPU 0 (GPU 1 cordoned) and each leaves a process stuck holding memory
+    there when it dies (as after an XID): the GPU stays suspect until both have let go.
+    Regression: the second worker's stuck pids replaced the first's, the GPU was said released
+    (``gpu.released``, ``suspect: false``) as soon as the second's went, while the first's
+    still held memory there."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cordons").write_text(f"{UUID1}\n")
+    sup = supervisor(
+        config(
+            tmp_path,
+            {
+                "name": "b",
+                "replicas": 2,
+                "command": worker_cmd("gpu_user", "500", "--holder", "30"),
+                "restart": {"stable_s": 0.1},
+            },
+            release_timeout_s=0.5,
+        ),
+        log_level="debug",
+    )
+    leaders = [sup.ready(f"b-{i}")["pid"] for i in range(2)]
+    holders = [int(sup.wait_line(f"[b-{i}] ", endswith=" holder").split()[2]) for i in range(2)]
+    for i, holder in enumerate(holders):
+        sampled_in_tree(sup, f"b-{i}", holder)
+    name = f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"
+    with stuck(holders[0], f"{name}-0"):
+        with stuck(holders[1], f"{name}-1"):
+            for i in range(2):
+                mark = sup.mark()
+                os.kill(leaders[i], signal.SIGKILL)
+                said = sup.wait_event(event="gpu.suspect", worker=f"b-{i}", after=mark)
+                assert said["pids"] == [holders[i]]
+                sup.ready(f"b-{i}", after=mark)  # on its own suspect GPU: nowhere else
+        mark = sup.mark()
+        # b-1's stuck process is gone; b-0's still holds its memory on GPU 0
+        sup.wait_event(
+            event="gpu.sample",
+            after=mark,
+            devices=lambda d: d[UUID0]["processes"] == 5,  # b-0 and b-1 and b-0's stuck one
+        )
+        with sup.api() as http:
+            gpu0 = http.get("/api/v1/gpu/status").json()["devices"][0]
+            assert gpu0["suspect"] is True, gpu0
+        assert not sup.find(event="gpu.released")
+    assert wait_dead(holders) == []
+    sup.wait_event(event="gpu.released", gpu=UUID0)
     assert sup.stop() == 0

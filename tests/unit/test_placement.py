@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from supervisor.config import parse_settings
 from supervisor.errors import PlacementError
-from supervisor.plan import GpuSlot, build_plan, place
+from supervisor.plan import CORDONED, SUSPECT, GpuSlot, build_plan, place
 
 
 def groups(*specs: dict[str, Any]) -> Any:
@@ -129,3 +131,94 @@ def test_only_a_cordon_lets_a_worker_restart_where_it_was() -> None:
     # suspect because of the worker's own previous process: it may, nothing worse may
     assert may_restart_in_place(["A", "C"], slots, own_suspect={"C"})
     assert not may_restart_in_place(["C", "D"], slots, own_suspect={"C", "D"})
+
+
+def test_auto_workers_are_placed_around_an_explicit_group_later_in_the_config() -> None:
+    """Regression: groups were placed in config order, so auto workers filled GPU 0 before a
+    later group listed on it was counted: budgets of 90000 MB on an 80000 MB GPU (with room
+    to spare on GPU 1)."""
+    budget = {"health": {"gpu_memory_limit_mb": 30_000}}
+    g = groups({"name": "a", "replicas": 3, **budget}, {"name": "b", "gpus": [0], **budget})
+    got = place(g, gpus(2), 512)
+    assert got["b-0"] == ("GPU-0",)
+    assert sorted(str(got[f"a-{i}"]) for i in range(3)) == ["('GPU-0',)", *["('GPU-1',)"] * 2]
+    assert list(got) == ["a-0", "a-1", "a-2", "b-0"]  # in config order still
+
+
+def test_a_gpu_listed_twice_is_one_gpu() -> None:
+    """Two device files of a simulated world with one UUID (one copied to add a GPU): the GPU
+    is placed on once per worker. Regression: gpus_per_worker = 2 gave a worker that GPU
+    twice (CUDA_VISIBLE_DEVICES=GPU-0,GPU-0)."""
+    slots = [GpuSlot(i, u, 80_000.0, 80_000.0, 40.0) for i, u in enumerate(["A", "A", "B"])]
+    got = place(groups({"name": "a", "gpus_per_worker": 2}), slots, 0)
+    assert got == {"a-0": ("A", "B")}
+    with pytest.raises(PlacementError, match="needs 2 GPU"):
+        place(groups({"name": "a", "gpus_per_worker": 2}), slots[:2], 0)
+
+
+_slot = st.tuples(
+    st.sampled_from([None, 16_000.0, 40_000.0, 80_000.0]),
+    st.one_of(st.none(), st.floats(0, 80_000)),
+    st.one_of(st.none(), st.floats(20, 95)),
+    st.sampled_from(["", "", CORDONED, SUSPECT, "is quarantined (XID 79)"]),
+)
+_group = st.tuples(
+    st.integers(0, 4),
+    st.one_of(
+        st.sampled_from(["auto", "auto", "none"]),
+        st.lists(st.integers(0, 3), min_size=1, max_size=2, unique=True),
+    ),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.sampled_from([0, 10_000, 20_000, 39_744]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_slot, max_size=4), st.lists(_group, min_size=1, max_size=3), st.sampled_from([0, 512])
+)
+def test_placement_properties(slots_in: list[Any], specs: list[Any], reserve: float) -> None:
+    """Deterministic; explicit lists as written; auto workers only on usable GPUs, as many
+    distinct ones as gpus_per_worker, and never budgets over total - reserve_mb on a GPU."""
+    slots = [
+        GpuSlot(i, f"GPU-{i}", total, free, temp, usable=not why, why_not=why)
+        for i, (total, free, temp, why) in enumerate(slots_in)
+    ]
+    config = []
+    for k, (replicas, where, per_worker, most, budget) in enumerate(specs):
+        spec: dict[str, Any] = {"name": f"g{k}", "replicas": replicas, "gpus": where}
+        spec["health"] = {"gpu_memory_limit_mb": budget}
+        if where == "auto":
+            spec.update(gpus_per_worker=per_worker, max_workers_per_gpu=most)
+        config.append(spec)
+    g = groups(*config)
+    try:
+        got = place(g, slots, reserve)
+    except PlacementError:
+        return
+    assert got == place(g, slots, reserve)
+    by_uuid = {s.uuid: s for s in slots}
+    committed = dict.fromkeys(by_uuid, 0.0)
+    for group in g:
+        for i in range(group.replicas):
+            for uuid in got[f"{group.name}-{i}"] or ():
+                if uuid in committed:  # (without devices a list is passed as written)
+                    committed[uuid] += group.health.gpu_memory_limit_mb
+    for group in g:
+        for i in range(group.replicas):
+            chosen = got[f"{group.name}-{i}"]
+            if group.gpus == "none":
+                assert chosen == ()
+            elif group.gpus != "auto":
+                assert chosen == tuple(f"GPU-{n}" if slots else str(n) for n in group.gpus)
+            elif not slots:
+                assert chosen is None
+            else:
+                assert chosen is not None and len(set(chosen)) == group.gpus_per_worker
+                for uuid in chosen:
+                    slot = by_uuid[uuid]
+                    assert slot.usable
+                    if group.health.gpu_memory_limit_mb:
+                        assert slot.total_mb is not None
+                        assert committed[uuid] <= slot.total_mb - reserve
