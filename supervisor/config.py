@@ -49,6 +49,8 @@ PLACEHOLDERS = frozenset({"name", "group", "index", "port", "gpus"})
 
 #: Ports handed out to groups that do not set ``port_base``.
 DEFAULT_PORT_BASE = 8001
+#: The highest TCP port.
+MAX_PORT = 65535
 
 #: ``[[workers]] user``: a user (name or number) and optionally ``:`` a group (POSIX portable
 #: names, plus the trailing ``$`` of machine accounts).
@@ -161,6 +163,14 @@ GpuSelection = Annotated[
 ]
 
 
+def _path_value(value: object) -> object:
+    """A path as written, refused where no file can have it: a NUL character (every system
+    call on it fails; regression: ``run`` crashed with a traceback, ``check-config`` passed)."""
+    if isinstance(value, str) and "\0" in value:
+        raise ValueError("contains a NUL character")  # the message adds (got 'the path')
+    return value
+
+
 class SupervisorSection(_Strict):
     """``[supervisor]``."""
 
@@ -171,7 +181,7 @@ class SupervisorSection(_Strict):
     def _state_dir_named(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
             raise ValueError('an empty path (write "." for the current directory)')
-        return value
+        return _path_value(value)
 
     shutdown_timeout_s: PositiveSeconds = 30.0
     sample_interval_s: float = Field(default=0.5, ge=0.05, le=60)
@@ -196,7 +206,7 @@ class GpuSection(_Strict):
     def _sim_dir_named(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():  # regression: the cwd was the world
             raise ValueError('an empty path (write "." for the current directory)')
-        return value
+        return _path_value(value)
 
     reserve_mb: float = Field(default=512, ge=0)
     release_timeout_s: NonNegativeSeconds = 10.0
@@ -243,7 +253,7 @@ class ApiSection(_Strict):
     @field_validator("token_file", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
-        return None if value == "" else value
+        return None if value == "" else _path_value(value)
 
     @field_validator("listen")
     @classmethod
@@ -740,13 +750,16 @@ def keep_port_bases(
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return dict(data)
     taken = _taken_ports(data, groups)
+    # a name as written: one missing or no string (``name = true``) is the validation's to
+    # report (regression: looked up as the text it reads as, KeyError, the supervisor crashed)
+    names = {g.get("name") for g in groups if isinstance(g.get("name"), str)}
     wanted: dict[int, range] = {}
     for i, g in enumerate(groups):
-        now, replicas = running.get(str(g.get("name"))), g.get("replicas", 1)
+        name, replicas = g.get("name"), g.get("replicas", 1)
+        now = running.get(name) if isinstance(name, str) else None
         if g.get("port_base") is None and now is not None and isinstance(replicas, int):
             wanted[i] = range(now.start, now.start + max(replicas, 0))
     grows = {i for i, ports in wanted.items() if ports.stop > running[groups[i]["name"]].stop}
-    names = {str(g.get("name")) for g in groups}
     kept: dict[int, int] = {}
     for i in sorted(wanted, key=lambda i: (i in grows, i)):
         # a group that grows must not take ports another group still listens on (its own
@@ -772,9 +785,11 @@ def keep_port_bases(
 
 
 def _first_free(replicas: int, taken: Sequence[range]) -> int:
-    """The lowest base from ``DEFAULT_PORT_BASE`` whose ``replicas`` ports are not taken."""
+    """The lowest base from ``DEFAULT_PORT_BASE`` whose ``replicas`` ports are not taken, or
+    65536 (refused by the validation) when none is below it: a range taken by a group with a
+    ``replicas`` typo'd into the billions (refused too) made this search all but endless."""
     base = DEFAULT_PORT_BASE
-    while any(_overlaps(range(base, base + replicas), r) for r in taken):
+    while base <= MAX_PORT and any(_overlaps(range(base, base + replicas), r) for r in taken):
         base += 1
     return base
 

@@ -278,6 +278,30 @@ def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactor
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize(("running", "written"), [("None", None), ("True", True)])
+def test_a_reload_whose_group_name_is_missing_or_no_string_is_rejected(
+    supervisor: SupervisorFactory, running: str, written: object
+) -> None:
+    """A group whose name is missing (or a boolean) in the reloaded file, while a group whose
+    name reads the same as text runs, is rejected like any mistake. Regression: the port
+    keeping looked the group up by the raw value (KeyError), and the supervisor crashed,
+    taking every worker down."""
+    sup = supervisor({"workers": [g(running)]})
+    sup.ready(f"{running}-0")
+    broken = {k: v for k, v in g(running).items() if k != "name"}
+    if written is not None:
+        broken["name"] = written
+    rejected = sup.reload_rejected({"workers": [broken]})
+    assert "workers[0].name" in rejected["error"]
+    # still running, its worker untouched: a good reload is taken
+    mark = sup.mark()
+    sup.write_config({"workers": [g(running)]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload", after=mark)
+    assert not sup.find(event="worker.state", new="stopping", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     supervisor: SupervisorFactory,
 ) -> None:
@@ -1112,6 +1136,10 @@ BAD_CONFIGS = {
     "port_overlap": "[[workers]]\nname='a'\ncommand=['x']\nport_base=9000\nreplicas=2\n"
     "[[workers]]\nname='b'\ncommand=['y']\nport_base=9001\n",
     "bad_placeholder": "[[workers]]\nname='a'\ncommand=['x','{model}']\n",
+    # a NUL no path can hold (regression: `run` crashed with a traceback, `check-config` said
+    # ok, or crashed too for sim_dir)
+    "nul_in_state_dir": '[supervisor]\nstate_dir = "/tmp/a\\u0000b"\n',
+    "nul_in_sim_dir": '[gpu]\nbackend = "sim"\nsim_dir = "/tmp/a\\u0000b"\n',
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def bad(data: dict[str, object]) -> str:
             {"workers": [{**W, "env": {"A": "a\0b"}}]},
             "workers[0].env: the value of A contains a NUL character",
         ),
+        ({"supervisor": {"state_dir": "/a\0b"}}, "supervisor.state_dir: contains a NUL"),
+        ({"gpu": {"sim_dir": "a\0b"}}, "gpu.sim_dir: contains a NUL character"),
+        ({"api": {"token_file": "/t\0k"}}, "api.token_file: contains a NUL character"),
         (
             {"workers": [{**W, "stop_timeout_s": -1}]},
             "workers[0].stop_timeout_s: Input should be greater than or equal to 0 (got -1)",
@@ -455,3 +459,50 @@ def test_a_bad_override_names_its_variable_and_value(
     assert message in str(err.value)
     if "JSON" in message:
         assert str(err.value).endswith(f"(got {value!r})")
+
+
+@pytest.mark.parametrize(
+    ("running", "toml"),
+    [
+        ("None", "[[workers]]\ncommand = ['x']\n"),
+        ("True", "[[workers]]\nname = true\ncommand = ['x']\n"),
+        ("inf", "[[workers]]\nname = inf\ncommand = ['x']\n"),
+    ],
+)
+def test_a_reload_with_a_name_that_is_no_string_is_one_line(
+    tmp_path: Path, running: str, toml: str
+) -> None:
+    """The ports kept on a reload are looked up by the groups' names as written: a missing
+    name, or one that is no string, is the validation's to report (regression: KeyError)."""
+    p = tmp_path / "c.toml"
+    p.write_text(toml)
+    with pytest.raises(ConfigError, match=r"c\.toml: workers\[0\]\.name: "):
+        load_settings(p, {running: range(8001, 8002)})
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_huge_replicas_with_a_port_base_is_refused_not_a_hang(tmp_path: Path, keep: bool) -> None:
+    """Ports are handed out from 8001 past the ranges the file already claims: a group with
+    ``port_base`` and a typo'd ``replicas`` claimed billions, and the search for the next
+    group's range never ended (``check-config``, ``run`` and a reload hung)."""
+    p = tmp_path / "c.toml"
+    p.write_text(
+        "[[workers]]\nname = 'a'\ncommand = ['x']\nport_base = 8001\nreplicas = 10000000000\n"
+        "[[workers]]\nname = 'b'\ncommand = ['x']\n"
+    )
+    result: list[BaseException] = []
+    done = threading.Event()
+
+    def load() -> None:
+        try:
+            load_settings(p, {"b": range(9000, 9001)} if keep else None)
+        except BaseException as exc:
+            result.append(exc)
+        done.set()
+
+    threading.Thread(target=load, daemon=True).start()
+    assert done.wait(10), "load_settings did not return"
+    assert isinstance(result[0], ConfigError)
+    assert "c.toml: workers[0].replicas: Input should be less than or equal to 4096" in str(
+        result[0]
+    )
