@@ -250,9 +250,23 @@ def _end_of_startup() -> None:
         gc.enable()
 
 
-def signal_intent(signum: int, shutting_down: bool) -> Intent | None:
-    """Map a received signal to an intent (pure, so tests can call it directly)."""
+#: The same stop signal again within this long is the same request, not a second one that
+#: forces the stop: GNU ``timeout`` (and a script that signals a process and then its process
+#: group) sends SIGTERM twice in the same instant, which made a graceful stop a SIGKILL of
+#: every worker. A person's second Ctrl-C comes later than this.
+SIGNAL_REPEAT_S = 0.3
+
+
+def signal_intent(
+    signum: int, shutting_down: bool, since_same_s: float = math.inf
+) -> Intent | None:
+    """Map a received signal to an intent (pure, so tests can call it directly).
+
+    ``since_same_s``: how long since the same signal was last received.
+    """
     if signum in (signal.SIGTERM, signal.SIGINT):
+        if since_same_s < SIGNAL_REPEAT_S:
+            return None  # the first one again (the same sender, twice)
         return Shutdown(signal.Signals(signum).name)
     if signum == signal.SIGHUP and not shutting_down:
         return Reload()
@@ -2049,11 +2063,16 @@ class Runtime:
         with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
             release_held_signals()  # one that came while we started is delivered now
             task_status.started()
+            last: dict[int, float] = {}  # signal -> when it was last received
             async for signum in signals:
-                intent = signal_intent(signum, self._shutting_down)
+                now = self.clock.now()
+                since = now - last.get(signum, -math.inf)
+                last[signum] = now
+                intent = signal_intent(signum, self._shutting_down, since)
                 if isinstance(intent, Reload):
                     intent = Reload(self._next_reload_request())
-                self.log.info("supervisor.signal", signal=signal.Signals(signum).name)
+                said = {"repeat": True} if since < SIGNAL_REPEAT_S else {}
+                self.log.info("supervisor.signal", signal=signal.Signals(signum).name, **said)
                 if intent is not None:
                     self.submit(intent)
 

@@ -18,7 +18,7 @@ from supervisor import processes, procfs
 from supervisor.notify import parse_datagram, socket_path_for
 from supervisor.output import TAIL_CHARS, TAIL_LINES, WorkerOutput
 from supervisor.records import dump_json
-from supervisor.runtime import Reload, Shutdown, signal_intent
+from supervisor.runtime import SIGNAL_REPEAT_S, Reload, Shutdown, signal_intent
 
 PR_GET_PDEATHSIG = 2
 
@@ -105,6 +105,12 @@ def test_signal_mapping() -> None:
     assert signal_intent(signal.SIGHUP, False) == Reload()
     assert signal_intent(signal.SIGHUP, True) is None
     assert signal_intent(signal.SIGUSR1, False) is None
+    # the same stop signal twice in an instant (GNU timeout: the child, then its group) is
+    # one request; again later, it forces the stop
+    assert signal_intent(signal.SIGTERM, True, since_same_s=0.001) is None
+    assert signal_intent(signal.SIGTERM, False, since_same_s=0.001) is None
+    assert signal_intent(signal.SIGTERM, True, since_same_s=SIGNAL_REPEAT_S) == Shutdown("SIGTERM")
+    assert signal_intent(signal.SIGHUP, False, since_same_s=0.001) == Reload()
 
 
 def test_nspids_and_inner_pids_of_a_nested_pid_namespace() -> None:
