@@ -700,6 +700,26 @@ class WorkerGroup(_Strict):
         return [f"{self.name}-{i}" for i in range(self.replicas)]
 
 
+def _expanded_url_error(group: WorkerGroup, url: str, ports: Sequence[int]) -> str | None:
+    """Why ``url`` is no usable URL for one of the group's workers once its placeholders are
+    filled in (``http://127.0.0.1:{port}{port}/`` reads as a URL with "1" for each, but no
+    worker's is one: every probe failed at run time), or None."""
+    if "{" not in url:
+        return None
+    for index, port in enumerate(ports):
+        values = {
+            "name": f"{group.name}-{index}",
+            "group": group.name,
+            "index": str(index),
+            "port": str(port),
+            "gpus": "",
+        }
+        expanded = url.format_map(values)
+        if not http_url(expanded):
+            return f"{expanded!r} (worker {values['name']}) is no http(s) URL with a valid port"
+    return None
+
+
 def _placeholder_errors(text: str) -> str | None:
     """Return a message for the first bad placeholder in ``text``, or None."""
     try:
@@ -884,6 +904,12 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"workers[{i}].port_base: ports {ports[0]}-{ports[-1]} go past 65535"
                 )
+            for key, url in (
+                ("ready", group.ready if group.ready_mode == "http" else ""),
+                ("health.liveness_url", live),
+            ):
+                if (why := _expanded_url_error(group, url, ports)) is not None:
+                    raise ValueError(f"workers[{i}].{key}: {why} (got {url!r})")
             kind, _, api_port = parse_listen(self.api.listen)
             if kind == "tcp" and api_port in ports:
                 raise ValueError(

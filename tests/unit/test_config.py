@@ -152,6 +152,15 @@ def bad(data: dict[str, object]) -> str:
             "workers[0].restart: backoff_max_s (1) is below backoff_initial_s (10)",
         ),
         ({"workers": [{**W, "name": "gpen-1"}]}, "workers[0].name: group names are letters"),
+        # a URL with a "1" for each placeholder, but no worker's (every probe failed at run)
+        (
+            {"workers": [{**W, "ready": "http://127.0.0.1:{port}{port}/"}]},
+            "workers[0].ready: 'http://127.0.0.1:80018001/' (worker gpen-0) is no http(s) URL",
+        ),
+        (
+            {"workers": [{**W, "health": {"liveness_url": "http://h:{port}{index}/"}}]},
+            "workers[0].health.liveness_url: 'http://h:80010/' (worker gpen-0) is no http(s)",
+        ),
         # `$` matched before a trailing newline: the name went into file names and labels
         ({"workers": [{**W, "name": "gpen\n"}]}, "workers[0].name: group names are letters"),
         ({"workers": [{"command": ["x"]}]}, "workers[0].name: required key is missing"),
