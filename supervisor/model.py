@@ -122,17 +122,19 @@ HEALER_REASONS = HEALING_REASONS | {ExitReason.MAX_AGE}
 
 @dataclass(frozen=True, slots=True)
 class ExitStatus:
-    """A decoded wait status: exactly one of ``code`` and ``signal`` is set."""
+    """A decoded wait status: exactly one of ``code`` and ``signal`` is set; ``core_dumped``:
+    the signal left a core dump (``WCOREDUMP``)."""
 
     code: int | None
     signal: int | None
+    core_dumped: bool = False
 
     @classmethod
     def from_wait_status(cls, status: int) -> ExitStatus:
         """Decode a raw ``waitpid`` status word (exits and signals only)."""
         if status & 0x7F == 0:
             return cls(code=(status >> 8) & 0xFF, signal=None)
-        return cls(code=None, signal=status & 0x7F)
+        return cls(code=None, signal=status & 0x7F, core_dumped=bool(status & 0x80))
 
     @property
     def signal_name(self) -> str | None:
@@ -145,9 +147,9 @@ class ExitStatus:
             return f"SIG{self.signal}"
 
     def describe(self) -> str:
-        """``exit code 3`` or ``killed by SIGKILL``."""
+        """``exit code 3``, ``killed by SIGKILL`` or ``killed by SIGSEGV (core dumped)``."""
         if self.signal is not None:
-            return f"killed by {self.signal_name}"
+            return f"killed by {self.signal_name}" + (" (core dumped)" if self.core_dumped else "")
         return f"exit code {self.code}"
 
 

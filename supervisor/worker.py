@@ -589,6 +589,7 @@ class WorkerRunner:
             pid=child.pid if child else None,
             code=status.code if status else None,
             signal=status.signal_name if status else None,
+            core_dumped=status.core_dumped if status else False,
             reason=outcome.reason.value,
             failure=action.failure,
         )
@@ -599,6 +600,7 @@ class WorkerRunner:
                 "pid": self.last_exit_pid,
                 "code": status.code if status else None,
                 "signal": status.signal_name if status else None,
+                "core_dumped": status.core_dumped if status else False,
                 "reason": outcome.reason.value,
                 "failure": action.failure,
             },

@@ -87,6 +87,8 @@ def classify(
     if status is not None:
         base["exit_code"] = status.code
         base["signal"] = status.signal_name
+        if status.core_dumped:  # where to look next: the core file (core_pattern)
+            base["core_dumped"] = True
     if reason is ExitReason.MAX_AGE:
         # a scheduled recycle (``max_age_s``) is a drain the supervisor asked for: no death
         # unless the worker died otherwise while it drained. Out of time, it was stopped as

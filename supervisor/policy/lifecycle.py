@@ -321,6 +321,12 @@ def _ready_deadline(now: float, t: Timing) -> float | None:
     return now + t.watchdog_s if t.watchdog_s > 0 else None
 
 
+#: The shortest wait before a start that failed to spawn (the program is gone, its working
+#: directory too) is tried again, whatever ``backoff_initial_s`` says: a spawn is answered at
+#: once, so with no delay the retries would loop without ever yielding (a frozen supervisor).
+SPAWN_RETRY_MIN_S = 1.0
+
+
 def _after_failure_or_stable(
     rec: WorkerRecord, now: float, t: Timing, outcome: Outcome, base: list[Action]
 ) -> tuple[WorkerRecord, list[Action]]:
@@ -352,8 +358,12 @@ def _after_failure_or_stable(
         )
         rec, acts = _move(rec, S.FATAL, why, history=verdict.history, deadline=None, **common)
         return rec, [*base, Exit(outcome, failure=True), *acts]
+    delay_s = verdict.delay_s
+    if outcome.reason is ExitReason.SPAWN_FAILED:
+        # the retry's answer would come in this same step: never without a Timer in between
+        delay_s = max(delay_s, SPAWN_RETRY_MIN_S)
     rec, acts = _backoff(
-        rec, now, verdict.delay_s, outcome, history=verdict.history, restarts=restarts, **common
+        rec, now, delay_s, outcome, history=verdict.history, restarts=restarts, **common
     )
     return rec, [*base, Exit(outcome, failure=True), *acts]
 
@@ -389,10 +399,13 @@ def _on_exit(
     outcome = Outcome(ev.status, reason, now, ev.status.describe())
     if expected is AfterExit.RECOVER:
         return _after_failure_or_stable(rec, now, t, outcome, [])
-    done = {"pid": None, "last_exit": outcome, "killed": False, "deadline": None}
+    done: dict[str, object] = {"pid": None, "last_exit": outcome, "killed": False, "deadline": None}
     if expected is AfterExit.STOP:
         rec, acts = _move(rec, S.STOPPED, reason.value, after_exit=None, **done)
         return rec, [Exit(outcome, failure=False), *acts]
+    if is_stable_run(rec.ready_at, now, t.restart):
+        # ready for stable_s: the failures before it were no streak the next start continues
+        done["history"] = record_stable_exit(rec.history)
     rec = replace(rec, restarts=rec.restarts + 1, **done)  # type: ignore[arg-type]
     rec, acts = _start(rec, reason.value)
     return rec, [Exit(outcome, failure=False), *acts]
@@ -445,8 +458,8 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             # as from stopped: a reload's new definition or an operator's start gets a full
             # `burst` (it kept the old one's failures: fatal after one or two tries)
             return _start(replace(rec, history=FailureHistory()), "start")
-        if isinstance(ev, Stop):
-            return _move(rec, S.STOPPED, ev.reason.value, deadline=None, gpu_waits=0)
+        if isinstance(ev, Stop) or _operator_drain(ev):
+            return _move(rec, S.STOPPED, _stop_reason(ev), deadline=None, gpu_waits=0)
         return rec, []
 
     if state is S.STARTING and rec.pid is None:
@@ -477,10 +490,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 deadline=now + gpu_wait_s(t.restart, waits),
                 gpu_waits=waits,
             )
-        if isinstance(ev, Stop):
+        if isinstance(ev, Stop) or _operator_drain(ev):
             # Still preparing (GPU-release barrier): nothing runs yet, so just stay stopped.
             return _move(
-                rec, S.STOPPED, ev.reason.value, deadline=None, after_exit=None, gpu_waits=0
+                rec, S.STOPPED, _stop_reason(ev), deadline=None, after_exit=None, gpu_waits=0
             )
         return rec, []
 
@@ -634,3 +647,14 @@ def _healing_over_stop(rec: WorkerRecord, ev: Restart) -> bool:
     """A healing restart of a worker that is being stopped for good: the stop wins (a healing
     action must not start what an operator, a reload or the shutdown is stopping)."""
     return rec.after_exit is AfterExit.STOP and ev.reason in HEALER_REASONS
+
+
+def _operator_drain(ev: Event) -> bool:
+    """A drain that ends in a stop (an operator's ``drain``, of a group too): a worker with
+    no process up (in backoff, about to spawn) just stays stopped, as a stop would leave it
+    (regression: it ignored the drain and started afterwards: the drained group came back)."""
+    return isinstance(ev, Drain) and not ev.restart
+
+
+def _stop_reason(ev: Event) -> str:
+    return ev.reason.value if isinstance(ev, Stop | Drain) else ExitReason.STOP.value

@@ -650,3 +650,113 @@ def test_watchdog_trigger_restarts_the_worker_for_a_hang(
     doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
     assert doc["evidence"]["watchdog_trigger"] is True, doc["evidence"]  # it said so itself
     assert sup.stop() == 0
+
+
+def test_a_program_that_cannot_be_spawned_with_no_backoff_does_not_freeze_the_supervisor(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """``backoff_initial_s = 0``, ``burst = 0`` and a program that is gone (a deploy that
+    removed it): each failed spawn is retried after a second, the API answers and a SIGTERM
+    stops the supervisor. Regression: the retry of a failed spawn was made in the step of the
+    failure, whose answer was the next failure: a loop that never yielded (tens of thousands
+    of ``worker.spawn_failed`` a second, no API, SIGTERM ignored)."""
+    restart = {"backoff_initial_s": 0, "backoff_max_s": 0, "burst": 0}
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "gone",
+                    "command": [str(tmp_path / "no-such-program")],
+                    "ready": "none",
+                    "gpus": "none",
+                    "restart": restart,
+                }
+            ]
+        }
+    )
+    first, second = sup.wait_events(2, event="worker.spawn_failed", worker="gone-0")
+    assert "No such file or directory" in first["error"]
+    assert ts(second) - ts(first) >= 0.9
+    with sup.api() as http:
+        assert http.get("/healthz").status_code == 200
+        state = http.get("/api/v1/workers/gone-0").json()
+    assert (
+        state["state"] in ("backoff", "starting") and state["last_exit"]["reason"] == "spawn_failed"
+    )
+    assert sup.stop(timeout=10) == 0
+    assert len(sup.find(event="worker.spawn_failed", worker="gone-0")) < 10
+
+
+def test_drain_of_a_group_keeps_its_worker_in_backoff_stopped(
+    supervisor: SupervisorFactory,
+) -> None:
+    """``drain GROUP`` while one of its workers waits in backoff after a crash: that one is
+    stopped too (reason drain), and the group stays down. Regression: it ignored the drain
+    and started again once its backoff ran out."""
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "g",
+                    "command": ["sh", "-c", "[ {index} = 1 ] && exit 3; exec sleep 1000"],
+                    "replicas": 2,
+                    "ready": "none",
+                    "gpus": "none",
+                    "drain_timeout_s": 0.2,
+                    "restart": {"backoff_initial_s": 30, "backoff_max_s": 30},
+                }
+            ]
+        }
+    )
+    sup.wait_event(event="worker.state", worker="g-1", new="backoff")
+    sup.wait_event(event="worker.state", worker="g-0", new="ready")
+    with sup.api() as http:
+        assert http.post("/api/v1/groups/g/drain").status_code == 202
+    stopped = sup.wait_event(event="worker.state", worker="g-1", new="stopped")
+    assert (stopped["old"], stopped["reason"]) == ("backoff", "drain")
+    sup.wait_event(event="worker.state", worker="g-0", new="stopped")
+    with sup.api() as http:
+        states = [w["state"] for w in http.get("/api/v1/workers").json()]
+    assert states == ["stopped", "stopped"]
+    assert sup.stop() == 0
+
+
+def test_a_core_dump_is_reported(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """A worker killed by a signal that left a core dump says so: in ``worker.exited``, in
+    ``last_exit.detail`` and in its post-mortem's evidence. Regression: the wait status's core
+    bit was dropped: "killed by SIGABRT", and nothing said there was a core to look at."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_CORE)[1] == 0:
+        pytest.skip("core dumps are off (hard RLIMIT_CORE 0)")
+    code = (
+        "import os, resource\n"
+        "hard = resource.getrlimit(resource.RLIMIT_CORE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))\n"
+        "os.abort()\n"
+    )
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "core",
+                    "command": [sys.executable, "-c", code],
+                    "cwd": str(tmp_path),
+                    "ready": "none",
+                    "gpus": "none",
+                    "restart": {"backoff_initial_s": 30, "backoff_max_s": 30},
+                }
+            ]
+        }
+    )
+    exited = sup.wait_event(event="worker.exited", worker="core-0")
+    assert exited["signal"] == "SIGABRT"
+    if not exited["core_dumped"]:
+        pytest.skip("no core was dumped here (core_pattern, a full disk)")
+    written = sup.wait_event(event="records.postmortem", worker="core-0")
+    with sup.api() as http:
+        last = http.get("/api/v1/workers/core-0").json()["last_exit"]
+        assert last["detail"] == "killed by SIGABRT (core dumped)"
+        doc = http.get(f"/api/v1/postmortems/{written['id']}").json()
+    assert doc["evidence"]["core_dumped"] is True and doc["exit"]["signal_name"] == "SIGABRT"
+    assert sup.stop() == 0

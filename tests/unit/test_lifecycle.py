@@ -518,3 +518,81 @@ def test_may_start_is_first_come_first_served_within_max_starting(
     name: str, queue: list[str], loading: set[str], limit: int, expected: bool
 ) -> None:
     assert lc.may_start(name, queue, loading, limit) is expected
+
+
+@pytest.mark.parametrize("burst", [0, 3])
+def test_a_failed_spawn_never_retries_in_the_same_step(burst: int) -> None:
+    """A program that cannot be executed, with ``backoff_initial_s = 0``: the retry waits for a
+    Timer (at least ``SPAWN_RETRY_MIN_S``). Regression: the zero delay spawned again within the
+    step of the failure, whose answer is the next failure, in a loop that never yielded (the
+    supervisor froze: no API, no signals, an endless stream of ``worker.spawn_failed``)."""
+    t = replace(
+        T, restart=replace(T.restart, backoff_initial_s=0.0, backoff_max_s=0.0, burst=burst)
+    )
+    rec = at(lc.WorkerRecord(), lc.Start(), 0.0, t)
+    rec, actions = lc.step(rec, lc.SpawnFailed("no such file"), 0.0, t)
+    assert rec.state is S.BACKOFF and not any(isinstance(a, lc.Spawn) for a in actions)
+    assert rec.deadline == lc.SPAWN_RETRY_MIN_S
+    # a process that ran and failed is still restarted at once (it came from the reaper)
+    crashed, actions = lc.step(started(pid=10), lc.Exited(10, CRASH), 100.5, t)
+    assert crashed.state is S.STARTING and isinstance(actions[-1], lc.Spawn)
+
+
+@pytest.mark.parametrize("waiting", ["backoff", "preparing"])
+def test_an_operators_drain_of_a_group_stops_its_workers_that_are_not_up(waiting: str) -> None:
+    """``drain GROUP`` takes every worker of the group down for good: one in backoff after a
+    crash, or about to spawn (waiting for its GPU's release, its turn), stays stopped too, as
+    one still loading does. Regression: they ignored the drain and started afterwards, so the
+    drained group came back up."""
+    if waiting == "backoff":
+        rec = at(started(), lc.Exited(10, CRASH), 100.5)
+        assert rec.state is S.BACKOFF
+    else:
+        rec = at(lc.WorkerRecord(), lc.Start(), 100.0)
+        assert rec.state is S.STARTING and rec.pid is None
+    # a healing drain (restart=True) of it has nothing to do
+    assert lc.step(rec, lc.Drain(restart=True, reason=ExitReason.LEAK), 100.6, T) == (rec, [])
+    stopped, actions = lc.step(rec, lc.Drain(restart=False), 100.6, T)
+    assert stopped.state is S.STOPPED and stopped.deadline is None
+    assert not any(isinstance(a, lc.Spawn) for a in actions)
+    assert lc.step(stopped, lc.Timer(), 200.0, T)[0].state is S.STOPPED
+
+
+def test_a_restart_after_a_stable_run_forgets_the_old_failure_streak() -> None:
+    """An operator's (or a reload's) restart of a worker that had been ready for ``stable_s``:
+    a failed start afterwards backs off from ``backoff_initial_s``. Regression: the streak of
+    failures from before the stable run was kept, so the first failure waited 8 s (or up to
+    ``backoff_max_s``) as if the starts had failed in a row."""
+    rec = at(started(), lc.Exited(10, CRASH), 100.5)  # 1st failure
+    rec = at(rec, lc.Timer(), 101.5)
+    rec = at(rec, lc.Spawned(11), 101.5)
+    rec = at(rec, lc.Exited(11, CRASH), 102.0)  # 2nd
+    rec = at(rec, lc.Timer(), 104.0)
+    rec = at(rec, lc.Spawned(12), 104.0)
+    rec = at(rec, lc.Ready(12), 105.0)
+    assert rec.state is S.READY and rec.history.consecutive == 2
+    rec = at(rec, lc.Restart(), 500.0)  # ready for far longer than stable_s (10)
+    rec = at(rec, lc.Exited(12, ExitStatus(None, signal.SIGTERM)), 500.5)
+    assert rec.state is S.STARTING
+    rec = at(rec, lc.Spawned(13), 500.5)
+    rec = at(rec, lc.Exited(13, CRASH), 501.0)
+    assert rec.state is S.BACKOFF and rec.deadline == 501.0 + T.restart.backoff_initial_s
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected", "described"),
+    [
+        (3 << 8, ExitStatus(3, None), "exit code 3"),
+        (signal.SIGKILL, ExitStatus(None, signal.SIGKILL), "killed by SIGKILL"),
+        (
+            signal.SIGSEGV | 0x80,
+            ExitStatus(None, signal.SIGSEGV, True),
+            "killed by SIGSEGV (core dumped)",
+        ),
+    ],
+)
+def test_a_wait_status_is_decoded_with_its_core_dump(
+    raw: int, expected: ExitStatus, described: str
+) -> None:
+    status = ExitStatus.from_wait_status(raw)
+    assert status == expected and status.describe() == described
