@@ -49,6 +49,9 @@ PLACEHOLDERS = frozenset({"name", "group", "index", "port", "gpus"})
 
 #: Ports handed out to groups that do not set ``port_base``.
 DEFAULT_PORT_BASE = 8001
+#: The most MiB a memory figure of the config may say (an EiB: no GPU or host has it; beyond
+#: about 1.7e302 MiB a byte count is no finite number, and memory.max could not be written).
+MAX_MEMORY_MB = float(2**40)
 #: The highest TCP port.
 MAX_PORT = 65535
 
@@ -208,7 +211,7 @@ class GpuSection(_Strict):
             raise ValueError('an empty path (write "." for the current directory)')
         return _path_value(value)
 
-    reserve_mb: float = Field(default=512, ge=0)
+    reserve_mb: float = Field(default=512, ge=0, le=MAX_MEMORY_MB)
     release_timeout_s: NonNegativeSeconds = 10.0
     # Thermal/power: hot = a heat or power clock-event reason, or within thermal_margin_c of the
     # slowdown threshold, for thermal_sustain_s; cool again after thermal_clear_s below it.
@@ -420,8 +423,8 @@ HealAction = Literal["drain", "restart", "alert"]
 class HealthSection(_Strict):
     """``[workers.health]``: budgets, watchdog, leak detection and the healing actions."""
 
-    gpu_memory_limit_mb: float = Field(default=0, ge=0)
-    host_memory_limit_mb: float = Field(default=0, ge=0)
+    gpu_memory_limit_mb: float = Field(default=0, ge=0, le=MAX_MEMORY_MB)
+    host_memory_limit_mb: float = Field(default=0, ge=0, le=MAX_MEMORY_MB)
     watchdog_s: NonNegativeSeconds = 0.0
     leak_warmup_s: NonNegativeSeconds = 60.0
     leak_window_s: float = Field(default=600.0, ge=5, le=86_400)

@@ -183,6 +183,11 @@ def bad(data: dict[str, object]) -> str:
         ({"workers": [{**W, "health": {"max_unavailable": 0}}]}, "health.max_unavailable:"),
         ({"workers": [{**W, "health": {"leak_window_s": 1}}]}, "health.leak_window_s:"),
         ({"workers": [{**W, "health": {"host_memory_limit_mb": -1}}]}, "host_memory_limit_mb"),
+        # a byte count past a float's range: memory.max could not be written (OverflowError)
+        (
+            {"workers": [{**W, "health": {"host_memory_limit_mb": 1e303}}]},
+            "workers[0].health.host_memory_limit_mb: Input should be less than or equal to",
+        ),
         (
             {"gpu": {"xid_worker_fatal": [13, 79]}},
             "gpu: xid_worker_fatal and xid_device_fatal both list 79",
