@@ -293,7 +293,7 @@ def parse_listen(value: str) -> tuple[Literal["tcp", "unix", "off"], str, int]:
             )
         return ("unix", path, 0)
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError(f'expected "HOST:PORT" or "unix:/path" (got {value!r})')
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

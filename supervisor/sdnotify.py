@@ -28,7 +28,11 @@ class SystemdNotifier:
         self.watchdog_usec = 0
         usec = environ.get("WATCHDOG_USEC", "")
         watchdog_pid = environ.get("WATCHDOG_PID", "")
-        if usec.isdigit() and (not watchdog_pid or watchdog_pid == str(os.getpid())):
+        if (
+            usec.isascii()
+            and usec.isdigit()
+            and (not watchdog_pid or watchdog_pid == str(os.getpid()))
+        ):
             self.watchdog_usec = int(usec)
         self._address: str | None = None
         if address:

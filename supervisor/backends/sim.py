@@ -232,7 +232,7 @@ class SimBackend:
             os.scandir(self.world / "gpus") as entries,
         ):
             for entry in entries:
-                if entry.name.isdigit() and entry.is_file():
+                if entry.name.isascii() and entry.name.isdigit() and entry.is_file():
                     found.append((int(entry.name), entry.path))
         return sorted(found)
 

@@ -283,6 +283,9 @@ def test_defaults_match_the_design() -> None:
         ({"listen": "gpu.localhost:9811"}, "no token_file is set"),  # resolved at bind time
         ({"listen": "9811"}, 'api.listen: expected "HOST:PORT" or "unix:/path"'),
         ({"listen": "127.0.0.1:70000"}, "api.listen: expected"),
+        # digits of other scripts: int() took "٠٩" for 9, and "²" was a traceback's message
+        ({"listen": "127.0.0.1:\u0660\u0669"}, 'api.listen: expected "HOST:PORT"'),
+        ({"listen": "127.0.0.1:\u00b2"}, 'api.listen: expected "HOST:PORT"'),
         ({"listen": ":9811"}, "api.listen: missing host"),
         ({"listen": "unix:relative.sock"}, "api.listen: unix socket path must be absolute"),
         ({"auth_read": True}, "auth_read: needs api.token_file"),

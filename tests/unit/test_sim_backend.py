@@ -136,3 +136,12 @@ def test_an_events_path_that_is_no_file_is_no_events(tmp_path: Path) -> None:
     b = world(tmp_path)
     (tmp_path / "events").mkdir()
     assert b.wait_xid(0.01) == []
+
+
+def test_device_files_are_named_by_ascii_digits_only(tmp_path: Path) -> None:
+    """A file named "²" in gpus/ (str.isdigit() says yes, int() says no) is not a device.
+    Regression: the backend's listing raised ValueError at every sample."""
+    b = world(tmp_path)
+    (tmp_path / "gpus" / "\u00b2").write_text("uuid GPU-x\n")
+    (tmp_path / "gpus" / "\u0663").write_text("uuid GPU-y\n")  # int() reads it as 3
+    assert [d.index for d in b.sample()] == [0, 1]
