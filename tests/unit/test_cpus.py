@@ -100,15 +100,17 @@ def test_a_plan_pins_each_worker_and_warns_where_gpu_pins_nothing() -> None:
     settings = parse_settings(
         {
             "workers": [
-                {**W, "replicas": 2, "max_workers_per_gpu": 1, "cpu_affinity": "gpu"},
+                {**W, "replicas": 2, "cpu_affinity": "gpu"},
                 {**W, "name": "x", "gpus": [1], "cpu_affinity": "gpu"},
             ]
         },
         "c.toml",
     )
+    # x is counted on GPU-1 first: gpen-0 goes to GPU-0 (fewer workers), gpen-1 to GPU-1
+    # (as many workers, more free memory)
     devices = [
-        slot_for(DeviceSample(0, G0, "g", memory_total_mb=1000, memory_free_mb=1000, cpus=(0,))),
-        slot_for(DeviceSample(1, G1, "g", memory_total_mb=1000, memory_free_mb=900)),
+        slot_for(DeviceSample(0, G0, "g", memory_total_mb=1000, memory_free_mb=900, cpus=(0,))),
+        slot_for(DeviceSample(1, G1, "g", memory_total_mb=1000, memory_free_mb=1000)),
     ]
     plan = build_plan(settings, {}, None, devices, allowed_cpus=frozenset({0, 1}))
     specs = {w.name: w for g in plan.groups for w in g.workers}
