@@ -16,15 +16,13 @@ from supervisor.config import ApiSection
 from supervisor.errors import ConfigError, UsageError
 from supervisor.listen import load_token
 from tests.conftest import SupervisorFactory
-from tests.harness import worker_cmd
+from tests.harness import Supervisor, worker_cmd
 
 TOKEN = "s3cr3t-token"  # noqa: S105 - test data
 
 
-def test_a_web_page_cannot_act_on_or_read_a_tokenless_api(supervisor: SupervisorFactory) -> None:
-    """Regression: a page on any site the operator had open could stop a worker with a
-    cross-site "simple" POST (no preflight) to the default, tokenless 127.0.0.1 API, and read
-    the API through DNS rebinding (a name of its own resolved to 127.0.0.1)."""
+def tokenless(supervisor: SupervisorFactory) -> Supervisor:
+    """A supervisor with a tokenless API on loopback and one ready worker, a-0."""
     sup = supervisor(
         {
             "gpu": {"backend": "none"},
@@ -33,6 +31,14 @@ def test_a_web_page_cannot_act_on_or_read_a_tokenless_api(supervisor: Supervisor
         }
     )
     sup.ready("a-0")
+    return sup
+
+
+def test_a_web_page_cannot_act_on_or_read_a_tokenless_api(supervisor: SupervisorFactory) -> None:
+    """Regression: a page on any site the operator had open could stop a worker with a
+    cross-site "simple" POST (no preflight) to the default, tokenless 127.0.0.1 API, and read
+    the API through DNS rebinding (a name of its own resolved to 127.0.0.1)."""
+    sup = tokenless(supervisor)
     with sup.api() as http:
         answer = http.post(
             "/api/v1/workers/a-0/stop",
@@ -56,14 +62,7 @@ def test_an_oversized_request_head_is_refused(supervisor: SupervisorFactory) -> 
     """Regression: one client streaming an endless header line kept the supervisor's loop busy
     (the parser gathers the pieces by copying) until the request deadline, before any token
     was checked, and could reconnect at once."""
-    sup = supervisor(
-        {
-            "gpu": {"backend": "none"},
-            "api": {"listen": "127.0.0.1:0"},
-            "workers": [{"name": "a", "command": worker_cmd("ready_then_sleep")}],
-        }
-    )
-    sup.ready("a-0")
+    sup = tokenless(supervisor)
     parts = urlsplit(sup.api_url())
     address = (parts.hostname, parts.port)
     with socket.create_connection(address, timeout=5) as s:
@@ -136,14 +135,7 @@ def test_a_request_that_does_not_parse_gets_a_json_error(supervisor: SupervisorF
     """Regression: a request line the HTTP parser refuses (`curl .../workers/gpen-ä` sends the
     name as raw UTF-8, not percent-encoded) got uvicorn's text/plain "Invalid HTTP request
     received." instead of the JSON error every other refusal is."""
-    sup = supervisor(
-        {
-            "gpu": {"backend": "none"},
-            "api": {"listen": "127.0.0.1:0"},
-            "workers": [{"name": "a", "command": worker_cmd("ready_then_sleep")}],
-        }
-    )
-    sup.ready("a-0")
+    sup = tokenless(supervisor)
     parts = urlsplit(sup.api_url())
     with socket.create_connection((parts.hostname, parts.port), timeout=5) as s:
         s.sendall("GET /api/v1/workers/a-ä HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())

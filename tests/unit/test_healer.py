@@ -119,6 +119,28 @@ def setup(on_thermal: str, *runners: Runner) -> tuple[Host, Healer]:
     return host, Healer(host)  # type: ignore[arg-type]
 
 
+def one_unavailable(host: Host) -> None:
+    """Every group of ``host`` with ``max_unavailable = 1``."""
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
+                for g in host.settings.workers
+            )
+        }
+    )
+
+
+def two_groups_on_two_gpus() -> tuple[Host, Healer, Runner, Runner, Runner, Runner]:
+    """Groups w and x (max_unavailable 1), one worker of each on GPU-0 and on GPU-1: an XID
+    on a GPU concerns two workers there (it is neither's alone)."""
+    w0, x0 = Runner("w-0", GPUS[0]), Runner("x-0", GPUS[0])
+    w1, x1 = Runner("w-1", GPUS[1]), Runner("x-1", GPUS[1])
+    host, healer = setup("derate", w0, w1, x0, x1)
+    one_unavailable(host)
+    return host, healer, w0, w1, x0, x1
+
+
 def test_a_restore_due_within_the_cooldown_of_the_last_one_is_not_lost() -> None:
     """Hot 0-25 s and 60-71 s (sustain 10 s, clear 30 s): derate, restore, derate, restore;
     the second restore came 46 s after the first and was dropped by the 60 s cooldown."""
@@ -346,14 +368,7 @@ def test_a_second_xid_while_the_first_is_deferred_concerns_the_processes_there_t
     w0, w2 = Runner("w-0", GPUS[0]), Runner("w-2", GPUS[0])
     w1 = Runner("w-1", GPUS[1], WorkerState.STARTING)
     host, healer = setup("derate", w0, w1, w2)
-    host.settings = host.settings.model_copy(
-        update={
-            "workers": tuple(
-                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
-                for g in host.settings.workers
-            )
-        }
-    )
+    one_unavailable(host)
     host.clock.advance(10.0)
     healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
     assert not w0.posted and not w2.posted  # deferred: w-1 is down already
@@ -375,17 +390,7 @@ def test_a_worker_an_action_was_posted_to_counts_as_down_before_its_task_takes_i
     down at once. Once w-0's new process runs, w-1's turn comes."""
     from supervisor.model import XidEvent
 
-    w0, x0 = Runner("w-0", GPUS[0]), Runner("x-0", GPUS[0])
-    w1, x1 = Runner("w-1", GPUS[1]), Runner("x-1", GPUS[1])
-    host, healer = setup("derate", w0, w1, x0, x1)
-    host.settings = host.settings.model_copy(
-        update={
-            "workers": tuple(
-                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
-                for g in host.settings.workers
-            )
-        }
-    )
+    host, healer, w0, w1, x0, x1 = two_groups_on_two_gpus()
     host.clock.advance(10.0)
     healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
     healer.on_xid(XidEvent(1, GPUS[1], 13, host.clock.now()))
@@ -405,17 +410,7 @@ def test_an_action_its_worker_never_takes_holds_the_group_back_only_a_while() ->
     from supervisor.healing import POSTED_HOLD_S
     from supervisor.model import XidEvent
 
-    w0, x0 = Runner("w-0", GPUS[0]), Runner("x-0", GPUS[0])
-    w1, x1 = Runner("w-1", GPUS[1]), Runner("x-1", GPUS[1])
-    host, healer = setup("derate", w0, w1, x0, x1)
-    host.settings = host.settings.model_copy(
-        update={
-            "workers": tuple(
-                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
-                for g in host.settings.workers
-            )
-        }
-    )
+    host, healer, _, w1, _, _ = two_groups_on_two_gpus()
     host.clock.advance(10.0)
     healer.on_xid(XidEvent(0, GPUS[0], 13, host.clock.now()))
     healer.on_xid(XidEvent(1, GPUS[1], 13, host.clock.now()))
@@ -689,14 +684,7 @@ def test_a_failed_row_remap_quarantines_the_gpu_once_and_moves_its_workers() -> 
     operator's lift of the quarantine holds while it does."""
     a0, a1 = Runner("a-0", GPUS[0]), Runner("a-1", GPUS[0])
     host, healer = setup("derate", a0, a1)
-    host.settings = host.settings.model_copy(
-        update={
-            "workers": tuple(
-                g.model_copy(update={"health": g.health.model_copy(update={"max_unavailable": 1})})
-                for g in host.settings.workers
-            )
-        }
-    )
+    one_unavailable(host)
     _rows(host, GPUS[0], failure=True)
     host.tick(healer)
     assert GPUS[0] in healer.state.quarantined
