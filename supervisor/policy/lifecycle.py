@@ -597,6 +597,12 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return rec, []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
             return replace(rec, after_exit=AfterExit.RESTART), []
+        if isinstance(ev, Start) and rec.after_exit is AfterExit.RECOVER:
+            # stopped for a fault (a hang, a start timeout, healing): it starts again after its
+            # exit, which is still judged (post-mortem, backoff); an operator's start gives it a
+            # full `burst` as from backoff or fatal (regression: accepted, then ignored, and the
+            # exit could make it fatal)
+            return replace(rec, history=FailureHistory()), []
         return rec, []
 
     return rec, []

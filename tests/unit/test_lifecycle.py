@@ -152,6 +152,21 @@ def test_watchdog_expiry_stops_with_reason_hang() -> None:
     assert lc.SendSignal(signal.SIGTERM) in acts
 
 
+def test_a_start_while_stopping_for_a_hang_gives_a_full_burst() -> None:
+    """A worker with `burst` failures behind it hangs; the operator's start while it stops
+    (the API accepts it: 202) gives it a full burst: its exit is judged (backoff, reason
+    hang), not made fatal. Regression: the start was ignored and the worker went fatal."""
+    t = replace(T, restart=replace(T.restart, burst=2, interval_s=1000))
+    rec = replace(ready(), history=FailureHistory((90.0, 95.0), 2))
+    hung = at(rec, lc.Timer(), 101.0, t)
+    assert hung.state is S.STOPPING and hung.stop_reason is ExitReason.HANG
+    assert at(hung, lc.Exited(10, CRASH), 101.5, t).state is S.FATAL  # without the start
+    started_again = at(hung, lc.Start(), 101.2, t)
+    rec, acts = lc.step(started_again, lc.Exited(10, CRASH), 101.5, t)
+    assert rec.state is S.BACKOFF and rec.deadline == pytest.approx(102.5)
+    assert next(a for a in acts if isinstance(a, lc.Exit)).failure is True
+
+
 @pytest.mark.parametrize("watchdog_s", [1.0, 0.0])
 def test_watchdog_trigger_is_a_hang_at_once(watchdog_s: float) -> None:
     """WATCHDOG=trigger (systemd: the service found itself hung) stops a starting or ready
