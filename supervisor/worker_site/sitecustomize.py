@@ -10,8 +10,9 @@ without the allocator's cache that NVML counts); every 5 s it sends the lowest r
 ``X_GPU_MEMORY_IN_USE_MB=<MiB>`` to the supervisor's notify socket, when it changed or 15 s
 after the last one (a steady worker costs the supervisor one datagram per 15 s). The supervisor
 sums the reports of a worker's processes and judges its GPU leak by them (docs/healing.md).
-Forked children report nothing (PyTorch cannot use CUDA in a child forked after it was
-initialised); spawned ones run this file again.
+A child forked before CUDA was initialised (vLLM forks its ranks so) gets a reporter of its
+own; one forked after it reports nothing (PyTorch cannot use CUDA there); spawned ones run this
+file again.
 
 It never imports torch, never initialises CUDA and never sends ``READY`` or ``WATCHDOG``: a hung
 worker still misses its heartbeats. It then runs the ``sitecustomize`` it shadows (the next one
@@ -27,16 +28,19 @@ floor interval of the supervisor's leak window).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib.machinery
 import importlib.util
 import os
-import socket
 import sys
-import threading
 import time
 import types
-from collections.abc import Callable, Mapping
+
+# Every Python process of the worker's tree runs this file: until torch is imported it loads
+# nothing the interpreter does not load anyway (``socket``, ``threading``, ``contextlib`` and
+# what they bring cost about 10 ms a process); the classes import them when torch is there.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
 
 SOCKET_ENV = "GPU_SUPERVISOR_IN_USE_SOCKET"
 EVERY_ENV = "GPU_SUPERVISOR_IN_USE_EVERY_S"
@@ -68,6 +72,14 @@ def in_use_mb(modules: Mapping[str, object]) -> float | None:
     return total / MIB
 
 
+def cuda_initialized(modules: Mapping[str, object]) -> bool:
+    """Whether the program has initialised CUDA through ``torch`` (never raises)."""
+    try:
+        return bool(getattr(modules.get("torch"), "cuda").is_initialized())  # noqa: B009
+    except Exception:
+        return False
+
+
 def _address(value: str) -> str:
     return "\0" + value[1:] if value.startswith("@") else value
 
@@ -96,12 +108,16 @@ class Reporter:
     """
 
     def __init__(self, address: str, every_s: float) -> None:
+        import socket  # noqa: F401 - here, not first in the thread (a fork may catch that)
+        import threading
+
         self.address = _address(address)
         self.every_s = every_s
         self.stopped = threading.Event()
         self.low: float | None = None
         self.last_text: str | None = None
         self.last_at = float("-inf")
+        self.cuda_at_fork = False
 
     def poll(self) -> None:
         """Read what torch holds now into the interval's lowest reading."""
@@ -117,11 +133,14 @@ class Reporter:
         text = f"{FIELD}={low:.1f}"
         if not should_send(text, self.last_text, self.last_at, now, self.every_s):
             return False
+        import socket  # loaded by __init__
+
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.setblocking(False)  # a supervisor that stalls never holds the thread
                 sock.sendto(text.encode(), self.address)
         except OSError:
-            return False  # the supervisor is restarting or gone: try again next time
+            return False  # restarting, gone or its queue full: try again next time
         self.last_text, self.last_at = text, now
         return True
 
@@ -134,10 +153,30 @@ class Reporter:
                 self.flush(time.monotonic())
 
     def start(self) -> None:
+        import threading
+
         self.stopped = threading.Event()
         self.low, self.last_text, self.last_at = None, None, float("-inf")
         thread = threading.Thread(target=self.run, name="gpu-supervisor-in-use", daemon=True)
         thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def before_fork(self) -> None:
+        self.cuda_at_fork = cuda_initialized(sys.modules)
+
+    def forked(self) -> None:
+        """In a child forked from this process, whose thread did not survive the fork: a
+        reporter of its own (a rank forked before CUDA was initialised may use it), unless
+        CUDA was initialised before the fork (PyTorch cannot use it in the child). The event
+        is new either way: the parent's may have been held by its thread at the fork."""
+        if self.cuda_at_fork:
+            import threading
+
+            self.stopped = threading.Event()
+        else:
+            self.start()
 
 
 def _every(value: str | None) -> float:
@@ -187,8 +226,10 @@ class TorchWatch:
         return None
 
     def _started(self) -> None:
-        with contextlib.suppress(ValueError):
+        try:  # noqa: SIM105 - contextlib is not loaded for this
             sys.meta_path.remove(self)
+        except ValueError:
+            pass
         self._start()
 
 
@@ -224,15 +265,21 @@ def _arm(mark: types.ModuleType) -> None:
     if not address or mark.armed:
         return
     setattr(mark, "armed", True)  # noqa: B010 - a bare module's attribute
-    reporter = Reporter(address, _every(os.environ.get(EVERY_ENV)))
+    every = _every(os.environ.get(EVERY_ENV))
 
     def start() -> None:
+        import threading
+
+        reporter = Reporter(address, every)
         reporter.start()
+        os.register_at_fork(before=reporter.before_fork, after_in_child=reporter.forked)
         # Stop before the program's own exit handlers tear torch down (threading's hook runs
         # before atexit's); Python 3.8 has only atexit.
         register = getattr(threading, "_register_atexit", None)
-        with contextlib.suppress(RuntimeError):  # torch imported during shutdown
-            (register or atexit.register)(reporter.stopped.set)
+        try:  # noqa: SIM105 - contextlib is not loaded for this
+            (register or atexit.register)(reporter.stop)
+        except RuntimeError:
+            pass  # torch imported during shutdown
 
     if "torch" in sys.modules:
         start()

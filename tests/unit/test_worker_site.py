@@ -6,6 +6,7 @@ too, and that the ``sitecustomize`` it shadows still runs."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +103,27 @@ def test_a_report_is_the_lowest_reading_of_its_interval_sent_when_changed_or_due
     assert not gone.flush(0.0)  # no supervisor listening: no error, tried again next time
     gone.poll()
     assert gone.last_text is None
+
+
+def test_a_full_notify_queue_never_holds_the_reporter(
+    listener: socket.socket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor stalls and its socket's queue fills: the report is dropped (tried again
+    next time). Regression: a blocking send held the reporter's thread until there was room."""
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with filler, contextlib.suppress(BlockingIOError):
+        for _ in range(100_000):
+            filler.sendto(b"x" * 64, str(tmp_path / "notify.sock"))
+    reporter = site.Reporter(str(tmp_path / "notify.sock"), 5.0)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch(allocated=(MIB,)))
+    reporter.poll()
+    done: list[bool] = []
+    thread = threading.Thread(target=lambda: done.append(reporter.flush(100.0)), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert done == [False]
+    assert reporter.last_text is None
 
 
 @pytest.mark.parametrize(
@@ -344,3 +367,126 @@ def test_looking_for_torch_starts_nothing_importing_it_does(
         assert out[1] == "SourceFileLoader ['MainThread', 'gpu-supervisor-in-use']"
     else:
         assert out[1] == "no torch ['MainThread']"
+
+
+FORKED_RANK = textwrap.dedent(
+    """
+    import os, time
+    import torch  # tests/fake_torch; CUDA not initialised yet, as vLLM's fork of its ranks
+
+    if os.fork() == 0:  # rank 1: forked before CUDA was initialised, so it may use it
+        torch.cuda.init()
+        torch.cuda.set_allocated(0, 9 * 2**20)
+    else:  # rank 0: the parent
+        torch.cuda.init()
+        torch.cuda.set_allocated(0, 5 * 2**20)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_child_forked_before_cuda_was_initialised_reports_too(
+    listener: socket.socket, tmp_path: Path
+) -> None:
+    """A rank forked by a parent that had imported torch but not initialised CUDA (vLLM's
+    default ``fork`` of its tensor-parallel ranks) may use CUDA: it reports for itself.
+    Regression: the reporter's thread did not survive the fork, so only the parent reported
+    and the ranks' leaks were judged on the parent's figure alone."""
+    program = tmp_path / "worker.py"
+    program.write_text(FORKED_RANK)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "notify.sock"),
+        "GPU_SUPERVISOR_IN_USE_EVERY_S": "0.05",
+    }
+    proc = subprocess.Popen([sys.executable, str(program)], env=env, start_new_session=True)
+    try:
+        wanted = {b"X_GPU_MEMORY_IN_USE_MB=5.0", b"X_GPU_MEMORY_IN_USE_MB=9.0"}
+        seen: set[bytes] = set()
+        deadline = time.monotonic() + 10
+        while not wanted <= seen:
+            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            seen.add(listener.recv(4096))  # socket.timeout past the deadline fails the test
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+LOCKED_AT_FORK = textwrap.dedent(
+    """
+    import os, sys, threading
+    import torch  # tests/fake_torch: the reporter's thread starts
+
+    thread = next(t for t in threading.enumerate() if t.name == "gpu-supervisor-in-use")
+    reporter = thread._target.__self__
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # as the reporter's thread does a moment each time it waits
+        with reporter.stopped._cond:
+            held.set()
+            release.wait()
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    pid = os.fork()  # lands while another thread holds the event's lock
+    release.set()
+    if pid == 0:
+        sys.exit(0)  # the child ends normally: the exit handlers run
+    _, status = os.waitpid(pid, 0)
+    print("child exited", os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+def test_a_forked_child_exits_even_if_the_fork_caught_the_reporter_mid_wait(
+    tmp_path: Path,
+) -> None:
+    """The child of a fork that caught the reporter's thread holding its event's lock exits.
+    Regression: the child's exit handler set the parent's event, whose lock no thread of the
+    child would ever release: the child hung at exit (and its parent with it)."""
+    program = tmp_path / "worker.py"
+    program.write_text(LOCKED_AT_FORK)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "nobody.sock"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(program)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        out, err = "", "hung"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    assert out == "child exited 0\n", err
+
+
+def test_a_process_that_never_imports_torch_pays_for_no_extra_modules(tmp_path: Path) -> None:
+    """Every Python process of the worker's tree runs the reporter at start-up (shell helpers,
+    tools, compilers): until torch is imported it loads nothing the interpreter would not have
+    loaded anyway. Regression: ``socket``, ``threading`` and ``contextlib`` (with ``enum``,
+    ``selectors``, ``collections``) came with it, about 10 ms more for every such process."""
+    heavy = ("socket", "selectors", "enum", "threading", "contextlib", "collections")
+    code = f"import sys; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    env = {**os.environ, "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "nobody.sock")}
+    env.pop("PYTHONPATH", None)
+    without = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+    )
+    env["PYTHONPATH"] = WORKER_SITE_DIR
+    ran = f"; print({site.MARK!r} in sys.modules)"
+    with_site = subprocess.run(
+        [sys.executable, "-c", code + ran], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert with_site.stdout == without.stdout + "True\n", (with_site.stderr, without.stderr)
