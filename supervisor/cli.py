@@ -474,7 +474,8 @@ def postmortem_text(doc: dict[str, Any]) -> str:
     tail = _list(doc.get("log_tail"))
     lines.append(f"log tail ({len(tail)} lines):")
     lines += [f"  {line}" for line in tail]
-    return "\n".join(lines)
+    # the log tail is the worker's output: nothing in it acts on the operator's terminal
+    return client.printable("\n".join(lines))
 
 
 def _postmortem_file(given: str) -> Path | None:

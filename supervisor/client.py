@@ -14,9 +14,11 @@ token (401).
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -304,6 +306,10 @@ class Client:
             raise ApiClientError(
                 f"cannot reach the supervisor at {self.url}: is it running? "
                 f"({connection_reason(exc)})"
+            ) from None
+        except httpx.DecodingError as exc:  # no transport error: a body its encoding garbles
+            raise ApiClientError(
+                f"the answer from {self.url} cannot be read ({exc}): is --url right?"
             ) from None
         if response.status_code in ok:
             return response
@@ -606,6 +612,45 @@ def _out(data: bytes) -> None:
     sys.stdout.buffer.flush()
 
 
+#: What a terminal acts on instead of showing it: the C0 controls but tab and newline (ESC
+#: starts the sequences that clear the screen, move the cursor, set the title or the
+#: clipboard), DEL, the C1 controls (CSI is U+009B), and a carriage return that does not end a
+#: line (the line is written over: a fake one in its place).
+_CONTROL = re.compile(r"\r(?!\n)|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` (a worker's output, or what a file says of it) with what a terminal would act
+    on shown escaped (``\\x1b``): what it shows is what was written, nothing rewrites the
+    operator's screen."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class _LogOut:
+    """Where ``logs`` writes a worker's output: its bytes as they are (piped, redirected: a
+    copy of the log), or on a terminal as text with the control characters escaped
+    (``printable``; a byte that is not UTF-8 as ``\\xff``)."""
+
+    def __init__(self, terminal: bool) -> None:
+        self.terminal = terminal
+        self._cr = ""  # a carriage return at the end of a read: a CRLF's, if a newline follows
+        self._decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
+
+    def write(self, data: bytes, *, final: bool = False) -> None:
+        """``final``: nothing follows (a character or CRLF cut short is shown as it is)."""
+        if not self.terminal:
+            _out(data)
+            return
+        text = self._cr + self._decoder.decode(data, final)
+        self._cr = "\r" if text.endswith("\r") and not final else ""
+        text = text[: len(text) - len(self._cr)]
+        _out(printable(text).encode(sys.stdout.encoding or "utf-8", "backslashreplace"))
+
+    def lost(self) -> None:
+        """What follows does not continue what came before (some of the log is gone)."""
+        self.write(b"", final=True)
+
+
 def logs(
     client: Client,
     name: str,
@@ -616,6 +661,7 @@ def logs(
     """``logs NAME [-n N] [-f]``: the last ``lines`` lines of the worker's log, then (``follow``)
     what comes after them, every byte once across rotations (``GET .../workers/NAME/log``)."""
     path = f"{API}/workers/{_quote(name)}/log"
+    out = _LogOut(sys.stdout.isatty())
     limit = LOG_TAIL_FIRST if lines else 1  # -n 0: only where the log ends
     while True:  # enough of the end for `lines` lines (a line may be long)
         answer = client.request("GET", f"{path}?limit={limit}")
@@ -632,7 +678,7 @@ def logs(
         pieces[-1] = pieces[-1][:-1]  # what follows the last newline (if anything)
         if not pieces[-1]:
             pieces.pop()
-        _out(b"".join(pieces[-lines:]))
+        out.write(b"".join(pieces[-lines:]), final=not follow)
     if not follow:
         return 0
     file = answer.headers["X-Log-File"]
@@ -652,8 +698,9 @@ def logs(
                 file=sys.stderr,
                 flush=True,
             )
+            out.lost()
         if answer.content:
-            _out(answer.content)
+            out.write(answer.content)
         file, offset = answer.headers["X-Log-File"], int(answer.headers["X-Log-Offset"])
         if len(answer.content) < LOG_READ_MAX:
             sleep(LOG_POLL_S)

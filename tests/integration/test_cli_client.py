@@ -497,3 +497,62 @@ def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_an_answer_that_cannot_be_decoded_is_said_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A server (a proxy in front of the supervisor) that says ``Content-Encoding: gzip`` of a
+    body that is not gzip. Regression: httpx's DecodingError, which is no transport error,
+    went out of every client command as a traceback."""
+    import http.server
+    import threading
+
+    class Garbled(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"this is not gzip"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbled)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        for argv in (("status",), ("status", "--json"), ("health",), ("logs", "w-0")):
+            code, out, err = run(capsys, *argv, "--url", url)
+            assert code == 1 and not out, (argv, out)
+            assert "cannot be read" in err and err.count("\n") <= 1, (argv, err)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_postmortem_show_escapes_what_a_terminal_would_act_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A post-mortem's log tail is the worker's output. Regression: ``postmortem show`` printed
+    it as it was, so a dying worker could clear the operator's screen, write the clipboard
+    (OSC 52) or overwrite a line with a fake one (a carriage return)."""
+    pms = tmp_path / "postmortems"
+    pms.mkdir()
+    pm_id = "20261206T010101.000000Z-w-0-exit"
+    tail = ["caf\u00e9\tok", "\x1b[2J\x1b]52;c;cHduZWQ=\x07 \x9b31m 10%\rgpu-supervisor: all fine"]
+    (pms / f"{pm_id}.json").write_text(
+        json.dumps({"id": pm_id, "worker": {"name": "w-0"}, "log_tail": tail})
+    )
+    code, out, _ = run(capsys, "postmortem", "show", pm_id, "--state-dir", str(tmp_path))
+    assert code == 0
+    assert "  caf\u00e9\tok\n" in out
+    assert "  \\x1b[2J\\x1b]52;c;cHduZWQ=\\x07 \\x9b31m 10%\\x0dgpu-supervisor: all fine" in out
+    assert not {"\x1b", "\x07", "\x9b", "\r"} & set(out), out
+    code, out, _ = run(capsys, "postmortem", "show", pm_id, "--state-dir", str(tmp_path), "--json")
+    assert code == 0 and json.loads(out)["log_tail"] == tail  # the JSON: as it is

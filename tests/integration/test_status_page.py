@@ -492,3 +492,35 @@ def test_page_shows_a_character_split_between_two_reads_whole(
     assert "before caf\u00e9 after" in log_text(browser) and "\ufffd" not in log_text(browser)
     assert_no_console_errors(browser)
     assert sup.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_page_says_so_when_the_supervisor_stops_answering(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome
+) -> None:
+    """A wedged supervisor (here stopped with SIGSTOP) takes the page's requests and never
+    answers them. Regression: the page waited for them for ever, polled no more and went on
+    saying "updated <time>" over what it last read; it says now that the API does not answer
+    (and carries on once it does)."""
+    import signal
+
+    config = page_config(tmp_path)
+    config["workers"] = [config["workers"][1]]  # c: no GPU
+    sup = supervisor(config)
+    sup.ready("c-0")
+    browser.get(sup.api_url() + "/")
+    wait_for(browser, "c-0", lambda: set(rows(browser)) == {"c-0"})
+    assert status_of(browser) == "ok"
+    sup.signal(signal.SIGSTOP)
+    try:
+        wait_for(
+            browser,
+            "the page to say the API does not answer",
+            lambda: status_of(browser) == "error",
+        )
+        line = browser.execute_script("return document.getElementById('status-line').textContent")
+        assert "no answer in 10 s" in line and "showing data from" in line, line
+    finally:
+        sup.signal(signal.SIGCONT)
+    wait_for(browser, "the page to read the API again", lambda: status_of(browser) == "ok")
+    assert sup.stop() == 0

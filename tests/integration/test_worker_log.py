@@ -143,3 +143,83 @@ def test_logs_follow_ends_saying_so_when_a_reload_removes_the_worker(
             follower.kill()
         follower.__exit__(None, None, None)
     assert sup.stop() == 0
+
+
+#: A worker's output with what a terminal acts on: clear the screen, write the clipboard
+#: (OSC 52), a C1 CSI (UTF-8), a carriage return that overwrites a line with a fake one, a
+#: byte that is not UTF-8; and text that is shown as it is (UTF-8, a tab, CRLF).
+EVIL = (
+    b"ok \xc3\xa9\tline\r\n"
+    b"evil \x1b[2J\x1b]52;c;cHduZWQ=\x07 \xc2\x9b31m 10%\rgpu-supervisor: all fine\n"
+    b"bad \xff byte\n"
+    b"end\n"
+)
+
+
+def test_logs_on_a_terminal_shows_control_characters_escaped(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: ``logs`` wrote a worker's bytes to the operator's terminal as they were, so
+    a worker could clear the screen, set the clipboard or the title, or overwrite a line with
+    a fake one. On a terminal they are shown escaped now; piped, the bytes are the log's."""
+    import pty
+    import subprocess
+    import tty
+
+    evil = [
+        sys.executable,
+        "-c",
+        f"import sys, time; sys.stdout.buffer.write({EVIL!r}); sys.stdout.flush(); time.sleep(600)",
+    ]
+    sup = supervisor(
+        {"workers": [{"name": "w", "command": evil, "ready": "none", "log_passthrough": True}]}
+    )
+    sup.wait_line("[w-0] ", contains="end")
+    url = sup.api_url()
+    piped = subprocess.run(
+        [sys.executable, "-m", "supervisor", "logs", "w-0", "-n", "4", "--url", url],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert (piped.returncode, piped.stdout) == (0, EVIL), piped.stderr
+
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no newline translation: the bytes as the command wrote them
+    try:
+        shown = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "logs", "w-0", "-n", "4", "--url", url],
+            stdout=slave,
+            stderr=subprocess.PIPE,
+        )
+        os.close(slave)
+        slave = -1
+        out = b""
+        deadline = time.monotonic() + 30
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, out
+            if not select.select([master], [], [], left)[0]:
+                continue
+            try:
+                piece = os.read(master, 65536)
+            except OSError:  # EIO: the command ended, its terminal closed
+                break
+            if not piece:
+                break
+            out += piece
+        assert shown.wait(10) == 0, shown.stderr
+    finally:
+        if slave != -1:
+            os.close(slave)
+        os.close(master)
+        if shown.poll() is None:
+            shown.kill()
+        shown.__exit__(None, None, None)
+    assert out.decode() == (
+        "ok \u00e9\tline\r\n"
+        "evil \\x1b[2J\\x1b]52;c;cHduZWQ=\\x07 \\x9b31m 10%\\x0dgpu-supervisor: all fine\n"
+        "bad \\xff byte\n"
+        "end\n"
+    )
+    assert sup.stop() == 0
