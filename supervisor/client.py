@@ -832,6 +832,8 @@ def format_status(gpu: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) 
         for w in workers
         if (w["state"] in ("fatal", "backoff", "stopped", "draining") and w.get("reason"))
         or (w["state"] == "ready" and w.get("derated"))
+        # about to start, no process yet: waiting its turn (max_starting) or for its GPU
+        or (w["state"] == "starting" and w.get("pid") is None and w.get("reason"))
     ]
     if not_serving:
         lines += ["", "not serving:", *not_serving]

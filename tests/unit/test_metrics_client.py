@@ -290,6 +290,15 @@ def test_status_table() -> None:
             "restarts": 4,
             "reason": "4 failed starts within 60s (burst 3); last: exit code 3",
         },
+        {
+            "name": "e-0",
+            "state": "starting",
+            "pid": None,
+            "gpus": None,
+            "restarts": 0,
+            "reason": "waiting its turn to start (max_starting = 1, 0 ahead)",
+        },
+        {"name": "e-1", "state": "starting", "pid": 14, "gpus": None, "reason": "start"},
     ]
     lines = format_status(gpu, workers).splitlines()
     assert lines[1].split() == [
@@ -323,24 +332,27 @@ def test_status_table() -> None:
     assert lines[5].split() == ["b-0", "stopped", "-", "-", "-", "-", "-", "0", "-"]
     # why a worker does not serve, under the table (regression: only in --json)
     # a derated worker is ready but out of routing (regression: not listed)
-    assert lines[8:12] == [
+    # (a worker about to start without a process says why: its turn, its GPU; regression: a
+    # row "starting -" with no word, hundreds of them under max_starting)
+    assert lines[10:15] == [
         "",
         "not serving:",
         "  d-0 derated: GPU 0 is hot: temperature 86C",
         "  c-0 fatal: 4 failed starts within 60s (burst 3); last: exit code 3",
+        "  e-0 starting: waiting its turn to start (max_starting = 1, 0 ahead)",
     ]
     # when max_age_s recycles each worker next (a deferred one is due)
-    assert lines[12:14] == [
+    assert lines[15:17] == [
         "",
         "next recycle (max_age_s): a-0 in 3h05m; d-0 due (waiting its turn)",
     ]
     # a ready worker whose liveness probes fail (not yet restarted)
-    assert lines[14:17] == [
+    assert lines[17:20] == [
         "",
         "failing liveness probes:",
         "  d-0: 2 of 3 probes of http://h:1/health failed in a row (last: HTTP 500)",
     ]
-    assert lines[18] == (
+    assert lines[21] == (
         "host memory budgets: the RSS watch only (no delegated cgroup v2 memory controller)"
     )
     hot = {"id": 1, "uuid": UUID1, "name": "Sim", "healthy": True, "hot": True}
