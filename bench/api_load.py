@@ -275,7 +275,8 @@ def main() -> int:
             loads = {}
             for path in ("/metrics", "/api/v1/workers"):
                 p = start_load(url, [path], args.seconds, args.connections)
-                loads[path] = finish_load(p, args.seconds + 30)[path]
+                done = finish_load(p, args.seconds + 30)
+                loads[path] = {**done[path], "errors": done["errors"]}  # non-200 answers
             longest = args.kills * 12.0
             p = start_load(url, ["/metrics", "/api/v1/workers"], longest, args.connections)
             time.sleep(WARMUP_S + 0.5)
@@ -328,8 +329,8 @@ def main() -> int:
     print(
         f"(load during the kills: /metrics {mm['rps']:.0f} req/s p99 {mm['p99_ms']:.2f} ms, "
         f"/api/v1/workers {mw['rps']:.0f} req/s p99 {mw['p99_ms']:.2f} ms; "
-        f"non-200 answers {mixed['errors'] + m.get('errors', 0)}, API errors logged {errors}, "
-        f"supervisor exit {code})"
+        f"non-200 answers {mixed['errors'] + m['errors'] + w['errors']}, "
+        f"API errors logged {errors}, supervisor exit {code})"
     )
     print(f"raw: {out.relative_to(ROOT)}")
     return 0

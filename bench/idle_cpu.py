@@ -103,10 +103,20 @@ def config(base: Path, backend: str, reports: bool = False, liveness: bool = Fal
     return path
 
 
+def supervisor_env(python: str) -> dict[str, str]:
+    """The environment for ``python -m supervisor``: with another interpreter (``--python``),
+    without ``PYTHONPATH``, which would put a checkout before the package installed there."""
+    env = dict(os.environ)
+    if python != sys.executable:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
 def measure(cfg: Path, seconds: float, python: str) -> tuple[float, float | None, float]:
     proc = subprocess.Popen(
         [python, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
         cwd=cfg.parent,  # not the checkout: with --python, the installed package is the one run
+        env=supervisor_env(python),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -5,10 +5,12 @@
     trace = generate(seed=7, duration_s=3600, leak_mb_per_min=10)  # leaking
 
 One value (MiB, the worker's per-process NVML figure) every 0.5 s, deterministic by seed (the
-parameters and the samples come from two ``random.Random`` seeded with it). The leak draws
-nothing, so a trace with ``leak_mb_per_min=0`` is the same trace without its leak. The worker is a
-PyTorch-style process with a caching allocator, so what NVML shows is *reserved* memory, not what
-the worker really keeps:
+parameters and the samples come from two ``random.Random`` seeded with it). Rendering draws
+nothing for the leak, so ``render(dataclasses.replace(trace.params, leak_mb_per_min=0.0,
+leak_start_s=None))`` is the same trace without its leak (``generate`` with the same seed and no
+leak is not: a leak's start is drawn with the parameters, so every later parameter differs).
+The worker is a PyTorch-style process with a caching allocator, so what NVML shows is *reserved*
+memory, not what the worker really keeps:
 
 - **Start and model load.** The CUDA context (300-600 MiB) appears 0.5-3 s after spawn; weights
   (1-16 GiB unless given) are loaded in 20 MiB-rounded chunks along a random-shaped ramp that

@@ -15,6 +15,7 @@ rate runs ``--rounds`` times; the median is reported.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -63,9 +64,13 @@ def one(base: Path, rate: float, seconds: float, python: str) -> float:
         f'"{go}"]\nready = "none"\nlog_passthrough = true\n'
         'health = { in_use_reporter = "torch" }\n'
     )
+    env = dict(os.environ)
+    if python != sys.executable:  # --python: its installed package, not a checkout on the path
+        env.pop("PYTHONPATH", None)
     proc = subprocess.Popen(
         [python, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
         cwd=base,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -284,6 +284,18 @@ def _toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string is a valid TOML basic string for these paths
 
 
+def child_env() -> dict[str, str]:
+    """The harness's environment for a supervisor it launches, less what would change what it
+    runs: ``GPU_SUPERVISOR_*`` settings, and ``PYTHONPATH`` (a checkout on it shadows the
+    installed gpu-supervisor, and our package's import name ``supervisor`` shadows
+    supervisord's own: ``No module named 'supervisor.supervisord'``)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GPU_SUPERVISOR_") and k != "PYTHONPATH"
+    }
+
+
 def _worker_argv(ignore_term: bool) -> list[str]:
     argv = [str(PROJECT_PYTHON), "-S", str(WORKER)]
     if ignore_term:
@@ -316,7 +328,7 @@ class Supervisor:
         starts = StartFile(workdir / "starts.txt")
         config = self.write_config(workdir, starts.path, n, ignore_term)
         log_path = workdir / "supervisor.out"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SUPERVISOR_")}
+        env = child_env()
         env["BENCH_RUN_ID"] = self.tracker.run_id
         env["PYTHONUNBUFFERED"] = "1"
         with log_path.open("wb") as log:
@@ -513,6 +525,7 @@ class GpuSupervisor(Supervisor):
         probe = subprocess.run(
             [str(self.bin / "python"), "-m", "supervisor", "run", "--help"],
             cwd=VENVS_DIR,
+            env=child_env(),
             capture_output=True,
             text=True,
             timeout=60,

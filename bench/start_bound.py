@@ -71,7 +71,7 @@ def _session_start_s(
     argv: list[str], workdir: Path, starts: peers.StartFile, tracker: peers.Tracker
 ) -> tuple[float, float]:
     """Launch ``argv`` in its own session; (launch → last start line, 1st → last line) in s."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SUPERVISOR_")}
+    env = peers.child_env()
     env["BENCH_RUN_ID"] = tracker.run_id
     with (workdir / "out.log").open("wb") as log:
         t0 = time.time_ns()
