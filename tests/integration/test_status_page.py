@@ -519,7 +519,7 @@ def test_page_says_so_when_the_supervisor_stops_answering(
             lambda: status_of(browser) == "error",
         )
         line = browser.execute_script("return document.getElementById('status-line').textContent")
-        assert "no answer in 10 s" in line and "showing data from" in line, line
+        assert "no answer in 5 s" in line and "showing data from" in line, line
     finally:
         sup.signal(signal.SIGCONT)
     wait_for(browser, "the page to read the API again", lambda: status_of(browser) == "ok")
