@@ -854,11 +854,12 @@ def spawn(spec: LaunchSpec, cgroup: Path | None = None) -> Child:
     return Child(pid=popen.pid, output_fd=read_fd, popen=popen)
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    """Every live descendant of ``pid`` (empty if it is gone), from one shared table scan."""
+def descendants(pid: int, table: Mapping[int, Iterable[int]] | None = None) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (empty if it is gone), from one shared table scan
+    (``table``: parent -> children, read once by a caller with many pids to look under)."""
     out: list[psutil.Process] = []
     try:
-        table = procfs.TABLE.children()
+        table = procfs.TABLE.children() if table is None else table
     except OSError:  # out of file descriptors: the process group is still signalled
         return out
     for child in procfs.tree(pid, table) - {pid}:

@@ -28,7 +28,7 @@ class ProcStat:
     cpu_s: float
     rss_mb: float
     start_ticks: int
-    zombie: bool
+    zombie: bool  # exited, not reaped (not one whose main thread alone exited)
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -47,14 +47,41 @@ def read_stat(pid: int) -> ProcStat | None:
     rest = data[data.rfind(b")") + 2 :].split()
     if len(rest) < 22:
         return None
+    zombie = rest[0] == b"Z"
+    rss = int(rest[21])
+    if zombie and int(rest[17]) > 1:
+        # Its main thread exited (pthread_exit) and other threads run on: the process lives
+        # (its memory held, its children its own), and its memory is theirs (the leader's
+        # own line says 0).
+        zombie = False
+        rss = _threads_rss(pid)
     return ProcStat(
         pid=pid,
         ppid=int(rest[1]),
         cpu_s=(int(rest[11]) + int(rest[12])) / _TICKS,
-        rss_mb=int(rest[21]) * _PAGE_MB,
+        rss_mb=rss * _PAGE_MB,
         start_ticks=int(rest[19]),
-        zombie=rest[0] == b"Z",
+        zombie=zombie,
     )
+
+
+def _threads_rss(pid: int) -> int:
+    """The resident pages of ``pid`` as a live thread of it sees them (0 if none is left)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        if tid == str(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                rest = fh.read(4096).rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(rest) >= 22 and rest[0] != b"Z":
+            return int(rest[21])
+    return 0
 
 
 _boot_time: float | None = None

@@ -109,6 +109,7 @@ from supervisor.processes import (
     Reaped,
     Reaper,
     allowed_cpus,
+    descendants,
     open_files_needed,
     pass_on_ignored_signals,
     probe_spawn_helper,
@@ -1903,6 +1904,9 @@ class Runtime:
                 break
             looked |= orphans
             dying = False
+            # one read of /proc a round for what is below them (psutil's recursive children()
+            # reads all of it for each: hundreds of leftovers held the event loop for seconds)
+            table: dict[int, list[int]] | None = None
             for child in sorted(orphans):
                 with contextlib.suppress(psutil.Error, OSError):
                     proc = psutil.Process(child)
@@ -1911,7 +1915,12 @@ class Runtime:
                     dying = True
                     if proc.status() == "zombie":
                         continue
-                    below = proc.children(recursive=True)
+                    if table is None:
+                        try:
+                            table = procfs.children_map(procfs.scan())
+                        except OSError:  # out of file descriptors: the leftover still goes
+                            table = {}
+                    below = descendants(child, table)
                     proc.kill()  # psutil checks the create time: never a reused pid
                     killed.append(child)
                     for descendant in below:

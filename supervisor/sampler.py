@@ -111,8 +111,11 @@ class HostSampler:
             before = self._trees.get(name, frozenset())
             if st.zombie and leader in before:
                 # The leader exited and is not reaped yet: its children were re-parented, so
-                # the walk would lose them; the tree seen before still names them.
-                trees[name] = frozenset(p for p in before if p in table)
+                # the walk would lose them; the tree seen before still names them (each
+                # while it is the process seen then: a pid reused since is not the worker's).
+                trees[name] = frozenset(
+                    p for p in before if p in table and self.starts.get(p) == table[p].start_ticks
+                )
             else:
                 trees[name] = frozenset(procfs.tree(leader, children))
         self._trees = trees

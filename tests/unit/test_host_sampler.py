@@ -6,9 +6,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +60,38 @@ def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
         # a new leader under the same name starts a new tree; the leftover's start time stays
         trees, _, _ = host.sample({"w-0": os.getpid()})
         assert child not in trees["w-0"] and host.starts[child] == started
+
+
+def test_a_pid_reused_while_the_leader_is_a_zombie_is_no_member(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tree kept for an exited (not yet reaped) leader is the one seen before: a member
+    that exited since and whose pid now names another process (its start time changed) is not
+    in it, so that process is neither measured as the worker's nor killed as its leftover (its
+    start time refreshed to the new process's would have let ``_end_leftovers`` kill it)."""
+    with leader_with_child() as (leader, child):
+        assert leader.stdin is not None
+        host = HostSampler(full_every_s=0.0)
+        trees, _, _ = host.sample({"w-0": leader.pid})
+        assert trees["w-0"] == {leader.pid, child}
+        started = host.starts[child]
+        leader.stdin.close()  # the leader exits; nobody reaps it yet: a zombie
+        while True:
+            st = procfs.read_stat(leader.pid)
+            if st is not None and st.zombie:
+                break
+            os.sched_yield()
+        real = procfs.scan
+
+        def reused() -> dict[int, procfs.ProcStat]:
+            table = real()
+            table[child] = replace(table[child], start_ticks=started + 1)
+            return table
+
+        monkeypatch.setattr(procfs, "scan", reused)
+        trees, _, _ = host.sample({"w-0": leader.pid})
+        assert trees["w-0"] == {leader.pid}
+        assert host.starts[child] == started  # not the new process's: never killed as ours
 
 
 def test_a_reused_pid_is_no_member(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,3 +169,60 @@ def test_samples_between_reads_say_when_their_reading_was_taken() -> None:
         assert first is not None
         _, usage, _ = host.sample({"w-0": leader.pid})
         assert host.read_at == first and usage["w-0"][0] is not None
+
+
+#: A main process whose main thread exits (``pthread_exit``) while another thread runs on:
+#: the kernel shows the thread group's leader as a zombie, and its own ``stat`` says 0 RSS.
+MAIN_THREAD_EXITS = """
+import ctypes, os, subprocess, sys, threading
+held = bytearray(64 << 20)
+held[::4096] = bytes(len(held) // 4096)
+for i in range(0, len(held), 4096):
+    held[i] = 1
+def later():
+    sys.stdin.readline()  # once the main thread is gone: a child of the process goes on
+    print(subprocess.Popen(["sleep", "300"]).pid, flush=True)
+    sys.stdin.readline()
+threading.Thread(target=later).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_whose_main_thread_exited_lives_on() -> None:
+    """Its leader shows ``Z`` in ``stat`` while its other threads run: it is no zombie (its
+    memory is held, its children are its own), and its RSS is its threads' (the exited
+    leader's ``stat`` says 0: a worker doing this looked like 0 MiB to the budget and the
+    leak detector, and its new children were never in its tree)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN_THREAD_EXITS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    child = None
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        deadline = time.monotonic() + 10
+        while b"Z" not in Path(f"/proc/{proc.pid}/stat").read_bytes().rpartition(b")")[2][:3]:
+            assert time.monotonic() < deadline
+            os.sched_yield()
+        host = HostSampler(full_every_s=0.0)
+        host.sample({"w-0": proc.pid})
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        child = int(proc.stdout.readline())
+        st = procfs.read_stat(proc.pid)
+        assert st is not None and not st.zombie and st.rss_mb >= 64
+        assert procfs.running(proc.pid)
+        trees, usage, _ = host.sample({"w-0": proc.pid})
+        assert trees["w-0"] == {proc.pid, child}
+        rss = usage["w-0"][0]
+        assert rss is not None and rss >= 64
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        proc.stdin.close()
+        proc.stdout.close()
+        proc.wait(timeout=10)
