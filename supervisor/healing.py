@@ -569,19 +569,22 @@ class Healer:
         w.gpu_streak = budget_streak(w.gpu_streak, on_one, health.gpu_memory_limit_mb)
         # /proc is read less often than samples come: only a new reading counts (a spike seen
         # in one reading, repeated by the samples until the next, is not two samples over)
+        # the budget is judged on the tree's PSS where it was read (its RSS over the budget:
+        # memory its forked processes share counts once, not once per process)
+        host_used = usage.host_rss_mb if usage.host_pss_mb is None else usage.host_pss_mb
         if sample.host_at is None or sample.host_at != w.host_read_at:
             w.host_read_at = sample.host_at
-            w.host_streak = budget_streak(
-                w.host_streak, usage.host_rss_mb, health.host_memory_limit_mb
-            )
+            w.host_streak = budget_streak(w.host_streak, host_used, health.host_memory_limit_mb)
         # A breach deferred (max_unavailable) is acted on only while it lasts, with the newest
         # figures: one that ended meanwhile must not restart a healthy worker later.
         for kind, streak, used in (
             ("gpu_memory_limit", w.gpu_streak, on_one),
-            ("host_memory_limit", w.host_streak, usage.host_rss_mb),
+            ("host_memory_limit", w.host_streak, host_used),
         ):
             if streak >= BUDGET_SAMPLES:
-                self._add(_budget(kind, runner.name, used, health), newest=True)  # type: ignore[arg-type]
+                measure = "RSS" if usage.host_pss_mb is None else "PSS"
+                found = _budget(kind, runner.name, used, health, measure)  # type: ignore[arg-type]
+                self._add(found, newest=True)
             else:
                 self._pending.pop((kind, runner.name), None)
         # Reporters send only changes (and a reminder now and then): hold the last figure, of
@@ -1194,11 +1197,12 @@ def _budget(
     name: str,
     used: float | None,
     health: HealthSection,
+    measure: str = "RSS",
 ) -> Finding:
     limit = (
         health.gpu_memory_limit_mb if kind == "gpu_memory_limit" else health.host_memory_limit_mb
     )
-    what = "GPU memory" if kind == "gpu_memory_limit" else "host memory (RSS)"
+    what = "GPU memory" if kind == "gpu_memory_limit" else f"host memory ({measure})"
     return Finding(
         kind,
         f"{what} {used or 0:.0f} MiB over its budget of {limit:g} MiB",

@@ -408,6 +408,9 @@ class WorkerUsage:
     attribution: str  # "pid" | "device" | "unavailable" | "none"
     host_rss_mb: float | None
     cpu_percent: float | None
+    #: the tree's PSS, read where its RSS (pages shared by forked processes counted once per
+    #: process) is over the host budget; None: not read, the RSS stands
+    host_pss_mb: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,23 @@ def scan() -> dict[int, ProcStat]:
     return out
 
 
+def pss_mb(pid: int) -> float | None:
+    """The proportional set size of ``pid`` (``smaps_rollup``: each page shared with N
+    processes counts 1/N), or None when it cannot be read (gone, no permission, a kernel before
+    4.14). Costs a walk of the process's page tables: read only where RSS says too much."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
+            data = fh.read(8192)
+    except OSError:
+        return None
+    for line in data.splitlines():
+        if line.startswith(b"Pss:"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                return int(parts[1]) / 1024
+    return None
+
+
 def running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (an exited process holds no memory)."""
     st = read_stat(pid)

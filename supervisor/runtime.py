@@ -836,7 +836,11 @@ class Runtime:
                 self.log.warning("notify.rebound", path=os.fspath(listener.path))
 
     def _worker_refs(self) -> dict[str, WorkerRef]:
-        return {r.name: WorkerRef(r.record.pid, r.spec.gpus) for r in self.workers()}
+        budgets = {g.name: g.health.host_memory_limit_mb for g in self.settings.workers}
+        return {
+            r.name: WorkerRef(r.record.pid, r.spec.gpus, budgets.get(r.spec.group, 0.0))
+            for r in self.workers()
+        }
 
     def _on_sample(self, sample: Sample) -> None:
         self.loop_alive_at = self.clock.now()

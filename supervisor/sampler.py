@@ -65,10 +65,12 @@ def host_interval(leak_windows_s: Iterable[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class WorkerRef:
-    """What the sampler needs to know about a worker: its main pid and its GPUs."""
+    """What the sampler needs to know about a worker: its main pid, its GPUs and its host
+    memory budget (0: none; over it by RSS, the tree's PSS is read too)."""
 
     pid: int | None
     gpus: tuple[str, ...] | None
+    host_budget_mb: float = 0.0
 
 
 class HostSampler:
@@ -98,6 +100,10 @@ class HostSampler:
         #: what is left of a tree after its leader exits is killed only if it still is.
         self.starts: dict[int, int] = {}
         self.full_scans = 0
+        #: worker -> the PSS of its tree (MiB), read with the last reading where the RSS of a
+        #: tree of several processes was over the worker's budget: pages its forked processes
+        #: share count once there, once per process in the RSS
+        self.pss: dict[str, float] = {}
 
     def _full(self, leaders: Mapping[str, int | None]) -> dict[int, procfs.ProcStat]:
         self.full_scans += 1
@@ -140,7 +146,10 @@ class HostSampler:
         return procfs.ticks_to_time(st.start_ticks)
 
     def sample(
-        self, leaders: Mapping[str, int | None], gpu_pids: frozenset[int] = frozenset()
+        self,
+        leaders: Mapping[str, int | None],
+        gpu_pids: frozenset[int] = frozenset(),
+        budgets: Mapping[str, float] | None = None,
     ) -> tuple[
         dict[str, frozenset[int]], dict[str, tuple[float | None, float | None]], frozenset[int]
     ]:
@@ -148,7 +157,9 @@ class HostSampler:
 
         ``/proc`` is read at most every ``every_s`` (the GPU may be sampled more often): in
         between, the last reading is returned, unless a worker has a new main pid or NVML lists
-        a pid we cannot place, which are read at once.
+        a pid we cannot place, which are read at once. ``budgets``: worker -> host memory
+        budget (MiB): where a tree of several processes is over it by RSS, its PSS is read
+        (``pss``).
         """
         now = time.monotonic()
         known = frozenset().union(*self._trees.values()) if self._trees else frozenset()
@@ -211,6 +222,16 @@ class HostSampler:
                 elif not elapsed:
                     cpu = None  # first tick: no interval to measure over
             usage[name] = (rss, cpu)
+        self.pss = {}
+        for name, budget in (budgets or {}).items():
+            members = trees.get(name, frozenset())
+            used = usage.get(name, (None, None))[0]
+            if budget <= 0 or used is None or used <= budget or len(members) < 2:
+                continue
+            live = [p for p in members if (st := table.get(p)) is not None and not st.zombie]
+            figures = [procfs.pss_mb(p) for p in live]
+            if live and None not in figures:  # one unreadable: the RSS stands
+                self.pss[name] = sum(f for f in figures if f is not None)
         self._cpu = cpu_now
         self._at = now
         self._usage = dict(usage)
@@ -450,7 +471,11 @@ class Sampler:
     ) -> Sample:
         devices, ok, error = gpus
         gpu_pids = frozenset(p.pid for d in devices for p in d.processes or ())
-        trees, host, visible = self._host.sample({n: r.pid for n, r in refs.items()}, gpu_pids)
+        trees, host, visible = self._host.sample(
+            {n: r.pid for n, r in refs.items()},
+            gpu_pids,
+            {n: r.host_budget_mb for n, r in refs.items() if r.host_budget_mb > 0},
+        )
         gpu = attribute(
             devices, trees, {n: r.gpus for n, r in refs.items()}, visible, self._host.aliases
         )
@@ -466,6 +491,7 @@ class Sampler:
                 attribution=(usage.attribution if usage else "none") if ok else "unavailable",
                 host_rss_mb=rss,
                 cpu_percent=cpu,
+                host_pss_mb=self._host.pss.get(name),
             )
         t1 = time.monotonic()
         return Sample(

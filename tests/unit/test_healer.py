@@ -846,3 +846,36 @@ def test_one_reading_of_host_memory_over_its_budget_is_not_two_samples() -> None
     assert not w0.posted
     sample(160, 7.0)  # a second reading over it
     assert [type(e).__name__ for e in w0.posted] == ["Restart"]
+
+
+def test_the_host_budget_of_a_forked_tree_is_judged_on_its_pss() -> None:
+    """A worker that forks after loading (pre-fork servers, loader processes) shares its pages
+    with its children: their RSS counts them once per process (4 x 300 MiB for 300 MiB held).
+    Where the sampler read the tree's PSS (its RSS over the budget), the budget is judged on
+    that. Regression: such a worker was restarted over a budget it was well under."""
+    from supervisor.model import WorkerUsage
+
+    w0 = Runner("w-0", GPUS[0])
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": {"host_memory_limit_mb": 600}}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    healer = Healer(host)  # type: ignore[arg-type]
+
+    def sample(rss: float, pss: float | None) -> None:
+        host.clock.advance(2.0)  # a new reading each time
+        usage = WorkerUsage("w-0", (100, 101), 10.0, {GPUS[0]: 10.0}, "pid", rss, 1.0, pss)
+        now = host.clock.now()
+        healer.on_sample(
+            Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now)
+        )
+
+    for _ in range(4):
+        sample(1200, 320)
+    assert not w0.posted
+    sample(1300, 650)
+    sample(1300, 660)  # two readings over it by PSS
+    assert [type(e).__name__ for e in w0.posted] == ["Restart"]
+    [said] = [f for kind, _, f in host.journal.items if kind == "heal.restart"]
+    assert "host memory (PSS) 660 MiB over its budget of 600 MiB" in said["message"]

@@ -226,3 +226,46 @@ def test_a_process_whose_main_thread_exited_lives_on() -> None:
         proc.stdin.close()
         proc.stdout.close()
         proc.wait(timeout=10)
+
+
+FORKED_TREE = """
+import os, sys
+held = bytearray(200 * 1024 * 1024)  # touched: resident
+for i in range(0, len(held), 4096):
+    held[i] = 1
+r, w = os.pipe()
+for _ in range(3):  # children that share every page with the parent and write none
+    if os.fork() == 0:
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+os.close(r)
+print("forked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_forked_tree_over_its_budget_by_rss_is_read_by_pss() -> None:
+    """A parent holding 200 MiB and three forked children sharing it: RSS says ~800 MiB for the
+    tree, PSS ~200 (each shared page counted once). Over its budget by RSS, the tree's PSS is
+    read (and only then: under it, or without a budget, nothing more is read)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKED_TREE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == b"forked\n"
+            if procfs.pss_mb(proc.pid) is None:
+                pytest.skip("no /proc/PID/smaps_rollup here (Linux before 4.14)")
+            host = HostSampler(full_every_s=0.0)
+            trees, usage, _ = host.sample({"w": proc.pid}, frozenset(), {"w": 400.0})
+            assert len(trees["w"]) == 4
+            rss = usage["w"][0]
+            assert rss is not None and rss > 700
+            assert 190 < host.pss["w"] < 400
+            host.sample({"w": proc.pid}, frozenset(), {"w": 2000.0})  # under it: not read
+            assert host.pss == {}
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # the children too (they are init's to reap)
