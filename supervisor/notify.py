@@ -39,10 +39,15 @@ class NotifyMessage:
     fields: Mapping[str, str]
 
 
-def parse_datagram(data: bytes) -> dict[str, str]:
-    """Parse newline-separated ``KEY=value`` lines; lines without ``=`` are ignored."""
+def parse_datagram(data: bytes, *, cut: bool = False) -> dict[str, str]:
+    """Parse newline-separated ``KEY=value`` lines; lines without ``=`` are ignored.
+
+    ``cut``: ``data`` is the start of a longer datagram, so its last line is not whole (a
+    number in it would be another number): it is ignored too.
+    """
     out: dict[str, str] = {}
-    for line in data.decode("utf-8", errors="replace").split("\n"):
+    lines = data.decode("utf-8", errors="replace").split("\n")
+    for line in lines[:-1] if cut else lines:
         key, sep, value = line.partition("=")
         if sep and key:
             out[key] = value
@@ -154,6 +159,7 @@ class NotifyListener:
         self.accepts = accepts
         self.dropped = 0  # datagrams of senders ``accepts`` refused
         self._inode: tuple[int, int] | None = None
+        self._dir_inode: tuple[int, int] | None = None  # of the directory it was bound in
         self._on_message = on_message
         self._sock: socket.socket | None = None
         #: serving on asyncio: its loop, the fd its reader watches, and where errors go
@@ -175,6 +181,8 @@ class NotifyListener:
         os.chmod(self.path, self.mode)
         st = os.lstat(self.path)
         self._inode = (st.st_dev, st.st_ino)
+        st = os.stat(self.path.parent)
+        self._dir_inode = (st.st_dev, st.st_ino)
         sock.setblocking(False)
         self._sock = sock
 
@@ -207,6 +215,18 @@ class NotifyListener:
             return False
         return stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == self._inode
 
+    def lost(self) -> bool:
+        """True while this listener is open but its socket file alone is gone from ``path``
+        (removed, or another in its place; the directory still the one it was bound in, not
+        one made anew): :meth:`rebind` it."""
+        if self._sock is None or self.bound():
+            return False
+        try:
+            st = os.stat(self.path.parent)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._dir_inode
+
     def close(self) -> None:
         """Close and remove the socket (a ``serve()`` in progress returns)."""
         self._unwatch()
@@ -229,7 +249,7 @@ class NotifyListener:
         count = 0
         while limit is None or count < limit:
             try:
-                data, ancdata, _, _ = sock.recvmsg(MAX_DATAGRAM, socket.CMSG_SPACE(_UCRED.size))
+                data, ancdata, flags, _ = sock.recvmsg(MAX_DATAGRAM, socket.CMSG_SPACE(_UCRED.size))
             except (BlockingIOError, InterruptedError):
                 return count
             count += 1
@@ -241,7 +261,8 @@ class NotifyListener:
                 self.dropped += 1
                 continue
             if pid > 0:
-                self._on_message(NotifyMessage(pid, parse_datagram(data)))
+                fields = parse_datagram(data, cut=bool(flags & socket.MSG_TRUNC))
+                self._on_message(NotifyMessage(pid, fields))
         return count
 
     async def serve(

@@ -334,6 +334,7 @@ class Runtime:
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
         self.listener = NotifyListener(self.notify_path, self._on_notify)
+        self._notify_error: str | None = None  # why the notify socket cannot be bound again
         #: the socket workers running as another user (``user``) get: opened when first needed
         self.shared_listener: NotifyListener | None = None
         self.shared_path: Path | str = shared_socket_path(settings.supervisor.state_dir)
@@ -816,6 +817,24 @@ class Runtime:
             return self.shared_error or "it is not open"
         return unreachable_for(self.shared_path, account.uid, account.groups)
 
+    def _check_notify_socket(self) -> None:
+        """Bind the workers' notify socket again where its file alone went (removed by hand,
+        by a clean-up script): else no worker becomes ready again, and each one with a watchdog
+        is taken for hung. (A removed ``state_dir`` is bound again once it is made anew:
+        ``_on_state_dir_recreated``.) An ``lstat`` a sample."""
+        if not self.listener.lost():
+            return
+        error = _attempt(self.listener.rebind)
+        if error is not None:
+            if error != self._notify_error:  # said once, not at each sample
+                self.log.error(
+                    "notify.rebind_failed", path=os.fspath(self.notify_path), error=error
+                )
+            self._notify_error = error
+            return
+        self._notify_error = None
+        self.log.warning("notify.rebound", path=os.fspath(self.notify_path))
+
     def _check_shared_socket(self, now: float) -> None:
         """Bind the shared socket again where its file went (a temporary-file cleaner)."""
         listener = self.shared_listener
@@ -844,6 +863,7 @@ class Runtime:
 
     def _on_sample(self, sample: Sample) -> None:
         self.loop_alive_at = self.clock.now()
+        self._check_notify_socket()
         self._check_shared_socket(self.loop_alive_at)
         wall = self.clock.wall() - (self.clock.now() - sample.t)
         for name, usage in sample.workers.items():

@@ -258,7 +258,9 @@ class WorkerRunner:
             self._post_once(lc.Ready(pid))
         if fields.get("WATCHDOG") == "1":
             self._post_once(lc.Heartbeat(pid))
-        elif fields.get("WATCHDOG") == "trigger":
+        elif fields.get("WATCHDOG") == "trigger" and not self.watchdog_triggered:
+            # once a process: it is stopped for the first, and a flood of them must not grow
+            # the queue (nor the log) without bound
             self.watchdog_triggered = True
             self._log.warning("worker.watchdog_trigger", pid=pid)
             self.post(lc.Heartbeat(pid, trigger=True))

@@ -760,3 +760,20 @@ def test_a_core_dump_is_reported(supervisor: SupervisorFactory, tmp_path: Path) 
         doc = http.get(f"/api/v1/postmortems/{written['id']}").json()
     assert doc["evidence"]["core_dumped"] is True and doc["exit"]["signal_name"] == "SIGABRT"
     assert sup.stop() == 0
+
+
+def test_the_notify_socket_removed_alone_is_bound_again(supervisor: SupervisorFactory) -> None:
+    """``state_dir/notify.sock`` removed while running (by hand, a clean-up script; or by a
+    temporary-file cleaner where it had to go to /tmp), ``state_dir`` left: it is bound again,
+    and a restarted worker becomes ready. Regression: only a removed ``state_dir`` bound it
+    again; no worker became ready after that (each start timed out), and every one with a
+    watchdog was taken for hung."""
+    sup = supervisor({"workers": [group("r", "ready_then_sleep")]})
+    sup.ready("r-0")
+    mark = sup.mark()
+    (sup.state_dir / "notify.sock").unlink()
+    sup.wait_event(5, mark, event="notify.rebound")
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/r-0/restart").status_code == 202
+    sup.ready("r-0", after=mark)
+    assert sup.stop() == 0

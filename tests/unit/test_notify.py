@@ -3,6 +3,7 @@ after the socket is bound again, and an error in the handler ending the serving 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import shutil
@@ -199,3 +200,47 @@ def test_senders_it_does_not_accept_are_dropped_before_their_pid_is_looked_at() 
             listener.close()
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_field_cut_off_by_the_datagram_limit_is_not_taken(tmp_path: Path) -> None:
+    """A datagram longer than the 4096 bytes read of it: its whole fields count, the one the
+    limit cut is ignored. Regression: ``X_GPU_MEMORY_IN_USE_MB=12345`` after a long ``STATUS=``
+    was read as 12 MiB (the leak detector then judged the worker on a made-up figure)."""
+    got: list[NotifyMessage] = []
+    listener = NotifyListener(tmp_path / "notify.sock", got.append)
+    listener.open()
+    try:
+        status = "x" * (4096 - len("STATUS=\nREADY=1\nX_GPU_MEMORY_IN_USE_MB=12"))
+        send(listener.path, f"STATUS={status}\nREADY=1\nX_GPU_MEMORY_IN_USE_MB=12345".encode())
+        send(listener.path, b"READY=1\nSTATUS=" + b"y" * 70_000)  # a STATUS= of 70 kB: cut
+        assert listener.drain() == 2
+    finally:
+        listener.close()
+    assert got[0].fields == {"STATUS": status, "READY": "1"}
+    assert got[1].fields == {"READY": "1"}
+
+
+def test_descriptors_sent_along_are_not_kept(tmp_path: Path) -> None:
+    """``FDSTORE=1`` (or sd_notify_barrier's ``BARRIER=1``) with descriptors attached: none of
+    them is left open in the supervisor (the sender's pipe sees its last reader gone)."""
+    got: list[NotifyMessage] = []
+    listener = NotifyListener(tmp_path / "notify.sock", got.append)
+    listener.open()
+    read_end, write_end = os.pipe()
+    try:
+        before = set(os.listdir("/proc/self/fd"))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [read_end] * 8))]
+            sock.sendmsg([b"FDSTORE=1\nREADY=1"], fds, 0, os.fspath(listener.path))
+        os.close(read_end)
+        read_end = -1
+        assert listener.drain() == 1
+        assert set(os.listdir("/proc/self/fd")) <= before
+        with pytest.raises(BrokenPipeError):  # no reader left: not one kept in the supervisor
+            os.write(write_end, b"x")
+    finally:
+        listener.close()
+        os.close(write_end)
+        if read_end >= 0:
+            os.close(read_end)
+    assert got == [NotifyMessage(os.getpid(), {"FDSTORE": "1", "READY": "1"})]

@@ -75,6 +75,24 @@ async def _flood(tmp_path: Path) -> None:
     closed(r)
 
 
+def test_a_flood_of_watchdog_triggers_queues_one(tmp_path: Path) -> None:
+    """A process that sends WATCHDOG=trigger in a loop (a hostile worker, or a watchdog library
+    that retries) is stopped for the first one; the rest say nothing new. Regression: each
+    datagram queued an event and logged a warning (the queue grew by ~63 events a wake-up
+    of the event loop, without bound, while the stop went on)."""
+    anyio.run(_trigger_flood, tmp_path)
+
+
+async def _trigger_flood(tmp_path: Path) -> None:
+    r = runner(tmp_path)
+    for _ in range(10_000):
+        r.on_notify(NotifyMessage(42, {"WATCHDOG": "trigger"}))
+    assert r.watchdog_triggered
+    queued = [r._recv.receive_nowait() for _ in range(r._recv.statistics().current_buffer_used)]
+    assert queued == [lc.Heartbeat(42, trigger=True)]
+    closed(r)
+
+
 def test_a_passed_deadline_reads_the_socket_first(tmp_path: Path) -> None:
     """When a deadline passes (the supervisor was stalled longer than watchdog_s, say), the
     heartbeats still waiting in the notify socket are read before the deadline is judged.
