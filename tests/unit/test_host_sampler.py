@@ -38,22 +38,28 @@ def leader_with_child() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         leader.wait()
 
 
+def sampled_then_zombie(host: HostSampler, leader: subprocess.Popen[bytes], child: int) -> int:
+    """Sample the leader's tree (it and its child), then let the leader exit unreaped (a
+    zombie); the child's start time as the sample saw it."""
+    assert leader.stdin is not None
+    trees, _, _ = host.sample({"w-0": leader.pid})
+    assert trees["w-0"] == {leader.pid, child}
+    started = host.starts[child]
+    leader.stdin.close()  # the leader exits; nobody reaps it yet: a zombie
+    while True:
+        st = procfs.read_stat(leader.pid)
+        if st is not None and st.zombie:
+            return started
+        os.sched_yield()
+
+
 def test_an_exited_leaders_tree_is_kept_until_it_is_reaped() -> None:
     """When the main process exits, its children are re-parented at once, so a walk from the
     (zombie) leader finds nothing below it: the sampler keeps the tree it saw, which is what the
     supervisor kills after the exit (processes that left the process group included)."""
     with leader_with_child() as (leader, child):
-        assert leader.stdin is not None
         host = HostSampler(full_every_s=0.0)
-        trees, _, _ = host.sample({"w-0": leader.pid})
-        assert trees["w-0"] == {leader.pid, child}
-        started = host.starts[child]
-        leader.stdin.close()  # the leader exits; nobody reaps it yet: a zombie
-        while True:
-            st = procfs.read_stat(leader.pid)
-            if st is not None and st.zombie:
-                break
-            os.sched_yield()
+        started = sampled_then_zombie(host, leader, child)
         trees, _, _ = host.sample({"w-0": leader.pid})
         assert trees["w-0"] == {leader.pid, child}
         assert host.starts[child] == started
@@ -70,17 +76,8 @@ def test_a_pid_reused_while_the_leader_is_a_zombie_is_no_member(
     in it, so that process is neither measured as the worker's nor killed as its leftover (its
     start time refreshed to the new process's would have let ``_end_leftovers`` kill it)."""
     with leader_with_child() as (leader, child):
-        assert leader.stdin is not None
         host = HostSampler(full_every_s=0.0)
-        trees, _, _ = host.sample({"w-0": leader.pid})
-        assert trees["w-0"] == {leader.pid, child}
-        started = host.starts[child]
-        leader.stdin.close()  # the leader exits; nobody reaps it yet: a zombie
-        while True:
-            st = procfs.read_stat(leader.pid)
-            if st is not None and st.zombie:
-                break
-            os.sched_yield()
+        started = sampled_then_zombie(host, leader, child)
         real = procfs.scan
 
         def reused() -> dict[int, procfs.ProcStat]:
