@@ -808,6 +808,17 @@ def test_a_worker_moved_off_a_failing_gpu_moves_again_when_its_new_gpu_fails(kin
     assert host.actions_total[("drain", kind)] == 2
 
 
+def host_budget_of(limit_mb: float) -> tuple[Host, Healer, Runner]:
+    """One worker, w-0, of a group with ``host_memory_limit_mb = limit_mb``."""
+    w0 = Runner("w-0", GPUS[0])
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": {"host_memory_limit_mb": limit_mb}}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    return host, Healer(host), w0  # type: ignore[arg-type]
+
+
 def test_one_reading_of_host_memory_over_its_budget_is_not_two_samples() -> None:
     """``/proc`` is read every 2 s (``HOST_EVERY_S``) while samples come every 0.5 s, and the
     samples in between repeat the last reading: one reading of RSS over
@@ -815,13 +826,7 @@ def test_one_reading_of_host_memory_over_its_budget_is_not_two_samples() -> None
     worker. Now only a new reading counts (``Sample.host_at``): two readings over it do."""
     from supervisor.model import WorkerUsage
 
-    w0 = Runner("w-0", GPUS[0])
-    cfg = {
-        "gpu": {"backend": "sim"},
-        "workers": [{"name": "w", "command": ["x"], "health": {"host_memory_limit_mb": 100}}],
-    }
-    host = Host(parse_settings(cfg), {"w-0": w0})
-    healer = Healer(host)  # type: ignore[arg-type]
+    host, healer, w0 = host_budget_of(100)
 
     def sample(rss: float, read_at: float) -> None:
         host.clock.advance(0.5)
@@ -855,13 +860,7 @@ def test_the_host_budget_of_a_forked_tree_is_judged_on_its_pss() -> None:
     that. Regression: such a worker was restarted over a budget it was well under."""
     from supervisor.model import WorkerUsage
 
-    w0 = Runner("w-0", GPUS[0])
-    cfg = {
-        "gpu": {"backend": "sim"},
-        "workers": [{"name": "w", "command": ["x"], "health": {"host_memory_limit_mb": 600}}],
-    }
-    host = Host(parse_settings(cfg), {"w-0": w0})
-    healer = Healer(host)  # type: ignore[arg-type]
+    host, healer, w0 = host_budget_of(600)
 
     def sample(rss: float, pss: float | None) -> None:
         host.clock.advance(2.0)  # a new reading each time
