@@ -524,3 +524,56 @@ def test_page_says_so_when_the_supervisor_stops_answering(
         sup.signal(signal.SIGCONT)
     wait_for(browser, "the page to read the API again", lambda: status_of(browser) == "ok")
     assert sup.stop() == 0
+
+
+def event_seqs(driver: Chrome) -> set[tuple[int, str]]:
+    """The (seq, type) of every event row shown."""
+    found: list[list[Any]] = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#events tbody tr[data-type]'),"
+        " tr => [Number(tr.dataset.seq), tr.dataset.type])"
+    )
+    return {(int(seq), str(kind)) for seq, kind in found}
+
+
+def api_events(sup: Supervisor) -> set[tuple[int, str]]:
+    with sup.api() as http:
+        return {(e["seq"], e["type"]) for e in http.get("/api/v1/events").json()}
+
+
+@pytest.mark.timeout(120)
+def test_page_starts_over_for_a_restarted_supervisor_whatever_its_uptime(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome
+) -> None:
+    """A supervisor restarted behind an open page numbers its events from 1 again. Regression:
+    the page knew a restart only by a smaller uptime, so a tab the browser had frozen or
+    throttled for longer than the old run's uptime asked the new run for events after the
+    old run's last number: the new run's first ones never showed, and the old run's stayed.
+    The events' ``X-Gpu-Supervisor-Run`` says it whatever the uptimes."""
+    config = page_config(tmp_path)
+    config["workers"] = [config["workers"][1]]  # c: no GPU
+    first = supervisor(config)
+    first.ready("c-0")
+    url = first.api_url()
+    mark = first.mark()
+    with first.api() as http:  # more events in the first run than the second will have
+        assert http.post("/api/v1/workers/c-0/restart").status_code == 202
+    first.ready("c-0", after=mark)
+    browser.get(url + "/")
+    browser.execute_script("document.getElementById('all-events').click()")
+    old = api_events(first)
+    wait_for(browser, "the first run's events", lambda: event_seqs(browser) == old)
+    browser.execute_cdp_cmd("Page.setWebLifecycleState", {"state": "frozen"})
+    with first.api() as http:
+        uptime = http.get("/healthz").json()["uptime_s"]
+    assert first.stop() == 0
+    config["api"] = {"listen": url.removeprefix("http://")}  # the same address
+    second = supervisor(config)
+    second.ready("c-0")
+    # up longer than the first run was when the page last read it: the uptime says nothing
+    second.wait_api("/healthz", lambda health: health["uptime_s"] > uptime)
+    new = api_events(second)
+    assert max(new)[0] < max(old)[0], (new, old)
+    browser.execute_cdp_cmd("Page.setWebLifecycleState", {"state": "active"})
+    wait_for(browser, "the second run's events alone", lambda: event_seqs(browser) == new)
+    assert_no_console_errors(browser)
+    assert second.stop() == 0
