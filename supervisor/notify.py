@@ -15,13 +15,12 @@ import socket
 import stat
 import struct
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import anyio.abc
-import psutil
 
 _UCRED = struct.Struct("iII")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 MAX_DATAGRAM = 4096
@@ -115,26 +114,6 @@ def _own_directory(path: Path, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
-
-
-def ancestors_of(pid: int, limit: int = 64) -> Iterator[int]:
-    """``pid`` and then its ancestors, nearest first (stops at pid 1 or an unreadable process).
-
-    Lazy: a caller that finds its answer in ``pid`` itself reads nothing from ``/proc``.
-    """
-    seen = [pid]
-    yield pid
-    current = pid
-    for _ in range(limit):
-        try:
-            parent = psutil.Process(current).ppid()
-        except (psutil.Error, OSError):  # gone, or /proc unreadable (out of descriptors)
-            return
-        if parent <= 1 or parent in seen:
-            return
-        seen.append(parent)
-        yield parent
-        current = parent
 
 
 class NotifyListener:

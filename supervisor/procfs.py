@@ -9,6 +9,7 @@ checks, the rare lookups).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -267,6 +268,44 @@ def carrying(name: str, value: str) -> dict[int, dict[str, str]]:
                 env = (i.decode(errors="replace").partition("=") for i in items if b"=" in i)
                 out[int(entry.name)] = {k: v for k, _, v in env}
     return out
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """``name`` in ``pid``'s initial environment (None: not there, or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def adopted_by(pid: int, start_ticks: int, leaders: Mapping[int, str], var: str) -> str | None:
+    """The worker a process re-parented to the supervisor belongs to, while that worker's main
+    process lives (a daemon that double-forked: the process between them exited), or None.
+
+    ``leaders``: main pid -> worker name. Its worker is the one whose main process leads its
+    process group, else (it left the group with ``setsid``) the one named by ``var`` in its
+    environment, if it started after that worker's main process (not what an earlier run of
+    the worker left).
+    """
+    with contextlib.suppress(OSError):
+        pgid = os.getpgid(pid)
+        if pgid in leaders:
+            return leaders[pgid]
+    name = environ_value(pid, var)
+    if name is None:
+        return None
+    for leader, worker in leaders.items():
+        if worker == name:
+            st = read_stat(leader)
+            if st is not None and not st.zombie and st.start_ticks <= start_ticks:
+                return worker
+    return None
 
 
 def tasks_of_user(uid: int) -> int | None:

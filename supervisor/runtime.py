@@ -68,7 +68,6 @@ from supervisor.notify import (
     SHARED_SOCKET_MODE,
     NotifyListener,
     NotifyMessage,
-    ancestors_of,
     others_may_replace,
     shared_socket_path,
     socket_path_for,
@@ -166,6 +165,8 @@ RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 #: How many times an exited worker's leftovers are looked for among our children (a dying
 #: member hands its children to us as it dies: one more read finds them).
 LEFTOVER_ROUNDS = 4
+#: How far up a notify sender's ancestry its worker is looked for.
+ANCESTORS_MAX = 64
 #: How often the shared notify socket's file is looked for (seconds; bound again if gone).
 SHARED_CHECK_EVERY_S = 10.0
 #: Datagrams read at most from the notify socket before a worker's deadline is judged.
@@ -1416,13 +1417,33 @@ class Runtime:
             self._pids[pid] = runner
 
     def _on_notify(self, msg: NotifyMessage) -> None:
-        for pid in ancestors_of(msg.pid):
-            runner = self._pids.get(pid)
+        runner = self._sender(msg.pid)
+        if runner is None:
+            self.log.debug("notify.unknown_sender", pid=msg.pid)
+            return
+        runner.on_notify(msg)
+        self.healer.on_notify(runner, msg.pid, msg.fields)
+
+    def _sender(self, pid: int) -> WorkerRunner | None:
+        """The worker ``pid`` is part of: its main process or a descendant of it, or a process
+        re-parented to the supervisor (a daemon that double-forked) its worker owns.
+
+        Reads nothing from ``/proc`` when ``pid`` is a worker's main process."""
+        me = os.getpid()
+        current = pid
+        for _ in range(ANCESTORS_MAX):
+            runner = self._pids.get(current)
             if runner is not None:
-                runner.on_notify(msg)
-                self.healer.on_notify(runner, msg.pid, msg.fields)
-                return
-        self.log.debug("notify.unknown_sender", pid=msg.pid)
+                return runner
+            st = procfs.read_stat(current)  # None: gone (or /proc unreadable)
+            if st is None or st.ppid <= 0 or st.ppid == current:
+                return None
+            if st.ppid == me:  # an orphan of ours (we are no worker): whose is it?
+                main = {p: r.name for p, r in self._pids.items()}
+                name = procfs.adopted_by(current, st.start_ticks, main, WORKER_VAR)
+                return None if name is None else self.runners.get(name)
+            current = st.ppid
+        return None
 
     def _on_orphan(self, reaped: Reaped) -> None:
         # A worker whose children double-fork in a loop makes thousands a second: one line a

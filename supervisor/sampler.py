@@ -10,6 +10,7 @@ backoff; the supervisor never stops for NVML.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -24,6 +25,7 @@ from supervisor import procfs
 from supervisor.backends.base import PLACEHOLDER, GpuBackend
 from supervisor.errors import BackendError, BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, WorkerUsage, XidEvent
+from supervisor.plan import WORKER_VAR
 from supervisor.policy.attribution import attribute
 from supervisor.records import ThreadUnavailable, in_thread
 
@@ -124,6 +126,7 @@ class HostSampler:
                 )
             else:
                 trees[name] = frozenset(procfs.tree(leader, children))
+        self._adopt(table, children, trees, leaders)
         self._trees = trees
         # Start times: kept for pids that live on (a leftover outside every tree included),
         # refreshed for members the walk found, dropped for pids that are gone.
@@ -133,6 +136,26 @@ class HostSampler:
                 starts[pid] = table[pid].start_ticks
         self.starts = starts
         return table
+
+    def _adopt(
+        self,
+        table: Mapping[int, procfs.ProcStat],
+        children: Mapping[int, Iterable[int]],
+        trees: dict[str, frozenset[int]],
+        leaders: Mapping[str, int | None],
+    ) -> None:
+        """Add to ``trees`` the processes re-parented to the supervisor (child subreaper or PID
+        1) whose worker still runs, with what is below them: a daemon that double-forked is no
+        descendant of its worker's main process any more, but its GPU and host memory, its
+        CPU, and its stop are still the worker's."""
+        main = {leader: name for name, leader in leaders.items() if leader is not None}
+        me = os.getpid()
+        for pid, st in table.items():
+            if st.ppid != me or pid in main or st.zombie:
+                continue
+            name = procfs.adopted_by(pid, st.start_ticks, main, WORKER_VAR)
+            if name is not None and name in trees:
+                trees[name] = trees[name] | procfs.tree(pid, children)
 
     def member_create_time(self, pid: int) -> float | None:
         """The create time of tree member ``pid`` (psutil's), only while ``pid`` still is the

@@ -785,3 +785,28 @@ def test_a_gpu_suspect_for_two_workers_stays_suspect_until_both_let_go(
     assert wait_dead(holders) == []
     sup.wait_event(event="gpu.released", gpu=UUID0)
     assert sup.stop() == 0
+
+
+def test_a_workers_double_forked_server_is_the_workers(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A launcher whose GPU server double-forks: the server is re-parented to the supervisor
+    (its child subreaper) while the launcher, the worker's main process, waits. Regression:
+    the server was no worker's: its READY=1 was dropped (the worker never became ready) and
+    its GPU memory was no worker's (a foreign process on the GPU, a full scan of /proc at
+    every sample). It goes with its worker."""
+    sup = supervisor(
+        config(
+            tmp_path,
+            {"name": "d", "gpus": [0], "command": worker_cmd("gpu_user", "700", "--daemon")},
+            {"name": "s", "gpus": [1], "command": worker_cmd("gpu_user", "900", "--daemon-setsid")},
+        ),
+        log_level="debug",
+    )
+    servers = {}
+    for worker, mb in (("d-0", 700.0), ("s-0", 900.0)):
+        sup.ready(worker)
+        servers[worker] = int(sup.wait_line(f"[{worker}] ", endswith="daemon ready").split()[2])
+        assert worker_mb(sup, worker, mb)["attribution"] == "pid"
+    assert sup.stop() == 0
+    assert wait_dead(list(servers.values())) == []

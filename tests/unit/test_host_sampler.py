@@ -266,3 +266,46 @@ def test_a_forked_tree_over_its_budget_by_rss_is_read_by_pss() -> None:
             assert host.pss == {}
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the children too (they are init's to reap)
+
+
+@contextlib.contextmanager
+def sleepers(*kwargs: dict[str, object]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``sleep 300`` processes (children of this test), one per ``Popen`` keyword set; killed
+    and reaped afterwards."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for kw in kwargs:
+            procs.append(subprocess.Popen(["sleep", "300"], **kw))  # type: ignore[call-overload]
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_process_re_parented_to_us_is_its_workers() -> None:
+    """A worker's daemon that double-forked is re-parented to the supervisor (here: a child
+    of this test). Regression: it was in no worker's tree (its memory no worker's)."""
+    named = {**os.environ, "GPU_SUPERVISOR_WORKER": "w-0"}
+    with (
+        sleepers({"process_group": 0}) as (leader,),  # leads a group
+        sleepers(
+            {"process_group": leader.pid},  # in the worker's process group
+            {"start_new_session": True, "env": named},  # left it, carries the worker's name
+            {"start_new_session": True},  # some other child of the supervisor's
+        ) as (grouped, left, other),
+    ):
+        trees, _, _ = HostSampler().sample({"w-0": leader.pid, "w-1": None})
+        assert trees["w-0"] == {leader.pid, grouped.pid, left.pid}
+        assert trees["w-1"] == frozenset()
+        main = {leader.pid: "w-0"}
+        var = "GPU_SUPERVISOR_WORKER"
+        st = procfs.read_stat(left.pid)
+        assert st is not None
+        assert procfs.adopted_by(left.pid, st.start_ticks, main, var) == "w-0"
+        # started before the worker's main process: an earlier run's leftover
+        before = procfs.read_stat(leader.pid)
+        assert before is not None
+        assert procfs.adopted_by(left.pid, before.start_ticks - 1, main, var) is None
+        assert procfs.adopted_by(other.pid, st.start_ticks, main, var) is None
+        assert procfs.adopted_by(left.pid, st.start_ticks, {}, var) is None

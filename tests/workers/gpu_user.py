@@ -1,8 +1,11 @@
-"""Claim simulated GPU memory: ``gpu_user.py MB [--crash-after S] [--holder S]``.
+"""Claim simulated GPU memory: ``gpu_user.py MB [--crash-after S] [--holder S] [--daemon[-setsid]]``.
 
 Writes procs/<pid> for every GPU in CUDA_VISIBLE_DEVICES, then READY=1. ``--holder S`` first
 starts a grandchild in its own session (escaping the process group) that also holds memory and
-exits on its own S seconds after the worker is gone.
+exits on its own S seconds after the worker is gone. ``--daemon``: a launcher whose server
+double-forks (the process between them exits at once, so the server is re-parented to the
+supervisor); the server claims the memory and sends READY=1, the launcher waits.
+``--daemon-setsid``: the server also leaves the process group.
 """
 
 import os
@@ -39,6 +42,20 @@ if holder and os.fork() == 0:
         time.sleep(0.02)
     time.sleep(holder)
     os._exit(0)
+daemon = "--daemon" in args or "--daemon-setsid" in args
+if daemon and os.fork() == 0:
+    if os.fork() == 0:
+        if "--daemon-setsid" in args:
+            os.setsid()
+        claim(os.getpid(), mb)
+        notify("READY=1")
+        say("daemon ready")
+        forever()
+    os._exit(0)
+if daemon:
+    os.wait()
+    say("launched")
+    forever()
 claim(parent, mb)
 notify("READY=1")
 say(f"ready on {','.join(gpus)}")
