@@ -43,6 +43,11 @@ DEVICE_LOST_CODES = frozenset(
         NVML_ERROR_IRQ_ISSUE,
     }
 )
+#: Codes that mean NVML itself is gone (shut down, the driver unloaded or replaced by another
+#: version): telemetry is unavailable and NVML is initialised again, with backoff.
+BACKEND_GONE_CODES = frozenset(
+    {NVML_ERROR_UNINITIALIZED, NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIB_RM_VERSION_MISMATCH}
+)
 #: Codes that mean "this field is not available here": remember and stop asking.
 UNSUPPORTED_CODES = frozenset(
     {
@@ -85,6 +90,12 @@ FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
         "nvmlDeviceGetMPSComputeRunningProcesses_v2",
     ),
 }
+
+
+def percent(value: float | None) -> float | None:
+    """A utilization reading (percent), None outside 0-100: no reading at all, such as an
+    unsigned -1 (4294967295) from a driver that has none, is published or routed on."""
+    return value if value is None or 0.0 <= value <= 100.0 else None
 
 
 def one_per_pid(processes: Iterable[GpuProcess]) -> tuple[GpuProcess, ...]:

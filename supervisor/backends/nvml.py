@@ -8,8 +8,10 @@
   ``GetTemperatureThreshold``).
 - Errors are mapped here (NVML.md section 2): not supported / no permission / function not found /
   version mismatch -> the field is None and is not asked again on that device; GPU lost, reset
-  required, insufficient power, IRQ issue -> the device is unhealthy this tick; anything else ->
-  the field is None this tick. An init failure is ``BackendUnavailable``.
+  required, insufficient power, IRQ issue -> the device is unhealthy this tick; uninitialised,
+  driver not loaded, driver/library version mismatch -> ``BackendUnavailable`` (initialised
+  again with backoff); anything else -> the field is None this tick. An init failure is
+  ``BackendUnavailable``.
 - Calls block: the sampler runs ``sample()`` in one dedicated thread and ``wait_xid()`` in
   another (a bounded ``nvmlEventSetWait_v2``).
 """
@@ -28,12 +30,14 @@ from typing import Any, TypeVar
 import pynvml
 
 from supervisor.backends.base import (
+    BACKEND_GONE_CODES,
     DEVICE_LOST_CODES,
     NVML_ERROR_TIMEOUT,
     NVML_ERROR_UNINITIALIZED,
     PLACEHOLDER,
     UNSUPPORTED_CODES,
     one_per_pid,
+    percent,
 )
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, RemappedRows, XidEvent
@@ -406,6 +410,8 @@ class NvmlBackend:
                 raise DeviceLost(_describe(exc), code) from exc
             if code == NVML_ERROR_UNINITIALIZED:
                 raise BackendUnavailable("NVML is no longer initialised", code) from exc
+            if code in BACKEND_GONE_CODES:  # the driver unloaded or upgraded under us
+                raise BackendUnavailable(f"NVML: {_describe(exc)}", code) from exc
             if code in UNSUPPORTED_CODES:
                 self._unsupported.add((index, field))
             return None
@@ -486,7 +492,14 @@ class NvmlBackend:
         total = used = free = None
         if mem is not None:
             total, used, free = mem.total / MIB, mem.used / MIB, mem.free / MIB
-        processes = None if procs is None else _processes(procs, graphics or (), mps or ())
+        processes = None
+        # a list that failed this tick (not one the GPU does not have): the processes are not
+        # known (regression: they were the others' alone, an MPS worker's memory 0)
+        if procs is not None and all(
+            got is not None or (i, field) in self._unsupported
+            for got, field in ((graphics, "graphics_processes"), (mps, "mps_processes"))
+        ):
+            processes = _processes(procs, graphics or (), mps or ())
         return DeviceSample(
             index=i,
             uuid=ident.uuid,
@@ -494,14 +507,14 @@ class NvmlBackend:
             memory_total_mb=total,
             memory_used_mb=used,
             memory_free_mb=free,
-            utilization_percent=None if util is None else float(util.gpu),
+            utilization_percent=None if util is None else percent(float(util.gpu)),
             temperature_c=None if temp is None else float(temp),
             temperature_slowdown_c=slowdown,
             temperature_shutdown_c=shutdown,
             power_watts=None if power is None else power / 1000.0,
             power_limit_watts=None if limit is None else limit / 1000.0,
-            encoder_percent=None if enc is None else float(enc[0]),
-            decoder_percent=None if dec is None else float(dec[0]),
+            encoder_percent=None if enc is None else percent(float(enc[0])),
+            decoder_percent=None if dec is None else percent(float(dec[0])),
             clocks_event_reasons=None if clocks is None else int(clocks),
             recovery_action=recovery,
             ecc_errors_corrected=None if ecc is None else ecc[0],

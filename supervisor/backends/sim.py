@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from supervisor.backends.base import (
     DEVICE_LOST_CODES,
     FIELD_FUNCTIONS,
     NVML_ERROR_GPU_IS_LOST,
+    UNSUPPORTED_CODES,
     one_per_pid,
+    percent,
 )
 from supervisor.errors import BackendUnavailable
 from supervisor.model import (
@@ -73,6 +76,8 @@ GRAPHICS = "graphics:"
 MPS = "mps:"
 #: The tag of a ``procs/<pid>`` line -> its key prefix.
 _TAGS = {"graphics": GRAPHICS, "mps": MPS}
+#: The most digits of a number in ``events`` (a 64-bit one has 20 at most).
+MAX_DIGITS = 20
 XID_POLL_S = 0.5  # how often wait_xid looks at the events file
 #: a device file modified less than this long ago is always read again (see ``_read_devices``)
 RACY_WRITE_NS = 20_000_000
@@ -282,7 +287,13 @@ class SimBackend:
         by_key: dict[str, list[GpuProcess]] = {}
         try:
             with os.scandir(self.world / "procs") as it:
-                entries = [(e.name, e.path) for e in it if e.name.isdigit()]
+                # ASCII digits only ("²" is a digit to str.isdigit(), not to int()), and
+                # regular files only (open() of a FIFO blocks the sample for good)
+                entries = [
+                    (e.name, e.path)
+                    for e in it
+                    if e.name.isascii() and e.name.isdigit() and e.is_file()
+                ]
         except (FileNotFoundError, NotADirectoryError):
             return by_key
         for name, path in entries:
@@ -368,6 +379,9 @@ class SimBackend:
             value = dev.number(key)
             return None if value is None else value * scale
 
+        def share(name: str, key: str) -> float | None:
+            return percent(field(name, key))
+
         mine = _per_pid([*procs.get(uuid, []), *procs.get(str(dev.index), [])])
         graphics = _per_pid(
             [*procs.get(GRAPHICS + uuid, []), *procs.get(GRAPHICS + str(dev.index), [])]
@@ -397,14 +411,14 @@ class SimBackend:
             memory_total_mb=total,
             memory_used_mb=used,
             memory_free_mb=free,
-            utilization_percent=field("utilization", "utilization_percent"),
+            utilization_percent=share("utilization", "utilization_percent"),
             temperature_c=field("temperature", "temperature_c"),
             temperature_slowdown_c=dev.number("temperature_slowdown_c") if thresholds_ok else None,
             temperature_shutdown_c=dev.number("temperature_shutdown_c") if thresholds_ok else None,
             power_watts=field("power", "power_mw", 0.001),
             power_limit_watts=field("power_limit", "power_limit_mw", 0.001),
-            encoder_percent=field("encoder", "encoder_percent"),
-            decoder_percent=field("decoder", "decoder_percent"),
+            encoder_percent=share("encoder", "encoder_percent"),
+            decoder_percent=share("decoder", "decoder_percent"),
             clocks_event_reasons=None if clocks is None else int(clocks),
             recovery_action=None if recovery is None else int(recovery),
             ecc_errors_corrected=None if corrected is None else int(corrected),
@@ -412,11 +426,7 @@ class SimBackend:
             remapped_rows=rows,
             # as NVML is asked: page retirement only where the GPU has no row remapper
             retired_pages_pending=None if rows is not None or retired is None else bool(retired),
-            processes=(
-                None
-                if dev.rc("processes") is not None
-                else self._processes(dev, mine, graphics, mps)
-            ),
+            processes=self._processes(dev, mine, graphics, mps),
             cpus=dev.cpus(),
         )
 
@@ -426,20 +436,27 @@ class SimBackend:
         compute: Sequence[GpuProcess],
         graphics: Sequence[GpuProcess],
         mps: Sequence[GpuProcess],
-    ) -> tuple[GpuProcess, ...]:
-        # as the NVML backend: one of those lists failing leaves the compute one
-        if dev.rc("graphics_processes") is not None:
-            graphics = ()
-        if dev.rc("mps_processes") is not None:
-            mps = ()
-        return one_per_pid((*compute, *graphics, *mps))
+    ) -> tuple[GpuProcess, ...] | None:
+        # as the NVML backend: a list the GPU does not have (not supported, no permission)
+        # leaves the others; one failing otherwise (unknown, timeout) leaves the processes
+        # unknown this tick, as the compute one failing does
+        if dev.rc("processes") is not None:
+            return None
+        codes = (dev.rc("graphics_processes"), dev.rc("mps_processes"))
+        if any(c is not None and c not in UNSUPPORTED_CODES for c in codes):
+            return None
+        return one_per_pid(
+            (*compute, *(graphics if codes[0] is None else ()), *(mps if codes[1] is None else ()))
+        )
 
     def _read_new_events(self) -> list[XidEvent]:
         path = self.world / "events"
         try:
-            if os.stat(path).st_size == self._events_offset:
-                return []
-        except OSError:  # none yet (or something that is not a file: nothing to read)
+            st = os.stat(path)
+        except OSError:  # none yet
+            return []
+        # something that is not a file has nothing to read (open() of a FIFO blocks for good)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == self._events_offset:
             return []
         try:
             with open(path, "rb") as fh:
@@ -458,8 +475,8 @@ class SimBackend:
         out = []
         for raw in lines:
             parts = raw.split()
-            if len(parts) != 2 or not parts[0].isdigit() or not parts[1].isdigit():
-                continue
+            if len(parts) != 2 or not all(p.isdigit() and len(p) <= MAX_DIGITS for p in parts):
+                continue  # an overlong number: int() refuses thousands of digits
             index = int(parts[0])
             out.append(XidEvent(index, uuids.get(index), int(parts[1]), self._clock()))
         return out

@@ -915,6 +915,39 @@ def test_mps_clients_are_read_from_their_own_list(
     assert dev["memory"]["used_mb"] == 940.0, dev
 
 
+@pytest.mark.parametrize(
+    ("tag", "code", "listed"),
+    [
+        ("mps", 999, None),  # UNKNOWN: the list is not known this tick
+        ("graphics", 10, None),  # TIMEOUT
+        ("mps", 3, []),  # NOT_SUPPORTED: that list is not there, the compute one is all
+    ],
+)
+def test_a_process_list_that_fails_this_tick_makes_the_processes_unknown(
+    tmp_path: Path, fake_nvml_libdir: Path, tag: str, code: int, listed: list[int] | None
+) -> None:
+    """Regression: the graphics or MPS clients' list failing for a tick (UNKNOWN, TIMEOUT, a
+    list that kept growing) left its processes out of a list reported as complete: an MPS
+    worker's GPU memory read 0 for that tick and the GPU-release barrier let its restart
+    through while its memory was still held. Now the processes are unknown for that tick
+    (as when the compute list fails); a list the GPU does not have still leaves the rest."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    kind = "Graphics" if tag == "graphics" else "MPSCompute"
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write(f"rc_nvmlDeviceGet{kind}RunningProcesses {code}\n")
+    (world / "procs" / str(os.getpid())).write_text(f"0 700 {tag}\n")
+    script = (
+        "from supervisor.backends.nvml import NvmlBackend\n"
+        "b = NvmlBackend(); b.open(); d = b.sample()[0]\n"
+        "print(None if d.processes is None else [p.pid for p in d.processes])\n"
+    )
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert out.stdout.strip() == str(listed)
+    d = SimBackend(world, 1).sample()[0]
+    assert (None if d.processes is None else [p.pid for p in d.processes]) == listed
+
+
 def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_libdir: Path) -> None:
     """The world is read the same by both backends. Regression: the fake library skipped a
     `procs` line of fractional MiB (the sim backend read it), and the sim backend read a
@@ -933,6 +966,53 @@ def test_both_backends_read_fractions_and_hex_alike(tmp_path: Path, fake_nvml_li
         assert [(p["pid"], p["used_mb"]) for p in dev["processes"]] == [(proc.pid, 1536.5)], dev
         assert dev["memory"]["used_mb"] == 1536.5, dev
         assert dev["throttle_reasons"] == ["hw_thermal_slowdown"], dev
+
+
+def test_both_backends_read_a_utilization_out_of_range_as_none(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: a utilization of 4294967295 % (an unsigned -1: no reading) was published
+    in the API and /metrics and ranked by the router as a real figure; now it is null, as a
+    field that cannot be read, and the fields in range are kept."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("utilization_percent 4294967295\nencoder_percent 4294967295\ndecoder_percent 7\n")
+    script = (
+        "from supervisor.backends.nvml import NvmlBackend\n"
+        "b = NvmlBackend(); b.open(); d = b.sample()[0]\n"
+        "print(d.utilization_percent, d.encoder_percent, d.decoder_percent)\n"
+    )
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert out.stdout.split() == ["None", "None", "7.0"]
+    d = SimBackend(world, 1).sample()[0]
+    assert (d.utilization_percent, d.encoder_percent, d.decoder_percent) == (None, None, 7.0)
+
+
+@pytest.mark.parametrize("code", [9, 18])
+def test_a_driver_gone_from_under_nvml_makes_it_unavailable(
+    tmp_path: Path, fake_nvml_libdir: Path, code: int
+) -> None:
+    """A call answering DRIVER_NOT_LOADED (9) or LIB_RM_VERSION_MISMATCH (18) mid-run (the
+    driver unloaded or upgraded under the supervisor). Regression: the field was null and the
+    GPU healthy with telemetry "available" for good, NVML never initialised again; now the
+    sample says NVML is unavailable, so it is opened again with backoff, as after UNINITIALIZED."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    script = (
+        "from pathlib import Path\n"
+        "from supervisor.backends.nvml import NvmlBackend\n"
+        "from supervisor.errors import BackendUnavailable\n"
+        "b = NvmlBackend(); b.open()\n"
+        f"gpu0 = Path({str(world / 'gpus' / '0')!r})\n"
+        f"gpu0.write_text(gpu0.read_text() + 'rc_nvmlDeviceGetMemoryInfo {code}\\n')\n"
+        "try:\n"
+        "    print('sampled', b.sample()[0].memory_total_mb)\n"
+        "except BackendUnavailable as exc:\n"
+        "    print('unavailable', exc.code, exc)\n"
+    )
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert out.stdout.startswith(f"unavailable {code} "), out.stdout
 
 
 def test_both_backends_read_ecc_the_row_remapper_and_the_recovery_action_alike(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -145,3 +146,76 @@ def test_device_files_are_named_by_ascii_digits_only(tmp_path: Path) -> None:
     (tmp_path / "gpus" / "\u00b2").write_text("uuid GPU-x\n")
     (tmp_path / "gpus" / "\u0663").write_text("uuid GPU-y\n")  # int() reads it as 3
     assert [d.index for d in b.sample()] == [0, 1]
+
+
+def test_process_files_are_named_by_ascii_digits_only(tmp_path: Path) -> None:
+    """A file named "²" in the world-writable procs/ (str.isdigit() says yes, int() says no)
+    is no process. Regression: the sample raised ValueError and the supervisor exited,
+    ending every worker."""
+    b = world(tmp_path, live={3, 7})
+    (tmp_path / "procs" / "\u00b2").write_text("0 100\n")
+    (tmp_path / "procs" / "\u0663").write_text("0 100\n")  # int() reads it as 3
+    (tmp_path / "procs" / "7").write_text("0 10\n")
+    assert [(p.pid, p.used_mb) for p in b.sample()[0].processes or ()] == [(7, 10.0)]
+
+
+def test_a_process_file_that_is_no_regular_file_does_not_hang_the_sample(tmp_path: Path) -> None:
+    """Regression: a FIFO named as a live pid in procs/ (world-writable) blocked the sample
+    in open() for good: GPU telemetry down until the supervisor was restarted, and
+    ``gpu-supervisor gpus`` never returned."""
+    b = world(tmp_path)
+    fifo = tmp_path / "procs" / str(os.getpid())
+    os.mkfifo(fifo)
+    (tmp_path / "procs" / "1").mkdir()
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(b.sample()), daemon=True)
+    reader.start()
+    reader.join(2.0)
+    if reader.is_alive():  # let the blocked open() go, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(2.0)
+        raise AssertionError("the sample hung on a FIFO in procs/")
+    assert len(got) == 1
+
+
+def test_an_xid_line_with_an_overlong_number_is_skipped(tmp_path: Path) -> None:
+    """Regression: an events line with a number of thousands of digits raised ValueError
+    (Python's limit on int() of long strings) out of the XID wait: the supervisor exited.
+    Now the line is skipped and the lines after it are delivered."""
+    b = world(tmp_path)
+    with open(tmp_path / "events", "a") as fh:
+        fh.write(f"0 {'9' * 5000}\n{'1' * 5000} 13\n0 79\n")
+    assert [(e.gpu_index, e.xid) for e in b.wait_xid(0.5)] == [(0, 79)]
+
+
+def test_percentages_out_of_range_are_not_read_as_any(tmp_path: Path) -> None:
+    """A utilization of 4294967295 % (an unsigned -1: a sentinel, not a reading) was
+    published as such: now it is null, as a field that cannot be read."""
+    b = world(tmp_path)
+    write_atomic(
+        tmp_path / "gpus" / "0",
+        f"uuid {default_uuid(0)}\nutilization_percent 4294967295\nencoder_percent 101\n"
+        "decoder_percent 100\n",
+    )
+    d0 = b.sample()[0]
+    assert (d0.utilization_percent, d0.encoder_percent, d0.decoder_percent) == (None, None, 100.0)
+
+
+def test_an_events_file_replaced_by_a_fifo_does_not_hang_the_xid_wait(tmp_path: Path) -> None:
+    """Regression: an ``events`` file that had lines, replaced by a FIFO, blocked the XID
+    wait in open() for good (XIDs no longer watched)."""
+    b = world(tmp_path)
+    events = tmp_path / "events"
+    events.write_text("0 13\n")
+    assert [e.xid for e in b.wait_xid(0.01)] == [13]
+    events.unlink()
+    os.mkfifo(events)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(b.wait_xid(0.01)), daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    if waiter.is_alive():  # let the blocked open() go, then fail
+        os.close(os.open(events, os.O_WRONLY | os.O_NONBLOCK))
+        waiter.join(2.0)
+        raise AssertionError("the XID wait hung on a FIFO")
+    assert got == [[]]
