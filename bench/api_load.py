@@ -8,9 +8,11 @@ claim sim GPU memory, ``ready = "none"``, ``restart.stable_s = 0``), then:
 1. crash -> replacement, idle: SIGKILL a worker's pid, time until the supervisor logs the
    replacement's ``worker.spawned`` (its JSON log's timestamp minus the kill time), ``--kills``
    times, one at a time;
-2. ``GET /metrics`` and ``GET /api/v1/workers``, each alone for ``--seconds`` with
-   ``--connections`` keep-alive connections from a load generator in a separate process
-   (raw asyncio HTTP/1.1, no client library on the hot path): requests per second, p50, p99;
+2. ``GET /metrics``, ``GET /api/v1/workers`` and ``GET /api/v1/route?group=w``, each alone
+   for ``--seconds`` with ``--connections`` keep-alive connections from a load generator in a
+   separate process (raw asyncio HTTP/1.1, no client library on the hot path): requests per
+   second, p50, p99, and the supervisor's CPU time per request (user + system, after the
+   warm-up);
 3. crash -> replacement again while the load generator hits both endpoints.
 
 Targets: /metrics >= 1000 req/s with p99 <= 20 ms; crash -> replacement under load <= 2x idle.
@@ -39,10 +41,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 64
 GPUS = 8
 WARMUP_S = 1.0
+ROUTE = "/api/v1/route?group=w"
 
 
 # --- load generator ---------------------------------------------------------------------------
@@ -273,10 +278,15 @@ def main() -> int:
             time.sleep(2.0)  # settle: a few samples with every worker's memory
             idle = crash_latencies(log, pids, args.kills, rng)
             loads = {}
-            for path in ("/metrics", "/api/v1/workers"):
+            me = psutil.Process(proc.pid)
+            for path in ("/metrics", "/api/v1/workers", ROUTE):
                 p = start_load(url, [path], args.seconds, args.connections)
+                time.sleep(WARMUP_S)  # the generator counts requests after its warm-up
+                cpu = sum(me.cpu_times()[:2])
                 done = finish_load(p, args.seconds + 30)
-                loads[path] = {**done[path], "errors": done["errors"]}  # non-200 answers
+                cpu = sum(me.cpu_times()[:2]) - cpu  # the supervisor's, over the counted part
+                per = cpu / max(1, done[path]["requests"]) * 1000
+                loads[path] = {**done[path], "errors": done["errors"], "cpu_ms_per_req": per}
             longest = args.kills * 12.0
             p = start_load(url, ["/metrics", "/api/v1/workers"], longest, args.connections)
             time.sleep(WARMUP_S + 0.5)
@@ -305,7 +315,7 @@ def main() -> int:
     out = results / f"api-load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
     out.write_text(json.dumps(result, indent=2))
 
-    m, w = loads["/metrics"], loads["/api/v1/workers"]
+    m, w, r = loads["/metrics"], loads["/api/v1/workers"], loads[ROUTE]
     idle_ms, loaded_ms = ms(idle), ms(loaded)
     print(
         f"{WORKERS} workers on {GPUS} sim GPUs, {args.connections} connections, {args.seconds:g} s"
@@ -318,7 +328,11 @@ def main() -> int:
     )
     print(
         f"| /api/v1/workers | {w['rps']:.0f} req/s, p50 {w['p50_ms']:.2f} ms, "
-        f"p99 {w['p99_ms']:.2f} ms | | |"
+        f"p99 {w['p99_ms']:.2f} ms; supervisor CPU {w['cpu_ms_per_req']:.2f} ms/request | | |"
+    )
+    print(
+        f"| {ROUTE} | {r['rps']:.0f} req/s, p50 {r['p50_ms']:.2f} ms, "
+        f"p99 {r['p99_ms']:.2f} ms; supervisor CPU {r['cpu_ms_per_req']:.2f} ms/request | | |"
     )
     ratio = loaded_ms / idle_ms if idle_ms else float("inf")
     print(
@@ -329,7 +343,7 @@ def main() -> int:
     print(
         f"(load during the kills: /metrics {mm['rps']:.0f} req/s p99 {mm['p99_ms']:.2f} ms, "
         f"/api/v1/workers {mw['rps']:.0f} req/s p99 {mw['p99_ms']:.2f} ms; "
-        f"non-200 answers {mixed['errors'] + m['errors'] + w['errors']}, "
+        f"non-200 answers {mixed['errors'] + m['errors'] + w['errors'] + r['errors']}, "
         f"API errors logged {errors}, supervisor exit {code})"
     )
     print(f"raw: {out.relative_to(ROOT)}")

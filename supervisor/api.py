@@ -66,7 +66,7 @@ from supervisor.model import WorkerState
 from supervisor.output import MAX_LOG_READ
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
-from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, choose
+from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, Ranking, pick, rank
 from supervisor.runtime import Cordon, RollingRestart, WorkerCommand
 from supervisor.sampler import stuck_text
 
@@ -485,6 +485,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     """The ASGI app for ``runtime`` (``token``: the bearer token, None for no auth)."""
     rt = runtime
     route_turns: dict[str, int] = {}  # per group: requests routed so far (ties take turns)
+    rankings: dict[str, tuple[object, Ranking]] = {}  # per group: state_key, its ranking
     log = structlog.get_logger()
     auth_read = rt.settings.api.auth_read and token is not None
     write_deps = _auth_dependencies(token)
@@ -851,44 +852,78 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         group: Annotated[str, Query(description="the worker group")],
         need_mb: Annotated[
             float | None,
-            Query(ge=0, le=1e9, allow_inf_nan=False, description="GPU memory the request needs"),
+            Query(
+                ge=0,
+                le=MAX_NEED_MB,
+                allow_inf_nan=False,
+                description="GPU memory the request needs",
+            ),
         ] = None,
     ) -> dict[str, Any]:
         """The ready worker to send the next request to (most free GPU memory, lowest load)."""
-        names = group_names(group)
+        group_names(group)  # 404 for an unknown group
+        status, body, headers = routed(group, need_mb)
+        if status != 200:
+            raise _problem(status, body["error"], headers)
+        return body
+
+    def ranking_of(group: str) -> Ranking:
         loads = _gpu_loads(rt)
+        derated = rt.healer.state.derated
         candidates = []
-        for n in names:
-            r = rt.runners[n]
-            obj = rt.worker_object(r)
+        for n in rt.groups[group]:
+            r = rt.runners.get(n)
+            if r is None:
+                continue
             candidates.append(
                 Candidate(
                     name=n,
                     port=r.spec.port,
                     state=r.state,
                     gpus=tuple(r.spec.gpus or ()),
-                    derated=bool(obj.get("derated", False)),
+                    derated=n in derated,
                 )
             )
+        return rank(candidates, loads)
+
+    def routed(group: str, need_mb: float | None) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """``/route``'s answer for a known group: status, JSON body, headers (the FastAPI route
+        and the fast path give the same). The group's ranking is made again only when the
+        state can have changed (a sample, any worker change: ``state_key``)."""
+        key = (state_key(rt), tuple(rt.groups[group]))
+        cached = rankings.get(group)
+        if cached is None or cached[0] != key:
+            cached = rankings[group] = (key, ranking_of(group))
         turn = route_turns.get(group, 0)
         route_turns[group] = turn + 1
-        verdict = choose(candidates, loads, need_mb, turn)
-        retry = str(max(1, math.ceil(rt.settings.supervisor.sample_interval_s)))
+        verdict = pick(cached[1], need_mb, turn)
+        retry = {"Retry-After": str(max(1, math.ceil(rt.settings.supervisor.sample_interval_s)))}
         if isinstance(verdict, NoneReady):
-            raise _problem(503, f"group {group}: {verdict.reason}", {"Retry-After": retry})
+            return 503, {"error": f"group {group}: {verdict.reason}"}, retry
         if isinstance(verdict, NoRoom):
-            raise _problem(
-                429,
+            why = (
                 f"group {group}: no ready worker has {verdict.need_mb:g} MiB free "
-                f"(most free: {verdict.best_free_mb:g} MiB)",
-                {"Retry-After": retry},
+                f"(most free: {verdict.best_free_mb:g} MiB)"
             )
-        return {
+            return 429, {"error": why}, retry
+        body = {
             "name": verdict.name,
             "port": verdict.port,
             "gpu": verdict.gpu,
             "free_mb": verdict.free_mb,
         }
+        return 200, body, {}
+
+    async def route_fast(query: bytes) -> tuple[int, bytes, Mapping[str, str]] | None:
+        """``/route`` without the framework (a router may ask before every request) for the
+        plain queries: ``group=G`` of a known group, maybe ``&need_mb=N`` with N a plain
+        decimal in range; None for anything else, which the FastAPI route answers (its 404s
+        and 422s)."""
+        args = fast_route_query(query)
+        if args is None or args[0] not in rt.groups:
+            return None
+        status, body, headers = routed(*args)
+        return status, _json_bytes(body), headers
 
     @get(f"{API_PREFIX}/targets", list[Target])
     async def targets() -> list[dict[str, Any]]:
@@ -1031,6 +1066,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         "/healthz": FastRoute(False, healthz_async, "application/json"),
         "/metrics": FastRoute(auth_read, metrics.render_async, metrics.content_type),
         f"{API_PREFIX}/workers": FastRoute(auth_read, workers_async, "application/json"),
+        ROUTE_PATH: FastRoute(auth_read, None, "application/json", answer=route_fast),
     }
     return app
 
@@ -1144,11 +1180,48 @@ def _readiness(rt: Runtime) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class FastRoute:
-    """A GET answered without the framework: ``body()`` is the whole answer."""
+    """A GET answered without the framework: ``body()`` is the whole answer; or, with
+    ``answer``, that is given the query string and returns the status, body and headers, or
+    None where the framework must answer (an unusual query: its validation errors)."""
 
     guarded: bool  # needs the bearer token
-    body: Callable[[], Awaitable[bytes]]
+    body: Callable[[], Awaitable[bytes]] | None
     content_type: str
+    answer: Callable[[bytes], Awaitable[tuple[int, bytes, Mapping[str, str]] | None]] | None = None
+
+
+#: ``need_mb`` of ``/route`` at most (MiB).
+MAX_NEED_MB = 1e9
+_PLAIN_DECIMAL = re.compile(r"[0-9]{1,10}(?:\.[0-9]{1,6})?")
+
+
+def fast_route_query(query: bytes) -> tuple[str, float | None] | None:
+    """``group`` and ``need_mb`` of a plain ``/route`` query (``group=G[&need_mb=N]``, each
+    once, N a plain decimal up to MAX_NEED_MB); None for anything else."""
+    try:
+        text = query.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    group: str | None = None
+    need: float | None = None
+    for part in text.split("&"):
+        key, sep, value = part.partition("=")
+        if not sep:
+            return None
+        if key == "group" and group is None and value and "%" not in value and "+" not in value:
+            group = value
+        elif key == "need_mb" and need is None and _PLAIN_DECIMAL.fullmatch(value):
+            need = float(value)
+            if need > MAX_NEED_MB:
+                return None
+        else:
+            return None
+    return None if group is None else (group, need)
+
+
+def _json_bytes(body: Any) -> bytes:
+    """JSON as the framework's JSONResponse writes it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class Front:
@@ -1246,10 +1319,8 @@ class Front:
         try:
             await self._admit()
             route = self.fast.get(scope["path"]) if scope["method"] == "GET" else None
-            if route is None:
+            if route is None or not await self._answer(route, scope, send_freely):
                 await self.app(scope, receive_freely, send_freely)
-            else:
-                await self._answer(route, scope, send_freely)
         finally:
             give_up()
 
@@ -1277,7 +1348,8 @@ class Front:
     def _share(self) -> float:
         return self.urgent_share if self.urgent() else self.share
 
-    async def _answer(self, route: FastRoute, scope: Any, send: Any) -> None:
+    async def _answer(self, route: FastRoute, scope: Any, send: Any) -> bool:
+        """Answer ``route``; False (nothing sent) where the framework must."""
         status, body, content_type = 200, b"", route.content_type
         headers: list[tuple[bytes, bytes]] = []
         if route.guarded:
@@ -1287,7 +1359,13 @@ class Front:
                 status, content_type = 401, "application/json"
                 body = json.dumps({"error": why}).encode()
                 headers.append((b"www-authenticate", b"Bearer"))
-        if status == 200:
+        if status == 200 and route.answer is not None:
+            answered = await route.answer(scope.get("query_string", b""))
+            if answered is None:
+                return False
+            status, body, extra = answered
+            headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+        elif status == 200 and route.body is not None:
             body = await route.body()
         headers += [
             (b"content-type", content_type.encode()),
@@ -1295,6 +1373,7 @@ class Front:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        return True
 
 
 def _headless(send: Any) -> Any:

@@ -121,17 +121,17 @@ def _rank(order: int, w: Candidate, gpus: Mapping[str, GpuLoad]) -> _Ranked | st
     return _Ranked(order, w, tightest, None if unknown_free else free, util)
 
 
-def choose(
-    workers: Sequence[Candidate],
-    gpus: Mapping[str, GpuLoad],
-    need_mb: float | None = None,
-    turn: int = 0,
-) -> Verdict:
-    """The best candidate for the next request (see the module docstring for the rules).
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """A group's candidates, best first, and why each of the others is none (what
+    :func:`pick` needs: one ranking serves every request until the state changes)."""
 
-    ``turn``: how many times the caller asked before; candidates that tie on free memory and
-    utilization (identical workers on identical GPUs, or no telemetry at all) take turns
-    instead of the first in config order taking every request until the next sample."""
+    ranked: tuple[_Ranked, ...]
+    why: tuple[str, ...]
+
+
+def rank(workers: Sequence[Candidate], gpus: Mapping[str, GpuLoad]) -> Ranking:
+    """The group's candidates ranked (see the module docstring for the rules)."""
     ranked: list[_Ranked] = []
     why: list[str] = []
     for order, w in enumerate(workers):
@@ -140,10 +140,20 @@ def choose(
             why.append(r)
         else:
             ranked.append(r)
-    if not ranked:
-        detail = "; ".join(why) if why else "the group has no workers"
-        return NoneReady(f"no ready worker ({detail})")
     ranked.sort(key=_Ranked.key)
+    return Ranking(tuple(ranked), tuple(why))
+
+
+def pick(ranking: Ranking, need_mb: float | None = None, turn: int = 0) -> Verdict:
+    """The best candidate of ``ranking`` for the next request.
+
+    ``turn``: how many times the caller asked before; candidates that tie on free memory and
+    utilization (identical workers on identical GPUs, or no telemetry at all) take turns
+    instead of the first in config order taking every request until the next sample."""
+    ranked: Sequence[_Ranked] = ranking.ranked
+    if not ranked:
+        detail = "; ".join(ranking.why) if ranking.why else "the group has no workers"
+        return NoneReady(f"no ready worker ({detail})")
     if need_mb is not None:
         fitting = [r for r in ranked if r.free_mb is None or r.free_mb >= need_mb]
         if not fitting:
@@ -153,6 +163,16 @@ def choose(
     ties = _ties(ranked)
     best_r = ties[turn % len(ties)]
     return Routed(best_r.worker.name, best_r.worker.port, best_r.gpu, best_r.free_mb)
+
+
+def choose(
+    workers: Sequence[Candidate],
+    gpus: Mapping[str, GpuLoad],
+    need_mb: float | None = None,
+    turn: int = 0,
+) -> Verdict:
+    """The best candidate for the next request: :func:`pick` of :func:`rank`."""
+    return pick(rank(workers, gpus), need_mb, turn)
 
 
 def _ties(ranked: Sequence[_Ranked]) -> list[_Ranked]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.api import FastRoute, Front, browser_refusal
+from supervisor.api import FastRoute, Front, browser_refusal, fast_route_query
 from supervisor.config import token_problem
 
 
@@ -23,7 +23,14 @@ async def call(
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "GET", "path": path, "headers": headers or []}
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "query_string": query.encode(),
+        "headers": headers or [],
+    }
     await front(scope, receive, send)
     start, body = sent
     return {"status": start["status"], "headers": dict(start["headers"]), "body": body["body"]}
@@ -64,6 +71,57 @@ async def test_fast_routes_and_their_auth() -> None:
     right = await call(front, "/guarded", [(b"authorization", b"Bearer tok")])
     assert (right["status"], right["body"]) == (200, b"secret")
     assert (await call(front, "/other"))["body"] == b"slow"  # everything else: the app
+
+
+async def test_a_fast_route_with_a_query_answers_or_leaves_it_to_the_app() -> None:
+    """``/route`` is answered here for the plain queries (a router may ask before every
+    request); anything else goes to the framework, whose validation answers it."""
+    asked: list[bytes] = []
+
+    async def answer(query: bytes) -> tuple[int, bytes, dict[str, str]] | None:
+        asked.append(query)
+        if query == b"group=full":
+            return 429, b'{"error":"full"}', {"Retry-After": "1"}
+        return (200, b'{"name":"a-0"}', {}) if query == b"group=a" else None
+
+    front = Front(slow_app, {"/r": FastRoute(True, None, "application/json", answer)}, "tok")
+    auth = [(b"authorization", b"Bearer tok")]
+    assert (await call(front, "/r?group=a", auth))["body"] == b'{"name":"a-0"}'
+    full = await call(front, "/r?group=full", auth)
+    assert full["status"] == 429 and full["headers"][b"retry-after"] == b"1"
+    assert (await call(front, "/r?group=zz", auth))["body"] == b"slow"  # the app's answer
+    assert (await call(front, "/r?group=a"))["status"] == 401
+    assert asked == [b"group=a", b"group=full", b"group=zz"]  # not asked without the token
+
+
+@pytest.mark.parametrize(
+    ("query", "parsed"),
+    [
+        (b"group=g", ("g", None)),
+        (b"group=g-1&need_mb=1500", ("g-1", 1500.0)),
+        (b"need_mb=0.5&group=g", ("g", 0.5)),
+        (b"need_mb=1000000000&group=g", ("g", 1e9)),
+        # everything else is the framework's (its 404 and 422 answers, its decoding)
+        (b"", None),
+        (b"group=", None),
+        (b"need_mb=5", None),
+        (b"group=g&group=h", None),
+        (b"group=g&need_mb=5&need_mb=6", None),
+        (b"group=g&need_mb=-1", None),
+        (b"group=g&need_mb=nan", None),
+        (b"group=g&need_mb=1e3", None),
+        (b"group=g&need_mb=1_000", None),
+        (b"group=g&need_mb=1000000001", None),
+        (b"group=g&need_mb=", None),
+        (b"group=g&x=1", None),
+        (b"group=g&", None),
+        (b"group=%67", None),
+        (b"group=a+b", None),
+        (b"group=\xc3\xa9", None),
+    ],
+)
+def test_the_plain_route_queries(query: bytes, parsed: tuple[str, float | None] | None) -> None:
+    assert fast_route_query(query) == parsed
 
 
 class FakeTimes:
