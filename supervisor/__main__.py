@@ -32,11 +32,13 @@ def main() -> None:
     """
     code = _main()
     logging.shutdown()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # a closed pipe: nothing more can be said
-        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with it closed (``>&-``): nothing to flush
+            continue
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            code = code or 1
     os._exit(code)
 
 

@@ -526,11 +526,29 @@ def _postmortem(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _hold_standard_descriptors() -> None:
+    """Started with stdin, stdout or stderr closed (``2>&-``): ``/dev/null`` in its place, so
+    that no file the supervisor opens (its lock, a socket, a worker's pipe) takes that number,
+    where what is written to the stream below Python (a fatal error's message) would land."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                null = os.open(os.devnull, os.O_RDWR)  # the lowest number free: this one
+                if null != fd:
+                    os.dup2(null, fd, inheritable=False)
+                    os.close(null)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _hold_standard_descriptors()
     configure_logging(args.log_format, args.log_level)
     # A supervisor wedged until systemd's watchdog sends SIGABRT (or a fatal signal in C code)
-    # leaves every thread's stack on stderr (the journal) instead of nothing.
-    faulthandler.enable()
+    # leaves every thread's stack on stderr (the journal) instead of nothing. (Started with
+    # stderr closed, Python has none: it refused, and the supervisor exited 1 without a word.)
+    if sys.stderr is not None:
+        faulthandler.enable()
     path = Path(args.config)
     settings = load_settings(path)
     before, after = raise_open_files_limit()

@@ -17,12 +17,15 @@ one line cut to the bar's first 16 KiB. The log file and passthrough keep every 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import math
 import os
 import secrets
 import stat
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -51,6 +54,9 @@ CUT_MARK = " [... line cut: {total} bytes]"
 TRIMMED_MARK = b"--- gpu-supervisor: disk full: the earlier content of this log was removed ---\n"
 #: A log capped after a full disk still rotates at this size at least.
 TRIMMED_MIN_BYTES = 64 * 1024
+#: How often a log being written is checked for having been removed, renamed (logrotate's
+#: ``create``) or emptied (``copytruncate``) under the writer (``RotatingFile._append``).
+MOVED_CHECK_S = 1.0
 #: ``drain()`` takes at most this much from each pipe (a process that exited left at most a
 #: pipe's capacity; more is its children writing on).
 DRAIN_LIMIT = 1024 * 1024
@@ -103,10 +109,13 @@ class RotatingFile:
         self._serial = 0
         self._serials: dict[tuple[int, int], int] = {}
         self._files_lock = threading.Lock()
-        #: ``backups = 0``: the file a rotation removed (its number and size) and the number
-        #: of the one made after it (None until then): a follower that had read all of it
-        #: goes on in that one, nothing lost
+        #: The file last removed, by a rotation (``backups = 0``) or under the writer (removed
+        #: by hand, renamed: ``_check_moved``), its number and size, and the number of the one
+        #: made after it (None until then): a follower of it goes on in that one
         self._removed: tuple[int, int, int | None] | None = None
+        #: when the open file was last checked against ``path`` (``_check_moved``)
+        self.check_every_s = MOVED_CHECK_S
+        self._checked_at = -math.inf
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
@@ -136,7 +145,8 @@ class RotatingFile:
                     _tag(self._fh.fileno(), new=True)
                 with contextlib.suppress(OSError):
                     serial = self._number(os.fstat(self._fh.fileno()), new=created)
-                    if created and self._removed is not None and self._removed[2] is None:
+                    # the next file (made by us, or by logrotate's `create` in its place)
+                    if self._removed is not None and self._removed[2] is None:
                         self._removed = (*self._removed[:2], serial)
             self._size = self._fh.tell()
         return self._fh
@@ -210,6 +220,11 @@ class RotatingFile:
                     self.on_health(None)
 
     def _append(self, data: bytes) -> None:
+        if self._fh is not None:
+            now = time.monotonic()
+            if now - self._checked_at >= self.check_every_s:
+                self._checked_at = now
+                self._check_moved(self._fh)
         if self.max_bytes and self._size and self._size + len(data) > self.max_bytes:
             self._rotate()
         fh = self._open()
@@ -220,6 +235,30 @@ class RotatingFile:
             self.close()  # what the buffer held is dropped with it: not written twice
             raise
         self._size += len(data)
+
+    def _check_moved(self, fh: BinaryIO) -> None:
+        """The file open for writing is no longer at ``path`` (removed by hand to free space,
+        renamed by logrotate's ``create``): it is closed, and the next write makes the log
+        anew (before, the output went on into the file that was gone until the next rotation,
+        its space never freed and ``logs`` showing nothing). One emptied under the writer
+        (``copytruncate``): its size is read again, so that it rotates at ``max_bytes``."""
+        try:
+            held = os.fstat(fh.fileno())
+            here: os.stat_result | None = os.stat(self.path)  # what an open would open
+        except FileNotFoundError:
+            here = None
+        except OSError:  # cannot tell: left as it is
+            return
+        if here is not None and not stat.S_ISREG(here.st_mode):
+            return  # not a log (a FIFO would block the open): left as it is
+        if here is None or (here.st_dev, here.st_ino) != (held.st_dev, held.st_ino):
+            with self._files_lock:  # a follower of it goes on in the one made next
+                serial = self._serials.get((held.st_dev, held.st_ino))
+                if serial is not None:
+                    self._removed = (serial, held.st_size, None)
+            self.close()
+        else:
+            self._size = held.st_size
 
     def _trim(self) -> bool:
         """Free this log's space: its rotated files, then the current file's content (a
@@ -290,32 +329,53 @@ class RotatingFile:
                     if tag := _tag(fd):
                         name += f".{tag}"
                     fds.append((fd, st, name))
+                if file and file not in (n for _, _, n in fds) and self._writing(file):
+                    # removed under the writer, which has not noticed yet (``_check_moved``,
+                    # at its next write): nothing newer to read yet, the place is kept
+                    return LogChunk(b"", file, offset)
+                skipped = False
                 if file and self._removed is not None:
                     moved = self._after_removed(file, offset, [n for _, _, n in fds])
                     if moved is None:  # the next file is not made yet: nothing to read,
                         return LogChunk(b"", file, offset)  # nothing lost, its place kept
-                    file, offset = moved
-            return _read_from(fds, limit, file, offset, self._run)
+                    file, offset, skipped = moved
+            chunk = _read_from(fds, limit, file, offset, self._run)
+            return dataclasses.replace(chunk, lost=True) if skipped else chunk
         finally:
             for fd, _, _ in fds:
                 os.close(fd)
 
-    def _after_removed(self, file: str, offset: int, ids: Sequence[str]) -> tuple[str, int] | None:
-        """Where a follower at ``file``/``offset`` goes on when that file is the one the last
-        rotation removed (``backups = 0``) and it had read all of it: the start of the next
-        file, or None while that is not made yet (a reader between the removal and the
-        writer's next open, or an open that failed: it stays where it is). Anywhere else:
-        where it was. Hold the lock."""
+    def _writing(self, file: str) -> bool:
+        """``file`` is the file open for writing (from the reader's thread: the writer may be
+        closing it; a descriptor number taken by another file since is not it). Hold the lock."""
+        fh = self._fh
+        if fh is None:
+            return False
+        try:
+            st = os.fstat(fh.fileno())
+        except (OSError, ValueError):  # closed meanwhile
+            return False
+        serial = self._serials.get((st.st_dev, st.st_ino))
+        return serial is not None and file.startswith(f"{self._run}.{serial}.")
+
+    def _after_removed(
+        self, file: str, offset: int, ids: Sequence[str]
+    ) -> tuple[str, int, bool] | None:
+        """Where a follower at ``file``/``offset`` goes on when that file is the one removed
+        last (``_removed``): the start of the next file (True: it had not read all of the
+        removed one, that is lost), or None while that is not made yet and it had read all of
+        it (a reader between the removal and the writer's next open, or an open that failed:
+        it stays where it is). Anywhere else: where it was. Hold the lock."""
         assert self._removed is not None
         serial, size, after = self._removed
-        if offset != size or not file.startswith(f"{self._run}.{serial}."):
-            return file, offset
+        if not file.startswith(f"{self._run}.{serial}."):
+            return file, offset, False
         if after is None:
-            return None
+            return None if offset == size else (file, offset, False)
         for name in ids:
             if name.startswith(f"{self._run}.{after}."):
-                return name, 0
-        return file, offset
+                return name, 0, offset != size
+        return file, offset, False
 
     def close(self) -> None:
         """Close the file (it is reopened on the next write)."""
@@ -450,7 +510,7 @@ class WorkerOutput:
         self.name = name
         self.file = RotatingFile(log_path, max_bytes, backups)
         self.tail = Tail()
-        self.passthrough = passthrough
+        self._passthrough = passthrough
         #: Passthrough: the current line's bytes not passed on yet (at most ``MAX_LINE``).
         self._partial = b""
         #: Passthrough: the current line is too long (passed on in pieces).
@@ -464,6 +524,20 @@ class WorkerOutput:
         self.on_line: Callable[[str], None] | None = None
         #: The pipes being pumped (a process's, and an exited one's still held by its children).
         self._fds: set[int] = set()
+
+    @property
+    def passthrough(self) -> bool:
+        """Worker output is copied to the supervisor's stdout (``log_passthrough``)."""
+        return self._passthrough
+
+    @passthrough.setter
+    def passthrough(self, on: bool) -> None:
+        # Turned off (a reload): what was held of the line in progress is not passed on, at
+        # the next marker or in front of the next line if it is turned on again.
+        if not on:
+            self._partial = b""
+            self._long = False
+        self._passthrough = on
 
     def feed(self, data: bytes) -> None:
         """Take a chunk of output."""

@@ -1441,3 +1441,37 @@ def test_a_superseding_reload_applies_the_file_as_it_was_checked(
         pid = sup.find(event="worker.spawned", worker=name, after=mark)[-1]["pid"]
         assert psutil.Process(pid).environ()["V"] == "3"
     assert sup.stop() == 0
+
+
+def test_run_with_stdout_and_stderr_closed_supervises(tmp_path: Path) -> None:
+    """``gpu-supervisor run >&- 2>&-`` (a launcher that closes what it does not use): the
+    supervisor exited 1 at once, without a word anywhere (``faulthandler`` refused a missing
+    stderr); and any command started so failed at its final flush of a stream Python has as
+    None (exit 1). It runs now, its log lines discarded, and exits 0 when told to stop."""
+    state = tmp_path / "state"
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f"[supervisor]\nstate_dir='{state}'\n[gpu]\nbackend='none'\n[api]\nlisten=''\n"
+        f"[[workers]]\nname='w'\ncommand={worker_cmd('ready_then_sleep')!r}\n"
+        "ready='none'\nstop_timeout_s=2\n"
+    )
+    proc = subprocess.Popen(
+        ["sh", "-c", 'exec "$@" >&- 2>&-', "sh", *CLI, "run", "-c", str(path)],
+        stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        log = state / "logs" / "w-0.log"
+        deadline = time.monotonic() + 20
+        while not (log.exists() and b"argv " in log.read_bytes()):
+            assert proc.poll() is None, f"exited {proc.returncode}"
+            assert time.monotonic() < deadline, "the worker never wrote"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert b"exited: killed by SIGTERM (reason shutdown)" in log.read_bytes()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

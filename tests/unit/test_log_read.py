@@ -286,3 +286,78 @@ def test_without_backups_a_follower_across_a_restart_skips_nothing_of_the_next_f
     if read_to < 60:  # the "a"s it had not read are gone: said
         assert chunk.lost
     again.close()
+
+
+def test_a_log_removed_or_renamed_under_the_writer_is_made_anew(tmp_path: Path) -> None:
+    """Removed by hand to free space, or renamed by logrotate (``create``): the writer went on
+    in the file that was no longer there (the disk space never freed, ``logs`` empty) until
+    its own rotation, 50 MB later by default."""
+    log = RotatingFile(tmp_path / "w-0.log", 0, 0)  # never rotates by itself
+    log.check_every_s = 0.0  # (at most once a second in a supervisor)
+    log.write(b"first\n")
+    (tmp_path / "w-0.log").unlink()
+    log.write(b"second\n")
+    assert (tmp_path / "w-0.log").read_bytes() == b"second\n"
+    assert log.read(100).data == b"second\n"
+    os.rename(tmp_path / "w-0.log", tmp_path / "w-0.log-20261207")
+    (tmp_path / "w-0.log").write_bytes(b"")  # logrotate's `create`
+    log.write(b"third\n")
+    assert (tmp_path / "w-0.log").read_bytes() == b"third\n"
+    assert (tmp_path / "w-0.log-20261207").read_bytes() == b"second\n"
+    log.close()
+
+
+def test_a_log_emptied_under_the_writer_rotates_at_its_size_again(tmp_path: Path) -> None:
+    """logrotate's ``copytruncate`` empties the file: the writer's count of its size must
+    follow, or the next write rotates the nearly empty file, pushing a backup out."""
+    log = _log(tmp_path)  # rotates at 100 bytes
+    log.check_every_s = 0.0
+    log.write(b"a" * 90)
+    os.truncate(tmp_path / "w-0.log", 0)
+    log.write(b"b" * 20)
+    assert (tmp_path / "w-0.log").read_bytes() == b"b" * 20
+    assert not (tmp_path / "w-0.log.1").exists()
+    log.close()
+
+
+def test_a_follower_of_a_log_removed_under_the_writer_goes_on_in_the_new_one(
+    tmp_path: Path,
+) -> None:
+    """``logs -f`` while the log is removed by hand (or renamed by logrotate): the follower
+    goes on at the start of the file made anew, instead of printing the backups again from
+    the oldest; what it had not read of the removed file is said lost."""
+    log = _log(tmp_path)
+    log.check_every_s = 0.0
+    log.write(b"a" * 80)
+    log.write(b"b" * 80)  # rotated: the "a"s in w-0.log.1
+    at = log.read(1000)  # read to the end of the "b"s
+    part = log.read(1000, at.file, 40)  # another follower, half-way into the "b"s
+    (tmp_path / "w-0.log").unlink()
+    # read before the writer has noticed (at its next write): no more for now, nothing lost
+    assert log.read(1000, at.file, at.offset) == LogChunk(b"", at.file, at.offset)
+    log.write(b"c" * 10)  # made anew
+    assert log.read(1000, at.file, at.offset) == LogChunk(b"c" * 10, log.read(1).file, 10)
+    assert log.read(1000, part.file, 40) == LogChunk(b"c" * 10, log.read(1).file, 10, True)
+    top = log.read(1000)
+    os.rename(tmp_path / "w-0.log", tmp_path / "w-0.log-20261207")  # logrotate's `create`:
+    (tmp_path / "w-0.log").write_bytes(b"")  # renamed, and an empty one made in its place
+    log.write(b"d" * 20)
+    assert log.read(1000, top.file, top.offset) == LogChunk(b"d" * 20, log.read(1).file, 20)
+    log.close()
+
+
+def test_a_log_reached_through_a_link_is_not_taken_for_moved(tmp_path: Path) -> None:
+    """``state_dir/logs/w-0.log`` a link to a file elsewhere (another disk): the writer keeps
+    its file (it is the one at the path), and does not make it anew each second."""
+    target = tmp_path / "elsewhere.log"
+    target.write_bytes(b"")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "w-0.log").symlink_to(target)
+    log = RotatingFile(tmp_path / "logs" / "w-0.log", 0, 0)
+    log.check_every_s = 0.0
+    log.write(b"a\n")
+    held = log._fh
+    log.write(b"b\n")
+    assert log._fh is held
+    assert target.read_bytes() == b"a\nb\n"
+    log.close()

@@ -352,3 +352,19 @@ def test_a_too_long_segment_is_told_once_and_overwritten_as_a_terminal_does(make
         out.feed(chunk)
     assert told == ["x" * MAX_LINE, "short"]
     assert out.lines() == ["short" + "x" * (MAX_LINE - 5) + CUT_MARK.format(total=20_000)]
+
+
+def test_passthrough_turned_off_by_a_reload_passes_nothing_more(make: Make) -> None:
+    """A reload turns ``log_passthrough`` off while a line is in progress (a progress bar):
+    what was held of it was still written to stdout when the worker next exited or restarted,
+    and came back in front of the next line passed through if it was turned on again."""
+    seen: list[bytes] = []
+    out = make(seen.append)
+    out.feed(b"loading 10%\rloading 20%")
+    out.passthrough = False  # WorkerRunner.reconfigure
+    out.feed(b"\rloading 30%")
+    out.mark("exited: code 1")
+    assert seen == []
+    out.passthrough = True
+    out.feed(b"next\n")
+    assert payloads(seen) == [b"next"]
