@@ -10,12 +10,13 @@ backoff; the supervisor never stops for NVML.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 import anyio
 import anyio.abc
@@ -30,6 +31,7 @@ from supervisor.policy.attribution import attribute
 from supervisor.records import ThreadUnavailable, in_thread
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 XID_WAIT_S = 1.0
 #: The error of a GPU seen before that the driver no longer lists.
@@ -355,7 +357,7 @@ class Sampler:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
         backend = self._opening = self._factory()
         try:
-            opened = await self._bounded(backend.open)
+            opened = await self._bounded(self._guarded(backend.open))
             self.identities = self._named_all(opened)
         except BackendUnavailable as exc:
             self.available = False
@@ -449,11 +451,35 @@ class Sampler:
         """The GPUs now: ``(devices, available, error)``."""
         assert self.backend is not None
         try:
-            return self._with_missing(self._tracked(self.backend.sample)()), True, self.error
+            sample = self._guarded(self.backend.sample)
+            return self._with_missing(self._tracked(sample)()), True, self.error
         except BackendUnavailable as exc:
             return (), False, str(exc)
         except BackendError as exc:
             return (), True, str(exc)
+
+    def _guarded(self, fn: Callable[P, T]) -> Callable[P, T]:
+        """``fn`` (a backend call) with any error other than a ``BackendError`` turned into
+        ``BackendUnavailable``, its traceback logged (at most once a minute): a bug reading the
+        GPUs (a driver's odd answer, a sim world's odd file) makes telemetry unavailable, with
+        the reason, and the backend is opened again later; it does not end supervision."""
+
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return fn(*args, **kwargs)
+            except BackendError:
+                raise
+            except Exception as exc:
+                text = f"{getattr(fn, '__name__', 'a call')} failed: {exc!r}"
+                now = time.monotonic()
+                at = self._logged_at.get("gpu.backend_failed")
+                if at is None or now - at >= FAILURE_LOG_EVERY_S:
+                    self._logged_at["gpu.backend_failed"] = now
+                    self._log.error("gpu.backend_failed", error=text, exc_info=True)
+                raise BackendUnavailable(text) from exc
+
+        return call
 
     async def _bounded(self, fn: Callable[[], T]) -> T:
         """``fn()`` (a backend call) in the NVML thread, waited for up to the stuck limit:
@@ -748,7 +774,7 @@ class Sampler:
                 continue
             try:
                 events = await in_thread(
-                    backend.wait_xid,
+                    self._guarded(backend.wait_xid),
                     backend.xid_wait_s,
                     limiter=self._xid_limiter,
                     abandon_on_cancel=True,

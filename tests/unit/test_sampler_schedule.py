@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from supervisor import sampler as sampler_module
@@ -151,3 +154,48 @@ async def test_a_gpu_lost_across_a_reinit_keeps_its_uuid_only_when_that_is_unamb
     # the same, in two re-inits
     twice = [[(0, a), (1, b), (2, c)], [(0, a), (1, c)], [(0, a), (1, c), (2, "unknown-2")]]
     assert await _names_after(twice) == got
+
+
+async def test_a_bug_reading_the_gpus_makes_telemetry_unavailable_not_the_supervisor_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any error a backend raises that is no BackendError (a driver's odd answer, a sim
+    world's odd file: a bug) makes telemetry unavailable with the reason, and the backend is
+    opened again later. Regression: it went up through the sampler's task and the supervisor
+    exited, ending every worker (a file named "²" in the sim world's procs/ did it)."""
+    monkeypatch.setattr(sampler_module, "REOPEN_INITIAL_S", 0.0)
+    monkeypatch.setattr(sampler_module, "XID_WAIT_S", 0.01)
+    world = tmp_path / "sim"
+    calls = {"open": 0, "sample": 0, "wait_xid": 0}
+    waited_again = threading.Event()
+
+    def factory() -> SimBackend:
+        backend = SimBackend(world, 1)
+        for name in calls:
+            real = getattr(backend, name)
+
+            def failing_once(*args: object, _name: str = name, _real: Any = real) -> Any:
+                calls[_name] += 1
+                if calls[_name] == 1:
+                    raise ValueError(f"odd {_name}")
+                if _name == "wait_xid":
+                    waited_again.set()
+                return _real(*args)
+
+            setattr(backend, name, failing_once)
+        return backend
+
+    sampler = Sampler(factory, 0.1, dict, lambda s: None, lambda e: None)
+    assert not await sampler.open()  # ValueError: odd open
+    assert sampler.error is not None and "odd open" in sampler.error
+    assert await sampler.open()
+    failed = await sampler.tick()
+    assert failed is not None and not failed.nvml_available
+    assert failed.error is not None and "ValueError('odd sample')" in failed.error
+    assert await sampler.open()
+    again = await sampler.tick()
+    assert again is not None and again.nvml_available and len(again.devices) == 1
+    async with anyio.create_task_group() as tg:  # the XID watch goes on after a failed wait
+        await tg.start(sampler.serve)
+        assert await anyio.to_thread.run_sync(waited_again.wait, 10)
+        tg.cancel_scope.cancel()
