@@ -946,14 +946,17 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
 
     # --- records ---
 
-    @get(f"{API_PREFIX}/postmortems", list[PostmortemSummary])
+    @get(f"{API_PREFIX}/postmortems", list[PostmortemSummary], 503)
     async def postmortems(
         limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
     ) -> list[dict[str, Any]]:
         """Post-mortem summaries, newest first."""
-        result: list[dict[str, Any]] = await anyio.to_thread.run_sync(
-            rt.postmortems.summaries, limit
-        )
+        try:
+            result: list[dict[str, Any]] = await anyio.to_thread.run_sync(
+                rt.postmortems.summaries, limit
+            )
+        except OSError as exc:  # postmortems/ cannot be listed (EACCES, EIO): not a 500
+            raise _problem(503, f"cannot list the post-mortems: {exc.strerror or exc}") from None
         return result
 
     @get(f"{API_PREFIX}/postmortems/{{id}}", dict[str, Any], 404, 503)

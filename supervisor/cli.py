@@ -507,7 +507,13 @@ def _postmortem(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"gpu-supervisor postmortem list: --limit must be >= 1 (got {args.limit})"
             )
-        rows = store.summaries(args.limit)
+        try:
+            rows = store.summaries(args.limit)
+        except OSError as exc:  # not ours to read (not in the service's group): no traceback
+            raise UsageError(
+                f"gpu-supervisor postmortem list: {str(store.directory)!r}: cannot read it "
+                f"({exc.strerror or exc})"
+            ) from None
         print(json.dumps(rows, indent=2) if args.json else postmortem_table(rows))
         return EXIT_OK
     try:

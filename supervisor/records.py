@@ -263,7 +263,7 @@ def read_cordons(state_dir: Path) -> tuple[set[str], str | None]:
     operator's maintenance cordon must not be lost without a word)."""
     try:
         text = read_file(state_dir / CORDONS_FILE).decode()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no such file, or no state_dir at all
         return set(), None
     except UnicodeDecodeError:
         return set(), "not text (UTF-8)"
@@ -358,6 +358,7 @@ class PostmortemStore:
         self._order: dict[str, int] = {}  # id -> write sequence, for the files written here
         self._seq = 0
         self._order_lock = threading.Lock()
+        self._unprunable: set[str] = set()  # ids pruning could not delete (said once)
 
     def path_of(self, id_: str) -> Path:
         """The file of post-mortem ``id_`` (raises ValueError for a malformed id)."""
@@ -403,11 +404,30 @@ class PostmortemStore:
         written after it is kept); return how many were deleted. Called by the writer after
         each write (not at the same time as ``write``)."""
         removed = 0
-        ids = self.ids()
+        try:
+            ids = self.ids()
+        except OSError:  # the directory cannot be listed now: pruned after the next write
+            return 0
         for id_ in ids[max(self.keep, 1) :]:
-            with contextlib.suppress(FileNotFoundError):
-                (self.directory / f"{id_}.json").unlink()
-                removed += 1
+            path = self.directory / f"{id_}.json"
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                # A directory by that name, an immutable file: left, said once. Regression:
+                # the write was taken for a failed one, the post-mortem written again every
+                # 5 s under a new name, and the ones queued after it never written.
+                if id_ not in self._unprunable:
+                    self._unprunable.add(id_)
+                    structlog.get_logger().warning(
+                        "records.postmortem_not_pruned",
+                        path=os.fspath(path),
+                        error=exc.strerror or str(exc),
+                        reason="cannot delete it: remove it by hand",
+                    )
+                continue
+            removed += 1
         with self._order_lock:  # forget the pruned, and files removed by hand
             for id_ in self._order.keys() - set(ids[: max(self.keep, 1)]):
                 del self._order[id_]
@@ -737,10 +757,13 @@ class Recorder:
         no notify socket either, so it counts as recreated too. (Its inode cannot tell: a
         directory made right after one was removed often gets the same inode number.)
         """
-        if self._dir_intact():
-            self._intact_seen = True
-            return self._last_body is not None and not self.state_path.exists()
+        # stat's other errors (EACCES: state_dir's mode or owner changed under a supervisor
+        # not running as root; EIO) are failed writes too. Regression: they ended the writer
+        # task, and the supervisor with it.
         try:
+            if self._dir_intact():
+                self._intact_seen = True
+                return self._last_body is not None and not self.state_path.exists()
             return self._recreate()
         except OSError as exc:
             self.health.failed("state", exc)

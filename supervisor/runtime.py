@@ -303,6 +303,10 @@ class Runtime:
         self._instance: str | None = None  # state_dir's id, in the workers' environment
         self._instance_unsaved = False  # made in memory: state_dir/instance not written yet
         self._lock_pid_unsaved = False  # the lock file does not name us yet
+        #: the operator's cordons that state_dir/cordons could not take (a full disk): saved
+        #: after the next state write that works; held with ``_cordons_guard``
+        self._cordons_unsaved: frozenset[str] | None = None
+        self._cordons_guard = threading.Lock()  # one writer of state_dir/cordons at a time
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -1584,18 +1588,20 @@ class Runtime:
                     path=os.fspath(state_dir / INSTANCE_FILE),
                     reason="cannot write state_dir's id yet: retried after each state write",
                 )
-            kept, unreadable = read_cordons(state_dir)  # the operator's, before a restart
-            self.cordoned |= kept
-            if unreadable is not None:
-                self.log.warning(
-                    "records.cordons_unreadable",
-                    path=os.fspath(state_dir / CORDONS_FILE),
-                    error=unreadable,
-                    reason="the GPUs cordoned before this start are not known: cordon them "
-                    "again (the file is written anew at the next cordon or uncordon)",
-                )
-            if self.cordoned:
-                self.log.info("gpu.cordons_kept", gpus=sorted(self.cordoned), reason="operator")
+        # the operator's, before a restart; read without the lock too (regression: on a
+        # filesystem without locks they were forgotten at every start, though written)
+        kept, unreadable = read_cordons(state_dir)
+        self.cordoned |= kept
+        if unreadable is not None:
+            self.log.warning(
+                "records.cordons_unreadable",
+                path=os.fspath(state_dir / CORDONS_FILE),
+                error=unreadable,
+                reason="the GPUs cordoned before this start are not known: cordon them "
+                "again (the file is written anew at the next cordon or uncordon)",
+            )
+        if self.cordoned:
+            self.log.info("gpu.cordons_kept", gpus=sorted(self.cordoned), reason="operator")
         if self._state_lock is None:
             self.log.warning(
                 "records.not_locked",
@@ -1622,7 +1628,11 @@ class Runtime:
         for d in (state_dir, state_dir / "postmortems"):
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
-        if previous is None and (state_dir / STATE_FILE).exists():
+        try:
+            there = previous is None and (state_dir / STATE_FILE).exists()
+        except OSError:  # cannot be looked at (EACCES: a state_dir we may not search; EIO)
+            there = True  # regression: this crashed the start-up; said as unreadable now
+        if there:
             self.log.warning(
                 "records.previous_state_unreadable",
                 path=os.fspath(state_dir / STATE_FILE),
@@ -1799,10 +1809,7 @@ class Runtime:
         self._relock_state_dir()
         operator = self.cordoned - self.healer.state.thermal_cordoned
         if operator:
-            try:
-                write_cordons(self.settings.supervisor.state_dir, operator)
-            except OSError as exc:
-                self.write_health.failed("state", exc)
+            self._save_cordons(operator)
         with contextlib.suppress(OSError):
             if not self.listener.bound():
                 self.listener.rebind()
@@ -1812,10 +1819,33 @@ class Runtime:
         for runner in self.workers():
             runner.output.file.close()
 
+    def _save_cordons(self, operator: Iterable[str]) -> None:
+        """Write the operator's cordons to ``state_dir/cordons``; when the disk does not take
+        them, they are written after the next state write that works (``_save_unsaved_ids``).
+        Regression: they were not tried again, and a cordon made while state_dir was full was
+        forgotten by the next supervisor."""
+        uuids = frozenset(operator)
+        with self._cordons_guard:
+            try:
+                write_cordons(self.settings.supervisor.state_dir, uuids)
+            except OSError as exc:
+                self._cordons_unsaved = uuids
+                self.write_health.failed("state", exc)
+            else:
+                self._cordons_unsaved = None
+
     def _save_unsaved_ids(self) -> None:
         """After a state write (in the writer thread): save what a full disk kept from being
-        written at start, ``state_dir/instance`` and our pid in the lock file."""
+        written, ``state_dir/instance`` and our pid in the lock file at start, the operator's
+        cordons since."""
         state_dir = self.settings.supervisor.state_dir
+        with self._cordons_guard:
+            cordons = self._cordons_unsaved
+            if cordons is not None:
+                with contextlib.suppress(OSError):  # still failing: after the next state write
+                    write_cordons(state_dir, cordons)
+                    self._cordons_unsaved = None
+                    self.log.info("records.cordons_saved", path=os.fspath(state_dir / CORDONS_FILE))
         with self._state_lock_guard:  # the loop may be replacing the fd (state_dir recreated)
             lock = self._state_lock
             if self._lock_pid_unsaved and lock is not None and write_lock_pid(lock):
@@ -2222,10 +2252,7 @@ class Runtime:
             self.recorder.mark(urgent=True)
         operator = self.cordoned - self.healer.state.thermal_cordoned
         if operator != operator_before:  # a heat cordon the operator makes theirs counts too
-            try:  # a cordon outlives a restart of the supervisor
-                write_cordons(self.settings.supervisor.state_dir, operator)
-            except OSError as exc:
-                self.write_health.failed("state", exc)
+            self._save_cordons(operator)  # a cordon outlives a restart of the supervisor
         self._changed_now()
 
     def gpu_answers(self, uuid: str) -> bool:

@@ -591,6 +591,25 @@ def test_a_post_mortem_file_of_another_shape_does_not_break_the_list(
     assert sup.stop() == 0
 
 
+def test_a_post_mortem_directory_that_cannot_be_listed_is_a_503(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: `GET /api/v1/postmortems` answered 500 "internal error" when postmortems/
+    could not be listed (EACCES: its mode changed under a supervisor that does not run as
+    root; here a link that loops, which root meets too); it says why now, as the answer for
+    one post-mortem does."""
+    sup = supervisor({"workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}]})
+    sup.ready("c-0")
+    pms = sup.state_dir / "postmortems"
+    pms.rmdir()
+    pms.symlink_to("postmortems")
+    with sup.api() as http:
+        assert_error(http.get("/api/v1/postmortems"), 503, "cannot list the post-mortems")
+    assert not sup.find(event="api.error")
+    pms.unlink()
+    assert sup.stop() == 0
+
+
 def test_targets_pass_a_metrics_path_query_as_params(supervisor: SupervisorFactory) -> None:
     """Regression: `metrics_path = "/metrics?format=prometheus"` went into `__metrics_path__`
     whole: Prometheus puts that label in the URL's path (escaping the `?`), so every scrape of

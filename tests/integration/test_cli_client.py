@@ -433,6 +433,19 @@ def test_postmortem_commands_take_odd_state_dirs_and_files_in_one_line(
     assert code == 2 and "cannot read it" in err and err.count("\n") <= 1, err
 
 
+def test_postmortem_list_of_a_directory_it_cannot_read_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``postmortem list`` by an operator who may not read state_dir/postmortems
+    (not in the service's group; here a link that loops, which root meets too) was a
+    traceback (PermissionError); ``show`` said it in one line already."""
+    (tmp_path / "postmortems").symlink_to("postmortems")
+    code, out, err = run(capsys, "postmortem", "list", "--state-dir", str(tmp_path))
+    assert code == 2 and not out, out
+    assert str(tmp_path / "postmortems") in err and "cannot read it" in err, err
+    assert err.count("\n") <= 1, err
+
+
 @pytest.mark.parametrize(
     ("content", "said"),
     [(b'{"id": "x", "worker": {', "not JSON (Expecting"), (b'{"id": "\xff"}', "not UTF-8")],

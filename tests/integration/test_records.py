@@ -837,6 +837,28 @@ def test_a_full_state_dir_at_start_still_marks_the_workers(
     assert sup.stop() == 0
 
 
+def test_a_cordon_made_while_state_dir_is_full_is_saved_once_it_takes_writes(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """An operator cordons a GPU while state_dir is full: the cordons file cannot be written
+    then. Regression: it was never tried again (only at the next cordon or uncordon), so the
+    next supervisor (a crash, an upgrade) placed workers on the GPU under maintenance."""
+    config = {
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [group("w", "ready_then_sleep", gpus="none")],
+    }
+    filler = _fill(small_fs)
+    sup = supervisor(config)
+    sup.ready("w-0")
+    with sup.api() as http:
+        uuid = http.post("/api/v1/gpus/1/cordon").json()["uuid"]
+    assert not (small_fs / "cordons").exists()
+    filler.unlink()
+    sup.wait_until(lambda: (small_fs / "cordons").exists(), "the cordons file", timeout=15)
+    assert (small_fs / "cordons").read_text() == f"{uuid}\n"
+    assert sup.stop() == 0
+
+
 def test_read_only_state_dir_does_not_stop_supervision(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:
@@ -888,6 +910,25 @@ def test_deleted_state_dir_is_recreated_and_notify_keeps_working(
     assert (sup.state_dir / "logs" / "c-0.log").exists()
 
 
+def test_a_state_dir_that_cannot_be_looked_at_only_disables_records(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A state_dir whose files cannot even be stat'ed at start (EACCES: a supervisor that does
+    not run as root, given a state_dir it may not search; here a name too long for the
+    filesystem, which gives such an error where the tests run as root). Regression: the
+    start-up reclaim's look for the previous state.json let the error out, and the supervisor
+    crashed with a traceback before any worker started; it runs without records now, as over
+    a read-only state_dir, and says why."""
+    state_dir = tmp_path / ("x" * 300)
+    sup = supervisor(
+        {"supervisor": {"state_dir": str(state_dir)}, "workers": [group("w", "ready_then_sleep")]}
+    )
+    sup.wait_event(event="records.write_failed", file="state")
+    sup.wait_event(event="records.previous_state_unreadable")
+    sup.ready("w-0")
+    assert sup.stop() == 0
+
+
 def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: Path) -> None:
     """Starting over a read-only state_dir: records fail (reported), supervision works, and the
     notify socket moves to a private temporary directory so readiness still arrives."""
@@ -900,6 +941,26 @@ def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: P
     assert sup.stop() == 0
     assert not (small_fs / "state.json").exists()
     assert not Path(moved["path"]).parent.exists()  # the temporary directory is removed
+
+
+def test_cordons_are_kept_where_state_dir_cannot_be_locked(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """A state_dir the supervisor cannot lock (a filesystem without locks, an NFS mount with
+    ``nolock``; here a read-only one without a lock file) still has its operator's cordons.
+    Regression: the cordons file was read only under the lock, and was forgotten at every
+    start there without a word (each cordon was still written, never read back)."""
+    uuid = "GPU-00000000-0000-0000-0000-000000000001"
+    (small_fs / "cordons").write_text(f"{uuid}\n")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    config = {
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [group("w", "ready_then_sleep", gpus="none")],
+    }
+    sup = supervisor(config)
+    sup.wait_event(event="records.not_locked")
+    assert sup.wait_event(event="gpu.cordons_kept")["gpus"] == [uuid]
+    assert sup.stop() == 0
 
 
 def test_a_second_supervisor_is_refused_on_a_state_dir_gone_read_only(

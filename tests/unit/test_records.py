@@ -206,6 +206,28 @@ def test_store_never_overwrites_a_same_named_post_mortem(tmp_path: Path) -> None
     assert store.read(second)["id"] == second
 
 
+async def test_an_entry_pruning_cannot_remove_does_not_hold_up_the_post_mortems(
+    tmp_path: Path,
+) -> None:
+    """Something in postmortems/ named like an old post-mortem that cannot be deleted (a
+    directory, an immutable file). Regression: the write that pruned it was taken for a failed
+    one: the post-mortem stayed queued and was written again under a new name every 5 s,
+    and every later post-mortem waited behind it for ever."""
+    (tmp_path / "postmortems").mkdir()
+    stuck = tmp_path / "postmortems" / "20200101T000000.000000Z-x-exit.json"
+    stuck.mkdir()
+    recorder = Recorder(tmp_path, 2, WriteHealth(), snapshot=dict)
+    ids = [postmortem_id(T0 + i, "w-0", "exit") for i in range(3)]
+    with capture_logs() as logs:
+        for id_ in ids:
+            recorder.postmortem({"id": id_})
+            await recorder._write_postmortems()
+    assert recorder._pending == [] and recorder.health.problems() == {}
+    assert recorder.store.ids() == [ids[2], ids[1], stuck.stem]
+    said = [e for e in logs if e["event"] == "records.postmortem_not_pruned"]
+    assert len(said) == 1 and said[0]["path"] == str(stuck), logs
+
+
 def test_store_read_refuses_paths_and_skips_unreadable_files(tmp_path: Path) -> None:
     store = PostmortemStore(tmp_path, keep=10)
     good = store.write(_pm(T0))
@@ -291,6 +313,22 @@ def test_a_state_dir_made_again_behind_the_recorders_back_counts_as_recreated(
     assert recorder._check_dir() is False
     shutil.rmtree(state)  # plainly removed
     assert recorder._check_dir() is True and state.is_dir()
+
+
+async def test_a_state_dir_that_cannot_be_looked_at_is_a_failed_write_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """Regression: the recorder's check of state_dir (every 5 s) let an error other than "no
+    such file" out of ``stat`` (EACCES: state_dir's mode or owner changed under a supervisor
+    that does not run as root; EIO: a failing disk), and the supervisor crashed, taking every
+    worker with it. It is a failed write of ``state`` now, said and retried. (A name too long
+    for the filesystem gives such an error here, where the tests may run as root.)"""
+    state = tmp_path / ("x" * 300)
+    recorder = Recorder(state, 10, WriteHealth(), snapshot=dict)
+    with capture_logs() as logs:
+        await recorder._step()
+    assert recorder.health.problems()["state"]["kind"] == "other", logs
+    assert [e["event"] for e in logs] == ["records.write_failed"]
 
 
 def test_journal_sequence_and_per_worker_view() -> None:
