@@ -1396,22 +1396,34 @@ class Runtime:
             self.log.warning(
                 "supervisor.ready_degraded",
                 groups=degraded,
-                reason="every worker of these groups is fatal or waits for a GPU: the others serve",
+                reason=(
+                    "every worker of these groups is fatal, has failed since the start (it is "
+                    "retried) or waits for a GPU: the others serve"
+                ),
             )
 
     def _groups_settled(self) -> bool:
-        """Every group has a ready worker, or every worker of it is ``fatal`` or waits for a GPU
-        (none becomes ready without an operator or a change of the GPUs): what start-up waits
-        for before ``READY=1``. Waiting for a group that cannot get there would end in the
+        """Every group has a ready worker, or every worker of it is ``fatal``, waits for a GPU
+        (none becomes ready without an operator or a change of the GPUs) or has failed since
+        the start (a crash loop that never goes fatal, ``burst = 0``, or starts that time out
+        one after another: each retry takes another start_timeout_s): what start-up waits for
+        before ``READY=1``. Waiting for a group that may never get there would end in the
         service manager's start timeout, and a restart of the groups that serve. (Not
         ``stopped``: a worker not started yet is.)"""
         return all(
-            self.group_ready(g)
-            or all(
-                self.runners[n].state is WorkerState.FATAL or self.runners[n].record.waiting_for_gpu
-                for n in names
-            )
+            self.group_ready(g) or all(self._not_waited_for(self.runners[n]) for n in names)
             for g, names in self.groups.items()
+        )
+
+    @staticmethod
+    def _not_waited_for(runner: WorkerRunner) -> bool:
+        """Fatal, waiting for a GPU, or retried after failed starts (a restart for a reload
+        is no failure: that one is waited for)."""
+        rec = runner.record
+        return (
+            rec.state is WorkerState.FATAL
+            or rec.waiting_for_gpu
+            or (rec.history.consecutive > 0 and rec.state is not WorkerState.STOPPED)
         )
 
     def _register_pid(self, pid: int, runner: WorkerRunner | None) -> None:

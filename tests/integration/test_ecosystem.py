@@ -385,6 +385,46 @@ def test_dashboard_structure() -> None:
     assert '$gpu"' in every and '$worker"' in every  # the variables are used
 
 
+FILTER_ON_ZERO = re.compile(r"==\s*0\s*$")
+
+
+def test_dashboard_panels_show_problems_as_problems() -> None:
+    """A problem plotted at 0 and colours Grafana picks by itself mislead.
+
+    - A time-series target filtered with ``== 0`` (GPUs whose ``gpu_healthy`` is 0) plots each
+      match at 0: on the axis, with a legend that reads "unhealthy 0", beside series that show
+      their problems at 1. Such a target must map the match to a value above 0.
+    - A stat panel coloured by value (``colorMode`` background or value) without thresholds of
+      its own gets Grafana's default ones, red from 80: a fleet's "Ready workers" turned red
+      once 80 of them were ready. Each such panel sets its thresholds (and "derated" its own).
+    """
+    for panel in dashboard_panels(dashboard()):
+        if panel["type"] == "timeseries":
+            for target in panel["targets"]:
+                assert not FILTER_ON_ZERO.search(target["expr"]), (panel["title"], target["expr"])
+        if panel["type"] == "stat" and panel["options"].get("colorMode") in (
+            None,
+            "value",
+            "background",
+        ):
+            config = panel["fieldConfig"]
+            assert "thresholds" in config["defaults"], panel["title"]
+            steps = config["defaults"]["thresholds"]["steps"]
+            assert steps[0]["value"] is None, panel["title"]
+    (ready,) = [p for p in dashboard_panels(dashboard()) if p["title"] == "Ready workers"]
+    assert [s["color"] for s in ready["fieldConfig"]["defaults"]["thresholds"]["steps"]] == [
+        "green"
+    ]
+    (derated,) = [t for t in ready["targets"] if "worker_derated" in t["expr"]]
+    (override,) = [
+        o
+        for o in ready["fieldConfig"]["overrides"]
+        if o["matcher"] == {"id": "byFrameRefID", "options": derated["refId"]}
+    ]
+    (steps,) = [p["value"]["steps"] for p in override["properties"] if p["id"] == "thresholds"]
+    assert steps[0] == {"color": "green", "value": None} and steps[1]["value"] == 1, steps
+
+
 # --- Kubernetes ----------------------------------------------------------------------------
 
 
@@ -485,6 +525,11 @@ def test_k8s_deployment_matches_its_config() -> None:
     loop_bound = re.search(r"end=\$\(\(\$\(date \+%s\) \+ (\d+)\)\)", script)
     assert loop_bound and int(loop_bound.group(1)) + shutdown < grace, script
     assert '"$(date +%s)" -lt "$end"' in script, script
+    # docs/operations.md quotes the grace period and the preStop wait as the file has them
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    quoted = re.findall(r"`terminationGracePeriodSeconds` \((\d+)\)", operations)
+    assert quoted and {int(q) for q in quoted} == {grace}, (quoted, grace)
+    assert f"waits for it, at most {loop_bound.group(1)} s" in operations
 
     # one GPU, state_dir on a volume, Prometheus annotations on the API port
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1

@@ -144,7 +144,7 @@ def test_ready_gets_through_a_manager_queue_that_was_full(
         filler.close()
 
 
-@pytest.mark.parametrize("why", ["fatal", "waiting_gpu"])
+@pytest.mark.parametrize("why", ["fatal", "crash_loop", "waiting_gpu"])
 def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
     supervisor: SupervisorFactory, tmp_path: Path, why: str
 ) -> None:
@@ -152,7 +152,12 @@ def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
     one lost at boot, a budget no GPU fits) held READY=1 back for good: systemd's start
     timeout then stopped everything, the healthy groups too, and its restart did the same
     every 5 minutes. Now READY=1 comes once the other groups are ready, and the status and
-    the log say which group is down."""
+    the log say which group is down.
+
+    ``crash_loop``: one that never goes fatal (``burst = 0``, or starts that time out one
+    after another, start_timeout_s apart: never more than ``burst`` within ``interval_s``)
+    held it back the same way: the unit's TimeoutStartSec=300 ran out while it kept
+    retrying. A group whose every worker has failed since the start is not waited for."""
     path = tmp_path / "systemd.sock"
     bad: dict[str, Any]
     config: dict[str, Any] = {}
@@ -161,6 +166,12 @@ def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
             "name": "bad",
             "command": ["/bin/sh", "-c", "exit 3"],  # never ready (notify)
             "restart": {"burst": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.02},
+        }
+    elif why == "crash_loop":
+        bad = {
+            "name": "bad",
+            "command": ["/bin/sh", "-c", "exit 3"],
+            "restart": {"burst": 0, "backoff_initial_s": 0.05, "backoff_max_s": 0.1},
         }
     else:  # a budget of 90000 MiB on GPUs of 81920
         config["gpu"] = {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 1}
@@ -175,9 +186,14 @@ def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
         sup = supervisor({**config, "workers": [good, bad]}, env={"NOTIFY_SOCKET": str(path)})
         manager = Manager(sock)
         ready = manager.wait_for("READY=1")
+        # READY=1 comes once bad-0 has failed: a fatal one may then still be backing off
+        assert "STATUS=1/2 ready, " in ready, ready
         status = "1/2 ready, 1 fatal" if why == "fatal" else "1/2 ready, 0 fatal"
-        assert f"STATUS={status}" in ready, ready
+        assert manager.wait_for(f"STATUS={status}")
         assert sup.wait_event(event="supervisor.ready_degraded")["groups"] == ["bad"]
+        if why == "crash_loop":  # it goes on being restarted
+            with sup.api() as http:
+                assert http.get("/api/v1/workers/bad-0").json()["state"] != "fatal"
         if why == "waiting_gpu":
             assert sup.find(event="worker.waiting_gpu", worker="bad-0")
         assert sup.stop() == 0
