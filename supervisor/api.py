@@ -67,7 +67,7 @@ from supervisor.output import MAX_LOG_READ
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
 from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, Ranking, pick, rank
-from supervisor.runtime import Cordon, RollingRestart, WorkerCommand
+from supervisor.runtime import Cordon, RollingRestart, WorkerCommand, passed_over
 from supervisor.sampler import stuck_text
 
 if TYPE_CHECKING:
@@ -578,11 +578,16 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             raise _problem(404, f"unknown GPU {ident!r} (known: {known})")
         return uuid
 
+    def refuse_while_stopping() -> None:
+        if rt.shutting_down:  # the command would be dropped: 202 said it was taken
+            raise _problem(409, "the supervisor is stopping")
+
     async def set_cordon(
         request: Request, ident: str, cordon: bool, lift: bool = False
     ) -> dict[str, Any]:
         uuid = gpu_uuid(ident)
         index = rt.gpu_ids()[uuid]
+        refuse_while_stopping()  # the intent would be dropped (regression: 200, not cordoned)
         if lift and uuid in rt.healer.state.quarantined and not rt.gpu_answers(uuid):
             raise _problem(
                 409,
@@ -597,13 +602,15 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             lift_quarantine=lift,
             client=client_of(request),
         )
-        await rt.wait_until(
-            lambda: (
-                (uuid in rt.cordoned) == cordon
-                and not (lift and uuid in rt.healer.state.quarantined)
-            ),
-            CORDON_WAIT_S,
-        )
+
+        def applied() -> bool:
+            return (uuid in rt.cordoned) == cordon and not (
+                lift and uuid in rt.healer.state.quarantined
+            )
+
+        await rt.wait_until(lambda: applied() or rt.shutting_down, CORDON_WAIT_S)
+        if not applied():
+            refuse_while_stopping()  # a stop that began meanwhile dropped it
         return {
             "id": index,
             "uuid": uuid,
@@ -611,7 +618,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             "quarantined": uuid in rt.healer.state.quarantined,
         }
 
-    @post(f"{API_PREFIX}/gpus/{{id}}/cordon", GpuCordon, 200, 404)
+    @post(f"{API_PREFIX}/gpus/{{id}}/cordon", GpuCordon, 200, 404, 409)
     async def cordon(request: Request, id: str) -> dict[str, Any]:
         """Place no more workers on this GPU (index or UUID)."""
         return await set_cordon(request, id, True)
@@ -689,10 +696,6 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         if chunk.lost:
             headers[LOG_LOST_HEADER] = "1"
         return Response(chunk.data, media_type="text/plain; charset=utf-8", headers=headers)
-
-    def refuse_while_stopping() -> None:
-        if rt.shutting_down:  # the command would be dropped: 202 said it was taken
-            raise _problem(409, "the supervisor is stopping")
 
     def worker_command(request: Request, name: str, command: Command) -> dict[str, Any]:
         runner = runner_of(name)
@@ -803,9 +806,17 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             raise _problem(409, f"group {group} is being removed by a reload")
         if group in rt.rolling:
             raise _problem(409, f"a {rt.rolling[group]} of group {group} is already running")
-        running = [n for n in names if rt.runners[n].state not in _IDLE]
+        # one a roll-out passes over (drained or stopped toward a stop, waiting for a GPU)
+        # has nothing to restart either (regression: 202, then done with nothing restarted)
+        running = [
+            n for n in names if rt.runners[n].state not in _IDLE and not passed_over(rt.runners[n])
+        ]
         if not running:
-            raise _problem(409, f"group {group} has no running worker to restart")
+            raise _problem(
+                409,
+                f"group {group} has no running worker to restart (every worker is stopped, "
+                "fatal, on its way to a stop, or waiting for a GPU)",
+            )
         rt.submit(RollingRestart(group))
         log.info("api.command", command="rolling-restart", target=group, client=client_of(request))
         return {

@@ -2419,16 +2419,19 @@ class Runtime:
         self._halted_at[group] = {"reason": halted, "superseded": True}
         return False
 
-    def _rollout_passes_over(self, group: str, runner: WorkerRunner) -> None:
+    def _rollout_passes_over(
+        self,
+        group: str,
+        runner: WorkerRunner,
+        reason: str = "it went down before the roll-out reached it and waits for a GPU",
+    ) -> None:
         """A worker that was on its way down when the roll-out reached it (a healing drain,
         a stop after a crash) came back waiting for a GPU (its own quarantined, lost, full):
         passed over, as one already waiting is (regression: the roll-out halted there,
-        "did not become ready", with every other worker of the group not rolled)."""
+        "did not become ready", with every other worker of the group not rolled). So too one
+        an operator stopped (or drained) while the roll-out replaced it: it stays stopped."""
         self.log.info(
-            "supervisor.rollout_passed_over",
-            group=group,
-            worker=runner.name,
-            reason="it went down before the roll-out reached it and waits for a GPU",
+            "supervisor.rollout_passed_over", group=group, worker=runner.name, reason=reason
         )
 
     def _rollout_halted(self, group: str, runner: WorkerRunner, why: str) -> None:
@@ -2476,7 +2479,7 @@ class Runtime:
             runner = self.runners.get(name)
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
-            if _passed_over(runner):
+            if passed_over(runner):
                 continue
             if not await self._others_back(group, runner):
                 return False
@@ -2492,6 +2495,9 @@ class Runtime:
                 return False
             if superseded():  # it goes on loading; the reload's roll-out waits for it first
                 return self._roll_superseded(group)
+            if settled and runner.record.state is WorkerState.STOPPED:
+                self._rollout_passes_over(group, runner, _STOPPED_MEANWHILE)
+                continue
             if settled and going_down and runner.record.waiting_for_gpu:
                 self._rollout_passes_over(group, runner)
                 continue
@@ -3091,7 +3097,7 @@ class Runtime:
                     if resume and not await self._comes_up(group.name, runner, timing):
                         return False
                     continue
-                if runner.state is WorkerState.STOPPED or _passed_over(runner):
+                if runner.state is WorkerState.STOPPED or passed_over(runner):
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
                     runner.rolled_by = self._covered
@@ -3114,6 +3120,11 @@ class Runtime:
             if superseded():
                 # the worker goes on loading this file; the next roll-out replaces it first
                 return self._roll_superseded(group.name)
+            if settled and runner.state is WorkerState.STOPPED and not self._shutting_down:
+                if runner in replaced:  # it starts on the new definition when started
+                    replaced.remove(runner)
+                self._rollout_passes_over(group.name, runner, _STOPPED_MEANWHILE)
+                continue
             if settled and going_down and runner.record.waiting_for_gpu:
                 replaced.remove(runner)  # it starts on the new definition once a GPU fits
                 self._rollout_passes_over(group.name, runner)
@@ -3222,7 +3233,7 @@ class Runtime:
         return False
 
 
-def _passed_over(runner: WorkerRunner) -> bool:
+def passed_over(runner: WorkerRunner) -> bool:
     """A roll-out leaves it alone: draining or stopping toward ``stopped`` (an operator's drain
     or stop stays in force), or waiting for a GPU (no process to replace)."""
     stopping_for_good = runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
@@ -3282,14 +3293,22 @@ def _going_down(runner: WorkerRunner) -> bool:
     return runner.state is not WorkerState.READY
 
 
+#: Why a roll-out passes over a worker it found stopped after it restarted it.
+_STOPPED_MEANWHILE = "stopped (an operator's stop or drain) while the roll-out replaced it"
+
+
 def _settled_after(
     runner: WorkerRunner, attempts: int, unless: Callable[[], bool] | None = None
 ) -> Callable[[], bool]:
-    """True once ``runner`` made a new start attempt and it became ready or failed (or once
-    ``unless()`` holds: the wait is no longer wanted)."""
+    """True once ``runner`` made a new start attempt and it became ready or failed, or once
+    it is stopped with nothing left in its inbox to start it again (an operator stopped it
+    while it was replaced: regression, its start_timeout_s was waited out for a start that
+    never came) (or once ``unless()`` holds: the wait is no longer wanted)."""
     settled = (WorkerState.READY, WorkerState.FATAL, WorkerState.BACKOFF)
     return lambda: (
-        (runner.spawn_attempts > attempts and runner.state in settled) or bool(unless and unless())
+        (runner.spawn_attempts > attempts and runner.state in settled)
+        or (runner.state is WorkerState.STOPPED and runner.inbox_empty())
+        or bool(unless and unless())
     )
 
 

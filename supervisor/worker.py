@@ -206,6 +206,10 @@ class WorkerRunner:
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._send.send_nowait(event)
 
+    def inbox_empty(self) -> bool:
+        """No event waits to be applied (what the record says is all there is to it)."""
+        return self._recv.statistics().current_buffer_used == 0
+
     def reconfigure(self, spec: LaunchSpec, timing: lc.Timing, passthrough: bool) -> None:
         """Use a new spec from the next start on (reload)."""
         self.spec = spec

@@ -319,6 +319,87 @@ def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: 
     assert sup.stop() == 0
 
 
+def test_a_worker_stopped_while_a_rolling_restart_replaces_it_is_passed_over(
+    supervisor: SupervisorFactory,
+) -> None:
+    """The operator stops the worker a rolling restart is replacing (it is loading): it stays
+    stopped and the roll-out goes on with the rest at once (regression: the roll-out waited
+    out the worker's whole start_timeout_s for a start that never came, then halted there
+    saying it "did not become ready")."""
+    sup = supervisor(
+        {
+            "gpu": {"backend": "none"},
+            "workers": [
+                {
+                    "name": "g",
+                    "replicas": 2,
+                    "command": worker_cmd("notify_ready_late", "0.5"),
+                    "start_timeout_s": 60,
+                    "stop_timeout_s": 2,
+                    "restart": {"stable_s": 0.1},
+                }
+            ],
+        }
+    )
+    sup.ready("g-0")
+    sup.ready("g-1")
+    with sup.api() as http:
+        mark = sup.mark()
+        assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
+        sup.wait_event(event="worker.spawned", worker="g-0", after=mark)
+        assert http.post("/api/v1/workers/g-0/stop").status_code == 202
+        sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark, timeout=5)
+        passed = sup.wait_event(event="supervisor.rollout_passed_over", worker="g-0", after=mark)
+        assert "stopped" in passed["reason"]
+        assert sup.find(event="worker.spawned", worker="g-1", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["state"] == "stopped"
+        assert http.get("/api/v1/workers/g-1").json()["state"] == "ready"
+        events = http.get("/api/v1/events").json()
+        assert [e["group"] for e in events if e["type"] == "rollout.done"] == ["g"], events
+    assert sup.stop() == 0
+
+
+def test_a_cordon_during_the_stop_is_refused(supervisor: SupervisorFactory, tmp_path: Path) -> None:
+    """A cordon (or uncordon) asked for while the supervisor stops is a 409, as every other
+    command is then. Regression: it was dropped, and answered 200 after 2 s with
+    ``cordoned: false`` (the CLI printed "uncordoned" and exited 0 for a cordon)."""
+    slow = {"name": "s", "gpus": "none", "command": worker_cmd("ignore_sigterm")}
+    sup = supervisor(sim_config(tmp_path, {**slow, "stop_timeout_s": 1.5}))
+    sup.ready("s-0")
+    with sup.api() as http:
+        mark = sup.mark()
+        sup.signal(signal.SIGTERM)  # s-0 takes 1.5 s to stop
+        sup.wait_event(event="supervisor.stopping", after=mark)
+        for verb in ("cordon", "uncordon"):
+            assert_error(http.post(f"/api/v1/gpus/0/{verb}"), 409, "the supervisor is stopping")
+        assert not sup.find(event="gpu.cordon", after=mark)
+    assert sup.wait_exit() == 0
+
+
+def test_a_rolling_restart_of_a_group_being_drained_to_a_stop_is_refused(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Every worker of the group is on its way to a stop the operator asked for (a drain):
+    a rolling restart has nothing to restart, and says so with a 409 as for a stopped group.
+    Regression: 202, then ``rollout.done`` at once with nothing restarted."""
+    sup = supervisor(
+        {
+            "gpu": {"backend": "none"},
+            "workers": [
+                {"name": "d", "command": worker_cmd("ready_then_sleep"), "drain_timeout_s": 30}
+            ],
+        }
+    )
+    sup.ready("d-0")
+    with sup.api() as http:
+        mark = sup.mark()
+        assert http.post("/api/v1/workers/d-0/drain").status_code == 202
+        sup.wait_event(event="worker.state", worker="d-0", new="draining", after=mark)
+        assert_error(http.post("/api/v1/groups/d/rolling-restart"), 409, "no running worker")
+        assert not sup.find(event="supervisor.rolling_restart", after=mark)
+    assert sup.stop() == 0
+
+
 def test_readyz_flips_to_503_when_a_group_has_no_ready_worker(
     supervisor: SupervisorFactory,
 ) -> None:
