@@ -36,7 +36,7 @@ from supervisor.model import (
     XidEvent,
     recovery_action_name,
 )
-from supervisor.plan import GpuSlot, place
+from supervisor.plan import GpuSlot, covering, place
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.detect import (
     BUDGET_SAMPLES,
@@ -997,7 +997,10 @@ class Healer:
                 continue
             try:
                 place(
-                    self.host.settings.workers,
+                    covering(
+                        self.host.settings.workers,
+                        ((w.spec.group, w.spec.index) for w in self.host.workers()),
+                    ),
                     self.migration_slots(r.name, slots),
                     self.host.settings.gpu.reserve_mb,
                     fixed=fixed,

@@ -6,7 +6,7 @@ No I/O: the inherited environment and the notify socket path are arguments.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,6 +327,24 @@ def resolve_explicit(group: WorkerGroup, gi: int, devices: Sequence[GpuSlot]) ->
                 f"({first!r}) again"
             )
     return tuple(out)
+
+
+def covering(
+    groups: Sequence[WorkerGroup], running: Iterable[tuple[str, int]]
+) -> tuple[WorkerGroup, ...]:
+    """``groups`` with each one's ``replicas`` raised to cover its workers that still run
+    (``running``: ``(group, index)`` of each): a reload that scales a group down removes the
+    workers past its new ``replicas`` only at the end of the group's roll-out, and a placement
+    meanwhile (one of them restarting off a GPU that became unusable, a migration) places and
+    counts them too (regression: ``place`` left such a worker out, KeyError, and the
+    supervisor crashed)."""
+    top: dict[str, int] = {}
+    for name, index in running:
+        top[name] = max(top.get(name, 0), index + 1)
+    return tuple(
+        g.model_copy(update={"replicas": top[g.name]}) if top.get(g.name, 0) > g.replicas else g
+        for g in groups
+    )
 
 
 def place(

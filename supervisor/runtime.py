@@ -82,6 +82,7 @@ from supervisor.plan import (
     Plan,
     Room,
     build_plan,
+    covering,
     cpus_of,
     gpu_assignment,
     launch_spec,
@@ -297,6 +298,9 @@ class Runtime:
         self.runners: dict[str, WorkerRunner] = {}
         self.groups: dict[str, list[str]] = {}
         self._halted: set[str] = set()  # groups whose last rollout halted part-way
+        #: group -> the definitions that roll-outs which halted (or were superseded) part-way
+        #: rolled onto some of its workers, while it is dirty (in ``_halted``)
+        self._halted_defs: dict[str, list[WorkerGroup]] = {}
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
         #: held while the lock fd is written to (writer thread) or replaced (the loop)
         self._state_lock_guard = threading.Lock()
@@ -1184,6 +1188,13 @@ class Runtime:
                 )
         if not await self._start_slot(runner):
             return spec  # stopped while it waited: not placed, nor moved (nothing starts)
+        # the group as in force now: a reload may have changed or removed it while this waited
+        # for the GPU's release or its turn (regression: a removed group's worker was placed by
+        # the definition read before, which the plan no longer had: KeyError, and the
+        # supervisor crashed)
+        group = self.settings.group(spec.group)
+        if group is None:
+            return spec  # its group is gone: the reload that removed it stops it, where it is
         if not self.slots():  # NVML down just now: nothing to place by, it stays where it is,
             if runner.record.gpu_waits:  # unless it waits for a GPU: it waits on
                 stuck = self.sampler.stuck_for_s()
@@ -1335,14 +1346,19 @@ class Runtime:
         return self._spec_on(group, runner.spec.index, chosen)
 
     def _place_one(self, runner: WorkerRunner, slots: list[GpuSlot]) -> tuple[str, ...] | None:
-        """GPUs for ``runner`` alone on ``slots``, the others where they are (PlacementError)."""
-        return place(
-            self.settings.workers,
+        """GPUs for ``runner`` alone on ``slots``, the others where they are (PlacementError).
+        A worker a reload is removing (past its group's new ``replicas``) is placed too."""
+        running = ((r.spec.group, r.spec.index) for r in self.workers())
+        placed = place(
+            covering(self.settings.workers, running),
             slots,
             self.settings.gpu.reserve_mb,
             fixed=self._assignments(),
             only={runner.name},
-        )[runner.name]
+        )
+        if runner.name not in placed:  # its group is gone (a reload removes it): no plan
+            raise PlacementError(f"{runner.name}: its group is no longer in the config")
+        return placed[runner.name]
 
     def _spec_on(self, group: WorkerGroup, index: int, gpus: tuple[str, ...] | None) -> LaunchSpec:
         """Worker ``index`` of ``group`` planned again on ``gpus``."""
@@ -2746,7 +2762,7 @@ class Runtime:
             )
         except (ThreadUnavailable, ConfigError) as exc:
             return str(exc), None, {}
-        diff = diff_groups(self.settings.workers, new.workers, dirty=self._halted)
+        diff = diff_groups(self.settings.workers, new.workers, self._halted, self._halted_defs)
         try:
             plan = self._reload_plan(applied_by_reload(self.settings, new), diff)
         except Exception as exc:  # placement (or a bug): the reload says it again
@@ -2797,7 +2813,7 @@ class Runtime:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self._notify(f"RELOADING=1\nMONOTONIC_USEC={usec}")
         old = self.settings
-        diff = diff_groups(old.workers, new.workers, dirty=self._halted)
+        diff = diff_groups(old.workers, new.workers, self._halted, self._halted_defs)
         self.log.info(
             "supervisor.reload",
             unchanged=list(diff.unchanged),
@@ -2885,6 +2901,8 @@ class Runtime:
         superseded: list[str] = []  # left part-way or not begun for a later reload
         resumed = self._halted.intersection(diff.changed)
         self._halted.difference_update(diff.removed)
+        for name in diff.removed:
+            self._halted_defs.pop(name, None)
         for name in diff.changed:
             if self._shutting_down:
                 self._journal_reload(request, True, halted=[], interrupted="stopping")
@@ -2911,10 +2929,14 @@ class Runtime:
                 self._journal_rollout(name, "reload", rolled)
             if rolled:
                 self._halted.discard(name)
+                self._halted_defs.pop(name, None)
             else:
                 halted.append(before)
                 # dirty: the next reload rolls it out even where its file is this one's
                 self._halted.add(name)
+                # and the workers this one reached run this definition (its placement), which
+                # the next reload cannot tell from the files
+                self._halted_defs.setdefault(name, []).append(group)
         if halted:
             # Keep the old definition of a halted group, so the next reload tries it again
             # (with either file: the group stays dirty until a rollout of it completes).

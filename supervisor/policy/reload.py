@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from supervisor.config import Settings, WorkerGroup
@@ -30,13 +30,21 @@ class ReloadDiff:
 
 
 def diff_groups(
-    old: Sequence[WorkerGroup], new: Sequence[WorkerGroup], dirty: Collection[str] = ()
+    old: Sequence[WorkerGroup],
+    new: Sequence[WorkerGroup],
+    dirty: Collection[str] = (),
+    rolled: Mapping[str, Collection[WorkerGroup]] | None = None,
 ) -> ReloadDiff:
     """Compare two group lists by name; a group is changed when any of its settings differ.
 
     ``dirty``: groups whose workers may not match ``old`` (a rollout that halted part-way:
     some run the definition it rolled out, some the one before), changed whatever the files
-    say, so that reloading either definition brings every worker to it."""
+    say, so that reloading either definition brings every worker to it. ``rolled``: group ->
+    the definitions such roll-outs rolled onto some of its workers: the group keeps its
+    workers on their GPUs only where their placement is the new one's too (regression: a
+    halted roll-out moved a worker onto a GPU, the old file reloaded left it there, on a GPU
+    its group's ``gpus`` no longer named)."""
+    rolled = rolled or {}
     old_by_name = {g.name: g for g in old}
     new_names = {g.name for g in new}
     unchanged: list[str] = []
@@ -54,7 +62,8 @@ def diff_groups(
             changed.append(g.name)
             if g.name not in dirty and before.model_copy(update={"replicas": g.replicas}) == g:
                 scaled.append(g.name)
-            if placement_of(before) == placement_of(g):
+            ran = [before, *rolled.get(g.name, ())]
+            if all(placement_of(r) == placement_of(g) for r in ran):
                 same_placement.append(g.name)
     removed = [g.name for g in old if g.name not in new_names]
     return ReloadDiff(

@@ -330,6 +330,125 @@ def test_a_reload_of_a_new_command_keeps_each_worker_on_its_gpu(
     assert sup.stop() == 0
 
 
+def test_a_worker_a_reload_removes_restarts_off_a_cordoned_gpu_during_the_roll_out(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A reload scales g from 2 to 1 and changes its env: g-1 runs on until the roll-out has
+    replaced g-0 (ready for stable_s), then goes. Meanwhile GPU 1 is cordoned and g-1
+    restarted: it is placed as any worker (no other GPU has room: it restarts on its cordoned
+    one), and the roll-out ends as it should. Regression: its placement left it out (the new
+    plan has no g-1): KeyError, and the supervisor crashed with every worker."""
+    g = {
+        "name": "g",
+        "replicas": 2,
+        "command": worker_cmd("gpu_user", "100"),
+        "env": {"V": "1"},
+        "max_workers_per_gpu": 1,
+        "restart": {"stable_s": 3},
+    }
+    cfg = config(tmp_path, g)
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    g1 = sup.ready("g-1")["pid"]
+    mark = sup.mark()
+    sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "replicas": 1, "env": {"V": "2"}}]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("g-0", after=mark)  # replaced: the roll-out waits stable_s before g-1 goes
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+        assert http.post("/api/v1/workers/g-1/restart").status_code == 202
+    sup.wait_event(event="worker.gpu_cordoned", worker="g-1", after=mark)
+    again = sup.ready("g-1", after=mark)
+    assert again["pid"] != g1
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
+    sup.wait_event(event="worker.state", worker="g-1", new="stopped", after=mark)
+    assert not sup.find(event="supervisor.crashed")
+    with sup.api() as http:
+        assert [w["name"] for w in http.get("/api/v1/workers").json()] == ["g-0"]
+    assert sup.stop() == 0
+
+
+def test_a_worker_waiting_its_turn_when_a_reload_removes_its_group_is_not_placed_by_it(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """max_starting = 1: a-0, restarted while slow-0 loads, waits its turn, its GPU cordoned
+    meanwhile. A reload removes b and a and raises max_starting: a-0's turn comes while the
+    reload still stops b (it ignores SIGTERM). Regression: a-0 was then placed by its group's
+    definition read before the wait, which the plan in force no longer had: KeyError, and the
+    supervisor crashed with every worker; now it is left where it is, and a stops with b."""
+    b = {"name": "b", "command": worker_cmd("ignore_sigterm"), "gpus": "none"}
+    a = {"name": "a", "command": worker_cmd("gpu_user", "100")}
+    slow = {"name": "slow", "command": worker_cmd("notify_ready_late", "60"), "gpus": "none"}
+    cfg = config(tmp_path, b, a, slow)
+    cfg["supervisor"]["max_starting"] = 1
+    sup = supervisor(cfg)
+    sup.ready("b-0")
+    sup.ready("a-0")
+    sup.wait_event(event="worker.spawned", worker="slow-0")  # it holds the one turn
+    mark = sup.mark()
+    with sup.api() as http:
+        gpu = http.get("/api/v1/workers/a-0").json()["gpus"][0]
+        assert http.post(f"/api/v1/gpus/{gpu}/cordon").status_code == 200
+        assert http.post("/api/v1/workers/a-0/restart").status_code == 202
+    sup.wait_event(event="worker.waiting_start", worker="a-0", after=mark)
+    sup.write_config(
+        {
+            **cfg,
+            "supervisor": {**cfg["supervisor"], "max_starting": 2},
+            "workers": [cfg["workers"][2]],
+        }
+    )
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload", removed=["b", "a"], after=mark)
+    sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
+    assert not sup.find(event="supervisor.crashed")
+    with sup.api() as http:
+        assert [w["name"] for w in http.get("/api/v1/workers").json()] == ["slow-0"]
+    assert sup.stop() == 0
+
+
+def test_rolling_back_a_superseded_roll_out_that_moved_a_worker_onto_a_gpu_moves_it_back(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """g runs without GPUs (gpus = "none"). A reload of gpus = "auto" and a new env replaces
+    g-0 (now on a GPU), and the old file, reloaded while the roll-out waits stable_s,
+    supersedes it: g-0 is rolled back without a GPU, as its group says, and g-1 (never
+    reached) is left alone. Regression: the two files' placement settings were the same, so
+    g-0 kept the GPU the superseded roll-out had given it: CUDA_VISIBLE_DEVICES set for a group
+    of gpus = "none" (likewise a halted roll-out of another GPU list, rolled back)."""
+    g = {
+        "name": "g",
+        "replicas": 2,
+        "command": worker_cmd("gpu_user", "100"),
+        "env": {"V": "1"},
+        "gpus": "none",
+        "restart": {"stable_s": 3},
+    }
+    cfg = config(tmp_path, g)
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    g1 = sup.ready("g-1")["pid"]
+    mark = sup.mark()
+    on_gpus = {**cfg["workers"][0], "gpus": "auto", "env": {"V": "2"}}
+    sup.write_config({**cfg, "workers": [on_gpus]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("g-0", after=mark)
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/g-0").json()["gpus"]  # moved onto a GPU
+    back = sup.mark()
+    sup.write_config(cfg)
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.rollout_superseded", group="g", after=back)
+    sup.wait_event(event="supervisor.reload_done", halted=[], superseded=[], after=back)
+    with sup.api() as http:
+        workers = {w["name"]: w for w in http.get("/api/v1/workers").json()}
+    assert {n: w["gpus"] for n, w in workers.items()} == {"g-0": [], "g-1": []}
+    assert workers["g-1"]["pid"] == g1
+    env = psutil.Process(workers["g-0"]["pid"]).environ()
+    assert env.get("CUDA_VISIBLE_DEVICES") == "" and env.get("V") == "1"
+    assert sup.stop() == 0
+
+
 UNSHARE = shutil.which("unshare")
 
 

@@ -33,7 +33,8 @@ class Runner:
 
     def __init__(self, name: str, gpu: str, state: WorkerState = WorkerState.READY) -> None:
         self.name = name
-        self.spec = SimpleNamespace(group=name.rsplit("-", 1)[0], gpus=(gpu,))
+        group, index = name.rsplit("-", 1)
+        self.spec = SimpleNamespace(group=group, index=int(index), gpus=(gpu,))
         self.record = SimpleNamespace(
             pid=100, ready_at=0.0, started_at=0.0, state=state, restarts=0, after_exit=None
         )
@@ -513,6 +514,24 @@ def test_migrate_of_a_worker_with_an_explicit_gpu_list_says_why_it_cannot() -> N
     assert healer._can_migrate([Finding("thermal", "hot", gpu=GPUS[0])]) == {
         "m-0": 'its GPUs are listed (gpus = [...]): only gpus = "auto" workers move'
     }
+
+
+def test_a_worker_a_reload_is_removing_is_judged_movable_by_its_own_placement() -> None:
+    """A reload scaled m to 1 while m-1 still runs on hot GPU-0 (its roll-out removes it
+    last; GPU-1 holds m-0, one worker a GPU): whether it can move is found by placing it, not
+    taken for granted. Regression:
+    placement left it out, which read as "it can move", and its restart then crashed the
+    supervisor's placement (KeyError)."""
+    m0, m1 = Runner("m-0", GPUS[1]), Runner("m-1", GPUS[0])
+    host, healer = setup("migrate", m0, m1)
+    group = host.settings.workers[0]
+    full = {"replicas": 1, "max_workers_per_gpu": 1}
+    host.settings = host.settings.model_copy(update={"workers": (group.model_copy(update=full),)})
+    hot = [Finding("thermal", "hot", gpu=GPUS[0])]
+    host.temperature(GPUS[2], 89)
+    assert healer._can_migrate([*hot, Finding("thermal", "hot", gpu=GPUS[2])]) == {"m-1": False}
+    host.temperature(GPUS[2], 50)
+    assert healer._can_migrate(hot) == {"m-1": True}
 
 
 def test_the_gpu_budget_is_per_gpu_for_a_worker_on_two() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from supervisor.config import parse_settings
 from supervisor.errors import PlacementError
-from supervisor.plan import CORDONED, SUSPECT, GpuSlot, build_plan, place
+from supervisor.plan import CORDONED, SUSPECT, GpuSlot, build_plan, covering, place
 
 
 def groups(*specs: dict[str, Any]) -> Any:
@@ -143,6 +143,22 @@ def test_auto_workers_are_placed_around_an_explicit_group_later_in_the_config() 
     assert got["b-0"] == ("GPU-0",)
     assert sorted(str(got[f"a-{i}"]) for i in range(3)) == ["('GPU-0',)", *["('GPU-1',)"] * 2]
     assert list(got) == ["a-0", "a-1", "a-2", "b-0"]  # in config order still
+
+
+def test_a_worker_past_its_groups_replicas_is_placed_and_counted() -> None:
+    """A reload scaled ``a`` to 1 while a-1 still runs (its roll-out removes it last): a-1,
+    restarting off a GPU that became unusable, is placed, and the GPU it holds counts for
+    the others. Regression: ``place`` left it out (KeyError: the supervisor crashed)."""
+    g = groups({"name": "a", "replicas": 1, "max_workers_per_gpu": 1}, {"name": "b"})
+    running = [("a", 0), ("a", 1), ("b", 0)]
+    assert "a-1" not in place(g, gpus(3), 0, fixed={"a-0": ("GPU-0",)}, only={"a-1"})
+    got = place(covering(g, running), gpus(3), 0, fixed={"a-0": ("GPU-0",)}, only={"a-1"})
+    assert got["a-1"] == ("GPU-1",)
+    fixed = {"a-0": ("GPU-0",), "a-1": ("GPU-1",)}
+    assert place(g, gpus(3), 0, fixed=fixed, only={"b-0"})["b-0"] == ("GPU-1",)  # uncounted
+    got = place(covering(g, running), gpus(3), 0, fixed=fixed, only={"b-0"})
+    assert got["b-0"] == ("GPU-2",)  # a-1 holds GPU-1: counted
+    assert covering(g, [("a", 0)]) == g  # nothing past the replicas: the same groups
 
 
 def test_a_gpu_listed_twice_is_one_gpu() -> None:

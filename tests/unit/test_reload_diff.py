@@ -119,6 +119,21 @@ def test_a_change_that_leaves_the_placement_settings_keeps_the_workers_on_their_
     assert d.same_placement == ("cmd",)
 
 
+def test_a_dirty_group_keeps_its_gpus_only_where_every_placement_it_ran_is_the_new_one() -> None:
+    """A roll-out of gpus [1] (from [0]) halted after moving a-0 to GPU 1: reloading the old
+    file ([0]) must place the group afresh (a-0 back onto GPU 0), while a halted roll-out of a
+    new command only leaves every worker on its GPUs. Regression: same_placement compared the
+    two files only, and a-0 stayed on GPU 1, a GPU its group no longer named."""
+    old = groups({"name": "a", "command": ["x"], "gpus": [0], "port_base": 9000})
+    moved = groups({"name": "a", "command": ["x"], "gpus": [1], "port_base": 9000})
+    cmd = groups({"name": "a", "command": ["x", "--v2"], "gpus": [0], "port_base": 9000})
+    d = diff_groups(old, old, dirty={"a"}, rolled={"a": moved})
+    assert d.changed == ("a",) and d.same_placement == ()
+    d = diff_groups(old, old, dirty={"a"}, rolled={"a": cmd})
+    assert d.same_placement == ("a",)
+    assert diff_groups(old, old, dirty={"a"}).same_placement == ("a",)
+
+
 def test_a_reload_keeps_the_automatic_ports_of_the_groups() -> None:
     """Groups without port_base keep the ports they run with where they still fit; the groups
     that keep or shrink their range go first, a group that grows into another's moves."""
