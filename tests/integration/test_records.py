@@ -24,7 +24,7 @@ from tests.harness import Supervisor, alive, stuck_holder, wait_dead, worker_cmd
 from tests.schemas import validate_file
 
 #: SIGKILLs of the supervisor in the churn test (the bench script runs more).
-CHURN_KILLS = int(os.environ.get("GPU_SUPERVISOR_CHURN_KILLS", "30"))
+CHURN_KILLS = int(os.environ.get("GPU_SUPERVISOR_CHURN_KILLS", "15"))
 
 
 def group(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
