@@ -330,6 +330,34 @@ def test_a_reload_of_a_new_command_keeps_each_worker_on_its_gpu(
     assert sup.stop() == 0
 
 
+def two_of_g(
+    supervisor: SupervisorFactory, tmp_path: Path, **extra: Any
+) -> tuple[Supervisor, dict[str, Any], int, int]:
+    """A supervisor with g-0 and g-1 ready (env V=1, stable_s 3, plus ``extra``): it, its
+    config, g-1's pid and the mark after both are ready."""
+    g = {
+        "name": "g",
+        "replicas": 2,
+        "command": worker_cmd("gpu_user", "100"),
+        "env": {"V": "1"},
+        "restart": {"stable_s": 3},
+        **extra,
+    }
+    cfg = config(tmp_path, g)
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    g1 = int(sup.ready("g-1")["pid"])
+    return sup, cfg, g1, sup.mark()
+
+
+def assert_workers_after_the_reload(sup: Supervisor, names: list[str]) -> None:
+    """The supervisor lived through the reload, has just ``names``, and stops cleanly."""
+    assert not sup.find(event="supervisor.crashed")
+    with sup.api() as http:
+        assert [w["name"] for w in http.get("/api/v1/workers").json()] == names
+    assert sup.stop() == 0
+
+
 def test_a_worker_a_reload_removes_restarts_off_a_cordoned_gpu_during_the_roll_out(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -338,19 +366,7 @@ def test_a_worker_a_reload_removes_restarts_off_a_cordoned_gpu_during_the_roll_o
     restarted: it is placed as any worker (no other GPU has room: it restarts on its cordoned
     one), and the roll-out ends as it should. Regression: its placement left it out (the new
     plan has no g-1): KeyError, and the supervisor crashed with every worker."""
-    g = {
-        "name": "g",
-        "replicas": 2,
-        "command": worker_cmd("gpu_user", "100"),
-        "env": {"V": "1"},
-        "max_workers_per_gpu": 1,
-        "restart": {"stable_s": 3},
-    }
-    cfg = config(tmp_path, g)
-    sup = supervisor(cfg)
-    sup.ready("g-0")
-    g1 = sup.ready("g-1")["pid"]
-    mark = sup.mark()
+    sup, cfg, g1, mark = two_of_g(supervisor, tmp_path, max_workers_per_gpu=1)
     sup.write_config({**cfg, "workers": [{**cfg["workers"][0], "replicas": 1, "env": {"V": "2"}}]})
     sup.signal(signal.SIGHUP)
     sup.ready("g-0", after=mark)  # replaced: the roll-out waits stable_s before g-1 goes
@@ -362,10 +378,7 @@ def test_a_worker_a_reload_removes_restarts_off_a_cordoned_gpu_during_the_roll_o
     assert again["pid"] != g1
     sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
     sup.wait_event(event="worker.state", worker="g-1", new="stopped", after=mark)
-    assert not sup.find(event="supervisor.crashed")
-    with sup.api() as http:
-        assert [w["name"] for w in http.get("/api/v1/workers").json()] == ["g-0"]
-    assert sup.stop() == 0
+    assert_workers_after_the_reload(sup, ["g-0"])
 
 
 def test_a_worker_waiting_its_turn_when_a_reload_removes_its_group_is_not_placed_by_it(
@@ -401,10 +414,7 @@ def test_a_worker_waiting_its_turn_when_a_reload_removes_its_group_is_not_placed
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="supervisor.reload", removed=["b", "a"], after=mark)
     sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
-    assert not sup.find(event="supervisor.crashed")
-    with sup.api() as http:
-        assert [w["name"] for w in http.get("/api/v1/workers").json()] == ["slow-0"]
-    assert sup.stop() == 0
+    assert_workers_after_the_reload(sup, ["slow-0"])
 
 
 def test_rolling_back_a_superseded_roll_out_that_moved_a_worker_onto_a_gpu_moves_it_back(
@@ -416,19 +426,7 @@ def test_rolling_back_a_superseded_roll_out_that_moved_a_worker_onto_a_gpu_moves
     reached) is left alone. Regression: the two files' placement settings were the same, so
     g-0 kept the GPU the superseded roll-out had given it: CUDA_VISIBLE_DEVICES set for a group
     of gpus = "none" (likewise a halted roll-out of another GPU list, rolled back)."""
-    g = {
-        "name": "g",
-        "replicas": 2,
-        "command": worker_cmd("gpu_user", "100"),
-        "env": {"V": "1"},
-        "gpus": "none",
-        "restart": {"stable_s": 3},
-    }
-    cfg = config(tmp_path, g)
-    sup = supervisor(cfg)
-    sup.ready("g-0")
-    g1 = sup.ready("g-1")["pid"]
-    mark = sup.mark()
+    sup, cfg, g1, mark = two_of_g(supervisor, tmp_path, gpus="none")
     on_gpus = {**cfg["workers"][0], "gpus": "auto", "env": {"V": "2"}}
     sup.write_config({**cfg, "workers": [on_gpus]})
     sup.signal(signal.SIGHUP)
