@@ -17,10 +17,12 @@ venv: $(BIN)/gpu-supervisor
 demo: venv
 	$(BIN)/gpu-supervisor run -c examples/demo.toml
 
-## test: lint, type-check, layering contracts, then the whole test suite (two at a time: most
-## tests wait on real processes; tests whose workers bind fixed ports share an xdist_group)
+## test: lint, type-check, layering contracts, then the whole test suite (three at a time on two
+## cores: most
+## tests wait on real processes, 8:07 with two, 6:36 with three; tests whose workers bind fixed
+## ports share an xdist_group)
 test: venv lint typecheck
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
 lint: venv
 	$(BIN)/ruff check supervisor tests bench examples scripts/gpu-smoke

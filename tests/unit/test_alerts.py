@@ -349,7 +349,9 @@ async def test_a_hanging_webhook_times_out_and_blocks_nothing() -> None:
         elapsed = anyio.current_time() - started
         tg.cancel_scope.cancel()
     assert 0.19 <= elapsed < 1.0
-    assert ticks >= 0.5 * elapsed / 0.01  # the loop kept running meanwhile
+    # the loop kept running meanwhile (blocked, it would tick once or not at all; a busy
+    # machine running tests side by side slows the ticks, so a quarter of them is asked)
+    assert ticks >= 0.25 * elapsed / 0.01
     assert len(hook.requests) == 1 and hook.bodies == []
 
 
