@@ -4,7 +4,11 @@ token), with their exit codes."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,20 @@ from tests.harness import worker_cmd
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 TOKEN = "cli-token"  # noqa: S105 - test data
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A throwaway HTTP server on a free loopback port (not a supervisor): its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -483,8 +501,6 @@ def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
 ) -> None:
     """Regression: ``status``/``health`` with --url at another server (its own JSON, or text)
     were tracebacks (AttributeError, TypeError, JSONDecodeError)."""
-    import http.server
-    import threading
 
     class Other(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -497,19 +513,11 @@ def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(Other) as url:
         for argv in (("status",), ("health",), ("status", "--json")):
             code, _, err = run(capsys, *argv, "--url", url)
             assert code == 1 and "is not a gpu-supervisor's" in err, (argv, err)
             assert err.count("\n") <= 1, err
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def test_an_answer_that_cannot_be_decoded_is_said_in_one_line(
@@ -518,8 +526,6 @@ def test_an_answer_that_cannot_be_decoded_is_said_in_one_line(
     """A server (a proxy in front of the supervisor) that says ``Content-Encoding: gzip`` of a
     body that is not gzip. Regression: httpx's DecodingError, which is no transport error,
     went out of every client command as a traceback."""
-    import http.server
-    import threading
 
     class Garbled(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -534,19 +540,11 @@ def test_an_answer_that_cannot_be_decoded_is_said_in_one_line(
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbled)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(Garbled) as url:
         for argv in (("status",), ("status", "--json"), ("health",), ("logs", "w-0")):
             code, out, err = run(capsys, *argv, "--url", url)
             assert code == 1 and not out, (argv, out)
             assert "cannot be read" in err and err.count("\n") <= 1, (argv, err)
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def test_postmortem_show_escapes_what_a_terminal_would_act_on(
