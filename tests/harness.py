@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.server
 import json
 import os
 import signal
@@ -477,3 +478,19 @@ def most_not_ready(states: Sequence[Mapping[str, Any]]) -> int:
             down.add(e["worker"])
         worst = max(worst, len(down))
     return worst
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A throwaway HTTP server (threaded, on a free loopback port) answering with ``handler``:
+    its base URL; shut down afterwards."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -4,11 +4,8 @@ token), with their exit codes."""
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +15,10 @@ from supervisor.cli import main
 from tests.conftest import SupervisorFactory
 from tests.harness import client as cli_client
 from tests.harness import run_cli as cli
-from tests.harness import worker_cmd
+from tests.harness import serving, worker_cmd
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 TOKEN = "cli-token"  # noqa: S105 - test data
-
-
-@contextlib.contextmanager
-def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A throwaway HTTP server on a free loopback port (not a supervisor): its URL."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from supervisor.worker import _ask
+from tests.harness import serving
 
 
 class _Trickle(http.server.BaseHTTPRequestHandler):
@@ -36,16 +37,8 @@ class _Trickle(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def trickle() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/health"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(_Trickle) as url:
+        yield url + "/health"
 
 
 def test_a_probe_gives_up_at_liveness_timeout_s_in_all(trickle: str) -> None:
