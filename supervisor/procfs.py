@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _PAGE_MB = os.sysconf("SC_PAGE_SIZE") / (1024 * 1024)
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -305,6 +308,50 @@ def adopted_by(pid: int, start_ticks: int, leaders: Mapping[int, str], var: str)
             st = read_stat(leader)
             if st is not None and not st.zombie and st.start_ticks <= start_ticks:
                 return worker
+    return None
+
+
+#: How far up from a sender the owner walk goes (a deeper tree is nobody's).
+ANCESTORS_MAX = 64
+#: How many times the walk starts again from the sender when an ancestor it was about to read
+#: exited (and was reaped) under it: its children were re-parented, so a fresh walk sees them.
+WALK_RESTARTS = 3
+
+
+def owner_of(
+    pid: int,
+    mains: Mapping[int, T],
+    me: int,
+    adopt: Callable[[int, int], T | None],
+    read: Callable[[int], ProcStat | None] = read_stat,
+) -> T | None:
+    """Whose process ``pid`` is: the owner of ``mains`` (main pid -> owner) it is, or descends
+    from, or, once the walk up reaches a process re-parented to ``me`` (a daemon that
+    double-forked, ``me`` its subreaper or PID 1), ``adopt(pid, start_ticks)`` of that process.
+
+    Reads nothing when ``pid`` is a main process. An ancestor that exits while the walk reads
+    the chain (the process between a double-forked daemon and its launcher exits the moment it
+    forked) breaks the chain for this walk only: the walk starts again from ``pid``, whose
+    parent is by then the process that adopted it.
+    """
+    current = pid
+    restarts = 0
+    for _ in range(ANCESTORS_MAX + WALK_RESTARTS):
+        owner = mains.get(current)
+        if owner is not None:
+            return owner
+        st = read(current)
+        if st is None:
+            if current == pid or restarts >= WALK_RESTARTS:
+                return None  # the sender itself is gone (or /proc is unreadable)
+            restarts += 1
+            current = pid
+            continue
+        if st.ppid <= 0 or st.ppid == current:
+            return None
+        if st.ppid == me:
+            return adopt(current, st.start_ticks)
+        current = st.ppid
     return None
 
 

@@ -166,8 +166,6 @@ RECLAIM_WAIT_S = TERM_WAIT_S + RECLAIM_KILL_WAIT_S + 1.0
 #: How many times an exited worker's leftovers are looked for among our children (a dying
 #: member hands its children to us as it dies: one more read finds them).
 LEFTOVER_ROUNDS = 4
-#: How far up a notify sender's ancestry its worker is looked for.
-ANCESTORS_MAX = 64
 #: How often the shared notify socket's file is looked for (seconds; bound again if gone).
 SHARED_CHECK_EVERY_S = 10.0
 #: Datagrams read at most from the notify socket before a worker's deadline is judged.
@@ -1461,21 +1459,13 @@ class Runtime:
         re-parented to the supervisor (a daemon that double-forked) its worker owns.
 
         Reads nothing from ``/proc`` when ``pid`` is a worker's main process."""
-        me = os.getpid()
-        current = pid
-        for _ in range(ANCESTORS_MAX):
-            runner = self._pids.get(current)
-            if runner is not None:
-                return runner
-            st = procfs.read_stat(current)  # None: gone (or /proc unreadable)
-            if st is None or st.ppid <= 0 or st.ppid == current:
-                return None
-            if st.ppid == me:  # an orphan of ours (we are no worker): whose is it?
-                main = {p: r.name for p, r in self._pids.items()}
-                name = procfs.adopted_by(current, st.start_ticks, main, WORKER_VAR)
-                return None if name is None else self.runners.get(name)
-            current = st.ppid
-        return None
+
+        def adopt(orphan: int, start_ticks: int) -> WorkerRunner | None:
+            main = {p: r.name for p, r in self._pids.items()}
+            name = procfs.adopted_by(orphan, start_ticks, main, WORKER_VAR)
+            return None if name is None else self.runners.get(name)
+
+        return procfs.owner_of(pid, self._pids, os.getpid(), adopt)
 
     def _on_orphan(self, reaped: Reaped) -> None:
         # A worker whose children double-fork in a loop makes thousands a second: one line a
