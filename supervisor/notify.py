@@ -116,6 +116,17 @@ def _own_directory(path: Path, mode: int) -> None:
         os.close(fd)
 
 
+def answers(path: Path) -> bool:
+    """True when a socket bound at ``path`` has a live listener (another supervisor serves
+    it); False for a stale file (its supervisor was killed), none, or anything else there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(os.fspath(path))  # sends nothing
+        except OSError:
+            return False
+    return True
+
+
 class NotifyListener:
     """Owns the socket; ``serve()`` delivers messages to ``on_message`` until cancelled."""
 

@@ -68,6 +68,7 @@ from supervisor.notify import (
     SHARED_SOCKET_MODE,
     NotifyListener,
     NotifyMessage,
+    answers,
     others_may_replace,
     shared_socket_path,
     socket_path_for,
@@ -300,6 +301,7 @@ class Runtime:
         #: rolled onto some of its workers, while it is dirty (in ``_halted``)
         self._halted_defs: dict[str, list[WorkerGroup]] = {}
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
+        self._lock_lost: str | None = None  # why state_dir could not be locked again
         #: held while the lock fd is written to (writer thread) or replaced (the loop)
         self._state_lock_guard = threading.Lock()
         self._instance: str | None = None  # state_dir's id, in the workers' environment
@@ -871,6 +873,7 @@ class Runtime:
     def _on_sample(self, sample: Sample) -> None:
         self.loop_alive_at = self.clock.now()
         self._check_notify_socket()
+        self._check_lock_file()
         self._check_shared_socket(self.loop_alive_at)
         wall = self.clock.wall() - (self.clock.now() - sample.t)
         for name, usage in sample.workers.items():
@@ -1627,6 +1630,15 @@ class Runtime:
                 reason="cannot lock state_dir: a second supervisor with it would not be refused, "
                 "and leftovers are found only from state.json",
             )
+        if answers(self.notify_path):
+            # Locked though another supervisor runs here (its lock file was removed under
+            # it, no locks on this filesystem): its socket answers. Stop before its socket
+            # is bound anew and its workers are reclaimed as a killed predecessor's.
+            raise StateDirBusy(
+                f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor (its "
+                f"notify socket {self.notify_path} answers): give each supervisor a state_dir "
+                "of its own"
+            )
         try:
             self.listener.open()
         except OSError as exc:
@@ -1873,20 +1885,43 @@ class Runtime:
             self._instance_unsaved = False
             self.log.info("records.instance_saved", path=os.fspath(state_dir / INSTANCE_FILE))
 
-    def _relock_state_dir(self) -> None:
+    def _lock_in_place(self) -> bool:
+        """True while ``state_dir/lock`` is the file we hold locked (a ``stat``)."""
+        if self._state_lock is None:
+            return False
+        with contextlib.suppress(OSError):
+            here = os.stat(self.settings.supervisor.state_dir / LOCK_FILE)
+            held = os.fstat(self._state_lock)
+            return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+        return False
+
+    def _check_lock_file(self) -> None:
+        """Lock ``state_dir`` again where its lock file alone went (a temporary-file cleaner
+        ages it out: it is written once, at start). Regression: it was not made again, and a
+        second supervisor started there killed our workers as orphans. A ``stat`` a sample;
+        nothing where ``state_dir`` could not be locked at start."""
+        if self._state_lock is None or self._lock_in_place():
+            return
+        if self._relock_state_dir() and self._lock_in_place():
+            self.log.warning(
+                "records.relocked",
+                path=os.fspath(self.settings.supervisor.state_dir / LOCK_FILE),
+                reason="the lock file was removed: made and locked again",
+            )
+
+    def _relock_state_dir(self) -> bool:
+        """Lock ``state_dir`` again (its lock file is gone); False where nothing changed."""
         state_dir = self.settings.supervisor.state_dir
-        if self._state_lock is not None:
-            with contextlib.suppress(OSError):
-                here = os.stat(state_dir / LOCK_FILE)
-                held = os.fstat(self._state_lock)
-                if (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino):
-                    return  # our lock file is still there (only a subdirectory went)
+        if self._lock_in_place():
+            return False  # our lock file is still there (only a subdirectory went)
         try:
             fd = lock_state_dir(state_dir)
         except StateDirBusy as exc:  # another supervisor started there meanwhile
-            self.log.error(  # noqa: TRY400 - one line, no traceback
-                "records.lock_lost", path=os.fspath(state_dir), error=str(exc)
-            )
+            if str(exc) != self._lock_lost:  # said once, not at each sample
+                self.log.error(  # noqa: TRY400 - one line, no traceback
+                    "records.lock_lost", path=os.fspath(state_dir), error=str(exc)
+                )
+            self._lock_lost = str(exc)
             fd = None
         if fd is not None:
             with self._state_lock_guard:
@@ -1896,6 +1931,8 @@ class Runtime:
                     os.close(old)  # the lock of the removed file: held by no one else's name
             if self._instance is not None:
                 instance_id(state_dir, keep=self._instance)  # what our workers carry
+            self._lock_lost = None
+        return fd is not None
 
     def _on_log_health(self, exc: OSError | None) -> None:
         if exc is None:

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -464,6 +465,56 @@ def test_a_second_supervisor_on_the_same_state_dir_refuses_to_start(
     assert first.stop() == 0
     third = supervisor({"workers": [group("v", "ready_then_sleep")]})
     third.ready("v-0")  # the lock went with the first
+    assert third.stop() == 0
+
+
+def test_a_removed_lock_file_is_made_and_locked_again(supervisor: SupervisorFactory) -> None:
+    """Regression: ``state_dir/lock`` removed alone (a temporary-file cleaner ages it out: it is
+    written once, at start) was not made again, and a second supervisor started on the same
+    state_dir: it took the first one's live workers for orphans and killed them."""
+    first = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    first.ready("w-0")
+    pid = first.wait_event(event="worker.spawned", worker="w-0")["pid"]
+    lock = first.state_dir / "lock"
+    lock.unlink()
+
+    def relocked() -> bool:
+        with contextlib.suppress(OSError):
+            return lock.read_text().strip() == str(first.pid)
+        return False
+
+    first.wait_until(relocked, "the lock file made again with the first supervisor's pid")
+    first.wait_event(event="records.relocked")
+    second = supervisor({"workers": [group("v", "ready_then_sleep")]})
+    assert second.wait_exit() == 1
+    assert "is in use by another gpu-supervisor" in second.raw_stderr[-1], second.raw_stderr
+    assert alive(pid)
+    assert first.stop() == 0
+
+
+def test_a_live_notify_socket_refuses_a_supervisor_that_got_the_lock(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: where the lock could be taken though another supervisor runs there (its lock
+    file was removed under it, a filesystem without locks), the notify socket it serves was
+    removed and bound anew, and its workers were reclaimed as orphans. A socket that answers is
+    a live supervisor's: the second one stops before touching anything."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    path = state_dir / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as live:
+        live.bind(os.fspath(path))
+        before = path.stat().st_ino
+        second = supervisor({"workers": [group("v", "ready_then_sleep")]})
+        assert second.wait_exit() == 1
+        line = second.raw_stderr[-1] if second.raw_stderr else ""
+        assert f"state_dir {state_dir} is in use by another gpu-supervisor" in line, line
+        assert "notify.sock answers" in line, line
+        assert path.stat().st_ino == before  # not removed and bound anew
+        assert not second.find(event="worker.spawned")
+    # a stale socket (its supervisor was killed) is no obstacle
+    third = supervisor({"workers": [group("v", "ready_then_sleep")]})
+    third.ready("v-0")
     assert third.stop() == 0
 
 
