@@ -205,7 +205,8 @@ class RuntimeCollector(Collector):
         )
         oom = _gauge(
             "worker_projected_oom_seconds",
-            "Seconds until the worker is projected to hit its budget or the GPU's memory.",
+            "Seconds until the worker is projected to hit its budget or the GPU's memory (only "
+            "while a leak is suspected).",
             WORKER_LABELS,
         )
         index_of = {i.uuid: str(i.index) for i in rt.sampler.identities}

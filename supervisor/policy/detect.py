@@ -276,7 +276,10 @@ def judge_leak(
         return NO_VERDICT
     per_s = chosen.slope / 60.0
     projected: float | None = None
-    if headroom_mb is not None and per_s > 0:
+    if best is not None and headroom_mb is not None and per_s > 0:
+        # only for growth judged a leak: a projection on a flat trace's noise slope (a worker
+        # whose cache fills its GPU: little headroom) fired the projected-OOM alert, which
+        # says the supervisor acts, while it never would
         projected = max(0.0, headroom_mb) / per_s
     act = best is not None and projected is not None and projected <= settings.horizon_s
     return LeakVerdict(

@@ -314,6 +314,19 @@ def test_act_needs_suspicion() -> None:
     assert not any(v.act for _, v in verdicts)
 
 
+def test_slow_growth_below_the_threshold_projects_nothing() -> None:
+    """Regression: a worker whose floor creeps up slower than ``leak_min_mb_per_min`` (2 MiB/min
+    against 10: not a leak) on a GPU its cache all but fills (20 MiB of headroom) was projected
+    to run out in 10 minutes: ``worker_projected_oom_seconds`` went under 600 and the
+    projected-OOM alert, which says the supervisor acts, fired though it never would. Nothing
+    is projected for growth not judged a leak."""
+    verdicts = run(ramp(7000.0, 2.0, SINCE, 1.0), until=SINCE + 600, headroom_mb=20.0)
+    assert not any(v.suspected or v.act for _, v in verdicts)
+    slopes = [v.slope_mb_per_min for _, v in verdicts if v.slope_mb_per_min is not None]
+    assert slopes and max(slopes) > 1.0  # the growth is seen, and published as a slope
+    assert all(v.projected_oom_s is None for _, v in verdicts)
+
+
 def test_releases_show_the_floor_a_leak_raises() -> None:
     """A cache released every 90 s (empty_cache): the dips rise with the leak."""
     start = SINCE + 200
