@@ -721,8 +721,13 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         if names and all(n in rt.removing for n in names):
             raise _problem(409, f"cannot {command} group {group}: a reload is removing it")
         names = [n for n in names if n not in rt.removing]
-        states = [rt.runners[n].state for n in names]
-        why = group_refusal(command, states)
+        runners = [rt.runners[n] for n in names]
+        why = group_refusal(
+            command,
+            [r.state for r in runners],
+            stopping=[r.record.after_exit is lc.AfterExit.STOP for r in runners],
+            has_process=[r.record.pid is not None for r in runners],
+        )
         if why is not None:
             raise _problem(409, f"cannot {command} group {group}: {why}")
         rt.submit(WorkerCommand(group, _event(command)))

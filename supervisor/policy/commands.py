@@ -49,11 +49,24 @@ def refusal(
     return None
 
 
-def group_refusal(command: Command, states: Sequence[WorkerState]) -> str | None:
-    """For a whole group: refused only when the command is impossible for every worker."""
+def group_refusal(
+    command: Command,
+    states: Sequence[WorkerState],
+    *,
+    stopping: Sequence[bool] | None = None,
+    has_process: Sequence[bool] | None = None,
+) -> str | None:
+    """For a whole group: refused only when the command is impossible for every worker (each
+    judged as :func:`refusal` judges it: ``stopping`` and ``has_process`` per worker, in the
+    order of ``states``; not given: not stopping, with a process)."""
     if not states:
         return "group has no workers"
-    reasons = [refusal(command, s) for s in states]
+    stops = stopping if stopping is not None else [False] * len(states)
+    procs = has_process if has_process is not None else [True] * len(states)
+    reasons = [
+        refusal(command, s, stopping=st, has_process=p)
+        for s, st, p in zip(states, stops, procs, strict=True)
+    ]
     if all(r is not None for r in reasons):
         return f"{command} is impossible for every worker of the group ({reasons[0]})"
     return None

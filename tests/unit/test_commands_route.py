@@ -71,6 +71,18 @@ def test_group_refused_only_when_impossible_for_all() -> None:
     assert group_refusal("stop", []) == "group has no workers"
 
 
+def test_group_refusal_weighs_what_the_worker_form_weighs() -> None:
+    """Regression: a group's drain while every worker already drains to a stop, or its restart
+    while every worker is about to start without a process, answered 202 and did nothing,
+    where the same command on each worker answers 409."""
+    reason = group_refusal("drain", [S.DRAINING, S.DRAINING], stopping=[True, True])
+    assert reason is not None and "already draining" in reason
+    assert group_refusal("drain", [S.DRAINING, S.DRAINING], stopping=[True, False]) is None
+    reason = group_refusal("restart", [S.STARTING], has_process=[False])
+    assert reason is not None and "no process yet" in reason
+    assert group_refusal("restart", [S.STARTING, S.READY], has_process=[False, True]) is None
+
+
 G0, G1, G2 = "GPU-0", "GPU-1", "GPU-2"
 
 
