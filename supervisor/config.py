@@ -1101,14 +1101,22 @@ def load_settings(
     held_ports: Mapping[str, Sequence[range]] | None = None,
     *,
     data: Mapping[str, Any] | None = None,
+    refuse_empty: bool = False,
 ) -> Settings:
     """Read and validate the TOML file at ``path``; raise ``ConfigError`` with one line.
 
     ``keep_ports``: the ports the groups run with (a reload): see ``keep_port_bases``.
     ``data``: the file's TOML as :func:`read_config` read it before (then it is not read
-    again: what was checked then is what is applied)."""
+    again: what was checked then is what is applied). ``refuse_empty``: a file with nothing in
+    it is refused (a reload: it would remove every group, and is rather a write cut short;
+    ``workers = []`` says it on purpose)."""
     source = str(path)
     data = read_config(path) if data is None else dict(data)
+    if refuse_empty and not data:
+        raise ConfigError(
+            f"{source}: the config file is empty (a write cut short?): a reload to it would "
+            "stop every worker; to remove every group on purpose, write workers = []"
+        )
     _check_toml_types(data, Settings, "", source)
     if keep_ports:
         data = keep_port_bases(data, keep_ports, held_ports)

@@ -2785,7 +2785,9 @@ class Runtime:
         try:
             data = await in_thread(read_config, path)
             new = await in_thread(
-                functools.partial(load_settings, path, *self._ports_in_use(), data=data)
+                functools.partial(
+                    load_settings, path, *self._ports_in_use(), data=data, refuse_empty=True
+                )
             )
         except (ThreadUnavailable, ConfigError) as exc:
             return str(exc), None, {}
@@ -2825,7 +2827,9 @@ class Runtime:
         try:
             # groups with automatic ports keep theirs where they still fit
             ports = self._ports_in_use()
-            new = await in_thread(functools.partial(load_settings, path, *ports, data=data))
+            new = await in_thread(
+                functools.partial(load_settings, path, *ports, data=data, refuse_empty=True)
+            )
         except ThreadUnavailable as exc:
             self.log.error("supervisor.reload_rejected", reason="no thread", error=str(exc))  # noqa: TRY400
             self._journal_reload(request, False, reason="no thread", error=str(exc))

@@ -278,6 +278,26 @@ def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactor
     assert sup.stop() == 0
 
 
+def test_a_reload_of_an_empty_file_is_rejected(supervisor: SupervisorFactory) -> None:
+    """Regression: a reload that read the config file empty (a write cut short, a deploy that
+    truncates before it writes) removed every group and stopped every worker. An empty file is
+    refused on a reload; ``workers = []`` still removes them all on purpose."""
+    sup = supervisor({"workers": [g("keep")]})
+    sup.ready("keep-0")
+    mark = sup.mark()
+    sup.config_path.write_text("\n  \n")
+    sup.signal(signal.SIGHUP)
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert "the config file is empty" in rejected["error"], rejected
+    assert "workers = []" in rejected["error"]
+    assert not sup.find(event="worker.state", worker="keep-0", new="stopping", after=mark)
+    mark = sup.mark()
+    sup.write_config({"workers": []})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.state", worker="keep-0", new="stopped", after=mark)
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize(("running", "written"), [("None", None), ("True", True)])
 def test_a_reload_whose_group_name_is_missing_or_no_string_is_rejected(
     supervisor: SupervisorFactory, running: str, written: object
