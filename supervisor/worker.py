@@ -41,6 +41,10 @@ HEALTH_TIMEOUT_S = 5.0
 #: ``_next_event``), and the heartbeats of the stall get ``STALL_GRACE_S`` to come in.
 LATE_S = 0.25
 STALL_GRACE_S = 0.5
+#: A health probe reads at most this much of an answer's body (as it came, not decompressed):
+#: a URL that streams (server-sent events, a download) must not fill the supervisor's memory,
+#: nor keep its 200 from counting.
+PROBE_BODY_MAX = 64 * 1024
 
 
 class HttpProbes:
@@ -627,7 +631,7 @@ class WorkerRunner:
         # ``Spawned`` and this task may run before the record has the pid.
         while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
             try:
-                response = await client.get(url, timeout=HEALTH_TIMEOUT_S)
+                status = await _get(client, url, HEALTH_TIMEOUT_S)
             except httpx.TimeoutException:
                 self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
             except httpx.HTTPError as exc:
@@ -637,10 +641,10 @@ class WorkerRunner:
                 self.last_probe = f"cannot be asked: {exc!r}"
                 return
             else:
-                if response.is_success:
+                if 200 <= status < 300:
                     self.post(lc.Ready(pid))
                     return
-                self.last_probe = f"HTTP {response.status_code}"
+                self.last_probe = f"HTTP {status}"
             await anyio.sleep(HEALTH_POLL_S)
 
     def _start_liveness(self, pid: int) -> None:
@@ -741,12 +745,12 @@ async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]
     import httpx
 
     timed_out = False, f"timed out after {timeout:g} s"
-    response = None
+    status = None
     try:
         # the timeout bounds the whole probe (redirects, a body that trickles in), not only
         # each connect and read as httpx's own does
         with anyio.move_on_after(timeout):
-            response = await client.get(url, timeout=timeout)
+            status = await _get(client, url, timeout)
     except httpx.TimeoutException:
         return timed_out
     except httpx.HTTPError as exc:
@@ -755,9 +759,22 @@ async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]
         return False, connection_reason(exc)[:200]
     except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
         return None, repr(exc)[:200]
-    if response is None:
+    if status is None:
         return timed_out
-    return response.is_success, f"HTTP {response.status_code}"
+    return 200 <= status < 300, f"HTTP {status}"
+
+
+async def _get(client: Any, url: str, timeout: float) -> int:
+    """GET ``url``: the status, once the answer's body has ended or ``PROBE_BODY_MAX`` bytes of
+    it came (the rest is not read: the connection is closed)."""
+    async with client.stream("GET", url, timeout=timeout) as response:
+        read = 0
+        async for chunk in response.aiter_raw():
+            read += len(chunk)
+            if read >= PROBE_BODY_MAX:
+                break
+        status: int = response.status_code
+        return status
 
 
 def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:

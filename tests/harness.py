@@ -494,3 +494,24 @@ def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+class Flood(http.server.BaseHTTPRequestHandler):
+    """A 200 whose body never ends (a URL that streams: server-sent events, a download): 64 MiB
+    of it as fast as it goes (the tests' own bound), then the connection held open a while."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Connection", "close")
+        self.end_headers()
+        chunk = b"x" * 65536
+        try:
+            for _ in range(1024):
+                self.wfile.write(chunk)
+            self.wfile.flush()
+            time.sleep(10)  # the server's pace, not a test waiting (its thread is a daemon)
+        except OSError:
+            return  # the prober gave up
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass

@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.runtime import SIGNAL_REPEAT_S
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, alive, stuck, wait_dead, worker_cmd
+from tests.harness import Flood, Supervisor, alive, serving, stuck, wait_dead, worker_cmd
 
 
 def ts(event: dict[str, Any]) -> float:
@@ -243,6 +243,20 @@ def test_http_readiness_follows_a_redirect_and_says_its_last_answer(
     doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
     assert doc["evidence"]["last_probe"] == "HTTP 503"
     assert sup.stop() == 0
+
+
+def test_http_readiness_reads_no_more_of_an_endless_answer_than_it_needs(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: the readiness probe read the whole body of the health URL's answer: one that
+    streams (a misconfigured URL: server-sent events, a download) grew the supervisor's memory
+    without bound, and its 200 never made the worker ready. The status is what counts."""
+    with serving(Flood) as url:
+        sup = supervisor(
+            {"workers": [group("web", "ready_then_sleep", ready=url + "/health")]},
+        )
+        sup.ready("web-0", timeout=3.0)
+        assert sup.stop() == 0
 
 
 def test_environment_and_placeholders(supervisor: SupervisorFactory) -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from supervisor.worker import _ask
-from tests.harness import serving
+from tests.harness import Flood, serving
 
 
 class _Trickle(http.server.BaseHTTPRequestHandler):
@@ -55,6 +55,24 @@ def test_a_probe_gives_up_at_liveness_timeout_s_in_all(trickle: str) -> None:
     answer = anyio.run(probe)
     assert answer == (False, "timed out after 0.5 s")
     assert time.monotonic() - began < 2.0
+
+
+def test_a_probe_reads_no_more_of_an_endless_answer_than_it_needs() -> None:
+    """Regression: a probe read the whole body of the answer into memory: a liveness or
+    readiness URL that streams (or answers with a huge body) grew the supervisor by what came
+    in within the timeout, and a 200 that never ended was judged a timeout (a healthy worker
+    restarted as hung). Only the start of the body is read; the status says it."""
+
+    async def probe() -> tuple[bool | None, str] | None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            with anyio.fail_after(5):  # the test's own bound
+                return await _ask(client, url + "/health", 1.0)
+
+    with serving(Flood) as url:
+        began = time.monotonic()
+        answer = anyio.run(probe)
+    assert answer == (True, "HTTP 200")
+    assert time.monotonic() - began < 0.9
 
 
 class _Cookies(http.server.BaseHTTPRequestHandler):
