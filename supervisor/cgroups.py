@@ -186,6 +186,8 @@ class WorkerCgroups:
         #: kept past ``kill``, for the post-mortem of the process that died)
         self._given: set[str] = set()
         self._leftover: set[str] = set()  # removed workers whose directory is still there
+        #: worker -> the budget (MiB, 0: none) its last spawn was given, where memory.max is used
+        self._budgets: dict[str, float] = {}
 
     def path(self, worker: str) -> Path | None:
         """The worker's cgroup directory (None when not used)."""
@@ -210,6 +212,8 @@ class WorkerCgroups:
         """
         self._placed.discard(worker)
         self._given.discard(worker)
+        if self.support.memory:
+            self._budgets[worker] = max(memory_max_mb, 0.0)
         path = self.path(worker)
         limited = self.support.memory and memory_max_mb > 0
         if path is None or not (limited or self.support.contain):
@@ -228,11 +232,21 @@ class WorkerCgroups:
         self._given.add(worker)
         return path
 
+    def budget_differs(self, worker: str, memory_max_mb: float) -> bool:
+        """Whether ``worker``'s last spawn was given another ``memory.max`` than a budget of
+        ``memory_max_mb`` gives (a process keeps the one it started under); False where
+        memory.max is not used."""
+        if not self.support.memory:
+            return False
+        return self._budgets.get(worker, 0.0) != max(memory_max_mb, 0.0)
+
     def place(self, worker: str, pid: int, memory_max_mb: float | None = None) -> bool:
         """Make sure ``pid`` is in the worker's cgroup (it joins before exec; a failure there
         is mended here); False when it has none. ``memory_max_mb``: :meth:`prepare` first."""
-        path = self.prepare(worker, memory_max_mb) if memory_max_mb is not None else None
-        path = path or self.path(worker)
+        if memory_max_mb is not None:
+            path = self.prepare(worker, memory_max_mb)
+        else:  # only the cgroup prepared for this process: not one an earlier budget left
+            path = self.path(worker) if worker in self._given else None
         if path is None or not path.is_dir():
             return False
         try:
@@ -291,6 +305,7 @@ class WorkerCgroups:
         exiting: :meth:`sweep` tries again)."""
         self._placed.discard(worker)
         self._given.discard(worker)
+        self._budgets.pop(worker, None)
         path = self.path(worker)
         if path is None:
             return True

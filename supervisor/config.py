@@ -58,6 +58,9 @@ MAX_PORT = 65535
 #: ``[[workers]] user``: a user (name or number) and optionally ``:`` a group (POSIX portable
 #: names, plus the trailing ``$`` of machine accounts).
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?(:[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?)?")
+#: The largest user or group number (``uid_t``/``gid_t`` are 32 bits; the top one, -1, means
+#: "leave unchanged" to setresuid/setresgid).
+MAX_ID = 2**32 - 2
 _GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(-[A-Za-z_][A-Za-z0-9_.]*)*$")
 
 
@@ -659,6 +662,9 @@ class WorkerGroup(_Strict):
                 'expected "NAME", "UID", "NAME:GROUP" or "UID:GID" (user and group names of '
                 "letters, digits, '_', '.' and '-')"
             )
+        for part in value.split(":"):
+            if part.isdigit() and int(part) > MAX_ID:
+                raise ValueError(f"{part} is above the largest user or group number {MAX_ID}")
         return value
 
     @field_validator("cpu_affinity")

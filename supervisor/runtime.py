@@ -3094,7 +3094,12 @@ class Runtime:
 
         def same(runner: WorkerRunner, spec: LaunchSpec) -> bool:
             """Nothing new to launch for it: replicas changed only, only what the supervisor
-            uses changed, or (a halted roll-out reached it) it runs this definition."""
+            uses changed, or (a halted roll-out reached it) it runs this definition. Never
+            one whose process runs under another budget's memory.max (regression: reloading
+            the old file after a halted budget change left the new memory.max in force)."""
+            limit = group.health.host_memory_limit_mb
+            if runner.record.pid is not None and self.cgroups.budget_differs(runner.name, limit):
+                return False
             return (
                 (scaled and runner.planned(spec, timing))
                 or (in_place and runner.launches(spec))

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from supervisor import procfs
+from supervisor.cgroups import PREFIX
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, Supervisor, most_not_ready, worker_cmd
 from tests.harness import client as cli_client
@@ -1495,3 +1496,54 @@ def test_run_with_stdout_and_stderr_closed_supervises(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_rolling_back_a_halted_budget_change_gives_the_old_memory_max_back(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a reload that raised ``host_memory_limit_mb`` from 256 to 512 halted after
+    it had restarted roll-0 under memory.max 512 MiB; reloading the old file (256) left roll-0
+    running as it was (nothing in what it launches differs), so its cgroup kept the budget
+    the configuration no longer had. Now a worker whose process runs under another
+    memory.max is restarted by the roll-out. The supervisor is pointed at a fake cgroup v2
+    directory with a memory controller (this machine's has none): memory.max is a file."""
+    root = tmp_path / "cg"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "cgroup.subtree_control").write_text("")
+    fake = (
+        "import pathlib, runpy, sys; import supervisor.cgroups as c; "
+        "root = pathlib.Path(sys.argv[1]); c.own_cgroup = lambda *a: root; "
+        "sys.argv = ['supervisor', *sys.argv[5:]]; "
+        "runpy.run_module('supervisor', run_name='__main__', alter_sys=True)"
+    )
+    broken = tmp_path / "broken"
+    py = sys.executable
+    cmd = (
+        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ] && [ -e {broken} ]; then exec {py} '
+        f"{ROOT / 'tests/workers/never_ready.py'}; else exec {py} "
+        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
+    )
+    group = {**g("roll", replicas=2, port_base=9466), "command": ["sh", "-c", cmd]}
+    group["start_timeout_s"] = 0.5
+    group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 0.05, "burst": 0}
+    group["health"] = {"host_memory_limit_mb": 256}
+    sup = supervisor({"workers": [group]}, prefix=[py, "-c", fake, str(root)])
+    assert sup.wait_event(event="cgroup.mode")["mode"] == "memory.max"
+    for w in ("roll-0", "roll-1"):
+        sup.ready(w)
+    memory_max = root / f"{PREFIX}roll-0" / "memory.max"
+    assert memory_max.read_text() == str(256 * 1024 * 1024)
+    broken.touch()
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "health": {"host_memory_limit_mb": 512}}]})
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-1"
+    assert memory_max.read_text() == str(512 * 1024 * 1024)  # roll-0 was reached
+    broken.unlink()
+    mark = sup.mark()
+    sup.write_config({"workers": [group]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], superseded=[])
+    assert memory_max.read_text() == str(256 * 1024 * 1024)
+    assert sup.stop() == 0

@@ -136,6 +136,19 @@ def test_the_config_refuses_a_malformed_user(bad: str) -> None:
     assert "workers[0].user" in str(err.value) and repr(bad)[1:-1][:3] in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "bad", ["root:99999999999999999999", "nobody:4294967296", "nobody:4294967295", "4294967295"]
+)
+def test_the_config_refuses_a_user_or_group_number_out_of_range(bad: str) -> None:
+    """Regression: a group number above the kernel's (``gid_t``, 32 bits) got past the config
+    and the user database lookup raised OverflowError: ``check-config`` and ``run`` ended in
+    a traceback (exit 1), as would the same lookup at a reload. And 4294967295 is
+    (gid_t)-1, "leave unchanged" to setresgid. Now the config refuses them."""
+    with pytest.raises(ConfigError) as err:
+        parse_settings({"workers": [{"name": "g", "command": ["x"], "user": bad}]}, "c.toml")
+    assert "workers[0].user" in str(err.value) and "4294967294" in str(err.value)
+
+
 @pytest.mark.parametrize("good", ["app", "1000", "app:video", "1000:44", "svc$", "a.b_c-d"])
 def test_the_config_takes_a_user(good: str) -> None:
     settings = parse_settings(

@@ -242,3 +242,20 @@ def test_a_worker_without_a_cgroup_has_no_oom_count_of_its_own(tmp_path: Path) -
     (root / f"{PREFIX}bad-0").write_text("")  # mkdir fails
     assert cgroups.prepare("bad-0", 512) is None
     assert cgroups.events_file("bad-0") is None
+
+
+def test_a_lifted_budget_does_not_put_the_new_process_under_the_old_memory_max(
+    tmp_path: Path,
+) -> None:
+    """Regression: with the memory controller but no containment (a shared cgroup, Linux <
+    5.14), a reload that removed ``host_memory_limit_mb`` gave the next process no cgroup at
+    its spawn, but the placement after the spawn moved it into the worker's old cgroup all
+    the same, where the old ``memory.max`` still held: the kernel OOM-killed a worker at a
+    budget the configuration no longer had."""
+    root = fake_cgroup(tmp_path, "cpu memory pids")
+    cgroups = WorkerCgroups(probe(root, move_self=False))
+    leaf = root / f"{PREFIX}gpen-0"
+    assert cgroups.place("gpen-0", 4242, 512)
+    assert cgroups.prepare("gpen-0", 0) is None  # the next spawn, the budget lifted
+    assert not cgroups.place("gpen-0", 4343)
+    assert (leaf / "cgroup.procs").read_text() == "4242"
