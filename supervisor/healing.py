@@ -355,6 +355,26 @@ class Healer:
                 self.host.clock.now(),
             )
 
+    def forget(self, name: str) -> None:
+        """Worker ``name`` is gone for good (a reload removed it): what was kept about it goes.
+
+        Regression: its detectors, findings, cooldowns and ``derated`` stayed for the rest of
+        the run (a supervisor whose reloads add and remove groups grew without bound), and a
+        worker of the same name added later inherited them (a ``restore`` for a worker that
+        was never derated, shown derated until its first spawn)."""
+        self._watch.pop(name, None)
+        for key in [k for k in self._pending if k[1] == name]:
+            del self._pending[key]
+        self._deferred_logged = {k for k in self._deferred_logged if k[1] != name}
+        for recent in [k for k in self._recent if k[1] == name]:
+            del self._recent[recent]
+        self._exit_evidence.pop(name, None)
+        self._posted.pop(name, None)
+        self.avoid.pop(name, None)
+        self.need_mb.pop(name, None)
+        self._migrating.discard(name)
+        self.state.derated.pop(name, None)
+
     def on_migration_stayed(self, runner: WorkerRunner, gpus: Sequence[str], why: str) -> None:
         """A migration's worker started on the hot GPU it was leaving: no cooler GPU had room
         by its start (the target filled up or turned hot while it drained). An alert, as when

@@ -1572,6 +1572,11 @@ class Runtime:
         # worker object's `restarts` does
         for key in [k for k in self.restarts_total if k[0] == runner.name]:
             del self.restarts_total[key]
+        # nor is anything else kept about it (reloads that add and remove groups for months
+        # grew these without bound; a worker of the same name added later inherited them)
+        self.healer.forget(runner.name)
+        for per_worker in (self._trees, self.samples_of, self._fingerprints, self._unplaced):
+            per_worker.pop(runner.name, None)
 
     def _stop_budget(self, runner: WorkerRunner) -> float:
         t = runner.timing

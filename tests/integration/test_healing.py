@@ -325,6 +325,39 @@ def test_hot_gpu_derates_its_workers_then_restores_them(
     assert sup.stop() == 0
 
 
+def test_a_worker_removed_by_a_reload_leaves_nothing_to_one_of_its_name_added_later(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the healer kept what it knew of a worker a reload removed (its leak
+    watch, findings, cooldowns, ``derated``) for the rest of the run: a supervisor whose
+    reloads add and remove groups grew without bound, and a worker of the same name added
+    later inherited it: g-0, removed while derated, came back (on a GPU that is not hot) with
+    a ``restore`` action, logged, journaled and counted, for a worker never derated."""
+    g = {"name": "g", "command": sim("100"), "gpus": [0]}
+    k = {"name": "k", "command": sim("100"), "gpus": [1]}
+    sup = supervisor(config(tmp_path, g, k))
+    sup.ready("g-0")
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x20)  # SW thermal slowdown
+    sup.wait_event(event="heal.action", action="derate", worker="g-0", timeout=20)
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, k))
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    set_gpu(tmp_path, 0, clocks_event_reasons=0)
+    sup.wait_api("/api/v1/gpu/status", lambda s: not s["devices"][0]["hot"])
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, g, k))
+    sup.signal(signal.SIGHUP)
+    sup.ready("g-0", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert not sup.find(event="heal.action", worker="g-0", after=mark)
+    with sup.api() as api:
+        assert api.get("/api/v1/workers/g-0").json()["derated"] is False
+        scrape = api.get("/metrics").text
+    assert 'gpu_supervisor_actions_total{action="restore",reason="thermal"}' not in scrape
+    assert sup.stop() == 0
+
+
 def test_migrate_moves_a_worker_to_the_cooler_gpu(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
