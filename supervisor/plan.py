@@ -99,6 +99,12 @@ def _expand(text: str, values: Mapping[str, str]) -> str:
     return text.format_map(values)
 
 
+def _plain(mb: float) -> str:
+    """``mb`` as a worker reads it: a whole number in full (no exponent, no ``.0``: what
+    ``int()`` takes), else its shortest exact decimal (not rounded to six digits)."""
+    return str(int(mb)) if mb.is_integer() else repr(float(mb))
+
+
 def in_use_reporter_env(pythonpath: str, notify_socket: str, group: WorkerGroup) -> dict[str, str]:
     """The variables that make a Python worker report its in-use GPU memory (torch's).
 
@@ -208,7 +214,7 @@ def launch_spec(
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     if group.health.gpu_memory_limit_mb > 0:
-        env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] = f"{group.health.gpu_memory_limit_mb:g}"
+        env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] = _plain(group.health.gpu_memory_limit_mb)
     watchdog_s = group.health.watchdog_s
     wants_notify = group.ready_mode == "notify" or watchdog_s > 0
     if wants_notify and notify_socket is not None:

@@ -189,6 +189,19 @@ def test_more_room_when_a_gpu_became_usable_or_holds_fewer_workers(
     assert more_room(before, now) is expected
 
 
+@pytest.mark.parametrize(
+    ("budget", "text"),
+    [(500, "500"), (1155072, "1155072"), (40960.25, "40960.25"), (0.5, "0.5")],
+)
+def test_the_budget_a_worker_gets_is_written_as_a_plain_number(budget: float, text: str) -> None:
+    """Regression: written with six significant digits, a budget of 1155072 MB (a worker on
+    eight 141 GB GPUs) reached the worker as ``1.15507e+06``, which ``int()`` refuses and which
+    is not its budget; 40960.25 as ``40960.2``."""
+    group = {"name": "a", "command": ["x"], "health": {"gpu_memory_limit_mb": budget}}
+    p = build_plan(parse_settings({"workers": [group]}), {}, "/n.sock")
+    assert p.groups[0].workers[0].env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] == text
+
+
 def test_a_budget_in_the_supervisors_environment_is_not_passed_to_workers_without_one() -> None:
     """``GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB`` is set for workers whose group has a
     ``gpu_memory_limit_mb`` (DESIGN.md section 4: "when set"); one in the supervisor's own
