@@ -1043,21 +1043,62 @@ class Runtime:
             await anyio.sleep(0.005)  # a killed process is usually gone within milliseconds
         return True
 
-    def _needs_prepare(self) -> bool:
-        """Whether a spawn goes through :meth:`_prepare` (else it is made at once, in the same
-        step): with GPU telemetry (a GPU backend without GPUs yet may get them: NVML is
-        retried), cgroups to empty, or starts to take turns at (``max_starting``, which a
-        reload may set)."""
+    def _needs_prepare(self, runner: WorkerRunner) -> bool:
+        """Whether ``runner``'s spawn goes through :meth:`_prepare` (else it is made at once, in
+        the same step): with GPU telemetry (a GPU backend without GPUs yet may get them: NVML
+        is retried), cgroups to empty, starts to take turns at (``max_starting``, which a
+        reload may set), or its port still held by a worker on its way out."""
         return (
             self.sampler.backend_name != "none"
             or self.cgroups.support.contain
             or self.settings.supervisor.max_starting > 0
+            or self._port_holder(runner) is not None
         )
 
+    def _port_holder(self, runner: WorkerRunner) -> WorkerRunner | None:
+        """Another worker whose process still holds the port ``runner`` starts on while a
+        reload takes it away (its group removed, or scaled below it): its port is handed on
+        once that process is gone. Regression: the new worker was started at once, its
+        readiness probe answered by the old one's server (routed to another group's server)
+        or its bind refused (a crash)."""
+        port = runner.spec.port
+        if port is None:
+            return None
+        for other in self.runners.values():
+            if other is runner or other.held_port() != port:
+                continue
+            group = self.settings.group(other.spec.group)
+            if group is None or other.spec.index >= group.replicas or other.name in self.removing:
+                return other
+        return None
+
+    async def _port_free(self, runner: WorkerRunner) -> None:
+        """Wait while :meth:`_port_holder` names a worker (each is stopped by the reload that
+        takes its port away: bounded by its stop budget), or until ``runner`` is no longer
+        starting."""
+        said = False
+        while runner.state is WorkerState.STARTING:
+            holder = self._port_holder(runner)
+            if holder is None:
+                return
+            if not said:
+                said = True
+                self.log.info(
+                    "worker.waiting_port",
+                    worker=runner.name,
+                    port=runner.spec.port,
+                    held_by=holder.name,
+                    reason="a worker a reload removes still holds the port",
+                )
+                runner.output.mark(f"waiting for port {runner.spec.port}: {holder.name} holds it")
+            await self._changed.wait()
+
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
-        """Before a (re)start: the previous process's cgroup empties, the GPU-release barrier,
-        its turn to start (``max_starting``), then re-place off unusable GPUs. A string: why
-        there is no GPU to start on now (the worker waits for one)."""
+        """Before a (re)start: the port handed on by a worker on its way out, the previous
+        process's cgroup empties, the GPU-release barrier, its turn to start
+        (``max_starting``), then re-place off unusable GPUs. A string: why there is no GPU to
+        start on now (the worker waits for one)."""
+        await self._port_free(runner)
         prepared = await self._prepare_gpus(runner)
         if isinstance(prepared, str) or runner.state is not WorkerState.STARTING:
             return prepared  # (stopped meanwhile: not used, nothing to pin or say)

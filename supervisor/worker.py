@@ -108,7 +108,7 @@ class WorkerRunner:
         on_change: Callable[[WorkerRunner], None],
         register_pid: Callable[[int, WorkerRunner | None], None],
         prepare: Callable[[WorkerRunner], Awaitable[LaunchSpec | str]] | None = None,
-        needs_prepare: Callable[[], bool] | None = None,
+        needs_prepare: Callable[[WorkerRunner], bool] | None = None,
         on_event: Callable[[WorkerRunner, str, dict[str, Any]], None] | None = None,
         on_exit: Callable[[WorkerRunner, lc.Exit, lc.WorkerRecord], None] | None = None,
         before_spawn: Callable[[WorkerRunner], Path | None] | None = None,
@@ -241,6 +241,11 @@ class WorkerRunner:
         next start uses: a roll-out that moved it and stopped part-way leaves them apart."""
         specs = (self.spec, self._spawned if self.record.pid is not None else None)
         return {s.port for s in specs if s is not None and s.port is not None}
+
+    def held_port(self) -> int | None:
+        """The port its running process was spawned with (None without a process)."""
+        spawned = self._spawned
+        return spawned.port if self.record.pid is not None and spawned is not None else None
 
     def launches(self, spec: LaunchSpec) -> bool:
         """True when a restart would launch nothing new: the process runs ``spec`` (or, with
@@ -418,7 +423,7 @@ class WorkerRunner:
     def _do(self, action: lc.Action) -> lc.Event | None:
         if isinstance(action, lc.Spawn):
             if self._prepare is None or (
-                self._needs_prepare is not None and not self._needs_prepare()
+                self._needs_prepare is not None and not self._needs_prepare(self)
             ):
                 return self._spawn()
             self._spawn_token += 1

@@ -279,6 +279,34 @@ def test_bad_reload_is_rejected_and_nothing_changes(supervisor: SupervisorFactor
     assert sup.stop() == 0
 
 
+def test_a_port_is_handed_on_only_once_its_old_process_is_gone(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A reload scales group ``a`` down and gives the port of its removed worker to a new
+    group ``b``, while the removed worker still serves on it (it drains slowly). Regression:
+    b-0 was started at once: its readiness probe was answered by a-1 (b-0 was routed to a
+    server of another group) or it could not bind the port and crashed. b-0 now starts once
+    the process holding its port is gone."""
+    ready = "http://127.0.0.1:{port}/health"
+    a = g("a", "http_ready", "0", "--ignore-term", ready=ready, port_base=18971, replicas=2)
+    a["stop_timeout_s"] = 1.0
+    sup = supervisor({"workers": [a]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    b = g("b", "http_ready", "0", ready=ready, port_base=18972)
+    sup.write_config({"workers": [{**a, "replicas": 1}, b]})
+    sup.signal(signal.SIGHUP)
+    waiting = sup.wait_event(event="worker.waiting_port", worker="b-0", after=mark)
+    assert waiting["port"] == 18972 and waiting["held_by"] == "a-1"
+    gone = sup.wait_event(event="worker.exited", worker="a-1", after=mark)
+    spawned = sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
+    assert sup.events.index(gone) < sup.events.index(spawned)
+    sup.ready("b-0", after=mark)
+    assert not sup.find(event="worker.exited", worker="b-0", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_reload_of_an_empty_file_is_rejected(supervisor: SupervisorFactory) -> None:
     """Regression: a reload that read the config file empty (a write cut short, a deploy that
     truncates before it writes) removed every group and stopped every worker. An empty file is

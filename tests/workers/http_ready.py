@@ -1,12 +1,14 @@
 """Serve GET /health on PORT: 503 for argv[1] seconds, then 200 (``--redirect``: /health
 answers 307 to /health/, which answers that, as a framework does for a route with a slash;
 ``--sick-when PATH``: 500 while PATH exists, as a server whose engine died behind a live HTTP
-front; ``--stall-when PATH``: no answer for 30 s while PATH exists; ``--tls DIR``: HTTPS with
+front; ``--stall-when PATH``: no answer for 30 s while PATH exists; ``--ignore-term``: SIGTERM is
+ignored (a server that drains slowly: it serves until SIGKILL); ``--tls DIR``: HTTPS with
 DIR/cert.pem and DIR/key.pem (a self-signed certificate); each answer is said on stdout,
 ``answered CODE``)."""
 
 import http.server
 import os
+import signal
 import ssl
 import sys
 import time
@@ -15,6 +17,8 @@ from common import say
 
 ready_at = time.monotonic() + (float(sys.argv[1]) if len(sys.argv) > 1 else 0.3)
 redirect = "--redirect" in sys.argv
+if "--ignore-term" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _path_after(flag: str) -> str | None:
