@@ -221,12 +221,8 @@ def test_removing_a_group_whose_workers_stop_at_different_times(
     ``runners``, so the next state snapshot raised KeyError and the supervisor crashed.
     """
     # replica 0 stops on SIGTERM at once; replica 1 ignores it and is killed after 2 s
-    by_index = (
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {sys.executable} '
-        f"{ROOT / 'tests/workers/ignore_sigterm.py'}; else exec {sys.executable} "
-        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
-    )
-    gone = {"name": "gone", "command": ["sh", "-c", by_index], "replicas": 2, "stop_timeout_s": 2}
+    command = by_index(worker_cmd("ignore_sigterm"), worker_cmd("ready_then_sleep"))
+    gone = {"name": "gone", "command": command, "replicas": 2, "stop_timeout_s": 2}
     sup = supervisor({"workers": [g("keep"), gone]})
     for w in ("keep-0", "gone-0", "gone-1"):
         sup.ready(w)
@@ -359,14 +355,10 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     only those). Regression: the old file compared "unchanged" with the definition kept for the
     halted group, so the extra replica stayed and the broken worker kept its new command."""
     # replica 2 never becomes ready: a scale-up to 3 halts there
-    by_index = (
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 2 ]; then exec {sys.executable} '
-        f"{ROOT / 'tests/workers/never_ready.py'}; else exec {sys.executable} "
-        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
-    )
+    command = by_index(worker_cmd("never_ready"), worker_cmd("ready_then_sleep"), index=2)
     good = {
         "name": "roll",
-        "command": ["sh", "-c", by_index],
+        "command": command,
         "replicas": 2,
         "port_base": 9450,
         "stop_timeout_s": 2,
@@ -507,13 +499,14 @@ def test_reloading_a_halted_file_again_waits_for_its_replacement_to_prove_itself
     assert sup.stop() == 0
 
 
-def by_index(one: list[str], other: list[str]) -> list[str]:
-    """A command that runs ``one`` as replica 1 and ``other`` as every other replica."""
+def by_index(one: list[str], other: list[str], index: int = 1, also: str = "") -> list[str]:
+    """A command that runs ``one`` as replica ``index`` (while the shell test ``also`` holds
+    too, when given) and ``other`` otherwise."""
+    test = f'[ "$GPU_SUPERVISOR_INDEX" = {index} ]' + (f" && [ {also} ]" if also else "")
     return [
         "sh",
         "-c",
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {shlex.join(one)}; '
-        f"else exec {shlex.join(other)}; fi",
+        f"if {test}; then exec {shlex.join(one)}; else exec {shlex.join(other)}; fi",
     ]
 
 
@@ -667,13 +660,8 @@ def test_a_reload_that_removes_a_crash_looping_replica_does_not_wait_for_it(
     """a-1 crash-loops; a reload scales the group to 1 and changes its env: a-0 is rolled and
     a-1 removed. Regression: the roll-out waited for a-1 (a replica in backoff) to come back
     before taking a-0 down, and halted."""
-    py = sys.executable
-    by_index = (
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {py} '
-        f"{ROOT / 'tests/workers/exit_with_code.py'} 3; else exec {py} "
-        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
-    )
-    group = {**g("a", replicas=2, port_base=9385), "command": ["sh", "-c", by_index]}
+    command = by_index(worker_cmd("exit_with_code", "3"), worker_cmd("ready_then_sleep"))
+    group = {**g("a", replicas=2, port_base=9385), "command": command}
     group["restart"] = {"stable_s": 0.2, "burst": 0, "backoff_initial_s": 1}
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
@@ -712,13 +700,8 @@ def test_a_reload_of_supervisor_keys_leaves_loading_and_crashing_workers_be(
     the reload completes. Regressions: a-0 was failed by the old timeout after the reload said
     it was done; then every worker that was not ready was restarted, and the roll-out halted
     on a-1 (a-0 never got the new settings)."""
-    py = sys.executable
-    by_index = (
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ]; then exec {py} '
-        f"{ROOT / 'tests/workers/exit_with_code.py'} 3; else exec {py} "
-        f"{ROOT / 'tests/workers/notify_ready_late.py'} 4; fi"
-    )
-    group = {**g("a", replicas=2, port_base=9379), "command": ["sh", "-c", by_index]}
+    command = by_index(worker_cmd("exit_with_code", "3"), worker_cmd("notify_ready_late", "4"))
+    group = {**g("a", replicas=2, port_base=9379), "command": command}
     group["start_timeout_s"] = 3
     group["restart"] = {"stable_s": 0.2, "burst": 0, "backoff_initial_s": 0.5}
     sup = supervisor({"workers": [group]})
@@ -1547,12 +1530,10 @@ def test_rolling_back_a_halted_budget_change_gives_the_old_memory_max_back(
     )
     broken = tmp_path / "broken"
     py = sys.executable
-    cmd = (
-        f'if [ "$GPU_SUPERVISOR_INDEX" = 1 ] && [ -e {broken} ]; then exec {py} '
-        f"{ROOT / 'tests/workers/never_ready.py'}; else exec {py} "
-        f"{ROOT / 'tests/workers/ready_then_sleep.py'}; fi"
+    command = by_index(
+        worker_cmd("never_ready"), worker_cmd("ready_then_sleep"), also=f"-e {broken}"
     )
-    group = {**g("roll", replicas=2, port_base=9466), "command": ["sh", "-c", cmd]}
+    group = {**g("roll", replicas=2, port_base=9466), "command": command}
     group["start_timeout_s"] = 0.5
     group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 0.05, "burst": 0}
     group["health"] = {"host_memory_limit_mb": 256}
