@@ -11,10 +11,14 @@ webhook URLs carry their tokens in the userinfo, the path or the query.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import math
+import socket
 import ssl
 import time
+import urllib.parse
+import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -217,6 +221,7 @@ class Alerter:
         self._clock = clock
         self._queue: deque[dict[str, Any]] = deque(maxlen=queue_size)
         self._current: dict[str, Any] | None = None  # being delivered
+        self._names: _NameGate | None = None  # while serving
         self._wake: anyio.Event | None = None  # set by send while serve waits
         self._overflowing = False  # queue_full logged; reset once the queue drains
         self._failures = 0  # alerts given up on since the last delivery
@@ -284,17 +289,21 @@ class Alerter:
 
         try:
             tls = await self._tls()
-            async with httpx.AsyncClient(
-                transport=self._transport,
-                verify=tls,
-                timeout=self.timeout_s,
-                headers={
-                    "User-Agent": USER_AGENT,
-                    "Content-Type": "application/json",
-                    "Accept-Encoding": "identity",  # the answer's body is not read anyway
-                },
-                follow_redirects=False,
-            ) as client:
+            async with (
+                anyio.create_task_group() as tg,
+                httpx.AsyncClient(
+                    transport=self._transport,
+                    verify=tls,
+                    timeout=self.timeout_s,
+                    headers={
+                        "User-Agent": USER_AGENT,
+                        "Content-Type": "application/json",
+                        "Accept-Encoding": "identity",  # the answer's body is not read anyway
+                    },
+                    follow_redirects=False,
+                ) as client,
+            ):
+                self._names = _NameGate(tg, time.monotonic)
                 task_status.started()
                 while True:
                     self._current = await self._next()
@@ -359,6 +368,8 @@ class Alerter:
 
         try:
             with anyio.fail_after(self.timeout_s):
+                if self._names is not None:
+                    await self._names.wait(self.url)
                 # streamed, and closed unread: only the status and Retry-After count, and an
                 # answer of any size (or a compressed bomb) must not land in our memory
                 request = client.build_request("POST", self.url, content=body)
@@ -407,3 +418,85 @@ class Alerter:
             alert_reason=doc.get("reason"),
             worker=doc.get("worker"),
         )
+
+
+#: How long a name lookup of the webhook's host lets the next attempts go without another.
+NAME_FRESH_S = 30.0
+
+
+@dataclass
+class _Lookup:
+    """One name lookup of the host an attempt connects to, running or done."""
+
+    host: str
+    done: anyio.Event = field(default_factory=anyio.Event)
+    ended_at: float = -math.inf
+
+
+class _NameGate:
+    """Holds an attempt back while the name of the host it connects to (the webhook's, or its
+    proxy's) does not resolve in time: looked up first, in a thread of our own, one at a time.
+
+    Regression: a webhook whose DNS hung had each attempt's lookup (httpx's, in the event
+    loop's few shared threads, beyond cancelling) left running when the attempt timed out;
+    retries and further alerts filled those threads, and the supervisor's other lookups (a
+    probe of ``http://localhost:PORT/health``) waited behind them: healthy workers' liveness
+    probes timed out and they were restarted as hung. Now a hung lookup holds one thread of
+    ours, and no attempt (so no lookup of httpx's) starts until it answers. Whatever the
+    answer, httpx then connects as usual (its own lookup is answered at once)."""
+
+    def __init__(self, tg: anyio.abc.TaskGroup, clock: Callable[[], float]) -> None:
+        self._tg = tg
+        self._clock = clock
+        self._limiter = anyio.CapacityLimiter(1)
+        self._last: _Lookup | None = None
+
+    async def wait(self, url: str) -> None:
+        """Return once the host ``url`` connects to resolves (or fails to: httpx says why),
+        at once for an address, or one that resolved lately."""
+        host, port = _connects_to(url)
+        if host is None:
+            return
+        last = self._last
+        if last is not None and last.host == host:
+            if not last.done.is_set():
+                await last.done.wait()  # under the attempt's deadline
+                return
+            if self._clock() - last.ended_at < NAME_FRESH_S:
+                return
+        lookup = self._last = _Lookup(host)
+        self._tg.start_soon(self._look_up, lookup, port)
+        await lookup.done.wait()
+
+    async def _look_up(self, lookup: _Lookup, port: int) -> None:
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(socket.getaddrinfo, lookup.host, port, type=socket.SOCK_STREAM),
+                abandon_on_cancel=True,  # at shutdown: the thread ends when the lookup does
+                limiter=self._limiter,  # one at a time: a hung one holds one thread, no more
+            )
+        except Exception:  # noqa: S110 - no such name, no thread: httpx's attempt says why
+            pass
+        finally:
+            lookup.ended_at = self._clock()
+            lookup.done.set()
+
+
+def _connects_to(url: str) -> tuple[str | None, int]:
+    """The host name (None for an address) and port an attempt at ``url`` connects to: its
+    proxy's where the environment names one for it (as httpx takes it from there)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    proxies = {} if urllib.request.proxy_bypass(host) else urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme, "")
+    target = urllib.parse.urlsplit(proxy if "://" in proxy else f"//{proxy}") if proxy else parts
+    name = target.hostname or ""
+    try:
+        port = target.port or (443 if (target.scheme or parts.scheme) == "https" else 80)
+    except ValueError:
+        port = 80
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return (name or None), port
+    return None, port

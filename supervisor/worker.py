@@ -771,15 +771,31 @@ async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]
 
 async def _get(client: Any, url: str, timeout: float) -> int:
     """GET ``url``: the status, once the answer's body has ended or ``PROBE_BODY_MAX`` bytes of
-    it came (the rest is not read: the connection is closed)."""
-    async with client.stream("GET", url, timeout=timeout) as response:
-        read = 0
-        async for chunk in response.aiter_raw():
-            read += len(chunk)
-            if read >= PROBE_BODY_MAX:
-                break
+    it came (the rest is not read: the connection is closed). Redirects are followed here (if
+    the client follows them, as many as it does), each answer read so: httpx reads the
+    whole body of a redirect before it follows it, and one that never ends held the probe."""
+    import httpx
+
+    request = client.build_request("GET", url, timeout=timeout)
+    redirects = 0
+    while True:
+        response = await client.send(request, stream=True, follow_redirects=False)
+        try:
+            read = 0
+            async for chunk in response.aiter_raw():
+                read += len(chunk)
+                if read >= PROBE_BODY_MAX:
+                    break
+        finally:
+            await response.aclose()
         status: int = response.status_code
-        return status
+        following = response.next_request
+        if following is None or not client.follow_redirects:
+            return status
+        if redirects >= client.max_redirects:
+            raise httpx.TooManyRedirects("Exceeded maximum allowed redirects.", request=following)
+        redirects += 1
+        request = following
 
 
 def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:

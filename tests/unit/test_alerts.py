@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -389,6 +390,78 @@ async def test_cancellation_drops_pending_alerts_at_once() -> None:
     assert stopped < 0.5 and alerter.pending() == 0
     assert [e["count"] for e in logs if e["event"] == "alerts.pending_dropped"] == [3]
     assert (alerter.sent, alerter.failed) == (0, 0)
+
+
+async def test_a_webhook_whose_name_lookup_hangs_slows_no_other_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: every attempt at a webhook whose DNS hangs left its ``getaddrinfo`` running
+    (a blocking lookup cannot be cancelled) in the event loop's few default threads; retries
+    and further alerts filled them, and the supervisor's other lookups (a probe of
+    ``http://localhost:PORT/health``) waited behind them: healthy workers' liveness probes
+    timed out and they were restarted as hung. The webhook has one lookup of its own at most."""
+    release = threading.Event()
+    lock = threading.Lock()
+    hook_lookups = {"asked": 0, "running": 0, "most": 0}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        if socket.AI_NUMERICHOST & (args[3] if len(args) > 3 else kwargs.get("flags", 0)):
+            return real(host, port, *args, **kwargs)  # (trio's first try: asks no DNS)
+        if not name.endswith("hook.invalid"):
+            return real("127.0.0.1", port, *args, **kwargs)  # (no DNS asked)
+        with lock:
+            hook_lookups["asked"] += 1
+            hook_lookups["running"] += 1
+            hook_lookups["most"] = max(hook_lookups["most"], hook_lookups["running"])
+        try:
+            release.wait(10)  # a resolver that does not answer, until the test ends it
+            return real("127.0.0.1", port, *args, **kwargs)
+        finally:
+            with lock:
+                hook_lookups["running"] -= 1
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    hook = Hook()
+    alerter = fast(timeout_s=0.05, retries=1, backoff_s=0.0)
+    try:
+        async with serving(alerter, hook):
+            alerter.url = f"http://hook.invalid:{hook.port}/hook"
+            for n in range(10):
+                alerter.send(doc(n))
+            await wait_until(lambda: alerter.failed >= 4)  # 8 attempts timed out
+            with anyio.fail_after(1.0):  # (it waited for the webhook's lookups to end)
+                await anyio.getaddrinfo("localhost", 80)
+            assert hook_lookups == {"asked": 1, "running": 1, "most": 1}
+            release.set()  # the resolver answers: alerts are delivered again
+            alerter.send(doc(99))
+            await wait_until(lambda: alerter.pending() == 0)
+    finally:
+        release.set()
+    assert hook.bodies[-1]["message"] == "alert 99"
+    assert hook.requests[-1][1]["host"] == f"hook.invalid:{hook.port}"
+
+
+def test_the_name_an_attempt_waits_for_is_its_proxys_where_it_has_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lookup an attempt waits for is of the host it connects to: the proxy the
+    environment names for the URL (where only the proxy resolves outside names, the webhook's
+    own lookup would hold every alert back), none for an address."""
+    from supervisor.alerts import _connects_to
+
+    for var in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert _connects_to("https://hooks.example.com/x") == ("hooks.example.com", 443)
+    assert _connects_to("http://hooks.example.com:8080/x") == ("hooks.example.com", 8080)
+    assert _connects_to("http://127.0.0.1:9/x") == (None, 9)
+    assert _connects_to("https://[::1]/x") == (None, 443)
+    monkeypatch.setenv("https_proxy", "http://proxy.corp:3128")
+    assert _connects_to("https://hooks.example.com/x") == ("proxy.corp", 3128)
+    assert _connects_to("http://hooks.example.com/x") == ("hooks.example.com", 80)
+    monkeypatch.setenv("no_proxy", "hooks.example.com")
+    assert _connects_to("https://hooks.example.com/x") == ("hooks.example.com", 443)
 
 
 def test_send_refuses_without_url_and_rate_limits_per_key() -> None:

@@ -75,6 +75,57 @@ def test_a_probe_reads_no_more_of_an_endless_answer_than_it_needs() -> None:
     assert time.monotonic() - began < 0.9
 
 
+class _RedirectFlood(Flood):
+    """``/health``: a redirect to ``/ok`` whose body never ends; ``/ok``: a 200; ``/loop``: a
+    redirect to itself."""
+
+    def do_GET(self) -> None:
+        if self.path in ("/ok", "/loop"):
+            self.send_response(200 if self.path == "/ok" else 302)
+            if self.path == "/loop":
+                self.send_header("Location", "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(302)
+        self.send_header("Location", "/ok")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            for _ in range(1024):
+                self.wfile.write(b"x" * 65536)
+            self.wfile.flush()
+            time.sleep(10)  # the server's pace, not a test waiting (its thread is a daemon)
+        except OSError:
+            return  # the prober gave up
+
+
+def test_a_probe_reads_no_more_of_an_endless_redirect_than_it_needs() -> None:
+    """Regression: httpx reads the whole body of a redirect before it follows it: a health
+    URL answering a redirect whose body never ends (or is huge) grew the supervisor's memory
+    and its probe never ended (a healthy worker never ready, or restarted as hung), past
+    PROBE_BODY_MAX. Each answer of the chain is read as far as PROBE_BODY_MAX; a loop of
+    redirects still ends at the client's limit."""
+    from supervisor.worker import HttpProbes
+
+    async def probe(path: str) -> tuple[bool | None, str] | None:
+        probes = HttpProbes()  # the supervisor's client: redirects are followed
+        try:
+            with anyio.fail_after(5):  # the test's own bound
+                return await _ask(probes.client(), url + path, 1.0)
+        finally:
+            await probes.aclose()
+
+    with serving(_RedirectFlood) as url:
+        began = time.monotonic()
+        answer = anyio.run(probe, "/health")
+        elapsed = time.monotonic() - began
+        looped = anyio.run(probe, "/loop")
+    assert answer == (True, "HTTP 200")
+    assert elapsed < 0.9
+    assert looped == (False, "Exceeded maximum allowed redirects.")
+
+
 class _Cookies(http.server.BaseHTTPRequestHandler):
     """Sets a cookie, and says in its body which cookies it was sent."""
 
