@@ -314,6 +314,7 @@ class Alerter:
                         self._log.exception("alerts.delivery_crashed", url=self.log_url)
                     self._current = None
         finally:
+            self._names = None
             self._discard()
 
     async def _tls(self) -> ssl.SSLContext:
