@@ -90,6 +90,12 @@ class RuntimeCollector(Collector):
         )
         healthy = _gauge("gpu_healthy", "1 while the GPU answers NVML queries.", GPU_LABELS)
         cordoned = _gauge("gpu_cordoned", "1 while no worker may be placed on the GPU.", GPU_LABELS)
+        xids_watched = _gauge(
+            "gpu_xids_watched",
+            "1 while the GPU's XID errors reach the supervisor (0: not supported, or NVML's event "
+            "registration or wait fails: its XIDs restart, drain or quarantine nothing).",
+            GPU_LABELS,
+        )
         xid = _counter("gpu_xid_errors", "XID errors reported for the GPU.", [*GPU_LABELS, "xid"])
         ecc = _counter(
             "gpu_ecc_errors",
@@ -145,6 +151,7 @@ class RuntimeCollector(Collector):
                     reason.add_metric([*labels, name], float(name in active))
             healthy.add_metric(labels, float(d.healthy and d.uuid not in quarantined))
             cordoned.add_metric(labels, float(d.uuid in rt.cordoned))
+            xids_watched.add_metric(labels, float(d.uuid not in rt.sampler.xids_unwatched))
             if d.retired_pages_pending is not None:
                 retired.add_metric(labels, float(d.retired_pages_pending))
             action = recovery_action_name(d.recovery_action)
@@ -167,7 +174,7 @@ class RuntimeCollector(Collector):
             labels = labels_of.get(gpu, [gpu, gpu if gpu.startswith("GPU-") else "", ""])
             xid.add_metric([*labels, str(code)], count)
         yield from (util, used, total, temp, power, throttled, reason, healthy, cordoned, xid)
-        yield from (ecc, rows, remap_pending, remap_failure, retired, recovery)
+        yield from (xids_watched, ecc, rows, remap_pending, remap_failure, retired, recovery)
 
     def _workers(self, sample: Sample | None) -> Iterator[Metric]:
         rt = self.runtime

@@ -1846,6 +1846,7 @@ class Runtime:
                 quarantined=self.healer.state.quarantined.get(d.uuid),
                 hot=self.healer.state.thermal.get(d.uuid, ThermalTrack()).hot,
                 worker_of=owners(d),
+                xids_watched=d.uuid not in self.sampler.xids_unwatched,
             )
             for d in sample.devices
         ]

@@ -324,6 +324,8 @@ class Sampler:
         #: (``ThreadUnavailable``: the pids cgroup, systemd's ``TasksMax``, is full)
         self.tick_errors = 0
         self.xid_wait_errors = 0  # XID waits that found no thread (the events wait in NVML)
+        #: GPU UUID -> why its XIDs are not watched now (GPU object, metrics, log)
+        self.xids_unwatched: dict[str, str] = {}
         self._logged_at: dict[str, float] = {}
 
     @property
@@ -763,6 +765,31 @@ class Sampler:
         if identities:
             self._gpus_opened.set()
 
+    def _xids_watched(self, backend: GpuBackend, failed: str | None = None) -> None:
+        """After an XID wait: which GPUs' XIDs are not watched (every one while the waits
+        fail: ``failed`` says why), said when it changes. Regression: a GPU whose XID events
+        NVML does not deliver (not supported, a registration that failed) had XIDs nothing
+        acted on, without a word: it is in its GPU object, a metric and the log now."""
+        if backend is not self.backend:
+            return  # closed (reopened) while the wait ran: the next wait says
+        if failed is not None:
+            now = {i.uuid: failed for i in self.identities if not i.uuid.startswith(PLACEHOLDER)}
+        else:
+            listed = backend.xids_unwatched()
+            now = {i.uuid: listed[i.uuid] for i in self.identities if i.uuid in listed}
+        if now == self.xids_unwatched:
+            return
+        self.xids_unwatched = now
+        if now:
+            self._log.warning(
+                "gpu.xids_unwatched",
+                gpus=now,
+                reason="XID errors on these GPUs are not seen: nothing restarts, drains or "
+                "quarantines for them",
+            )
+        else:
+            self._log.info("gpu.xids_watched", gpus=[i.uuid for i in self.identities])
+
     async def _xid_loop(self) -> None:
         while True:
             backend = self.backend
@@ -788,6 +815,7 @@ class Sampler:
                 await anyio.sleep(XID_WAIT_S)
                 continue
             except BackendError as exc:
+                self._xids_watched(backend, failed=str(exc))
                 # a wait that keeps failing is said once a minute, not every second
                 self.xid_wait_errors += 1
                 self._warn_now_and_then(
@@ -798,5 +826,6 @@ class Sampler:
                 )
                 await anyio.sleep(XID_WAIT_S)
                 continue
+            self._xids_watched(backend)
             for event in events:
                 self._on_xid(event)

@@ -51,8 +51,11 @@ def device_object(
     quarantined: str | None = None,
     hot: bool = False,
     worker_of: Mapping[int, str] | None = None,
+    xids_watched: bool | None = None,
 ) -> dict[str, Any]:
-    """The device object of DESIGN.md section 6; unsupported fields are null, never 0."""
+    """The device object of DESIGN.md section 6; unsupported fields are null, never 0.
+    ``xids_watched``: whether its XID events reach the supervisor (None: not watched by
+    anything, as ``gpu-supervisor gpus`` reads a GPU once)."""
     worker_of = worker_of or {}
     throttle = d.throttle_reasons
     rows = d.remapped_rows
@@ -96,6 +99,7 @@ def device_object(
         "suspect": suspect,
         "quarantined": quarantined is not None,
         "hot": hot,
+        "xids_watched": xids_watched,
         "processes": None
         if d.processes is None
         else [

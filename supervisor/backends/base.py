@@ -131,6 +131,11 @@ class GpuBackend(Protocol):
         """Block up to ``timeout_s`` for XID events (empty list on timeout)."""
         ...
 
+    def xids_unwatched(self) -> Mapping[str, str]:
+        """GPU UUID -> why that GPU's XID events do not reach ``wait_xid`` (empty: every GPU's
+        do). A GPU listed here can have XIDs that nothing restarts, drains or quarantines."""
+        ...
+
     def close(self) -> None:
         """Release the library."""
         ...
@@ -153,6 +158,10 @@ class NoBackend:
     def wait_xid(self, timeout_s: float) -> list[XidEvent]:
         """Never any events."""
         return []
+
+    def xids_unwatched(self) -> Mapping[str, str]:
+        """No GPUs."""
+        return {}
 
     def close(self) -> None:
         """Nothing to release."""

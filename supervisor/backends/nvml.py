@@ -23,7 +23,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -56,6 +56,8 @@ VERSION_CODES = frozenset(
 )
 #: An XID event set that could not be made is tried again this often (``wait_xid``).
 EVENTS_RETRY_S = 30.0
+#: Why a GPU's XIDs are not watched where it reports none (MIG instances, some vGPUs).
+XIDS_NOT_SUPPORTED = "the GPU reports no XID events to NVML (not supported)"
 #: A GPU whose handle or UUID could not be read is asked again this often (``sample``).
 HANDLE_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
@@ -191,6 +193,9 @@ class NvmlBackend:
         #: when to try again: a passing failure must not leave XIDs unwatched for good.
         self._events_error: str | None = None
         self._events_retry_at = 0.0
+        #: GPU UUID -> why its XID events are not watched (replaced whole, never changed:
+        #: read by the sampler without the lock)
+        self._unwatched: dict[str, str] = {}
         self._initialized = False
         self._lock = threading.Lock()
         self._handle_retry_at: dict[int, float] = {}  # position -> when to ask again
@@ -262,23 +267,43 @@ class NvmlBackend:
         del self._handle_retry_at[position]
         self._handles[position] = handle
         self._identities = _replaced(self._identities, position, ident)
-        self._watch(handle)
+        self._watch(position, handle)
         return handle
 
-    def _watch(self, handle: Any) -> None:
+    def _watch(self, position: int, handle: Any) -> None:
         """Register a GPU that answers only now for XID events."""
         if self._event_set is None:
             with self._lock:  # wait_xid reads the set under it
                 if self._event_set is None and self._events_error is None:
                     self._register_events()  # no GPU could be watched before: maybe this one
             return  # a set that failed is made again, with every handle, by wait_xid
+        why = self._register(handle, self._event_set)
+        unwatched = dict(self._unwatched)
+        unwatched.pop(self._identities[position].uuid, None)
+        if why is not None:
+            unwatched[self._identities[position].uuid] = why
+            if why != XIDS_NOT_SUPPORTED:
+                self._events_failed(why)
+        self._unwatched = unwatched
+
+    @staticmethod
+    def _register(handle: Any, event_set: Any) -> str | None:
+        """Register ``handle`` for XID events in ``event_set``; why not (None: registered)."""
         try:
             mask = _XID_EVENT & int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
-            if mask:
-                pynvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+            if not mask:
+                return XIDS_NOT_SUPPORTED
+            pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
         except pynvml.NVMLError as exc:
-            if _code(exc) != pynvml.NVML_ERROR_NOT_SUPPORTED:
-                self._events_failed(f"nvmlDeviceRegisterEvents: {_describe(exc)}")
+            if _code(exc) == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                return XIDS_NOT_SUPPORTED
+            return f"nvmlDeviceRegisterEvents: {_describe(exc)}"
+        return None
+
+    def xids_unwatched(self) -> Mapping[str, str]:
+        """GPU UUID -> why its XID events do not reach :meth:`wait_xid` (not supported, its
+        registration failed, no event set could be made)."""
+        return self._unwatched
 
     def _first_handle(self) -> Any:
         return next((h for h in self._handles if h is not None), None)
@@ -313,25 +338,30 @@ class NvmlBackend:
         """Make the XID event set; on a failure other than "not supported", say why in
         ``_events_error`` and try again after ``EVENTS_RETRY_S`` (``wait_xid``)."""
         self._events_error = None
+        answering = [
+            i.uuid for i, h in zip(self._identities, self._handles, strict=True) if h is not None
+        ]
         try:
             event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
-            self._events_failed(f"nvmlEventSetCreate: {_describe(exc)}")
+            failed = f"nvmlEventSetCreate: {_describe(exc)}"
+            self._events_failed(failed)
+            self._unwatched = dict.fromkeys(answering, failed)
             return
         registered = 0
         failure = None
-        for handle in self._handles:
+        unwatched: dict[str, str] = {}
+        for ident, handle in zip(self._identities, self._handles, strict=True):
             if handle is None:
                 continue
-            try:
-                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
-                mask = _XID_EVENT & int(supported)
-                if mask:
-                    pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
-                    registered += 1
-            except pynvml.NVMLError as exc:  # NOT_SUPPORTED leaves the set usable
-                if _code(exc) != pynvml.NVML_ERROR_NOT_SUPPORTED:
-                    failure = f"nvmlDeviceRegisterEvents: {_describe(exc)}"
+            why = self._register(handle, event_set)
+            if why is None:
+                registered += 1
+                continue
+            unwatched[ident.uuid] = why
+            if why != XIDS_NOT_SUPPORTED:  # NOT_SUPPORTED leaves the set usable
+                failure = why
+        self._unwatched = unwatched
         if registered:
             self._event_set = event_set
         else:

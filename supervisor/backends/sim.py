@@ -490,5 +490,9 @@ class SimBackend:
                 return events
             time.sleep(min(XID_POLL_S, max(0.0, deadline - self._clock())))
 
+    def xids_unwatched(self) -> Mapping[str, str]:
+        """Every GPU's XIDs are read from ``events``."""
+        return {}
+
     def close(self) -> None:
         """Nothing to release."""

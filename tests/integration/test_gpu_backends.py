@@ -501,6 +501,51 @@ def test_a_failing_xid_wait_is_said_once_not_every_second(
     assert not sup.find(event="gpu.close_skipped")
 
 
+def test_gpus_whose_xids_are_not_watched_are_said_so(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: a GPU whose XID events NVML does not deliver (not supported: MIG instances,
+    some vGPUs) had XIDs that nothing restarted, drained or quarantined, without a word, and
+    a failing event wait was only logged. It is in the log, the GPU object
+    (``xids_watched``) and ``gpu_xids_watched``, and said again once the waits work."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from supervisor.backends.nvml import XIDS_NOT_SUPPORTED
+
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with (world / "gpus" / "1").open("a") as fh:
+        fh.write("rc_nvmlDeviceGetSupportedEventTypes 3\n")
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    said = sup.wait_event(event="gpu.xids_unwatched")
+    assert said["gpus"] == {UUID1: XIDS_NOT_SUPPORTED}
+
+    def watched() -> tuple[list[Any], dict[str, float]]:
+        with sup.api() as http:
+            devices = http.get("/api/v1/gpu/status").json()["devices"]
+            text = http.get("/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        values = {
+            s.labels["uuid"]: s.value for s in families["gpu_supervisor_gpu_xids_watched"].samples
+        }
+        return [d["xids_watched"] for d in devices], values
+
+    # (/metrics is rendered off the loop: a young rendering may be served first)
+    sup.wait_until(lambda: watched() == ([True, False], {UUID0: 1.0, UUID1: 0.0}), "metrics")
+    # an event wait that fails: none is watched, until it works again
+    mark = sup.mark()
+    (world / "nvml").write_text("rc_nvmlEventSetWait_v2 999\n")
+    failing = sup.wait_event(event="gpu.xids_unwatched", after=mark)
+    assert set(failing["gpus"]) == {UUID0, UUID1}
+    assert "NVML event wait failed" in failing["gpus"][UUID0]
+    sup.wait_until(lambda: watched() == ([False, False], {UUID0: 0.0, UUID1: 0.0}), "metrics")
+    mark = sup.mark()
+    (world / "nvml").write_text("")
+    again = sup.wait_event(event="gpu.xids_unwatched", after=mark, timeout=15)
+    assert again["gpus"] == {UUID1: XIDS_NOT_SUPPORTED}
+    assert sup.stop() == 0
+
+
 def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[str, Any]]:
     """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
     over ``world`` (or ``--backend sim`` on it): the device objects."""

@@ -36,6 +36,7 @@ class FakeSampler:
         DeviceIdentity(1, UUID1, "Sim"),
     )
     stuck_s: float | None = None  # a backend call in flight that long, once it counts as stuck
+    xids_unwatched: dict[str, str] = field(default_factory=dict)  # GPU UUID -> why
 
     def stuck(self) -> float | None:
         return self.stuck_s

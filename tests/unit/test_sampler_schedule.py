@@ -124,6 +124,9 @@ class _Enumerations:
     def wait_xid(self, timeout_s: float) -> list[XidEvent]:
         return []
 
+    def xids_unwatched(self) -> dict[str, str]:
+        return {}
+
 
 async def _names_after(worlds: list[list[tuple[int, str]]]) -> list[tuple[int, str, bool]]:
     stub = _Enumerations(worlds)
