@@ -72,7 +72,7 @@ _KEEP_DISPOSITION = {
 _FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
-def _ignore(signum: int, frame: object) -> None:
+def ignore_signal(signum: int, frame: object) -> None:
     """What an ignored signal does to the supervisor: nothing."""
 
 
@@ -96,7 +96,7 @@ def pass_on_ignored_signals() -> list[str]:
                         continue  # its handler is the disposition: the workers get SIG_DFL
                     signal.signal(sig, signal.SIG_DFL)  # never ignorable for a real fault
                 else:
-                    signal.signal(sig, _ignore)
+                    signal.signal(sig, ignore_signal)
                 passed.append(sig.name)
         except (OSError, ValueError):
             continue

@@ -111,6 +111,7 @@ from supervisor.processes import (
     Reaper,
     allowed_cpus,
     descendants,
+    ignore_signal,
     open_files_needed,
     pass_on_ignored_signals,
     probe_spawn_helper,
@@ -587,8 +588,8 @@ class Runtime:
                 self.sampler.request()  # the first full reading with every worker: now, not in 2 s
                 for service in self.services:
                     await tg.start(service, self)
-                if sup.systemd_ready == "start":
-                    self._send_ready()
+                if sup.systemd_ready == "start" and not self._shutting_down:
+                    self._send_ready()  # (never after STOPPING=1: a stop during start-up)
                 await self._done.wait()
                 tg.cancel_scope.cancel()
         finally:
@@ -2246,21 +2247,30 @@ class Runtime:
     async def _serve_signals(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
-            release_held_signals()  # one that came while we started is delivered now
-            task_status.started()
-            last: dict[int, float] = {}  # signal -> when it was last received
-            async for signum in signals:
-                now = self.clock.now()
-                since = now - last.get(signum, -math.inf)
-                last[signum] = now
-                intent = signal_intent(signum, self._shutting_down, since)
-                if isinstance(intent, Reload):
-                    intent = Reload(self._next_reload_request())
-                said = {"repeat": True} if since < SIGNAL_REPEAT_S else {}
-                self.log.info("supervisor.signal", signal=signal.Signals(signum).name, **said)
-                if intent is not None:
-                    self.submit(intent)
+        try:
+            with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
+                release_held_signals()  # one that came while we started is delivered now
+                task_status.started()
+                last: dict[int, float] = {}  # signal -> when it was last received
+                async for signum in signals:
+                    now = self.clock.now()
+                    since = now - last.get(signum, -math.inf)
+                    last[signum] = now
+                    intent = signal_intent(signum, self._shutting_down, since)
+                    if isinstance(intent, Reload):
+                        intent = Reload(self._next_reload_request())
+                    said = {"repeat": True} if since < SIGNAL_REPEAT_S else {}
+                    self.log.info("supervisor.signal", signal=signal.Signals(signum).name, **said)
+                    if intent is not None:
+                        self.submit(intent)
+        finally:
+            # Closing the receiver put their default actions back, while the supervisor still
+            # ends (tasks cancelled, files closed): one now is the stop already made, ignored.
+            # Regression: a Ctrl-C more exited 130 ("interrupted", or a traceback), a SIGTERM
+            # or SIGHUP killed it, with no supervisor.exit.
+            for sig in HELD_SIGNALS:
+                with contextlib.suppress(ValueError, OSError):  # (not the main thread)
+                    signal.signal(sig, ignore_signal)
 
     async def _serve_intents(self) -> None:
         assert self._tg is not None

@@ -574,9 +574,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             # keep it stopped, and say why (its post-mortem is the healing action's, not a
             # drain that ran out of time)
             return _begin_stop(rec, now, t, AfterExit.STOP, ev.reason)
-        if isinstance(ev, Stop | Restart):
-            after = AfterExit.STOP if isinstance(ev, Stop) else _restart_after(ev.reason)
-            return _begin_stop(rec, now, t, after, ev.reason)
+        if isinstance(ev, Stop):  # drained for a fault: its death keeps it (see STOPPING)
+            return _begin_stop(rec, now, t, AfterExit.STOP, _kept_reason(rec, ev))
+        if isinstance(ev, Restart):
+            return _begin_stop(rec, now, t, _restart_after(ev.reason), ev.reason)
         if isinstance(ev, Drain) and not ev.restart and rec.after_exit is not AfterExit.STOP:
             # an operator's drain of a worker that healing drains already: the drain goes on,
             # and it stays stopped after it (as a stop would); what it was drained for stays
@@ -592,7 +593,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 return replace(rec, killed=True, deadline=None), [KillTree()]
             return replace(rec, deadline=None), []
         if isinstance(ev, Stop):
-            return replace(rec, after_exit=AfterExit.STOP, stop_reason=ev.reason), []
+            # stopped for a fault (a hang, a start timeout, a healing action): the stop
+            # wins, but the death keeps its reason and post-mortem (regression: a shutdown
+            # while a hung worker ignored its SIGTERM made it a plain "shutdown")
+            return replace(rec, after_exit=AfterExit.STOP, stop_reason=_kept_reason(rec, ev)), []
         if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
             return rec, []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
@@ -642,6 +646,19 @@ def _restart_after(reason: ExitReason) -> AfterExit:
     if reason is ExitReason.THERMAL:
         return AfterExit.RESTART
     return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
+
+
+#: Reasons a worker is stopped for that are its death (a post-mortem): a stop asked for
+#: while it stops for one of them does not take their place.
+_FAULT_STOPS = frozenset({ExitReason.HANG, ExitReason.START_TIMEOUT, *HEALING_REASONS})
+
+
+def _kept_reason(rec: WorkerRecord, ev: Stop) -> ExitReason:
+    """The reason of a stop asked for while the worker is drained or stopped already: the
+    fault it is drained or stopped for, if any (its death, with its post-mortem)."""
+    if rec.stop_reason is not None and rec.stop_reason in _FAULT_STOPS:
+        return rec.stop_reason
+    return ev.reason
 
 
 #: States without a process: a healing restart finds nothing to restart there (no start in

@@ -321,6 +321,27 @@ def test_second_signal_forces(supervisor: SupervisorFactory) -> None:
     assert sup.wait_event(event="worker.exited", worker="stuck-0")["signal"] == "SIGKILL"
 
 
+def test_a_shutdown_while_a_hung_worker_is_stopped_keeps_its_post_mortem(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: a hung worker (no WATCHDOG=1) that ignores the SIGTERM of its hang stop,
+    and a SIGTERM to the supervisor before stop_timeout_s: its exit was a "shutdown", and the
+    hang's post-mortem (evidence: watchdog_s, how long it was silent) was never written."""
+    sup = supervisor(
+        {"workers": [group("h", "ignore_sigterm", stop_timeout_s=1, health={"watchdog_s": 0.3})]}
+    )
+    sup.wait_event(event="worker.state", worker="h-0", new="stopping", reason="hang")
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    exited = sup.wait_event(event="worker.exited", worker="h-0")
+    assert exited["signal"] == "SIGKILL" and exited["reason"] == "hang"
+    state = json.loads((sup.state_dir / "state.json").read_text())
+    assert [w["state"] for w in state["workers"]] == ["stopped"]
+    (path,) = (sup.state_dir / "postmortems").glob("*-h-0-hang.json")
+    doc = json.loads(path.read_text())
+    assert doc["reason"] == "hang" and doc["evidence"]["watchdog_s"] == 0.3
+
+
 def test_the_same_signal_twice_in_an_instant_is_one_stop(supervisor: SupervisorFactory) -> None:
     """GNU timeout sends SIGTERM to its child, then to its process group: the supervisor gets
     it twice in the same instant. Regression: the second forced the stop (every worker
@@ -340,6 +361,26 @@ def test_the_same_signal_twice_in_an_instant_is_one_stop(supervisor: SupervisorF
         term = sup.wait_event(event="worker.signal", worker="stuck-0")
         exited = sup.wait_event(event="worker.exited", worker="stuck-0")
         assert exited["signal"] == "SIGKILL" and ts(exited) - ts(term) >= 0.9
+
+
+def test_ctrl_c_pressed_again_and_again_during_a_stop_still_exits_0(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: once the stop was done, the signal handlers were removed while the
+    supervisor was still ending (its tasks cancelled, its files closed): a Ctrl-C more (an
+    impatient operator), or a SIGTERM or SIGHUP then, got its default action: exit 130 with
+    "interrupted" (or a KeyboardInterrupt traceback, or death by the signal), no
+    supervisor.exit. Now every stop signal until the exit is the same stop."""
+    sup = supervisor({"workers": [group("s", "ready_then_sleep")]})
+    sup.ready("s-0")
+    sup.signal(signal.SIGTERM)
+    while sup.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            sup.signal(signal.SIGINT)
+        time.sleep(0.001)  # (not a wait: the pace of the key presses)
+    assert sup.wait_exit() == 0, sup.raw_stderr[-5:]
+    assert sup.wait_event(event="supervisor.exit")["code"] == 0
+    assert not sup.raw_stderr, sup.raw_stderr[-5:]
 
 
 def test_orphaned_grandchild_is_reaped(supervisor: SupervisorFactory) -> None:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import SupervisorFactory
@@ -277,3 +281,58 @@ def test_a_watchdog_abort_leaves_every_thread_s_stack(supervisor: SupervisorFact
     assert sup.wait_exit() in (-signal.SIGABRT, -signal.SIGSEGV)
     text = "\n".join(sup.raw_stderr)
     assert "Fatal Python error: Aborted" in text, text[-2000:]
+
+
+def slow_orphan(tmp_path: Path) -> tuple[int, Path]:
+    """A process recorded in ``tmp_path/state/state.json`` as worker a-0's of an earlier run
+    (not our child): on SIGTERM it touches the returned path, then takes 0.3 s to exit, so
+    the start-up reclaim waits for it that long."""
+    termed = tmp_path / "termed"
+    code = (
+        "import os, pathlib, signal, time; "
+        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(termed)!r}).touch(), "
+        "time.sleep(0.3), os._exit(0))); "
+        "print(os.getpid(), flush=True); os.close(1); os.close(2); time.sleep(20)"
+    )
+    out = subprocess.run(
+        ["sh", "-c", f'{sys.executable} -c "{code}" &'], capture_output=True, text=True, check=True
+    )
+    pid = int(out.stdout)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    record = {"name": "a-0", "pid": pid, "pid_create_time": psutil.Process(pid).create_time()}
+    (state_dir / "state.json").write_text(json.dumps({"schema_version": 1, "workers": [record]}))
+    return pid, termed
+
+
+def test_a_stop_during_start_up_is_not_followed_by_ready(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: with ``systemd_ready = "start"``, a SIGTERM during start-up (here while the
+    reclaim waits for a predecessor's orphan) sent STOPPING=1, and then the start-up went on
+    to send READY=1 (and log supervisor.ready): systemd took a service that was stopping for
+    one that had just started."""
+    orphan, termed = slow_orphan(tmp_path)
+    path = tmp_path / "systemd.sock"
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.bind(str(path))
+            sup = supervisor(
+                {
+                    "supervisor": {"systemd_ready": "start"},
+                    "workers": [{"name": "a", "command": worker_cmd("ready_then_sleep")}],
+                },
+                env={"NOTIFY_SOCKET": str(path)},
+            )
+            manager = Manager(sock)
+            sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
+            sup.signal(signal.SIGTERM)
+            stopping = manager.wait_for("STOPPING=1")
+            assert sup.wait_exit() == 0
+            got = drain(manager)
+            after = got[got.index(stopping) + 1 :]
+            assert not [m for m in after if "READY=1" in m], got
+            assert not sup.find(event="supervisor.ready")
+    finally:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(orphan).kill()

@@ -167,6 +167,37 @@ def test_a_start_while_stopping_for_a_hang_gives_a_full_burst() -> None:
     assert next(a for a in acts if isinstance(a, lc.Exit)).failure is True
 
 
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        (lc.Timer(), ExitReason.HANG),
+        (lc.Restart(ExitReason.LEAK), ExitReason.LEAK),
+        (lc.Restart(ExitReason.XID), ExitReason.XID),
+        (lc.Drain(reason=ExitReason.LEAK), ExitReason.LEAK),  # drained for it
+    ],
+)
+def test_a_stop_while_stopping_for_a_fault_keeps_the_fault_as_the_reason(
+    fault: lc.Event, reason: ExitReason
+) -> None:
+    """Regression: a worker being stopped for a hang (or a healing action, or drained for
+    one) ignores SIGTERM, and the supervisor is stopped (or an operator stops it) before
+    stop_timeout_s: the Stop replaced the fault with its own reason (``shutdown``), so the
+    exit got no post-mortem and the fault's evidence was lost. The stop still wins (it stays
+    stopped), the death keeps its reason."""
+    hung = at(ready(), fault, 101.0)
+    assert hung.state in (S.STOPPING, S.DRAINING) and hung.stop_reason is reason
+    for stop in (lc.Stop(ExitReason.SHUTDOWN), lc.Stop()):
+        rec = at(hung, stop, 101.2)
+        assert rec.after_exit is lc.AfterExit.STOP and rec.stop_reason is reason
+        rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 9)), 103.5, T)
+        assert rec.state is S.STOPPED
+        (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+        assert exit_.outcome.reason is reason and exit_.failure is False
+    # a stop of a worker restarted by an operator (no fault) is a stop as before
+    rec = at(at(ready(), lc.Restart(), 101), lc.Stop(ExitReason.SHUTDOWN), 101.2)
+    assert rec.stop_reason is ExitReason.SHUTDOWN
+
+
 @pytest.mark.parametrize("watchdog_s", [1.0, 0.0])
 def test_watchdog_trigger_is_a_hang_at_once(watchdog_s: float) -> None:
     """WATCHDOG=trigger (systemd: the service found itself hung) stops a starting or ready
