@@ -518,11 +518,13 @@ class Runtime:
         probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
         passed = pass_on_ignored_signals()  # before any worker: they get the default back
         if passed:
+            held = {s.name for s in HELD_SIGNALS}
             self.log.info(
                 "supervisor.signals_ignored",
                 signals=passed,
-                reason="started with them ignored: still ignored here, at their default in "
-                "the workers",
+                handled=[s for s in passed if s in held],
+                reason="started with them ignored: at their default in the workers; still "
+                "ignored here, but for those handled (SIGTERM and SIGINT stop, SIGHUP reloads)",
             )
         self._open_state_dir()
         self._probe_cgroups()

@@ -251,7 +251,7 @@ def test_worker_starts_with_no_signal_ignored(supervisor: SupervisorFactory) -> 
     ``restore_signals``), or ``worker | head`` inside it would never end its writer. So too
     the signals the supervisor was started with ignored (`nohup`, a shell's background job):
     regression: its workers ignored SIGQUIT (nginx's graceful stop, as a drain_signal) too."""
-    inherited = (signal.SIGQUIT, signal.SIGUSR1)
+    inherited = (signal.SIGQUIT, signal.SIGUSR1, signal.SIGHUP)
     before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in inherited}
     try:
         sup = supervisor(
@@ -280,7 +280,13 @@ def test_worker_starts_with_no_signal_ignored(supervisor: SupervisorFactory) -> 
     for sig in inherited:
         assert not ignored(line, sig), (sig.name, line)
     said = sup.wait_event(event="supervisor.signals_ignored")
-    assert {"SIGQUIT", "SIGUSR1"} <= set(said["signals"]), said
+    assert {"SIGQUIT", "SIGUSR1", "SIGHUP"} <= set(said["signals"]), said
+    # SIGHUP is the supervisor's own all the same (a reload; `nohup` only wants it to survive
+    # a hangup): the log said it stayed ignored (regression), it says it is handled
+    assert said["handled"] == ["SIGHUP"], said
+    mark = sup.mark()
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload", after=mark)
     assert sup.stop() == 0
 
 
