@@ -671,7 +671,7 @@ class Runtime:
         # initialise: auto keeps NVML (down meanwhile, opened again once the call returns).
         # Regression: it fell back to no telemetry for good (workers unplaced, XIDs unwatched)
         # though NVML answered seconds later.
-        opened = await self.sampler.open()
+        opened = await self.sampler.open(fallback=gpu.backend == "auto")
         if not opened and gpu.backend == "auto" and self.sampler.stuck_for_s() is None:
             self.log.warning(
                 "gpu.no_telemetry",

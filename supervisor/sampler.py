@@ -355,8 +355,11 @@ class Sampler:
         """``nvml``, ``sim`` or ``none``."""
         return self.backend.name if self.backend is not None else "none"
 
-    async def open(self) -> bool:
-        """Open the backend (in the NVML thread); False (degraded) if it is unavailable."""
+    async def open(self, fallback: bool = False) -> bool:
+        """Open the backend (in the NVML thread); False (degraded) if it is unavailable.
+        ``fallback``: the caller runs without telemetry when the open fails (``auto``), so a
+        failure is not announced as one retried (``gpu.unavailable``) unless the call is stuck
+        (a slow driver, which ``auto`` keeps)."""
         backend = self._opening = self._factory()
         try:
             opened = await self._bounded(self._guarded(backend.open))
@@ -366,12 +369,13 @@ class Sampler:
             self.error = str(exc)
             self.backend, self._opening = backend, None
             self._reopen_at = time.monotonic() + self._reopen_delay
-            self._log.warning(
-                "gpu.unavailable",
-                backend=backend.name,
-                error=str(exc),
-                retry_in_s=self._reopen_delay,
-            )
+            if not fallback or self.stuck_for_s() is not None:
+                self._log.warning(
+                    "gpu.unavailable",
+                    backend=backend.name,
+                    error=str(exc),
+                    retry_in_s=self._reopen_delay,
+                )
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
             return False
         self.backend, self._opening = backend, None

@@ -347,6 +347,28 @@ def test_nvml_init_failure_is_degraded_and_auto_falls_back(
     assert sup.stop() == 0
 
 
+def test_auto_without_nvml_says_so_with_one_warning(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: `backend = "auto"` on a machine without NVML (no library: a CPU host, a
+    container run without `--gpus`) logged `gpu.unavailable` ("backend nvml", `retry_in_s`:
+    a retry that never came, auto falls back for good) before `gpu.no_telemetry`: two
+    warnings where the README and the container example promise one."""
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    cfg = {
+        "gpu": {"backend": "auto"},
+        "workers": [{"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    sup = supervisor(cfg, env={"LD_LIBRARY_PATH": str(libdir)})
+    sup.wait_event(event="gpu.no_telemetry")
+    sup.ready("g-0")
+    assert sup.stop() == 0
+    assert [e["event"] for e in sup.find(event="gpu.unavailable")] == []
+    warnings = [e["event"] for e in sup.find(level="warning") if e["event"].startswith("gpu.")]
+    assert warnings == ["gpu.no_telemetry"]
+
+
 def test_auto_keeps_nvml_when_its_open_is_only_slow(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
