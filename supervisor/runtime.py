@@ -2742,7 +2742,7 @@ class Runtime:
         """The reload is over for the service manager (its file accepted, the roll-outs going
         on, or rejected): ``READY=1`` again, but only where start-up had sent it (a reload
         during start-up must not say ready before the workers are)."""
-        if self._ready_sent:
+        if self._ready_sent and not self._shutting_down:  # never READY=1 after STOPPING=1
             self._notify(f"READY=1\nSTATUS={self.status_line()}")
 
     def _notify(self, message: str) -> None:
@@ -2898,6 +2898,13 @@ class Runtime:
                 "supervisor.reload_rejected", reason="bad config", error=str(exc)
             )
             self._journal_reload(request, False, reason="bad config", error=str(exc))
+            return False
+        if self._shutting_down:
+            # a stop came while the file was read (a slow disk): nothing is applied, and the
+            # service manager hears no RELOADING=1 or READY=1 after STOPPING=1 (regression)
+            error = "the supervisor is stopping"
+            self.log.warning("supervisor.reload_rejected", reason="stopping", error=error)
+            self._journal_reload(request, False, reason="stopping", error=error)
             return False
         # MONOTONIC_USEC: what Type=notify-reload (systemd 253) needs to match it to its signal
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000

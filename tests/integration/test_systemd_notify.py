@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -336,3 +337,43 @@ def test_a_stop_during_start_up_is_not_followed_by_ready(
     finally:
         with contextlib.suppress(psutil.Error):
             psutil.Process(orphan).kill()
+
+
+def test_a_stop_while_a_reload_reads_its_file_applies_nothing(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a SIGTERM that came while a SIGHUP's reload was reading its file (a slow
+    disk, NFS; here a FIFO whose writer comes later) let the reload go on once the file was
+    read: RELOADING=1 and READY=1 after STOPPING=1 (systemd took a stopping service for a
+    reloaded one), and the new file's groups started while the supervisor stopped."""
+    path = tmp_path / "systemd.sock"
+    stubborn = {"name": "a", "command": worker_cmd("ignore_sigterm"), "stop_timeout_s": 2}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sup = supervisor({"workers": [stubborn]}, env={"NOTIFY_SOCKET": str(path)})
+        manager = Manager(sock)
+        sup.ready("a-0")
+        manager.wait_for("READY=1")
+        sup.write_config({"workers": [stubborn, {"name": "b", "command": ["true"]}]})
+        content = sup.config_path.read_bytes()
+        sup.config_path.unlink()
+        os.mkfifo(sup.config_path)
+        sup.signal(signal.SIGHUP)
+
+        def reader_waits() -> int | None:
+            # a writer's open succeeds once the reload's open waits for one
+            with contextlib.suppress(OSError):
+                return os.open(sup.config_path, os.O_WRONLY | os.O_NONBLOCK)
+            return None
+
+        writer = sup.wait_until(reader_waits, "the reload reading the config file")
+        sup.signal(signal.SIGTERM)
+        stopping = manager.wait_for("STOPPING=1")
+        with os.fdopen(writer, "wb") as fh:  # the file is read now, during the stop
+            fh.write(content)
+        assert sup.wait_exit() == 0
+        got = drain(manager)
+        after = got[got.index(stopping) + 1 :]
+        assert not [m for m in after if "RELOADING=1" in m or "READY=1" in m], got
+        assert not sup.find(event="worker.spawned", worker="b-0")
+        assert sup.find(event="supervisor.reload_rejected", reason="stopping")
