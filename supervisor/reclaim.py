@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,8 @@ from supervisor.policy.reclaim import Candidate, Live, Verdict, candidates, judg
 #: How long orphans get to exit after SIGTERM before SIGKILL.
 TERM_WAIT_S = 3.0
 KILL_WAIT_S = 3.0
+#: How often a SIGTERM's wait looks whether a forced stop wants it cut short.
+HURRY_POLL_S = 0.1
 
 
 def _live(pid: int, marked_at: int | None) -> tuple[Live | None, psutil.Process | None]:
@@ -51,14 +55,19 @@ def _carrying(marker: str) -> dict[int, tuple[str, float, int, int]]:
 
 
 def reclaim(
-    doc: Mapping[str, Any], marker: str | None = None, own_pid: int | None = None
+    doc: Mapping[str, Any],
+    marker: str | None = None,
+    own_pid: int | None = None,
+    hurry: threading.Event | None = None,
 ) -> list[dict[str, Any]]:
     """End the orphans recorded in a previous ``state.json``, and (with ``marker``, the id of
     our ``state_dir``) every process whose environment carries it: left by a killed
     predecessor, as no other running supervisor holds this ``state_dir``. Returns one record
     per candidate.
 
-    Blocking (waits up to ``TERM_WAIT_S + KILL_WAIT_S``): call it from a worker thread.
+    Blocking (waits up to ``TERM_WAIT_S + KILL_WAIT_S``): call it from a worker thread. Once
+    ``hurry`` is set (a forced stop), the orphans still there get SIGKILL without waiting
+    out their SIGTERM's wait.
     """
     own = os.getpid() if own_pid is None else own_pid
     results: list[dict[str, Any]] = []
@@ -87,7 +96,13 @@ def reclaim(
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()  # psutil checks the create time before signalling
-    _, alive = psutil.wait_procs(procs, timeout=TERM_WAIT_S)
+    alive = procs
+    deadline = time.monotonic() + TERM_WAIT_S
+    while alive and not (hurry is not None and hurry.is_set()):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        _, alive = psutil.wait_procs(alive, timeout=min(left, HURRY_POLL_S))
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()

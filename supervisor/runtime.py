@@ -326,6 +326,7 @@ class Runtime:
         #: workers a reload is stopping for good (their group or replica is gone)
         self.removing: set[str] = set()
         self._forced = False
+        self._hurry = threading.Event()  # a forced stop: the start-up reclaim kills at once
         self._done = anyio.Event()
         self._reloading = False
         self._reload_again = False
@@ -1720,7 +1721,10 @@ class Runtime:
             )
         # by the environment marker only while we hold state_dir's lock (else another
         # supervisor may run with the same state_dir, and its workers carry the same id)
-        results = await in_thread(reclaim, previous or {}, self._instance, inline=True)
+        results = await in_thread(
+            functools.partial(reclaim, previous or {}, self._instance, hurry=self._hurry),
+            inline=True,
+        )
         self.reclaimed = results
         for r in results:
             if r["verdict"] == "end":
@@ -2284,6 +2288,7 @@ class Runtime:
                 elif not self._forced:
                     self._forced = True
                     self.log.warning("supervisor.force_stop", reason="second signal")
+                    self._hurry.set()
                     for runner in self.workers():
                         runner.post(lc.Kill("second signal"))
             elif isinstance(intent, Reload):

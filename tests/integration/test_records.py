@@ -564,6 +564,32 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     assert state["stopped"] and [r["pid"] for r in state["reclaimed"]] == [stubborn.pid]
 
 
+def test_a_second_stop_signal_during_the_start_up_reclaim_kills_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """A second SIGTERM (a forced stop) while the start-up reclaim waits for an orphan that
+    ignores SIGTERM: the orphan is killed now, not at the end of its wait. Regression: the
+    forced stop waited the orphan's whole wait out (here made a minute long, as a slow
+    orphan's own shutdown could be), and so did systemd's stop."""
+    stubborn, termed = stubborn_orphan_of(tmp_path, "w-0", orphans)
+    patient = (
+        "import runpy, sys; import supervisor.reclaim as r; r.TERM_WAIT_S = 60.0; "
+        "sys.argv = ['supervisor', *sys.argv[4:]]; "
+        "runpy.run_module('supervisor', run_name='__main__', alter_sys=True)"
+    )
+    sup = supervisor(
+        {"workers": [group("w", "ready_then_sleep")]}, prefix=[sys.executable, "-c", patient]
+    )
+    sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
+    sup.signal(signal.SIGTERM)
+    sup.wait_event(event="supervisor.signal", signal="SIGTERM")
+    sup.signal(signal.SIGINT)  # (a SIGTERM again within 0.3 s would be taken for the same)
+    sup.wait_event(event="supervisor.force_stop")
+    ended = sup.wait_event(event="supervisor.reclaimed_orphan", pid=stubborn.pid, timeout=20)
+    assert ended["signal"] == "SIGKILL" and ended["ended"] is True
+    assert sup.wait_exit(timeout=20) == 0
+
+
 def test_a_reload_during_start_up_waits_for_the_start_up(
     supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
 ) -> None:
