@@ -391,17 +391,31 @@ class Tail:
 
     def __init__(self, lines: int = TAIL_LINES, chars: int = TAIL_CHARS) -> None:
         self._lines: deque[str] = deque()
+        self._times: deque[float] = deque()  # when each line came in
         self._chars = 0
         self.max_lines = lines
         self.max_chars = chars
+        #: When the lines appended now came in (set once per chunk of output).
+        self.at = 0.0
 
     def append(self, text: str) -> None:
         """Keep ``text`` as the newest line, dropping the oldest ones that no longer fit."""
         lines = self._lines
         lines.append(text)
+        self._times.append(self.at)
         self._chars += len(text)
         while len(lines) > self.max_lines or (self._chars > self.max_chars and len(lines) > 1):
             self._chars -= len(lines.popleft())
+            self._times.popleft()
+
+    def since(self, t: float) -> list[str]:
+        """The lines that came in at ``t`` or later, oldest first."""
+        n = 0
+        for at in reversed(self._times):
+            if at < t:
+                break
+            n += 1
+        return list(self._lines)[len(self._lines) - n :]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._lines)
@@ -506,8 +520,11 @@ class WorkerOutput:
         backups: int,
         passthrough: bool = False,
         stdout: Callable[[bytes], object] | None = None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
+        #: The clock the tail's lines are timed by (``lines_since``).
+        self._now = now
         self.file = RotatingFile(log_path, max_bytes, backups)
         self.tail = Tail()
         self._passthrough = passthrough
@@ -542,6 +559,7 @@ class WorkerOutput:
     def feed(self, data: bytes) -> None:
         """Take a chunk of output."""
         self.file.write(data)
+        self.tail.at = self._now()
         pieces = data.split(b"\n")
         last = pieces.pop()
         shown, on_line, append = self._shown, self.on_line, self.tail.append
@@ -610,6 +628,7 @@ class WorkerOutput:
     def flush_partial(self) -> None:
         """The pipe closed: keep an unterminated last line too."""
         if self._shown.size():  # an unterminated line that shows something
+            self.tail.at = self._now()
             self.tail.append(self._shown.end(self.on_line))
         else:
             self._shown.reset()
@@ -625,11 +644,16 @@ class WorkerOutput:
         self.flush_partial()
         line = f"--- gpu-supervisor: {text} ---"
         self.file.write(line.encode() + b"\n")
+        self.tail.at = self._now()
         self.tail.append(line)
 
     def lines(self) -> list[str]:
         """The last lines, oldest first."""
         return list(self.tail)
+
+    def lines_since(self, t: float) -> list[str]:
+        """The last lines that came in at ``t`` or later (the clock given as ``now``)."""
+        return self.tail.since(t)
 
     def close(self) -> None:
         """Close the log file."""

@@ -96,7 +96,7 @@ from supervisor.plan import (
 )
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.attribution import alias_owner
-from supervisor.policy.classify import classify
+from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.lifecycle import may_start
 from supervisor.policy.reload import (
@@ -1543,6 +1543,7 @@ class Runtime:
             sup.log_max_bytes,
             sup.log_backups,
             passthrough=group.log_passthrough,
+            now=self.clock.now,
         )
         output.file.on_health = self._on_log_health
         output.file.on_trim = functools.partial(self._on_log_trim, spec.name)
@@ -2163,6 +2164,14 @@ class Runtime:
             if before.started_at is None or runner.last_exit_at is None
             else max(0.0, runner.last_exit_at - before.started_at),
             lines=runner.output.lines(),
+            # what the death is judged by: this process's lines of the last moments (a CUDA
+            # OOM it caught long ago and went on after is not why it ended)
+            judged=this_run(
+                runner.output.lines_since(
+                    (self.clock.now() if runner.last_exit_at is None else runner.last_exit_at)
+                    - CUDA_OOM_FRESH_S
+                )
+            ),
             samples=list(self.samples_of.pop(runner.name, ())),
             healing=self.healer.exit_evidence(runner.name),
             # Only a SIGKILL can be the kernel's OOM killer: /proc/vmstat is not read otherwise.
@@ -2184,7 +2193,7 @@ class Runtime:
         found = classify(
             outcome.reason,
             outcome.status,
-            this_run(dead.lines),  # the tail goes further back, to earlier processes
+            dead.judged,
             failure=dead.action.failure,
             detail=outcome.detail,
             timing={
@@ -3483,6 +3492,7 @@ class _Death:
     ended_wall: float
     uptime_s: float | None  # monotonic
     lines: list[str]
+    judged: list[str]  # the lines the death is judged by
     samples: list[SamplePoint]
     healing: dict[str, Any] | None
     oom_baseline: int | None

@@ -13,7 +13,8 @@ from typing import Any
 
 from supervisor.model import HEALING_REASONS, ExitReason, ExitStatus
 
-#: Lines that show a CUDA out-of-memory failure (PyTorch, the CUDA runtime and driver APIs).
+#: Lines that show a CUDA out-of-memory failure (PyTorch, the CUDA runtime and driver APIs,
+#: and the libraries that allocate on their own: cuBLAS, cuDNN, NCCL).
 CUDA_OOM_PATTERNS: tuple[str, ...] = (
     "CUDA out of memory",
     "CUDA error: out of memory",
@@ -21,7 +22,17 @@ CUDA_OOM_PATTERNS: tuple[str, ...] = (
     "CUDA_ERROR_OUT_OF_MEMORY",
     "torch.OutOfMemoryError",
     "torch.cuda.OutOfMemoryError",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "Cuda failure 'out of memory'",  # NCCL
+    "Cuda failure 2 'out of memory'",  # NCCL 2.19 and later (with the error's number)
 )
+
+#: A CUDA out-of-memory line is a death's reason only when it came at most this long before
+#: it: a worker that caught one (a server that halves its batch, a warm-up probing the largest
+#: batch) and went on serving did not die of it when it ends much later for another reason.
+#: A process that fails on one ends within seconds (its traceback, its shutdown).
+CUDA_OOM_FRESH_S = 60.0
 
 #: Lifecycle reasons that are a worker death (or a healing action) and get a post-mortem.
 POSTMORTEM_EXITS = frozenset(

@@ -646,3 +646,69 @@ def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
     (state_dir / "lock").symlink_to(victim)
     assert lock_state_dir(state_dir) is None  # records.not_locked, as without locks
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # cuBLAS could not allocate its workspace (the first matmul of a full GPU)
+        "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "RuntimeError: cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        # NCCL's own allocation (tensor-parallel workers), old and new wording
+        "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of "
+        "memory'",
+        "h100:1:1 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
+    ],
+)
+def test_library_allocation_failures_are_cuda_oom(line: str) -> None:
+    """Regression: a worker that died because cuBLAS, cuDNN or NCCL could not allocate GPU
+    memory (the way a full GPU fails inside those libraries) was classified ``exit``: the
+    post-mortem, ``last_exit.reason`` and ``worker_restarts_total`` hid the out-of-memory."""
+    tail = ["Traceback (most recent call last):", line, "--- gpu-supervisor: exited ---"]
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
+    assert found is not None and found.reason == "cuda_oom"
+    assert found.evidence["log_line"] == line
+
+
+def test_a_recovered_cuda_oom_long_before_the_death_is_not_its_reason(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Regression: a worker that caught a CUDA out-of-memory error (a server that halves its
+    batch, a warm-up that probes the largest batch), went on serving and ended an hour later
+    for another reason (an exit 0, a SIGTERM from outside, a SIGKILL of the kernel's OOM
+    killer) was classified ``cuda_oom`` by that old line still in its tail. Only a line that
+    came shortly before the death is its reason now (the tail keeps the old one as context)."""
+    from supervisor.clock import FakeClock
+    from supervisor.output import WorkerOutput, this_run
+    from supervisor.policy.classify import CUDA_OOM_FRESH_S
+
+    clock = FakeClock()
+    out = WorkerOutput("w-0", tmp_path / "w-0.log", 0, 0, now=clock.now)
+    request.addfinalizer(out.close)
+    out.mark("started pid 10")
+    out.feed(b"WARNING torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    out.feed(b"INFO retrying with batch size 4\n")
+    clock.advance(3600)
+    out.feed(b"INFO shutting down\n")
+    out.mark("exited: exit code 0")
+
+    def judge(status: ExitStatus, oom_kills: int = 0) -> str | None:
+        lines = this_run(out.lines_since(clock.now() - CUDA_OOM_FRESH_S))
+        kind = ExitReason.SIGNAL if status.signal else ExitReason.EXIT
+        found = classify(kind, status, lines, failure=False, oom_kills=oom_kills)
+        return None if found is None else found.reason
+
+    assert judge(ExitStatus(0, None)) == "exit"
+    assert judge(ExitStatus(None, 15)) == "signal"
+    assert judge(ExitStatus(None, 9), oom_kills=1) == "host_oom"
+    assert any("CUDA out of memory" in line for line in out.lines())  # still shown
+    # one that came just before the death is its reason, however long the process ran
+    out.feed(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB\n")
+    clock.advance(1)
+    out.mark("exited: exit code 1")
+    assert judge(ExitStatus(1, None)) == "cuda_oom"
+    # and only this process's lines count, however recent the earlier one's
+    out.mark("started pid 11")
+    clock.advance(1)
+    out.feed(b"Segmentation fault\n")
+    assert judge(ExitStatus(None, 11)) == "signal"
