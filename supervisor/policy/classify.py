@@ -31,8 +31,9 @@ CUDA_OOM_PATTERNS: tuple[str, ...] = (
 #: A CUDA out-of-memory line is a death's reason only when it came at most this long before
 #: it: a worker that caught one (a server that halves its batch, a warm-up probing the largest
 #: batch) and went on serving did not die of it when it ends much later for another reason.
-#: A process that fails on one ends within seconds (its traceback, its shutdown).
-CUDA_OOM_FRESH_S = 60.0
+#: A process that fails on one ends within seconds (its traceback, its shutdown), or within
+#: minutes where its other ranks wait out NCCL's watchdog (10 minutes by default) first.
+CUDA_OOM_FRESH_S = 900.0
 
 #: Lifecycle reasons that are a worker death (or a healing action) and get a post-mortem.
 POSTMORTEM_EXITS = frozenset(
