@@ -638,17 +638,20 @@ class Healer:
             settings,
             headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb * gpus_held, device_free),
         )
+        # the headroom under the host budget is measured on what the budget is judged on (the
+        # tree's PSS where it was read: a forked tree's RSS counts shared pages once per
+        # process, and was "over" a budget its PSS was far under: runs out in 0 s, drained)
         w.host_leak = judge_leak(
             w.host_floor.points(),
             now,
             settings,
-            headroom(usage.host_rss_mb, health.host_memory_limit_mb, host_free),
+            headroom(host_used, health.host_memory_limit_mb, host_free),
         )
         if not (w.gpu_leak.act or w.host_leak.act):  # no longer: a deferred one is dropped
             self._pending.pop(("leak", runner.name), None)
         for memory, verdict, current, limit in (
             ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
-            ("host", w.host_leak, usage.host_rss_mb, health.host_memory_limit_mb),
+            ("host", w.host_leak, host_used, health.host_memory_limit_mb),
         ):
             if verdict.act:
                 what = "GPU memory" if memory == "gpu" else "host memory (RSS)"

@@ -897,3 +897,42 @@ def test_the_host_budget_of_a_forked_tree_is_judged_on_its_pss() -> None:
     assert [type(e).__name__ for e in w0.posted] == ["Restart"]
     [said] = [f for kind, _, f in host.journal.items if kind == "heal.restart"]
     assert "host memory (PSS) 660 MiB over its budget of 600 MiB" in said["message"]
+
+
+def test_the_host_leak_of_a_forked_tree_is_projected_to_its_pss_budget() -> None:
+    """Regression: where the host budget is judged on the tree's PSS (a pre-fork server: its
+    RSS counts the shared pages once per process, and is over the budget), the host leak's
+    projection still measured the headroom on the RSS: a budget "already exceeded", so
+    ``host_projected_oom_s`` was 0 and the worker was drained at once (as imminent, past
+    ``max_unavailable``) while its PSS was far under the budget. The headroom is now the
+    budget less what the budget is judged on (the PSS where read)."""
+    from supervisor.model import WorkerUsage
+
+    w0 = Runner("w-0", GPUS[0])
+    health = {
+        "host_memory_limit_mb": 2000,
+        "leak_warmup_s": 0,
+        "leak_window_s": 60,
+        "oom_horizon_s": 300,
+        "on_leak": "restart",
+    }
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.5},
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": health}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    healer = Healer(host, host_available_mb=lambda: 100_000.0)  # type: ignore[arg-type]
+    for _ in range(240):  # 120 s: RSS grows 120 MiB/min, PSS stays at 800 MiB
+        host.clock.advance(0.5)
+        now = host.clock.now()
+        rss = 2400 + 2 * now
+        usage = WorkerUsage("w-0", (100, 101), 10.0, {GPUS[0]: 10.0}, "pid", rss, 1.0, 800.0)
+        healer.on_sample(
+            Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now)
+        )
+    leak = healer.annotate("w-0", {})["leak"]
+    assert leak["host_suspected"], leak
+    # 1200 MiB left under the budget at 2 MiB/s: 600 s, beyond the 300 s horizon
+    assert leak["host_projected_oom_s"] == pytest.approx(600, rel=0.2)
+    assert w0.posted == []
