@@ -145,6 +145,10 @@ class FloorSeries:
         """Take one sample (None values and samples before ``since`` are ignored)."""
         if value is None or self.since is None or t < self.since:
             return
+        if self._buckets and t < self._buckets[-1][1]:
+            # a little older than the last point (a report stamped by the loop, its copy by
+            # the sample): the last bucket's, so the points stay in time order (bisected)
+            t = self._buckets[-1][1]
         key = int(t // self.bucket_s)
         if self._buckets and self._buckets[-1][0] == key:
             _, _, v_min = self._buckets[-1]

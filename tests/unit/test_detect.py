@@ -314,6 +314,21 @@ def test_act_needs_suspicion() -> None:
     assert not any(v.act for _, v in verdicts)
 
 
+def test_a_point_a_little_older_than_the_last_one_keeps_the_floor_in_time_order() -> None:
+    """Regression: an in-use report is stamped with the loop's clock and a sample's copy of it
+    with the sample's (a few milliseconds earlier); across a bucket's edge the older one went
+    after the newer one, and the detector, which bisects the points by time, read an unsorted
+    series. A point older than the last is the last bucket's."""
+    series = FloorSeries(keep_s=600.0, bucket_s=5.0)
+    series.reset(since=0.0)
+    series.add(10.004, 100.0)
+    series.add(9.999, 90.0)
+    series.add(12.0, 95.0)
+    times = [t for t, _ in series.points()]
+    assert times == sorted(times)
+    assert series.points() == [(10.004, 90.0)]
+
+
 def test_slow_growth_below_the_threshold_projects_nothing() -> None:
     """Regression: a worker whose floor creeps up slower than ``leak_min_mb_per_min`` (2 MiB/min
     against 10: not a leak) on a GPU its cache all but fills (20 MiB of headroom) was projected
