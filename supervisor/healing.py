@@ -649,10 +649,18 @@ class Healer:
         )
         if not (w.gpu_leak.act or w.host_leak.act):  # no longer: a deferred one is dropped
             self._pending.pop(("leak", runner.name), None)
-        for memory, verdict, current, limit in (
-            ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
-            ("host", w.host_leak, host_used, health.host_memory_limit_mb),
-        ):
+        acting = [
+            leak
+            for leak in (
+                ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
+                ("host", w.host_leak, host_used, health.host_memory_limit_mb),
+            )
+            if leak[1].act
+        ]
+        # both at once: one finding, of the one that runs out sooner (regression: the host
+        # one, judged second, replaced the GPU one, whose memory ran out first)
+        acting.sort(key=lambda leak: _or_inf(leak[1].projected_oom_s))
+        for memory, verdict, current, limit in acting[:1]:
             if verdict.act:
                 what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
                 reported = memory == "gpu" and w.gpu_leak_source == "worker"
@@ -1235,6 +1243,10 @@ def _budget(
         worker=name,
         evidence={"used_mb": _round(used), "limit_mb": limit, "samples_over": BUDGET_SAMPLES},
     )
+
+
+def _or_inf(value: float | None) -> float:
+    return math.inf if value is None else value
 
 
 def _round(value: float | None) -> float | None:

@@ -936,3 +936,43 @@ def test_the_host_leak_of_a_forked_tree_is_projected_to_its_pss_budget() -> None
     # 1200 MiB left under the budget at 2 MiB/s: 600 s, beyond the 300 s horizon
     assert leak["host_projected_oom_s"] == pytest.approx(600, rel=0.2)
     assert w0.posted == []
+
+
+def test_a_gpu_and_a_host_leak_at_once_act_on_the_sooner_one() -> None:
+    """Regression: where the GPU and the host leak were both acted on in one judgement, the
+    host one (judged second) replaced the GPU one under the same finding: the action, its
+    message and evidence said host memory although the GPU ran out first. The one projected
+    to run out sooner is acted on."""
+    from supervisor.model import WorkerUsage
+
+    w0 = Runner("w-0", GPUS[0])
+    health = {
+        "gpu_memory_limit_mb": 5000,
+        "host_memory_limit_mb": 3000,
+        "leak_warmup_s": 0,
+        "leak_window_s": 60,
+        "oom_horizon_s": 300,
+        "on_leak": "restart",
+    }
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.5},
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": health}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    healer = Healer(host, host_available_mb=lambda: 100_000.0)  # type: ignore[arg-type]
+    while not host.journal.items and host.clock.now() < 200:
+        host.clock.advance(0.5)
+        now = host.clock.now()
+        gpu = 4700 + now  # 60 MiB/min: about 250 s left when it is judged a leak
+        rss = 2680 + now  # 60 MiB/min too: 20 s more left than on the GPU
+        usage = WorkerUsage("w-0", (100, 101), gpu, {GPUS[0]: gpu}, "pid", rss, 1.0, None)
+        healer.on_sample(
+            Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now)
+        )
+    leak = healer.annotate("w-0", {})["leak"]
+    assert leak["suspected"] and leak["host_suspected"], leak
+    assert leak["projected_oom_s"] < leak["host_projected_oom_s"] <= 300, leak
+    kind, worker, fields = host.journal.items[0]
+    assert (kind, worker, fields["reason"]) == ("heal.restart", "w-0", "leak")
+    assert fields["message"].startswith("GPU memory grows"), fields
