@@ -182,7 +182,8 @@ class _Watch:
     oom_kills_at_start: int | None = None
     oom_system: bool = False  # the count is the system-wide one (no cgroup count of its own)
     spawned_at: float = 0.0
-    gpu_mb: float | None = None  # at the last sample (what a migration target must have free)
+    gpu_mb: float | None = None  # on its fullest GPU at the last sample (a migration need)
+    gpu_by_gpu: Mapping[str, float] = field(default_factory=dict)  # per GPU, then
     #: the share of ``max_age_jitter_s`` this process gets, and whether its recycle is under
     #: way (a deferred one is not: it is judged again at each sample)
     max_age_draw: float = 0.0
@@ -381,13 +382,16 @@ class Healer:
         no cooler GPU had room at the decision (regression: only a log line, so the operator
         saw a migrate and never learned that the worker stayed); it moves once one has room
         (judged again every ``thermal_sustain_s``, a migrate at most once a minute)."""
+        hot = self.hot_gpus()
+        # the hot one of its GPUs (regression: the first, a cool one for a worker on two)
+        gpu = next((u for u in gpus if u in hot), gpus[0] if gpus else None)
         self._record(
             Act(
                 "alert",
                 "thermal",
                 f"could not move off its hot GPU: {why}; started there again",
                 worker=runner.name,
-                gpu=gpus[0] if gpus else None,
+                gpu=gpu,
                 evidence={"gpus": list(gpus), "migrate": why},
             ),
             self.host.clock.now(),
@@ -577,7 +581,6 @@ class Healer:
             w.in_use_floor.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         w.host_floor.add(now, usage.host_rss_mb)
-        w.gpu_mb = usage.gpu_memory_mb
         # The GPU budget is per GPU (placement reserves it on each GPU of the worker, and the
         # worker gets it as a per-device cap): a worker on two GPUs is over it when one of
         # them holds more, not when the two together do.
@@ -586,6 +589,11 @@ class Healer:
             if usage.gpu_memory_by_gpu and usage.gpu_memory_mb is not None
             else usage.gpu_memory_mb
         )
+        # what each GPU a migration moves it to must have free: the most it holds on one of
+        # its GPUs (regression: the sum over a tensor-parallel worker's GPUs, which no GPU had
+        # free, so it was never moved off a hot GPU)
+        w.gpu_mb = on_one
+        w.gpu_by_gpu = usage.gpu_memory_by_gpu
         w.gpu_streak = budget_streak(w.gpu_streak, on_one, health.gpu_memory_limit_mb)
         # /proc is read less often than samples come: only a new reading counts (a spike seen
         # in one reading, repeated by the samples until the next, is not two samples over)
@@ -631,12 +639,15 @@ class Healer:
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
         w.gpu_leak_source = "worker" if in_use is not None else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
-        gpus_held = max(1, len(usage.gpu_memory_by_gpu))  # the budget is per GPU
+        # the budget is per GPU: what is left of it on the worker's fullest GPU bounds the
+        # headroom, as the GPU with the least free memory does (regression: twice the budget
+        # less both GPUs' use, for a worker on two: a leak on one GPU was projected to reach
+        # the budget long after it did)
         w.gpu_leak = judge_leak(
             gpu_floor.points(),
             now,
             settings,
-            headroom(usage.gpu_memory_mb, health.gpu_memory_limit_mb * gpus_held, device_free),
+            headroom(on_one, health.gpu_memory_limit_mb, device_free),
         )
         # the headroom under the host budget is measured on what the budget is judged on (the
         # tree's PSS where it was read: a forked tree's RSS counts shared pages once per
@@ -918,19 +929,27 @@ class Healer:
 
     def migration_slots(self, name: str, slots: list[GpuSlot]) -> list[GpuSlot]:
         """``slots`` as a migration of ``name`` may use them: not the GPU it leaves, no hot
-        GPU, none with less free memory than the worker used (when both are known)."""
+        GPU, none with less free memory than the worker used on one of its GPUs (when both
+        are known)."""
         avoid = self.avoid.get(name, set())
         hot = self.hot_gpus()
         need = self.need_mb.get(name)
-        if need is None and (w := self._watch.get(name)) is not None:
+        w = self._watch.get(name)
+        if need is None and w is not None:
             need = w.gpu_mb
+        # what its process holds on a GPU it keeps is free there once it moves (regression: a
+        # tensor-parallel worker's other GPU had to have its share free twice over); once the
+        # process is gone, the GPU's free memory has it back already
+        runner = self.host.runners.get(name)
+        running = w is not None and runner is not None and runner.record.pid == w.pid
+        held = w.gpu_by_gpu if w is not None and w.pid is not None and running else {}
         out = []
         for s in slots:
             if s.uuid in avoid:
                 s = replace(s, usable=False, why_not="is hot (migrating off it)")
             elif s.uuid in hot:
                 s = replace(s, usable=False, why_not="is hot")
-            elif need and s.free_mb is not None and s.free_mb < need:
+            elif need and s.free_mb is not None and s.free_mb + held.get(s.uuid, 0.0) < need:
                 why = f"has {s.free_mb:.0f} MiB free, the worker used {need:.0f}"
                 s = replace(s, usable=False, why_not=why)
             out.append(s)
@@ -1093,8 +1112,11 @@ class Healer:
                 return
             self.state.derated[act.worker] = act.message
         elif act.action == "restore":
-            if self.state.derated.pop(act.worker or "", None) is None:
-                return
+            if act.worker not in self.state.derated or (
+                runner is not None and self.hot_gpus() & set(runner.spec.gpus or ())
+            ):
+                return  # (one of its other GPUs is still hot: routed again once it cools)
+            del self.state.derated[act.worker]
         elif act.action == "cordon":
             if act.gpu is None or act.gpu in self.host.cordoned:
                 return

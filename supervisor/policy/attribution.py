@@ -88,6 +88,11 @@ def attribute(
             # the sum of the others would understate it (and hide a leak or a budget breach).
             if name in unknown_amount:
                 out[name] = GpuUsage(None, {}, "pid")
+            elif not all(u in listable for u in gpus):
+                # one of its GPUs cannot list its processes (an NVML error this tick, lost):
+                # what it holds on the others is not its total (regression: a tensor-parallel
+                # worker was reported with half its memory)
+                out[name] = GpuUsage(None, {}, "unavailable")
             else:
                 out[name] = GpuUsage(sum(by_gpu.values()), by_gpu, "pid")
             continue

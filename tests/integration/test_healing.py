@@ -981,3 +981,38 @@ def test_a_recycle_never_halts_a_roll_out_of_its_group(
     sup.wait_event(event="heal.action", reason="max_age", after=mark, timeout=20)
     assert most_not_ready(sup.find(event="worker.state", after=mark)) <= 1
     assert sup.stop() == 0
+
+
+UUID2 = "GPU-00000000-0000-0000-0000-000000000002"
+
+
+def test_a_worker_on_two_gpus_migrates_off_its_hot_one(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A tensor-parallel worker (gpus_per_worker = 2) with 30000 MiB on each of GPUs 0 and 1;
+    GPU 0 turns hot; GPU 1 has 21920 MiB free besides the worker's, GPU 2 41920: the worker
+    moves to GPUs 1 and 2. Regressions: each target GPU had to have the 60000 MiB it held on
+    its two GPUs together free, and GPU 1 its 30000 free besides what it held there itself, so
+    it never moved ("no cooler GPU has room")."""
+    group = {
+        "name": "tp",
+        "gpus_per_worker": 2,
+        "command": sim("30000"),
+        "health": {"on_thermal": "migrate"},
+    }
+    sup = supervisor(config(tmp_path, group, sim_devices=3))
+    assert sup.wait_line("[tp-0] ", endswith=f"ready on {UUID0},{UUID1}")
+    set_gpu(tmp_path, 1, memory_base_mib=30000)
+    set_gpu(tmp_path, 2, memory_base_mib=40000)
+    sup.wait_api(
+        "/api/v1/workers/tp-0", lambda w: w["gpu_memory_by_gpu"] == {UUID0: 30000, UUID1: 30000}
+    )
+    sup.wait_api("/api/v1/gpu/status", lambda s: s["devices"][2]["memory"]["free_mb"] < 42000)
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
+    action = sup.wait_event(event="heal.action", reason="thermal", worker="tp-0", after=mark)
+    assert action["action"] == "migrate", action
+    moved = sup.wait_event(event="worker.moved", worker="tp-0", after=mark)
+    assert sorted(moved["new_gpus"]) == [UUID1, UUID2]
+    sup.ready("tp-0", after=mark)
+    assert sup.stop() == 0

@@ -42,6 +42,22 @@ def test_one_unknown_amount_makes_the_total_unknown() -> None:
     assert (got["w"].total_mb, dict(got["w"].by_gpu), got["w"].attribution) == (None, {}, "pid")
 
 
+def test_a_gpu_of_the_worker_whose_processes_are_unknown_makes_the_total_unknown() -> None:
+    """Regression: a worker on two GPUs whose second GPU's process list failed this tick (an
+    NVML error) or is lost was reported with what it held on the first as its whole GPU memory
+    (half of it, attribution "pid"); a worker on one GPU is "unavailable" then."""
+    listed = dev("A", (10, 300.0))
+    unlisted = DeviceSample(1, "B", "g", memory_total_mb=1000.0, processes=None)
+    lost = DeviceSample(1, "B", "g", healthy=False, error="GPU is lost")
+    for b in (unlisted, lost):
+        got = attribute((listed, b), {"w": frozenset({10})}, {"w": ("A", "B")}, frozenset({10}))
+        assert (got["w"].total_mb, dict(got["w"].by_gpu), got["w"].attribution) == (
+            None,
+            {},
+            "unavailable",
+        )
+
+
 def test_listed_gpu_without_our_pids_is_zero() -> None:
     got = attribute(
         (dev("A", (99, 5.0)),), {"w": frozenset({10})}, {"w": ("A",)}, frozenset({10, 99})

@@ -899,6 +899,141 @@ def test_the_host_budget_of_a_forked_tree_is_judged_on_its_pss() -> None:
     assert "host memory (PSS) 660 MiB over its budget of 600 MiB" in said["message"]
 
 
+def _tp_worker(on_thermal: str) -> tuple[Host, Healer, Runner]:
+    """t-0 of a group with gpus_per_worker = 2, on GPU-0 and GPU-1 (a tensor-parallel
+    server), 15000 MiB on each."""
+    t0 = Runner("t-0", GPUS[0])
+    t0.spec.gpus = (GPUS[0], GPUS[1])
+    cfg = {
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "t",
+                "command": ["x"],
+                "gpus_per_worker": 2,
+                "health": {"on_thermal": on_thermal, "max_unavailable": 5},
+            }
+        ],
+    }
+    host = Host(parse_settings(cfg), {"t-0": t0})
+    return host, Healer(host), t0  # type: ignore[arg-type]
+
+
+def _tp_tick(host: Host, healer: Healer) -> None:
+    host.clock.advance(1.0)
+    by_gpu = {GPUS[0]: 15000.0, GPUS[1]: 15000.0}
+    usage = WorkerUsage("t-0", (100,), 30000.0, by_gpu, "pid", 100.0, 1.0)
+    healer.on_sample(Sample(host.clock.now(), tuple(host.devices.values()), {"t-0": usage}, True))
+
+
+def test_a_worker_on_two_gpus_migrates_where_each_gpu_has_room_for_its_share() -> None:
+    """Regression: a migration target had to have the worker's memory summed over its GPUs
+    free on each GPU: a tensor-parallel worker with 15000 MiB on each of two GPUs was never
+    moved off its hot GPU onto one with 20000 MiB free ("no cooler GPU has room")."""
+    host, healer, _ = _tp_worker("migrate")
+    host.devices[GPUS[2]] = replace(host.devices[GPUS[2]], memory_free_mb=20000)
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    assert ("migrate", "t-0") in host.acts()
+    assert ("alert", "t-0") not in host.acts()
+    usable = {s.uuid for s in healer.migration_slots("t-0", host.slots()) if s.usable}
+    assert usable == {GPUS[1], GPUS[2]}
+
+
+def test_a_worker_on_two_hot_gpus_stays_derated_until_both_are_cool() -> None:
+    """Regression: a worker derated for one hot GPU of its two was routed again as soon as
+    that one cooled, while its other GPU was still hot."""
+    host, healer, _ = _tp_worker("derate")
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    assert "t-0" in healer.state.derated
+    assert healer.hot_gpus() == {GPUS[0], GPUS[1]}
+    host.temperature(GPUS[0], 50)
+    for _ in range(40):
+        _tp_tick(host, healer)
+    assert healer.hot_gpus() == {GPUS[1]}
+    assert "t-0" in healer.state.derated
+    host.temperature(GPUS[1], 50)
+    for _ in range(40):
+        _tp_tick(host, healer)
+    assert healer.state.derated == {}
+
+
+def test_a_leak_on_one_gpu_of_two_is_projected_against_that_gpus_budget() -> None:
+    """Regression: the GPU budget is per GPU, but a leak of a worker on two GPUs was projected
+    against twice the budget less what both held: 5750 MiB growing 30 MiB/s on GPU-0 (of a
+    10000 MiB budget) and 1000 flat on GPU-1 was 440 s from its budget, not 140, and with a
+    300 s horizon the worker was restarted over its budget instead of drained before it."""
+    t0 = Runner("t-0", GPUS[0])
+    t0.spec.gpus = (GPUS[0], GPUS[1])
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.25},
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "t",
+                "command": ["x"],
+                "gpus_per_worker": 2,
+                "health": {
+                    "gpu_memory_limit_mb": 10000,
+                    "leak_warmup_s": 1,
+                    "leak_window_s": 30,
+                    "oom_horizon_s": 300,
+                },
+            }
+        ],
+    }
+    host = Host(parse_settings(cfg), {"t-0": t0})
+    healer = Healer(host)  # type: ignore[arg-type]
+    for _ in range(100):  # 25 s
+        host.clock.advance(0.25)
+        now = host.clock.now()
+        by_gpu = {GPUS[0]: 5000 + 30 * now, GPUS[1]: 1000.0}
+        usage = WorkerUsage("t-0", (100,), sum(by_gpu.values()), by_gpu, "pid", 100.0, 0.0)
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    leak = healer.annotate("t-0", {})["leak"]
+    assert leak["suspected"] and 130 < leak["projected_oom_s"] < 150, leak
+    assert lc.Drain(restart=True, reason=ExitReason.LEAK) in t0.posted
+
+
+def test_the_alert_of_a_worker_that_stayed_on_two_gpus_names_its_hot_one() -> None:
+    """Regression: a worker on GPU-0 and GPU-1 that could not move off hot GPU-1 was said to
+    be stuck on its hot GPU-0 (the alert's gpu was the first of its GPUs, which is cool)."""
+    host, healer, t0 = _tp_worker("migrate")
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    assert healer.hot_gpus() == {GPUS[1]}
+    healer.on_migration_stayed(t0, (GPUS[0], GPUS[1]), "no cooler GPU has room")  # type: ignore[arg-type]
+    kind, worker, fields = host.journal.items[-1]
+    assert (kind, worker, fields["gpu"]) == ("heal.alert", "t-0", GPUS[1])
+
+
+def test_a_worker_on_two_gpus_may_migrate_onto_the_one_it_keeps() -> None:
+    """Regression: the GPU a tensor-parallel worker keeps when it moves off its hot one had to
+    have the worker's share free besides what the worker itself holds there: on GPU-0 (hot)
+    and GPU-1 (10000 MiB free, 15000 of them its own), with GPU-2 (20000 free) the only other,
+    it never moved ("no cooler GPU has room"), though GPU-1 and GPU-2 take it."""
+    host, healer, t0 = _tp_worker("migrate")
+    host.devices[GPUS[1]] = replace(host.devices[GPUS[1]], memory_free_mb=10000)
+    host.devices[GPUS[2]] = replace(host.devices[GPUS[2]], memory_free_mb=20000)
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    assert ("migrate", "t-0") in host.acts()
+    assert ("alert", "t-0") not in host.acts()
+    # once its process is gone, the GPU's free memory has its share back: not counted twice
+    t0.record.pid = None
+    host.devices[GPUS[1]] = replace(host.devices[GPUS[1]], memory_free_mb=14000)
+    usable = {s.uuid for s in healer.migration_slots("t-0", host.slots()) if s.usable}
+    assert usable == {GPUS[2]}
+
+
 def test_the_host_leak_of_a_forked_tree_is_projected_to_its_pss_budget() -> None:
     """Regression: where the host budget is judged on the tree's PSS (a pre-fork server: its
     RSS counts the shared pages once per process, and is over the budget), the host leak's
