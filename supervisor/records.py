@@ -296,6 +296,7 @@ class Failure:
     kind: str
     error: str
     since: float  # wall clock
+    started: float  # monotonic: how long it lasts, whatever steps the wall clock takes
 
 
 class WriteHealth:
@@ -314,7 +315,7 @@ class WriteHealth:
         current = self.failing.get(file)
         if current is not None and current.kind == kind:
             return
-        self.failing[file] = Failure(kind, f"{exc.strerror or exc}", time.time())
+        self.failing[file] = Failure(kind, f"{exc.strerror or exc}", time.time(), time.monotonic())
         self._log.error(
             "records.write_failed",
             file=file,
@@ -332,7 +333,7 @@ class WriteHealth:
                 "records.write_recovered",
                 file=file,
                 kind=failure.kind,
-                failed_for_s=round(time.time() - failure.since, 3),
+                failed_for_s=round(time.monotonic() - failure.started, 3),
             )
 
     def problems(self) -> dict[str, dict[str, Any]]:

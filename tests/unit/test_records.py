@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -270,6 +271,27 @@ def test_write_failures_are_logged_once_per_kind_and_recover() -> None:
     ]
     assert health.errors_total == {("state", "disk_full"): 5, ("state", "read_only"): 1}
     assert health.problems() == {}
+
+
+def test_write_failure_duration_ignores_a_step_of_the_wall_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``records.write_recovered``'s ``failed_for_s`` was the difference of two
+    wall-clock readings: NTP stepping the clock back an hour while the disk was full made a
+    2 s failure read -3598 s (a step forward, hours). It is measured on the monotonic clock;
+    ``since`` (when it began, for people) stays wall-clock time."""
+    clocks = {"wall": T0, "mono": 500.0}
+    fake_time = SimpleNamespace(time=lambda: clocks["wall"], monotonic=lambda: clocks["mono"])
+    monkeypatch.setattr("supervisor.records.time", fake_time)
+    health = WriteHealth()
+    with capture_logs() as logs:
+        health.failed("state", OSError(errno.ENOSPC, "No space left on device"))
+        assert health.problems()["state"]["since"] == T0
+        clocks["wall"] -= 3600.0  # chrony steps the clock back
+        clocks["mono"] += 2.0
+        health.ok("state")
+    recovered = [e for e in logs if e["event"] == "records.write_recovered"]
+    assert [e["failed_for_s"] for e in recovered] == [2.0]
 
 
 async def test_post_mortems_left_unwritten_at_exit_are_said(tmp_path: Path) -> None:
