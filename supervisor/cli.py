@@ -50,7 +50,7 @@ from supervisor.processes import (
 )
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore, read_file
 from supervisor.runtime import Runtime, Service
-from supervisor.views import device_object
+from supervisor.views import device_object, redact_argv
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -131,7 +131,7 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "gpus": None if w.gpus is None else list(w.gpus),
                     "ready": w.ready_url or gp.group.ready,
                     "liveness": None if w.liveness is None else w.liveness.url,
-                    "command": list(w.argv),
+                    "command": redact_argv(w.argv),  # printed: no API keys
                     "cwd": w.cwd,
                     "user": gp.group.user or None,
                     "cpus": None if w.cpus is None else format_cpulist(w.cpus),

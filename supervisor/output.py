@@ -80,7 +80,22 @@ def _tag(fd: int, new: bool = False) -> str:
 
 def _private(path: str, flags: int) -> int:
     """Open as ``open()`` does, a new file readable by its user and group only (a log holds
-    whatever the worker prints)."""
+    whatever the worker prints).
+
+    A link at ``path`` is followed only when it is the supervisor's own or root's (an
+    operator's, to a log on another disk): one that another user who could write the directory
+    put there would have a root supervisor write the worker's output into the file it names.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o640)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        owner = os.lstat(path).st_uid
+        if owner not in (0, os.geteuid()):
+            raise OSError(
+                errno.EPERM, f"a link made by uid {owner}: not followed", os.fspath(path)
+            ) from None
     return os.open(path, flags, 0o640)
 
 
@@ -276,7 +291,8 @@ class RotatingFile:
             with contextlib.suppress(OSError):
                 size = self.path.stat().st_size
                 if size:
-                    with open(self.path, "wb") as fh:  # truncated: the tail is still in memory
+                    # truncated (the tail is still in memory), not through another's link
+                    with open(self.path, "wb", opener=_private) as fh:
                         fh.write(TRIMMED_MARK)
                         # another file to a reader: one that was further on in it lost that
                         self._number(os.fstat(fh.fileno()), new=True)

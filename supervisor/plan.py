@@ -26,9 +26,10 @@ Assignment = Mapping[str, tuple[str, ...] | None]
 
 #: Variables of the supervisor's own service manager that must not leak into workers (nor
 #: the budget a supervisor started from a worker's environment was given: a worker gets its
-#: group's, or none).
+#: group's, or none; nor the CLI's API token: a worker could drive the API with it).
 SCRUBBED_ENV = frozenset(
     {
+        "GPU_SUPERVISOR_API_TOKEN",
         "NOTIFY_SOCKET",
         "WATCHDOG_USEC",
         "WATCHDOG_PID",

@@ -154,7 +154,13 @@ def atomic_write(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        # Made anew, never opened through a link someone put at this predictable name (a root
+        # supervisor would truncate and overwrite the file it names): a leftover is removed,
+        # and O_EXCL refuses whatever is put back in its place meanwhile.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, FILE_MODE)
         try:
             view = memoryview(data)
             while view:

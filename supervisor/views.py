@@ -211,6 +211,44 @@ class SamplePoint:
     cpu_percent: float | None
 
 
+#: Parts of a flag's or a variable's name that make its value a secret (``--api-key``,
+#: ``--hf-token``, ``OPENAI_API_KEY``, ``--db-password``, ``--client_secret``).
+_SECRET_WORDS = frozenset(
+    {"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials"}
+)
+_SECRET_SUFFIXES = ("token", "key", "secret", "password")
+_ENV_WORD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", re.DOTALL)
+#: What a masked value reads as.
+MASK = "***"
+
+
+def _secret_name(name: str) -> bool:
+    """``name`` (a flag without its dashes, or a variable) is named like a secret."""
+    lowered = name.lower()
+    words = re.split(r"[-_.]+", lowered)
+    return any(w in _SECRET_WORDS for w in words) or lowered.endswith(_SECRET_SUFFIXES)
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` as it may be written down (post-mortems, logs, ``check-config``): the values of
+    flags named like a secret (``--api-key X``, ``--hf-token=X``) and of ``NAME=value`` words
+    (``env OPENAI_API_KEY=X app``) are ``MASK``. A flag followed by another flag, or by
+    nothing, takes no value: nothing is masked after it."""
+    shown = list(argv)
+    for i, arg in enumerate(shown):
+        if arg.startswith("-"):
+            name, eq, _ = arg.lstrip("-").partition("=")
+            if not _secret_name(name):
+                continue
+            if eq:
+                shown[i] = f"{arg[: arg.index('=')]}={MASK}"
+            elif i + 1 < len(shown) and not argv[i + 1].startswith("-"):
+                shown[i + 1] = MASK
+        elif (m := _ENV_WORD.fullmatch(arg)) is not None and _secret_name(m.group(1)):
+            shown[i] = f"{m.group(1)}={MASK}"
+    return shown
+
+
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -249,7 +287,7 @@ def postmortem_doc(
             "group": worker.group,
             "index": worker.index,
             "pid": worker.pid,
-            "command": list(worker.command),
+            "command": redact_argv(worker.command),  # no API keys on disk
             "gpus": None if worker.gpus is None else list(worker.gpus),
             "port": worker.port,
             "started_at": None if worker.started_at is None else rfc3339(worker.started_at),

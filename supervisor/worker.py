@@ -32,6 +32,7 @@ from supervisor.notify import NotifyMessage
 from supervisor.output import WorkerOutput
 from supervisor.policy import lifecycle as lc
 from supervisor.processes import Child, Reaped, Reaper, descendants, kill_tree, signal_group, spawn
+from supervisor.views import redact_argv
 
 HEALTH_POLL_S = 0.2
 #: One readiness probe may take this long (a model server's /health can be slow while it warms
@@ -493,7 +494,9 @@ class WorkerRunner:
             self._tg.start_soon(self._probe_health, child.pid, self.spec.ready_url)
         self._start_liveness(child.pid)
         self.output.mark(f"started pid {child.pid}")
-        self._log.info("worker.spawned", pid=child.pid, argv=list(self.spec.argv), reason="start")
+        self._log.info(
+            "worker.spawned", pid=child.pid, argv=redact_argv(self.spec.argv), reason="start"
+        )
         self._on_event(self, "worker.spawned", {"pid": child.pid})
         return lc.Spawned(child.pid)
 

@@ -86,6 +86,28 @@ def test_crash_gives_exactly_one_postmortem_with_reason_and_log_tail(
     assert [w["state"] for w in state["workers"]] == ["stopped"]
 
 
+def test_a_workers_api_key_is_neither_logged_nor_kept_in_its_post_mortem(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: the ``worker.spawned`` log line (``argv``) and the post-mortem's
+    ``worker.command`` carried a worker's command line as written, ``--api-key sk-...``
+    included: into journald, log shippers, and to anyone reaching ``GET
+    /api/v1/postmortems/{id}``. The values of secret-looking flags are masked there now; the
+    worker itself still gets them."""
+    secret = "sk-live-0123456789"  # noqa: S105 - a test value
+    g = group("k", "crash_after", "0.3", "--api-key", secret, restart={"stable_s": 0.05})
+    sup = supervisor({"workers": [g]})
+    spawned = sup.wait_event(event="worker.spawned", worker="k-0")
+    with contextlib.suppress(psutil.NoSuchProcess):  # (it may have crashed already)
+        assert secret in psutil.Process(spawned["pid"]).cmdline()
+    assert spawned["argv"][-2:] == ["--api-key", "***"]
+    written = sup.wait_event(event="records.postmortem", worker="k-0")
+    doc = validate_file(sup.state_dir / "postmortems" / f"{written['id']}.json")
+    assert doc["worker"]["command"][-2:] == ["--api-key", "***"]
+    assert sup.stop() == 0
+    assert not any(secret in json.dumps(e) for e in sup.find())
+
+
 def test_an_operator_drain_is_no_death_unless_it_is_cut_short(
     supervisor: SupervisorFactory,
 ) -> None:

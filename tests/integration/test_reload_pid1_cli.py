@@ -1219,6 +1219,28 @@ def test_check_config_prints_the_plan(tmp_path: Path) -> None:
     assert plan["workers"][1]["liveness"] == "http://127.0.0.1:8002/health"
 
 
+def test_check_config_does_not_print_the_workers_secrets(tmp_path: Path) -> None:
+    """Regression: ``check-config`` printed each worker's command line as written, API keys
+    included (``--api-key sk-...``), into CI logs and terminals. Their values are masked."""
+    path = tmp_path / "ok.toml"
+    path.write_text(
+        "[supervisor]\nstate_dir='/tmp/x'\n[[workers]]\nname='llm'\ngpus=[0]\n"
+        "command=['app','--api-key','sk-live-1','--hf-token=hf_2','--port','{port}']\n"
+    )
+    for extra in ((), ("--json",)):
+        result = cli("check-config", "-c", str(path), *extra)
+        assert result.returncode == 0, result.stderr
+        assert "sk-live-1" not in result.stdout and "hf_2" not in result.stdout
+    assert json.loads(result.stdout)["workers"][0]["command"] == [
+        "app",
+        "--api-key",
+        "***",
+        "--hf-token=***",
+        "--port",
+        "8001",
+    ]
+
+
 def test_a_group_runs_in_its_working_directory(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

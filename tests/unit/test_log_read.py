@@ -361,3 +361,29 @@ def test_a_log_reached_through_a_link_is_not_taken_for_moved(tmp_path: Path) -> 
     assert log._fh is held
     assert target.read_bytes() == b"a\nb\n"
     log.close()
+
+
+def test_a_log_is_never_written_through_a_link_another_user_put_there(tmp_path: Path) -> None:
+    """Regression: a link at a worker's log path was followed whoever made it: a user who could
+    write ``logs/`` (the workers' own, where state_dir is theirs) linked ``w-0.log`` to
+    ``/etc/passwd`` and a root supervisor appended the worker's output to it. A link is
+    followed only when it is the supervisor's own (or root's): one an operator made."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a link owned by another user")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("this machine's user database has no 'nobody'")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    (tmp_path / "logs").mkdir()
+    link = tmp_path / "logs" / "w-0.log"
+    link.symlink_to(victim)
+    os.lchown(link, nobody.pw_uid, nobody.pw_gid)
+    log = RotatingFile(link, 0, 0)
+    log.write(b"evil::0:0::/root:/bin/sh\n")
+    log.close()
+    assert victim.read_bytes() == b"precious\n"
+    assert log.failing  # said as a failed write (output.log_write_failed)

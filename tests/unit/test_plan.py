@@ -218,3 +218,19 @@ def test_a_budget_in_the_supervisors_environment_is_not_passed_to_workers_withou
     own = {"name": "a", "command": ["x"], "env": {"GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB": "700"}}
     p = build_plan(parse_settings({"workers": [own]}), inherited, "/n.sock")
     assert p.groups[0].workers[0].env["GPU_SUPERVISOR_GPU_MEMORY_LIMIT_MB"] == "700"
+
+
+def test_the_api_token_in_the_supervisors_environment_is_not_passed_to_workers() -> None:
+    """Regression: ``GPU_SUPERVISOR_API_TOKEN`` (the CLI's bearer token, set in a container's
+    or a unit's environment so that ``gpu-supervisor drain`` works there) was inherited by
+    every worker: a model server, or a worker running as another user who may not read the
+    0600 token file, could stop or restart every worker. The group's own ``env`` may still
+    give it on purpose."""
+    settings = parse_settings({"workers": [{"name": "a", "command": ["x"]}]})
+    inherited = {"PATH": "/bin", "GPU_SUPERVISOR_API_TOKEN": "s3cr3t"}
+    w = build_plan(settings, inherited, "/n.sock").groups[0].workers[0]
+    assert "GPU_SUPERVISOR_API_TOKEN" not in w.env
+    assert w.env["PATH"] == "/bin"
+    own = {"name": "a", "command": ["x"], "env": {"GPU_SUPERVISOR_API_TOKEN": "given"}}
+    p = build_plan(parse_settings({"workers": [own]}), inherited, "/n.sock")
+    assert p.groups[0].workers[0].env["GPU_SUPERVISOR_API_TOKEN"] == "given"  # noqa: S105

@@ -39,6 +39,7 @@ from supervisor.views import (
     device_object,
     postmortem_doc,
     postmortem_id,
+    redact_argv,
     state_doc,
 )
 from tests.schemas import validate
@@ -734,3 +735,87 @@ def test_a_recovered_cuda_oom_long_before_the_death_is_not_its_reason(
     clock.advance(1)
     out.feed(b"Segmentation fault\n")
     assert judge(ExitStatus(None, 11)) == "signal"
+
+
+def test_atomic_write_never_writes_through_a_link_at_its_temp_name(tmp_path: Path) -> None:
+    """Regression: the temporary file was opened with O_CREAT|O_TRUNC, following a link put at
+    its (predictable) name by whoever could write state_dir: a root supervisor truncated and
+    overwrote the file it named (``/etc/passwd``) with the state. Now the link is replaced,
+    never followed."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    target = state_dir / "state.json"
+    (state_dir / f"{TMP_PREFIX}state.json.{os.getpid()}.tmp").symlink_to(victim)
+    atomic_write(target, b"new")
+    assert victim.read_text() == "precious\n"
+    assert target.read_bytes() == b"new"
+    assert not target.is_symlink()
+    assert os.listdir(state_dir) == ["state.json"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (
+            ["vllm", "serve", "m", "--api-key", "sk-1", "--port", "8001"],
+            ["vllm", "serve", "m", "--api-key", "***", "--port", "8001"],
+        ),
+        (["app", "--hf-token=hf_x", "--apiKey", "k"], ["app", "--hf-token=***", "--apiKey", "***"]),
+        (
+            ["app", "--db-password", "p", "--client_secret=s"],
+            ["app", "--db-password", "***", "--client_secret=***"],
+        ),
+        (
+            ["env", "OPENAI_API_KEY=sk-2", "HF_TOKEN=hf", "MODEL=x", "app"],
+            ["env", "OPENAI_API_KEY=***", "HF_TOKEN=***", "MODEL=x", "app"],
+        ),
+        # a flag that takes no value is followed by the next flag: nothing to hide
+        (["app", "--use-auth-token", "--port", "1"], ["app", "--use-auth-token", "--port", "1"]),
+        # not secrets: token counts, tokenizers, key files are paths
+        (
+            ["app", "--max-tokens", "512", "--tokenizer", "t", "--ssl-keyfile", "/k.pem"],
+            ["app", "--max-tokens", "512", "--tokenizer", "t", "--ssl-keyfile", "/k.pem"],
+        ),
+        (["app", "--api-key"], ["app", "--api-key"]),
+    ],
+)
+def test_secret_values_in_a_command_line_are_masked(argv: list[str], shown: list[str]) -> None:
+    """What a worker's command line shows where it is written down (post-mortems, the
+    ``worker.spawned`` log line, ``check-config``): the values of flags and ``NAME=value``
+    words named like a secret are ``***``."""
+    assert redact_argv(argv) == shown
+
+
+def test_a_postmortem_does_not_keep_the_workers_secrets() -> None:
+    """Regression: a post-mortem's ``worker.command`` held the command line as written, API
+    keys included (``--api-key sk-...``): readable by the service's group on disk and by anyone
+    who can reach the API (``GET /api/v1/postmortems/{id}`` needs no token without
+    ``auth_read``; the Kubernetes example listens on 0.0.0.0). Their values are masked now."""
+    facts = WorkerFacts(
+        "w-0",
+        "w",
+        0,
+        42,
+        ("srv", "--api-key", "sk-live-1", "--port", "8001"),
+        None,
+        None,
+        T0,
+        T0 + 5,
+        0,
+        uptime_s=5.0,
+    )
+    doc = postmortem_doc(
+        id_=postmortem_id(T0, "w-0", "exit"),
+        worker=facts,
+        status=ExitStatus(code=4, signal=None),
+        reason="exit",
+        evidence={},
+        samples=[],
+        devices=[],
+        log_tail=[],
+        events=Journal().since(0),
+    )
+    validate(doc, "postmortem.schema.json")
+    assert doc["worker"]["command"] == ["srv", "--api-key", "***", "--port", "8001"]
