@@ -36,6 +36,7 @@ import anyio
 import anyio.lowlevel
 import structlog
 
+from supervisor.files import make_dir
 from supervisor.streams import STALL_WAIT_S, UnblockedWriter
 
 TAIL_LINES = 200
@@ -153,8 +154,8 @@ class RotatingFile:
                     self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115 - kept open
                 except FileNotFoundError:  # first use, or the directory was removed
                     # state_dir (its parent) too, not left at the default 0755 of made parents
-                    self.path.parent.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                    self.path.parent.mkdir(mode=0o750, exist_ok=True)
+                    make_dir(self.path.parent.parent, 0o750)
+                    make_dir(self.path.parent, 0o750)
                     self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
                 if created:
                     _tag(self._fh.fileno(), new=True)

@@ -29,6 +29,7 @@ import anyio.to_thread
 import structlog
 
 from supervisor.errors import StateDirBusy
+from supervisor.files import make_dir
 from supervisor.model import finite
 
 #: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
@@ -742,8 +743,8 @@ class Recorder:
             self._intact_seen and not self.store.directory.is_dir()
         )
         # state_dir itself first: made as a parent of the post-mortems it would get 0755
-        self.state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        self.store.directory.mkdir(mode=0o750, parents=True, exist_ok=True)
+        make_dir(self.state_dir, 0o750)
+        make_dir(self.store.directory, 0o750)
         self._intact_seen = True
         if lost:
             self._log.warning(

@@ -51,6 +51,7 @@ from supervisor.cgroups import probe as probe_cgroups
 from supervisor.clock import AnyioClock, Clock
 from supervisor.config import Settings, WorkerGroup, load_settings, read_config
 from supervisor.errors import ConfigError, PlacementError, SpawnError, StateDirBusy
+from supervisor.files import make_dir
 from supervisor.healing import Healer
 from supervisor.journal import Journal
 from supervisor.logs import install_loop_exception_handler
@@ -1641,9 +1642,9 @@ class Runtime:
             # Not for everyone to read: post-mortems hold command lines, logs what the workers
             # print. (0750/0640: the service's group may read; systemd's StateDirectoryMode
             # says the same for the directory it makes.)
-            state_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            make_dir(state_dir, 0o750)
             for sub in ("logs", POSTMORTEM_DIR):
-                (state_dir / sub).mkdir(mode=0o750, parents=True, exist_ok=True)
+                make_dir(state_dir / sub, 0o750)
         except OSError as exc:
             self.write_health.failed("state", exc)
         # before anything in state_dir is touched: a second supervisor there stops here

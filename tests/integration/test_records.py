@@ -540,6 +540,38 @@ def test_a_live_notify_socket_refuses_a_supervisor_that_got_the_lock(
     assert third.stop() == 0
 
 
+def test_the_parents_of_state_dir_are_not_made_writable_by_others(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: missing parents of ``state_dir`` were made ``0o777`` less the umask: with a
+    umask of 0 (a container's entrypoint, a unit with ``UMask=0000``), any local user could
+    swap ``state_dir`` for a directory of theirs (planted links, a forged state.json). They are
+    made 0755, ``state_dir`` and its own directories 0750, whatever the umask."""
+    state_dir = tmp_path / "a" / "b" / "state"
+    loose = (
+        "import os, runpy, sys; os.umask(0); sys.argv = ['supervisor', *sys.argv[4:]]; "
+        "runpy.run_module('supervisor', run_name='__main__', alter_sys=True)"
+    )
+    sup = supervisor(
+        {"supervisor": {"state_dir": str(state_dir)}, "workers": [group("w", "ready_then_sleep")]},
+        prefix=[sys.executable, "-c", loose],
+    )
+    sup.ready("w-0")
+    modes = {
+        str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+        for p in (tmp_path / "a", tmp_path / "a" / "b", state_dir, state_dir / "logs")
+    }
+    modes["postmortems"] = stat.S_IMODE((state_dir / "postmortems").stat().st_mode)
+    assert modes == {
+        "a": 0o755,
+        "a/b": 0o755,
+        "a/b/state": 0o750,
+        "a/b/state/logs": 0o750,
+        "postmortems": 0o750,
+    }
+    assert sup.stop() == 0
+
+
 def stubborn_orphan_of(
     tmp_path: Path, worker: str, orphans: list[psutil.Process]
 ) -> tuple[psutil.Process, Path]:
