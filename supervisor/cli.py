@@ -50,7 +50,7 @@ from supervisor.processes import (
 )
 from supervisor.records import POSTMORTEM_DIR, PostmortemStore, read_file
 from supervisor.runtime import Runtime, Service
-from supervisor.views import device_object, redact_argv
+from supervisor.views import device_object, redact_argv, redact_url
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -129,8 +129,8 @@ def _plan_rows(plan: Plan) -> list[dict[str, object]]:
                     "index": w.index,
                     "port": w.port,
                     "gpus": None if w.gpus is None else list(w.gpus),
-                    "ready": w.ready_url or gp.group.ready,
-                    "liveness": None if w.liveness is None else w.liveness.url,
+                    "ready": redact_url(w.ready_url) if w.ready_url else gp.group.ready,
+                    "liveness": None if w.liveness is None else redact_url(w.liveness.url),
                     "command": redact_argv(w.argv),  # printed: no API keys
                     "cwd": w.cwd,
                     "user": gp.group.user or None,

@@ -152,6 +152,7 @@ from supervisor.views import (
     device_object,
     postmortem_doc,
     postmortem_id,
+    redact_url,
     state_doc,
 )
 from supervisor.worker import HttpProbes, WorkerRunner, is_idle
@@ -1873,7 +1874,12 @@ class Runtime:
         obj["liveness"] = (
             None
             if live is None
-            else {"url": live.url, "failed": failed, "of": live.failures, "last": last or None}
+            else {
+                "url": redact_url(live.url),  # served to whoever may read: no token in it
+                "failed": failed,
+                "of": live.failures,
+                "last": last or None,
+            }
         )
         if runner.name in self._start_queue:  # not to be told from a start under way else
             ahead = self._start_queue.index(runner.name)

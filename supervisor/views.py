@@ -9,6 +9,7 @@ spelling everywhere. Documents with a ``schema_version`` are described by the JS
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -236,7 +237,9 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     nothing, takes no value: nothing is masked after it."""
     shown = list(argv)
     for i, arg in enumerate(shown):
-        if arg.startswith("-"):
+        if any(c.isspace() for c in arg):  # a shell's command (``sh -c "app --api-key X"``)
+            shown[i] = _redact_shell(arg)
+        elif arg.startswith("-"):
             name, eq, _ = arg.lstrip("-").partition("=")
             if not _secret_name(name):
                 continue
@@ -247,6 +250,49 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
         elif (m := _ENV_WORD.fullmatch(arg)) is not None and _secret_name(m.group(1)):
             shown[i] = f"{m.group(1)}={MASK}"
     return shown
+
+
+#: In a shell's command line: ``--flag value``, ``--flag=value`` and ``NAME=value`` (a value
+#: quoted or not).
+_SHELL_PAIR = re.compile(
+    r"""(?P<flag>(?<![^\s])--?(?P<fname>[A-Za-z0-9][A-Za-z0-9_.-]*))(?P<sep>=|[ \t]+)"""
+    r"""(?P<fvalue>'[^']*'|"[^"]*"|[^\s'"-][^\s]*)"""
+    r"""|(?<![^\s])(?P<vname>[A-Za-z_][A-Za-z0-9_]*)=(?P<vvalue>'[^']*'|"[^"]*"|\S*)"""
+)
+
+
+def _redact_shell(text: str) -> str:
+    """``text`` (a shell's command line) with the values of secret-named flags and
+    variables ``MASK``."""
+
+    def mask(m: re.Match[str]) -> str:
+        if m.group("flag") is not None:
+            if not _secret_name(m.group("fname")):
+                return m.group(0)
+            return f"{m.group('flag')}{m.group('sep')}{MASK}"
+        if not _secret_name(m.group("vname")):
+            return m.group(0)
+        return f"{m.group('vname')}={MASK}"
+
+    return _SHELL_PAIR.sub(mask, text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown: a password in it and the values of query parameters named
+    like a secret (``?token=X``, ``&api_key=X``) are ``MASK``."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:{MASK}@{netloc.rpartition('@')[2]}"
+    query = (
+        "&".join(
+            f"{name}={MASK}" if sep and _secret_name(name) else f"{name}{sep}{value}"
+            for name, sep, value in (item.partition("=") for item in parts.query.split("&"))
+        )
+        if parts.query
+        else ""
+    )
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -779,6 +779,15 @@ def test_atomic_write_never_writes_through_a_link_at_its_temp_name(tmp_path: Pat
             ["app", "--max-tokens", "512", "--tokenizer", "t", "--ssl-keyfile", "/k.pem"],
         ),
         (["app", "--api-key"], ["app", "--api-key"]),
+        # a shell's command line (``sh -c``): regression, it was kept whole
+        (
+            ["sh", "-c", "OPENAI_API_KEY=sk-3 exec app --api-key 'k 1' --hf-token=t --port 8"],
+            ["sh", "-c", "OPENAI_API_KEY=*** exec app --api-key *** --hf-token=*** --port 8"],
+        ),
+        (
+            ["bash", "-lc", 'app --max-tokens 512 --auth-token "a b" MODEL=x --use-auth-token'],
+            ["bash", "-lc", "app --max-tokens 512 --auth-token *** MODEL=x --use-auth-token"],
+        ),
     ],
 )
 def test_secret_values_in_a_command_line_are_masked(argv: list[str], shown: list[str]) -> None:
@@ -819,3 +828,24 @@ def test_a_postmortem_does_not_keep_the_workers_secrets() -> None:
     )
     validate(doc, "postmortem.schema.json")
     assert doc["worker"]["command"] == ["srv", "--api-key", "***", "--port", "8001"]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://127.0.0.1:8001/health", "http://127.0.0.1:8001/health"),
+        (
+            "http://127.0.0.1:8001/health?token=abc&verbose=1",
+            "http://127.0.0.1:8001/health?token=***&verbose=1",
+        ),
+        ("https://u:pw@10.0.0.1/h?api_key=k", "https://u:***@10.0.0.1/h?api_key=***"),
+        ("http://127.0.0.1:8/h?flag", "http://127.0.0.1:8/h?flag"),
+    ],
+)
+def test_secrets_in_a_health_url_are_masked_where_it_is_shown(url: str, shown: str) -> None:
+    """Regression: a token in a readiness or liveness URL (``/health?token=X``) was shown
+    whole by ``check-config`` and in the worker object's ``liveness.url``, which the API
+    serves without a token unless ``auth_read`` is on."""
+    from supervisor.views import redact_url
+
+    assert redact_url(url) == shown
