@@ -317,11 +317,14 @@ class Supervisor:
         """Send ``sig`` to the supervisor."""
         self.proc.send_signal(sig)
 
-    def reload_rejected(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        """Reload with ``config`` (SIGHUP), which must be rejected with nothing stopped;
-        returns the ``supervisor.reload_rejected`` event."""
+    def reload_rejected(self, config: Mapping[str, Any] | str) -> dict[str, Any]:
+        """Reload with ``config`` (SIGHUP; a string: the file's text as it is), which must be
+        rejected with nothing stopped; returns the ``supervisor.reload_rejected`` event."""
         mark = self.mark()
-        self.write_config(config)
+        if isinstance(config, str):
+            self.config_path.write_text(config)
+        else:
+            self.write_config(config)
         self.signal(signal.SIGHUP)
         rejected = self.wait_event(event="supervisor.reload_rejected", after=mark)
         assert not self.find(event="worker.state", new="stopping", after=mark)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,7 @@ def test_ready_watchdog_and_status_reach_the_manager(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     path = tmp_path / "systemd.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         sup = supervisor(
             {
                 "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},  # two GPUs
@@ -60,7 +60,6 @@ def test_ready_watchdog_and_status_reach_the_manager(
             },
             env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"},
         )
-        manager = Manager(sock)
         # READY=1 comes only once every group has a ready worker.
         ready_msg = manager.wait_for("READY=1")
         assert "STATUS=" in ready_msg
@@ -82,8 +81,7 @@ def test_workers_do_not_inherit_the_managers_socket(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     path = tmp_path / "systemd.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path):
         sup = supervisor(
             {
                 "workers": [
@@ -100,6 +98,14 @@ def test_workers_do_not_inherit_the_managers_socket(
         line = sup.wait_line("[q-0] ", contains=" env ")
         assert "NOTIFY_SOCKET" not in line and "WATCHDOG_USEC" not in line
         assert sup.stop() == 0
+
+
+@contextlib.contextmanager
+def service_manager(path: Path) -> Iterator[Manager]:
+    """A fake service manager listening at ``path`` (the supervisor's ``NOTIFY_SOCKET``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        yield Manager(sock)
 
 
 def fill_queue(path: Path) -> socket.socket:
@@ -129,8 +135,7 @@ def test_ready_gets_through_a_manager_queue_that_was_full(
     lines fill a queue of 10) and was lost for good: systemd timed the start out and killed
     everything. Now it is kept and sent again until the manager takes it."""
     path = tmp_path / "systemd.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         filler = fill_queue(path)
         sup = supervisor(
             {
@@ -141,7 +146,6 @@ def test_ready_gets_through_a_manager_queue_that_was_full(
             env={"NOTIFY_SOCKET": str(path)},
         )
         sup.wait_event(event="supervisor.ready")  # sent (or kept) before it is logged
-        manager = Manager(sock)
         drain(manager)  # the manager reads at last: the queue has room
         assert manager.wait_for("READY=1")
         assert sup.stop() == 0
@@ -185,11 +189,9 @@ def test_a_group_that_cannot_get_ready_does_not_hold_ready_back(
             "command": worker_cmd("ready_then_sleep"),
             "health": {"gpu_memory_limit_mb": 90000},
         }
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         good = {"name": "good", "command": worker_cmd("ready_then_sleep"), "gpus": "none"}
         sup = supervisor({**config, "workers": [good, bad]}, env={"NOTIFY_SOCKET": str(path)})
-        manager = Manager(sock)
         ready = manager.wait_for("READY=1")
         # READY=1 comes once bad-0 has failed: a fatal one may then still be backing off
         assert "STATUS=1/2 ready, " in ready, ready
@@ -212,8 +214,7 @@ def test_a_reload_rejected_during_start_up_does_not_say_ready(
     path = tmp_path / "systemd.sock"
     sim = {"backend": "sim", "sim_dir": str(tmp_path / "sim")}  # two GPUs
     slow = {"name": "a", "command": worker_cmd("notify_ready_late", "2.0")}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         sup = supervisor({"gpu": sim, "workers": [slow]}, env={"NOTIFY_SOCKET": str(path)})
         sup.wait_event(event="worker.state", worker="a-0", new="starting")
         sup.write_config(
@@ -233,7 +234,7 @@ def test_a_reload_rejected_during_start_up_does_not_say_ready(
         sup.signal(signal.SIGHUP)
         sup.wait_event(event="supervisor.reload_rejected", reason="placement")
         sup.wait_event(event="supervisor.ready", timeout=20)
-        got = drain(Manager(sock))
+        got = drain(manager)
         assert any("RELOADING=1" in m and "MONOTONIC_USEC=" in m for m in got), got
         readies = [m for m in got if "READY=1" in m]
         assert len(readies) == 1 and "STATUS=1/1 ready" in readies[0], got
@@ -254,10 +255,8 @@ def test_ready_follows_reloading_once_the_file_is_in_force(
         "command": worker_cmd("ready_then_sleep"),
         "restart": {"stable_s": 30},
     }
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         sup = supervisor({"workers": [group]}, env={"NOTIFY_SOCKET": str(path)})
-        manager = Manager(sock)
         sup.ready("a-0")
         sup.ready("a-1")
         manager.wait_for("READY=1")
@@ -316,8 +315,7 @@ def test_a_stop_during_start_up_is_not_followed_by_ready(
     orphan, termed = slow_orphan(tmp_path)
     path = tmp_path / "systemd.sock"
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.bind(str(path))
+        with service_manager(path) as manager:
             sup = supervisor(
                 {
                     "supervisor": {"systemd_ready": "start"},
@@ -325,7 +323,6 @@ def test_a_stop_during_start_up_is_not_followed_by_ready(
                 },
                 env={"NOTIFY_SOCKET": str(path)},
             )
-            manager = Manager(sock)
             sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
             sup.signal(signal.SIGTERM)
             stopping = manager.wait_for("STOPPING=1")
@@ -348,10 +345,8 @@ def test_a_stop_while_a_reload_reads_its_file_applies_nothing(
     reloaded one), and the new file's groups started while the supervisor stopped."""
     path = tmp_path / "systemd.sock"
     stubborn = {"name": "a", "command": worker_cmd("ignore_sigterm"), "stop_timeout_s": 2}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(path))
+    with service_manager(path) as manager:
         sup = supervisor({"workers": [stubborn]}, env={"NOTIFY_SOCKET": str(path)})
-        manager = Manager(sock)
         sup.ready("a-0")
         manager.wait_for("READY=1")
         sup.write_config({"workers": [stubborn, {"name": "b", "command": ["true"]}]})

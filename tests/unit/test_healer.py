@@ -1034,6 +1034,33 @@ def test_a_worker_on_two_gpus_may_migrate_onto_the_one_it_keeps() -> None:
     assert usable == {GPUS[2]}
 
 
+def leaking(**budgets: float) -> tuple[Runner, Host, Healer]:
+    """One worker ``w-0`` on GPU 0 whose leaks are judged at once (no warm-up, a 60 s window,
+    a 300 s horizon, ``on_leak = "restart"``) against ``budgets``, samples every 0.5 s."""
+    w0 = Runner("w-0", GPUS[0])
+    health = {"leak_warmup_s": 0, "leak_window_s": 60, "oom_horizon_s": 300, "on_leak": "restart"}
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.5},
+        "gpu": {"backend": "sim"},
+        "workers": [{"name": "w", "command": ["x"], "health": {**health, **budgets}}],
+    }
+    host = Host(parse_settings(cfg), {"w-0": w0})
+    return w0, host, Healer(host, host_available_mb=lambda: 100_000.0)  # type: ignore[arg-type]
+
+
+def sample_leak(
+    host: Host, healer: Healer, gpu: float, rss: float, pss: float | None = None
+) -> None:
+    """0.5 s later, a sample of ``w-0`` holding ``gpu`` MiB on GPU 0, ``rss`` (``pss``) of host
+    memory."""
+    from supervisor.model import WorkerUsage
+
+    host.clock.advance(0.5)
+    now = host.clock.now()
+    usage = WorkerUsage("w-0", (100, 101), gpu, {GPUS[0]: gpu}, "pid", rss, 1.0, pss)
+    healer.on_sample(Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now))
+
+
 def test_the_host_leak_of_a_forked_tree_is_projected_to_its_pss_budget() -> None:
     """Regression: where the host budget is judged on the tree's PSS (a pre-fork server: its
     RSS counts the shared pages once per process, and is over the budget), the host leak's
@@ -1041,31 +1068,10 @@ def test_the_host_leak_of_a_forked_tree_is_projected_to_its_pss_budget() -> None
     ``host_projected_oom_s`` was 0 and the worker was drained at once (as imminent, past
     ``max_unavailable``) while its PSS was far under the budget. The headroom is now the
     budget less what the budget is judged on (the PSS where read)."""
-    from supervisor.model import WorkerUsage
-
-    w0 = Runner("w-0", GPUS[0])
-    health = {
-        "host_memory_limit_mb": 2000,
-        "leak_warmup_s": 0,
-        "leak_window_s": 60,
-        "oom_horizon_s": 300,
-        "on_leak": "restart",
-    }
-    cfg = {
-        "supervisor": {"sample_interval_s": 0.5},
-        "gpu": {"backend": "sim"},
-        "workers": [{"name": "w", "command": ["x"], "health": health}],
-    }
-    host = Host(parse_settings(cfg), {"w-0": w0})
-    healer = Healer(host, host_available_mb=lambda: 100_000.0)  # type: ignore[arg-type]
+    w0, host, healer = leaking(host_memory_limit_mb=2000)
     for _ in range(240):  # 120 s: RSS grows 120 MiB/min, PSS stays at 800 MiB
-        host.clock.advance(0.5)
-        now = host.clock.now()
-        rss = 2400 + 2 * now
-        usage = WorkerUsage("w-0", (100, 101), 10.0, {GPUS[0]: 10.0}, "pid", rss, 1.0, 800.0)
-        healer.on_sample(
-            Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now)
-        )
+        now = host.clock.now() + 0.5
+        sample_leak(host, healer, gpu=10.0, rss=2400 + 2 * now, pss=800.0)
     leak = healer.annotate("w-0", {})["leak"]
     assert leak["host_suspected"], leak
     # 1200 MiB left under the budget at 2 MiB/s: 600 s, beyond the 300 s horizon
@@ -1078,33 +1084,12 @@ def test_a_gpu_and_a_host_leak_at_once_act_on_the_sooner_one() -> None:
     host one (judged second) replaced the GPU one under the same finding: the action, its
     message and evidence said host memory although the GPU ran out first. The one projected
     to run out sooner is acted on."""
-    from supervisor.model import WorkerUsage
-
-    w0 = Runner("w-0", GPUS[0])
-    health = {
-        "gpu_memory_limit_mb": 5000,
-        "host_memory_limit_mb": 3000,
-        "leak_warmup_s": 0,
-        "leak_window_s": 60,
-        "oom_horizon_s": 300,
-        "on_leak": "restart",
-    }
-    cfg = {
-        "supervisor": {"sample_interval_s": 0.5},
-        "gpu": {"backend": "sim"},
-        "workers": [{"name": "w", "command": ["x"], "health": health}],
-    }
-    host = Host(parse_settings(cfg), {"w-0": w0})
-    healer = Healer(host, host_available_mb=lambda: 100_000.0)  # type: ignore[arg-type]
+    _, host, healer = leaking(gpu_memory_limit_mb=5000, host_memory_limit_mb=3000)
     while not host.journal.items and host.clock.now() < 200:
-        host.clock.advance(0.5)
-        now = host.clock.now()
+        now = host.clock.now() + 0.5
         gpu = 4700 + now  # 60 MiB/min: about 250 s left when it is judged a leak
         rss = 2680 + now  # 60 MiB/min too: 20 s more left than on the GPU
-        usage = WorkerUsage("w-0", (100, 101), gpu, {GPUS[0]: gpu}, "pid", rss, 1.0, None)
-        healer.on_sample(
-            Sample(now, tuple(host.devices.values()), {"w-0": usage}, True, host_at=now)
-        )
+        sample_leak(host, healer, gpu=gpu, rss=rss)
     leak = healer.annotate("w-0", {})["leak"]
     assert leak["suspected"] and leak["host_suspected"], leak
     assert leak["projected_oom_s"] < leak["host_projected_oom_s"] <= 300, leak

@@ -88,6 +88,21 @@ def _pm(ended: float, worker: str = "gpen-1", reason: str = "exit") -> dict[str,
     )
 
 
+def _exit_4(worker: WorkerFacts) -> dict[str, Any]:
+    """The post-mortem of ``worker`` (``w-0``) ended by exit code 4 at ``T0``, nothing else."""
+    return postmortem_doc(
+        id_=postmortem_id(T0, "w-0", "exit"),
+        worker=worker,
+        status=ExitStatus(code=4, signal=None),
+        reason="exit",
+        evidence={},
+        samples=[],
+        devices=[],
+        log_tail=[],
+        events=Journal().since(0),
+    )
+
+
 def test_postmortem_document_matches_its_schema() -> None:
     doc = _pm(T0)
     validate(doc, "postmortem.schema.json")
@@ -99,17 +114,7 @@ def test_postmortem_uptime_is_the_monotonic_one() -> None:
     """Regression: uptime_s was ended_at - started_at on the wall clock: 0 after a step back
     of the clock while the process ran, hours after a step forward."""
     stepped = WorkerFacts("w-0", "w", 0, 42, ("x",), None, None, T0, T0 - 3600, 0, uptime_s=6.0)
-    doc = postmortem_doc(
-        id_=postmortem_id(T0, "w-0", "exit"),
-        worker=stepped,
-        status=ExitStatus(code=4, signal=None),
-        reason="exit",
-        evidence={},
-        samples=[],
-        devices=[],
-        log_tail=[],
-        events=Journal().since(0),
-    )
+    doc = _exit_4(stepped)
     assert doc["worker"]["uptime_s"] == 6.0
 
 
@@ -815,17 +820,7 @@ def test_a_postmortem_does_not_keep_the_workers_secrets() -> None:
         0,
         uptime_s=5.0,
     )
-    doc = postmortem_doc(
-        id_=postmortem_id(T0, "w-0", "exit"),
-        worker=facts,
-        status=ExitStatus(code=4, signal=None),
-        reason="exit",
-        evidence={},
-        samples=[],
-        devices=[],
-        log_tail=[],
-        events=Journal().since(0),
-    )
+    doc = _exit_4(facts)
     validate(doc, "postmortem.schema.json")
     assert doc["worker"]["command"] == ["srv", "--api-key", "***", "--port", "8001"]
 
