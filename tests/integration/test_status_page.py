@@ -577,3 +577,69 @@ def test_page_starts_over_for_a_restarted_supervisor_whatever_its_uptime(
     wait_for(browser, "the second run's events alone", lambda: event_seqs(browser) == new)
     assert_no_console_errors(browser)
     assert second.stop() == 0
+
+
+#: Injected before the page's own script: the page's wall clock (``Date.now()``, ``new Date()``)
+#: runs ``window.__stepClock(ms)`` ahead of (or behind) the real one, as NTP or a resume steps it.
+STEPPED_CLOCK = """
+(() => {
+  const Real = Date, realNow = Real.now.bind(Real);
+  let offset = 0;
+  window.__stepClock = (ms) => { offset += ms; };
+  class Stepped extends Real {
+    constructor(...args) { if (args.length) { super(...args); } else { super(realNow() + offset); } }
+    static now() { return realNow() + offset; }
+  }
+  window.Date = Stepped;
+})();
+"""
+
+
+def sparkline_of(driver: Chrome, worker: str) -> tuple[int, list[tuple[float, float]], float]:
+    """``worker``'s sparkline: its sample count, the points its path draws, and its width."""
+    samples, d, width = driver.execute_script(
+        "const s = document.querySelector(`tr[data-worker='${arguments[0]}'] svg.spark`);"
+        " const p = s && s.querySelector('path');"
+        " return s ? [Number(s.dataset.samples), p ? p.getAttribute('d') : '',"
+        " Number(s.getAttribute('width'))] : [0, '', 0]",
+        worker,
+    )
+    numbers = [float(n) for n in re.findall(r"-?[\d.]+(?:e[-+]?\d+)?", d)]
+    return int(samples), list(zip(numbers[::2], numbers[1::2], strict=True)), float(width)
+
+
+@pytest.mark.timeout(120)
+def test_page_sparklines_survive_a_step_of_the_viewers_clock(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome
+) -> None:
+    """Regression: the sparklines timed their samples with the browser's wall clock. Stepped
+    back (NTP, a VM resumed), the samples before the step were "in the future" and drawn far
+    off the chart until they aged out (13 min); stepped forward, the whole history was thrown
+    away as older than the 10-minute window. They are timed with a monotonic clock now."""
+    config = page_config(tmp_path)
+    config["workers"] = [config["workers"][0] | {"replicas": 1}]  # g-0: GPU memory samples
+    sup = supervisor(config)
+    sup.ready("g-0")
+    browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": STEPPED_CLOCK})
+    browser.get(sup.api_url() + "/")
+
+    def polls() -> int:
+        return int(browser.execute_script("return Number(document.body.dataset.polls)"))
+
+    def step_and_poll(ms: int) -> tuple[int, list[tuple[float, float]], float]:
+        """Step the page's clock by ``ms``, have it poll at once (an empty ``#token=`` does
+        that and stores nothing), and return the sparkline that poll drew."""
+        seen = polls()
+        browser.execute_script(f"window.__stepClock({ms}); window.location.hash = 'token='")
+        wait_for(browser, "a poll after the step", lambda: polls() > seen)
+        return sparkline_of(browser, "g-0")
+
+    wait_for(browser, "g-0's first sample", lambda: sparkline_of(browser, "g-0")[0] >= 1)
+    count, points, width = step_and_poll(-3600 * 1000)  # an hour back
+    assert count >= 2 and len(points) == count, (count, points)
+    assert all(0 <= x <= width for x, _ in points), points  # none off the chart
+    after, points, width = step_and_poll(2 * 3600 * 1000)  # two hours on
+    assert after > count, (after, count)  # the samples before the step are kept
+    assert all(0 <= x <= width for x, _ in points), points
+    assert_no_console_errors(browser)
+    assert sup.stop() == 0
