@@ -253,8 +253,15 @@ def check_config(settings: Settings, as_json: bool) -> str:
     return "\n".join(lines)
 
 
-def _fmt(value: float | None, unit: str = "", digits: int = 0) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+def _fmt(value: object, unit: str = "", digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            return f"{value:.{digits}f}{unit}"
+    # a post-mortem of another version, or written by hand: shown as written, not a traceback
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return f"{shown}{unit}"
 
 
 def _gpu_health(d: DeviceSample) -> str:

@@ -146,6 +146,7 @@ from supervisor.records import (
 from supervisor.sampler import LOST_UNLISTED, Sampler, WorkerRef, host_interval, stuck_text
 from supervisor.sdnotify import SystemdNotifier
 from supervisor.views import (
+    STATE_SCHEMA_VERSION,
     SamplePoint,
     StateWorker,
     WorkerFacts,
@@ -1721,6 +1722,24 @@ class Runtime:
                 path=os.fspath(state_dir / STATE_FILE),
                 reason="not a JSON object in a regular file: leftovers are found by their "
                 "environment only",
+            )
+        version = None if previous is None else previous.get("schema_version", 0)
+        if version is not None and not (
+            isinstance(version, int)
+            and not isinstance(version, bool)
+            and version <= STATE_SCHEMA_VERSION
+        ):
+            # A rolled-back upgrade: the file of a newer version. Its fields may mean other
+            # things now: a process is ended only if it is the very one recorded (its pid and
+            # start time) or carries this state_dir's marker, never on the file's word alone.
+            self.log.warning(
+                "records.previous_state_newer",
+                path=os.fspath(state_dir / STATE_FILE),
+                schema_version=version,
+                understood=STATE_SCHEMA_VERSION,
+                reason="written by a newer gpu-supervisor (rolled back?): only its processes "
+                "whose pid and start time match, or that carry this state_dir's id in their "
+                "environment, are ended",
             )
         # by the environment marker only while we hold state_dir's lock (else another
         # supervisor may run with the same state_dir, and its workers carry the same id)

@@ -479,6 +479,40 @@ def test_postmortem_list_takes_an_exit_of_another_type(
     assert code == 0 and odd in out and not err, err
 
 
+def test_postmortem_show_of_another_schema_version_shows_what_it_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: ``postmortem show`` of a post-mortem whose figures are not numbers (a
+    newer version's ``schema_version`` 2 file, left in state_dir by a rolled-back upgrade: GPU
+    memory per GPU, a figure as a string) was a traceback (TypeError in the number format),
+    though the same file was listed and served by the API. Its values are shown as written."""
+    pms = tmp_path / "postmortems"
+    pms.mkdir()
+    newer = "20261206T010101.000000Z-w-0-exit"
+    doc = {
+        "schema_version": 2,
+        "id": newer,
+        "worker": {"name": "w-0", "uptime_s": "12.5"},
+        "exit": {"code": 1, "signal": None, "signal_name": None},
+        "reason": "exit",
+        "samples": [
+            {
+                "t": "2026-12-06T01:01:00Z",
+                "gpu_memory_mb": {"GPU-a": 100},
+                "host_rss_mb": "5",
+                "cpu_percent": 10**400,
+            }
+        ],
+        "devices": [{"id": 0, "uuid": "GPU-a", "memory": {"used_mb": "1", "total_mb": [2]}}],
+        "log_tail": ["boom"],
+    }
+    (pms / f"{newer}.json").write_text(json.dumps(doc))
+    code, out, err = run(capsys, "postmortem", "show", newer, "--state-dir", str(tmp_path))
+    assert code == 0 and not err, err
+    assert '{"GPU-a": 100} MiB' in out and "rss 5 MiB" in out and "boom" in out, out
+    assert f"cpu {10**400}%" in out, out
+
+
 def test_a_server_that_is_not_a_supervisor_is_said_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

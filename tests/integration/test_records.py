@@ -784,6 +784,36 @@ def test_reused_pid_is_not_killed(
     assert sup.stop() == 0
 
 
+def test_a_state_json_of_a_newer_version_is_said_and_its_orphans_still_reclaimed(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """A rolled-back upgrade: state.json was written by a newer gpu-supervisor (schema_version
+    2, with fields this one does not know). What it can identify (same pid and create time) is
+    still reclaimed, a pid whose create time differs is not touched, and the start says in one
+    line that the file is of a newer version (what it reads of it may be a misreading).
+    Regression: nothing said so; the file was read as if it were this version's."""
+    stranger, mine = _orphan(tmp_path), _orphan(tmp_path)
+    orphans += [stranger, mine]
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    workers = [
+        {"name": "w-0", "pid": stranger.pid, "pid_create_time": stranger.create_time() - 50},
+        {"name": "w-1", "pid": mine.pid, "pid_create_time": mine.create_time(), "cgroup": "x"},
+    ]
+    newer = {"schema_version": 2, "supervisor": {"pid": 1, "adopt": True}, "workers": workers}
+    (state_dir / "state.json").write_text(json.dumps(newer))
+    sup = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    said = sup.wait_event(event="records.previous_state_newer")
+    assert said["schema_version"] == 2 and said["level"] == "warning", said
+    ended = sup.wait_event(event="supervisor.reclaimed_orphan", pid=mine.pid)
+    assert ended["ended"] is True
+    sup.ready("w-0")
+    assert stranger.is_running() and stranger.status() != psutil.STATUS_ZOMBIE
+    assert len(sup.find(event="records.previous_state_newer")) == 1
+    assert sup.stop() == 0
+    assert validate_file(state_dir / "state.json")["schema_version"] == 1
+
+
 @pytest.mark.timeout(60 + 4 * CHURN_KILLS)
 def test_sigkill_during_churn_never_leaves_a_torn_file(
     supervisor: SupervisorFactory, tmp_path: Path
