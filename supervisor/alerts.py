@@ -485,11 +485,13 @@ class _NameGate:
 
 def _connects_to(url: str) -> tuple[str | None, int]:
     """The host name (None for an address) and port an attempt at ``url`` connects to: its
-    proxy's where the environment names one for it (as httpx takes it from there)."""
+    proxy's where the environment names one for it (``<scheme>_proxy``, else ``all_proxy``,
+    as httpx takes it from there)."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
     proxies = {} if urllib.request.proxy_bypass(host) else urllib.request.getproxies()
-    proxy = proxies.get(parts.scheme, "")
+    # the scheme's own proxy, else ALL_PROXY's (httpx sends every scheme through that one)
+    proxy = proxies.get(parts.scheme) or proxies.get("all", "")
     target = urllib.parse.urlsplit(proxy if "://" in proxy else f"//{proxy}") if proxy else parts
     name = target.hostname or ""
     try:

@@ -451,8 +451,9 @@ def test_the_name_an_attempt_waits_for_is_its_proxys_where_it_has_one(
     own lookup would hold every alert back), none for an address."""
     from supervisor.alerts import _connects_to
 
-    for var in ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):
+    for var in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
     assert _connects_to("https://hooks.example.com/x") == ("hooks.example.com", 443)
     assert _connects_to("http://hooks.example.com:8080/x") == ("hooks.example.com", 8080)
     assert _connects_to("http://127.0.0.1:9/x") == (None, 9)
@@ -462,6 +463,28 @@ def test_the_name_an_attempt_waits_for_is_its_proxys_where_it_has_one(
     assert _connects_to("http://hooks.example.com/x") == ("hooks.example.com", 80)
     monkeypatch.setenv("no_proxy", "hooks.example.com")
     assert _connects_to("https://hooks.example.com/x") == ("hooks.example.com", 443)
+
+
+def test_the_name_an_attempt_waits_for_is_the_all_proxy_where_only_it_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: with only ``ALL_PROXY`` set (httpx sends every scheme through it), the
+    lookup an attempt waited for was the webhook's own host, which only the proxy resolves:
+    where the local lookup of outside names hangs, every alert timed out unsent (httpx
+    would have connected to the proxy). The proxy is looked up; ``https_proxy`` still wins
+    for an https URL, as in httpx, and ``no_proxy`` still bypasses it."""
+    from supervisor.alerts import _connects_to
+
+    for var in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
+    monkeypatch.setenv("ALL_PROXY", "http://proxy.corp:3128")
+    assert _connects_to("https://hooks.example.com/x") == ("proxy.corp", 3128)
+    assert _connects_to("http://hooks.example.com/x") == ("proxy.corp", 3128)
+    monkeypatch.setenv("https_proxy", "http://tls-proxy.corp:8443")
+    assert _connects_to("https://hooks.example.com/x") == ("tls-proxy.corp", 8443)
+    monkeypatch.setenv("no_proxy", "hooks.example.com")
+    assert _connects_to("http://hooks.example.com/x") == ("hooks.example.com", 80)
 
 
 def test_send_refuses_without_url_and_rate_limits_per_key() -> None:
