@@ -160,6 +160,8 @@ from supervisor.worker import HttpProbes, WorkerRunner, is_idle
 
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
+#: How long past a port holder's drain and stop timeouts a start waits for the port.
+PORT_WAIT_SLACK_S = 1.0
 #: A message the service manager must get that found its queue full is sent again after this,
 #: doubling up to ``NOTIFY_RETRY_MAX_S``.
 NOTIFY_RETRY_MIN_S = 0.05
@@ -1080,13 +1082,31 @@ class Runtime:
         return None
 
     async def _port_free(self, runner: WorkerRunner) -> None:
-        """Wait while :meth:`_port_holder` names a worker (each is stopped by the reload that
-        takes its port away: bounded by its stop budget), or until ``runner`` is no longer
-        starting."""
+        """Wait while :meth:`_port_holder` names a worker, or until ``runner`` is no longer
+        starting; at most the holder's drain and stop timeouts (and a second): by then a
+        holder the reload stops is gone. One whose stop waits for this start (the roll-out of
+        a group whose ports moved removes its extra workers at its end) is not waited for
+        longer: the start goes on, as before the hand-over was waited for (regression: it
+        waited for good)."""
         said = False
+        deadline: float | None = None
         while runner.state is WorkerState.STARTING:
             holder = self._port_holder(runner)
             if holder is None:
+                return
+            now = self.clock.now()
+            if deadline is None:
+                t = holder.timing
+                deadline = now + t.drain_timeout_s + t.stop_timeout_s + PORT_WAIT_SLACK_S
+            if now >= deadline:
+                self.log.warning(
+                    "worker.port_still_held",
+                    worker=runner.name,
+                    port=runner.spec.port,
+                    held_by=holder.name,
+                    reason="started all the same: the worker holding the port is not gone "
+                    "within its drain and stop timeouts",
+                )
                 return
             if not said:
                 said = True
@@ -1098,7 +1118,8 @@ class Runtime:
                     reason="a worker a reload removes still holds the port",
                 )
                 runner.output.mark(f"waiting for port {runner.spec.port}: {holder.name} holds it")
-            await self._changed.wait()
+            with anyio.move_on_after(deadline - now):
+                await self._changed.wait()
 
     async def _prepare(self, runner: WorkerRunner) -> LaunchSpec | str:
         """Before a (re)start: the port handed on by a worker on its way out, the previous

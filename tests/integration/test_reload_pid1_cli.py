@@ -299,6 +299,34 @@ def test_a_port_is_handed_on_only_once_its_old_process_is_gone(
     assert sup.stop() == 0
 
 
+def test_a_port_held_by_a_worker_the_roll_out_removes_last_is_waited_for_a_while_only(
+    supervisor: SupervisorFactory,
+) -> None:
+    """One reload scales ``a`` from 2 to 1 and moves its ports up by one: a-0's new port is
+    a-1's, and a-1 is removed only once the roll-out of a-0 is done. Regression (a review of
+    the hand-over of ports): a-0 waited for a-1 to let the port go, a-1 waited for a-0's
+    roll-out, and a-0 stayed starting with no process for good. The wait is bounded by the
+    holder's drain and stop timeouts: then a-0 starts all the same (as before the hand-over
+    was waited for) and the roll-out goes on."""
+    a = {**g("a", replicas=2, port_base=18985), "drain_timeout_s": 0, "stop_timeout_s": 0.5}
+    sup = supervisor({"workers": [a]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**a, "replicas": 1, "port_base": 18986}]})
+    sup.signal(signal.SIGHUP)
+    waiting = sup.wait_event(event="worker.waiting_port", worker="a-0", after=mark)
+    assert waiting["held_by"] == "a-1"
+    sup.wait_event(event="worker.port_still_held", worker="a-0", after=mark)
+    sup.ready("a-0", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[])
+    with sup.api() as http:
+        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
+            ("a-0", 18986)
+        ]
+    assert sup.stop() == 0
+
+
 def test_a_reload_of_an_empty_file_is_rejected(supervisor: SupervisorFactory) -> None:
     """Regression: a reload that read the config file empty (a write cut short, a deploy that
     truncates before it writes) removed every group and stopped every worker. An empty file is
