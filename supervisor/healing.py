@@ -164,6 +164,9 @@ class _Watch:
 
     pid: int | None
     gpu_floor: FloorSeries
+    #: GPU -> the floor of what the worker holds there, for a worker on several GPUs (its
+    #: leak is judged GPU by GPU, each against that GPU's headroom)
+    gpu_floors: dict[str, FloorSeries]
     host_floor: FloorSeries
     #: the worker's own reports of the GPU memory it holds (``X_GPU_MEMORY_IN_USE_MB``)
     in_use_floor: FloorSeries
@@ -539,6 +542,7 @@ class Healer:
         w = _Watch(
             pid=pid,
             gpu_floor=FloorSeries(window, bucket),
+            gpu_floors={},
             host_floor=FloorSeries(window, bucket),
             in_use_floor=FloorSeries(window, bucket),
             oom_kills_at_start=self._oom_kills_at_start(runner.name) if pid else None,
@@ -574,12 +578,22 @@ class Healer:
         usage = sample.workers.get(runner.name)
         if pid is None or usage is None:
             return
+        gpus = runner.spec.gpus or ()
         if w.gpu_floor.since is None and ready_at is not None:
             since = ready_at + health.leak_warmup_s
             w.gpu_floor.reset(since)
             w.host_floor.reset(since)
             w.in_use_floor.reset(since)
+            if len(gpus) > 1:
+                w.gpu_floors = {
+                    u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
+                }
+                for series in w.gpu_floors.values():
+                    series.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
+        known = usage.gpu_memory_mb is not None
+        for u, series in w.gpu_floors.items():  # a GPU it holds nothing on: 0 MiB there
+            series.add(now, usage.gpu_memory_by_gpu.get(u, 0.0) if known else None)
         w.host_floor.add(now, usage.host_rss_mb)
         # The GPU budget is per GPU (placement reserves it on each GPU of the worker, and the
         # worker gets it as a per-device cap): a worker on two GPUs is over it when one of
@@ -632,7 +646,6 @@ class Healer:
             min_mb_per_min=health.leak_min_mb_per_min,
             horizon_s=health.oom_horizon_s,
         )
-        gpus = runner.spec.gpus or ()
         frees = [f for u in gpus if (f := free_of.get(u)) is not None]
         device_free = min(frees) if frees else None
         # A worker that reports what it holds is judged by that: NVML counts the allocator's
@@ -643,12 +656,33 @@ class Healer:
         # headroom, as the GPU with the least free memory does (regression: twice the budget
         # less both GPUs' use, for a worker on two: a leak on one GPU was projected to reach
         # the budget long after it did)
-        w.gpu_leak = judge_leak(
-            gpu_floor.points(),
-            now,
-            settings,
-            headroom(on_one, health.gpu_memory_limit_mb, device_free),
-        )
+        if w.gpu_leak_source == "nvml" and w.gpu_floors:
+            # on several GPUs, each GPU's floor against its own headroom, the soonest to run
+            # out reported and acted on (regression: the slope of the sum over its GPUs
+            # against one GPU's headroom: a leak on every rank ran out N times too soon)
+            w.gpu_leak = min(
+                (
+                    judge_leak(
+                        series.points(),
+                        now,
+                        settings,
+                        headroom(
+                            usage.gpu_memory_by_gpu.get(u, 0.0) if known else None,
+                            health.gpu_memory_limit_mb,
+                            free_of.get(u),
+                        ),
+                    )
+                    for u, series in w.gpu_floors.items()
+                ),
+                key=_soonest,
+            )
+        else:
+            w.gpu_leak = judge_leak(
+                gpu_floor.points(),
+                now,
+                settings,
+                headroom(on_one, health.gpu_memory_limit_mb, device_free),
+            )
         # the headroom under the host budget is measured on what the budget is judged on (the
         # tree's PSS where it was read: a forked tree's RSS counts shared pages once per
         # process, and was "over" a budget its PSS was far under: runs out in 0 s, drained)
@@ -1264,6 +1298,17 @@ def _budget(
         f"{what} {used or 0:.0f} MiB over its budget of {limit:g} MiB",
         worker=name,
         evidence={"used_mb": _round(used), "limit_mb": limit, "samples_over": BUDGET_SAMPLES},
+    )
+
+
+def _soonest(verdict: LeakVerdict) -> tuple[float, bool, float]:
+    """Order of a worker's per-GPU leak verdicts: the soonest projected to run out, then a
+    suspected one, then the fastest growing."""
+    slope = verdict.slope_mb_per_min
+    return (
+        _or_inf(verdict.projected_oom_s),
+        not verdict.suspected,
+        -slope if slope is not None else math.inf,
     )
 
 

@@ -1001,6 +1001,52 @@ def test_a_leak_on_one_gpu_of_two_is_projected_against_that_gpus_budget() -> Non
     assert lc.Drain(restart=True, reason=ExitReason.LEAK) in t0.posted
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_leak_on_every_gpu_of_a_tensor_parallel_worker_is_projected_per_gpu(tp: int) -> None:
+    """Regression: a worker on several GPUs had its leak's rate taken from its memory summed
+    over its GPUs, but its headroom from one GPU: where every rank leaks alike (the usual
+    tensor-parallel case), 10 MiB/min on each GPU with 500 MiB used of a 1000 MiB budget was
+    projected to run out in 25 minutes on two GPUs, 12.5 on four (drained that much too
+    early), not 50. Each GPU's floor is now judged against that GPU's headroom."""
+    gpus = [f"GPU-{i}" for i in range(tp)]
+    t0 = Runner("t-0", gpus[0])
+    t0.spec.gpus = tuple(gpus)
+    cfg = {
+        "supervisor": {"sample_interval_s": 1.0},
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "t",
+                "command": ["x"],
+                "gpus_per_worker": tp,
+                "health": {
+                    "gpu_memory_limit_mb": 1000,
+                    "leak_warmup_s": 0,
+                    "leak_window_s": 600,
+                    "oom_horizon_s": 300,
+                },
+            }
+        ],
+    }
+    host = Host(parse_settings(cfg), {"t-0": t0})
+    template = host.devices[GPUS[0]]
+    host.devices = {
+        u: replace(template, index=i, uuid=u, memory_free_mb=70000) for i, u in enumerate(gpus)
+    }
+    healer = Healer(host)  # type: ignore[arg-type]
+    for _ in range(600):  # 10 minutes: each GPU from 400 to 500 MiB, 10 MiB/min
+        host.clock.advance(1.0)
+        now = host.clock.now()
+        by_gpu = dict.fromkeys(gpus, 400 + 10 * now / 60)
+        usage = WorkerUsage("t-0", (100,), sum(by_gpu.values()), by_gpu, "pid", 100.0, 0.0)
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    leak = healer.annotate("t-0", {})["leak"]
+    # 500 MiB left on each GPU at 10 MiB/min: 50 minutes
+    assert leak["suspected"] and leak["projected_oom_s"] == pytest.approx(3000, rel=0.1), leak
+    assert leak["slope_mb_per_min"] == pytest.approx(10, rel=0.1), leak
+    assert t0.posted == []
+
+
 def test_the_alert_of_a_worker_that_stayed_on_two_gpus_names_its_hot_one() -> None:
     """Regression: a worker on GPU-0 and GPU-1 that could not move off hot GPU-1 was said to
     be stuck on its hot GPU-0 (the alert's gpu was the first of its GPUs, which is cool)."""
