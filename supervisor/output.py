@@ -132,6 +132,8 @@ class RotatingFile:
         #: when the open file was last checked against ``path`` (``_check_moved``)
         self.check_every_s = MOVED_CHECK_S
         self._checked_at = -math.inf
+        #: the rotated files above ``backups`` are removed at the first open, then at rotations
+        self._stale_removed = False
 
     def _open(self) -> BinaryIO:
         if self._fh is None:
@@ -159,6 +161,9 @@ class RotatingFile:
                     self._fh = open(self.path, "ab", opener=opener)  # noqa: SIM115
                 if created:
                     _tag(self._fh.fileno(), new=True)
+                if not self._stale_removed:
+                    self._stale_removed = True
+                    self._remove_stale()
                 with contextlib.suppress(OSError):
                     serial = self._number(os.fstat(self._fh.fileno()), new=created)
                     # the next file (made by us, or by logrotate's `create` in its place)
@@ -166,6 +171,26 @@ class RotatingFile:
                         self._removed = (*self._removed[:2], serial)
             self._size = self._fh.tell()
         return self._fh
+
+    def _remove_stale(self) -> None:
+        """Remove the rotated files numbered above ``backups`` (``x.log.5`` with 3: left when
+        ``log_backups`` was lowered; before, they stayed forever), this log's only: never
+        another's whose name starts alike (``w-01`` for ``w-0``). Hold the lock."""
+        prefix = f"{self.path.name}."
+        with contextlib.suppress(OSError), os.scandir(self.path.parent) as entries:
+            for entry in entries:
+                number = entry.name[len(prefix) :]
+                if (
+                    entry.name.startswith(prefix)
+                    and number.isascii()
+                    and number.isdigit()
+                    and not number.startswith("0")
+                    and int(number) > self.backups
+                ):
+                    path = Path(entry.path)
+                    self._forget(path)
+                    with contextlib.suppress(OSError):
+                        path.unlink()
 
     def _backup(self, i: int) -> Path:
         return self.path if i == 0 else self.path.with_name(f"{self.path.name}.{i}")
@@ -195,12 +220,14 @@ class RotatingFile:
                 self._forget(self.path)
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
+                self._remove_stale()
                 return
             for i in range(self.backups - 1, -1, -1):
                 src = self._backup(i)
                 if src.exists():
                     self._forget(self._backup(i + 1))
                     os.replace(src, self._backup(i + 1))
+            self._remove_stale()
 
     def write(self, data: bytes) -> None:
         """Append ``data``, rotating first when it would pass ``max_bytes``.

@@ -214,13 +214,17 @@ def lock_state_dir(state_dir: Path) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        # the first line only, as it is when a pid (regression: a lock file of several lines,
+        # edited by hand or another tool's, made this error span several lines)
+        lines = os.pread(fd, 32, 0).decode(errors="replace").strip().splitlines()
+        first = lines[0].strip() if lines else ""
+        holder = first if first.isascii() and first.isdigit() else repr(first) if first else None
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             return None  # no locks on this filesystem
         raise StateDirBusy(
             f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor "
-            f"(pid {holder}): give each supervisor a state_dir of its own"
+            f"(pid {holder or 'unknown'}): give each supervisor a state_dir of its own"
         ) from None
     write_lock_pid(fd)
     return fd
@@ -248,13 +252,33 @@ def write_lock_pid(fd: int) -> bool:
 def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     """The random id of ``state_dir`` (``state_dir/instance``), made on first use; with
     ``keep``, that id is written back (``state_dir`` was removed and recreated). None when the
-    file can be neither read nor written."""
+    file can be neither read nor written. A UUID spelled otherwise (dashes, upper case) is the
+    same id; anything else in the file is replaced by a new id, with a warning."""
     path = state_dir / INSTANCE_FILE
     if keep is None:
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            found = read_file(path, 4096).decode().strip()
-            if _INSTANCE.fullmatch(found):
-                return found
+        found: str | None = None
+        with contextlib.suppress(OSError):
+            found = read_file(path, 4096).decode(errors="replace").strip()
+        if found is not None and _INSTANCE.fullmatch(found):
+            return found
+        try:
+            # A UUID in another spelling (dashes, upper case: by hand or another tool) is the
+            # same id: written back as workers carry it (their marker is compared as it is),
+            # so that a supervisor of any version reads the same id.
+            same = uuid.UUID(found or "").hex
+        except ValueError:
+            if found is not None:  # regression: replaced without a word
+                structlog.get_logger().warning(
+                    "records.instance_replaced",
+                    path=os.fspath(path),
+                    found=repr(found[:64]),
+                    reason="not an id: a new one is made, and processes left with another id "
+                    "by an earlier supervisor of this state_dir are not found by it",
+                )
+        else:
+            with contextlib.suppress(OSError):  # not written: still the id the file holds
+                atomic_write(path, f"{same}\n".encode())
+            return same
     value = keep or uuid.uuid4().hex
     try:
         atomic_write(path, f"{value}\n".encode())

@@ -35,6 +35,28 @@ def test_output_rotates_by_size_and_keeps_backups(tmp_path: Path) -> None:
     assert log.read_text().endswith("line 29 ......\n")
 
 
+def test_rotated_logs_above_a_lowered_log_backups_are_removed(tmp_path: Path) -> None:
+    """Regression: after ``log_backups`` was lowered, the rotated files numbered above the new
+    count (``w-0.log.5`` with 3) were never removed: they stayed forever. They go when the log
+    is opened or rotated; another worker's whose name starts alike (``w-01``) and files not
+    numbered as a rotation would be are left."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for name in ("w-0.log.3", "w-0.log.4", "w-0.log.5", "w-0.log.12", "w-01.log.5", "w-0.log.05"):
+        (logs / name).write_text("old\n")
+    for name in ("w-0.log.5.gz", "w-0.log.x", "w-0.log"):
+        (logs / name).write_text("other\n")
+    out = WorkerOutput("w-0", logs / "w-0.log", max_bytes=100, backups=3)
+    out.feed(b"first\n")  # opened: the stale ones go at once
+    left = {"w-0.log", "w-0.log.3", "w-01.log.5", "w-0.log.05", "w-0.log.5.gz", "w-0.log.x"}
+    assert {p.name for p in logs.iterdir()} == left
+    (logs / "w-0.log.4").write_text("old\n")  # another run's, made while this one writes
+    for i in range(20):
+        out.feed(f"line {i:02d} ......\n".encode())  # rotates
+    out.close()
+    assert {p.name for p in logs.iterdir()} == left | {"w-0.log.1", "w-0.log.2"}
+
+
 def test_output_keeps_the_last_lines_and_partial_lines(tmp_path: Path) -> None:
     out = WorkerOutput("w-0", tmp_path / "w.log", max_bytes=0, backups=0)
     out.feed(b"".join(f"{i}\n".encode() for i in range(TAIL_LINES + 50)))

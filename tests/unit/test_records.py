@@ -4,6 +4,7 @@ the journal, crash classification and the orphan verdicts."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -593,6 +594,36 @@ def test_a_state_dirs_instance_id(tmp_path: Path) -> None:
     assert instance_id(tmp_path) not in (None, first)  # a damaged file gets a new id
 
 
+def test_an_instance_id_in_another_spelling_is_kept_and_a_replaced_one_is_said(
+    tmp_path: Path,
+) -> None:
+    """Regression: an ``instance`` file the format check rejected (a UUID with dashes or in
+    upper case, written by hand or by another tool) was replaced by a new id without a word,
+    and the leftovers carrying the old id were never reclaimed. A UUID in any spelling is the
+    same id (written back as the workers carry it: 32 lower-case hex digits); anything else is
+    still replaced, with a warning that names the file and what was found."""
+    from supervisor.records import instance_id
+
+    path = tmp_path / "instance"
+    path.write_text("01234567-89AB-cdef-0123-456789ABCDEF\n")
+    with capture_logs() as logs:
+        assert instance_id(tmp_path) == "0123456789abcdef0123456789abcdef"
+    assert logs == []
+    assert path.read_text() == "0123456789abcdef0123456789abcdef\n"
+    path.write_text("not an id\nsecond line\n" + "x" * 1000)
+    with capture_logs() as logs:
+        new = instance_id(tmp_path)
+    assert new is not None and len(new) == 32 and path.read_text() == f"{new}\n"
+    assert [(e["event"], e["log_level"], e["path"]) for e in logs] == [
+        ("records.instance_replaced", "warning", os.fspath(path))
+    ]
+    assert "\n" not in logs[0]["found"] and len(logs[0]["found"]) < 100
+    assert logs[0]["found"].startswith("'not an id\\nsecond line\\nxxx")
+    with capture_logs() as logs:
+        assert instance_id(tmp_path) == new  # kept, nothing said
+    assert logs == []
+
+
 def test_records_are_read_only_from_regular_files(tmp_path: Path) -> None:
     """A FIFO, a directory or an oversized file in a record's place is an OSError at once
     (never a blocked open, never a whole disk read into memory); a regular file is read."""
@@ -662,6 +693,30 @@ def test_a_lock_taken_read_only_names_its_holder_once_it_can(tmp_path: Path) -> 
         assert (tmp_path / "lock").read_text() == f"{os.getpid()}\n"
     finally:
         os.close(fd)
+
+
+def test_a_refused_second_supervisor_names_the_holder_in_one_line(tmp_path: Path) -> None:
+    """Regression: a ``lock`` file of several lines (edited by hand, written by another tool)
+    made the "in use by another gpu-supervisor" error span several lines; every error is one
+    line. Only the first line is shown, bounded."""
+    from supervisor.errors import StateDirBusy
+
+    for content, holder in [
+        ("4242\nleft by another tool\n", "pid 4242)"),
+        ("\n\nfrom a hand\x1b[2J, and more than fits\n", "pid '"),
+        ("\n \n", "pid unknown)"),
+    ]:
+        (tmp_path / "lock").write_text(content)
+        held = os.open(tmp_path / "lock", os.O_RDONLY)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(StateDirBusy) as err:
+                lock_state_dir(tmp_path)
+        finally:
+            os.close(held)
+        message = str(err.value)
+        assert message.isprintable() and len(message) < 300, message
+        assert holder in message and "left by another tool" not in message, message
 
 
 def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
