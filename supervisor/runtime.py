@@ -3104,7 +3104,10 @@ class Runtime:
             )
         self._changed_now()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
+        # (a roll-out the stop cut short did not halt: none is said, as in the journal)
         stopped = [g.name for g in halted if g.name not in superseded]
+        if self._shutting_down:
+            stopped = []
         self.log.info("supervisor.reload_done", halted=stopped, superseded=superseded)
         if self._shutting_down:  # a roll-out cut short by the stop did not halt
             self._journal_reload(request, True, halted=[], interrupted="stopping")
@@ -3305,7 +3308,9 @@ class Runtime:
             if superseded():
                 # the worker goes on loading this file; the next roll-out replaces it first
                 return self._roll_superseded(group.name)
-            if settled and runner.state is WorkerState.STOPPED and not self._shutting_down:
+            if self._shutting_down:  # cut short by the stop: no halt (regression: logged as
+                return False  # one, "replaced worker did not become ready")
+            if settled and runner.state is WorkerState.STOPPED:
                 if runner in replaced:  # it starts on the new definition when started
                     replaced.remove(runner)
                 self._rollout_passes_over(group.name, runner, _STOPPED_MEANWHILE)

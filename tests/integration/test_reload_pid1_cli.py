@@ -794,6 +794,27 @@ def test_a_reload_cut_short_by_a_stop_starts_nothing(supervisor: SupervisorFacto
     assert all(w["state"] in ("stopped", "fatal") for w in state["workers"]), state
 
 
+def test_a_stop_during_a_roll_out_says_no_halt(supervisor: SupervisorFactory) -> None:
+    """Regression: a SIGTERM while a reload's roll-out waited for a replaced worker to load
+    logged `supervisor.rollout_halted` (an error: "replaced worker did not become ready")
+    and `supervisor.reload_done` with the group in `halted`, as if the new version had
+    failed: the stop cut it short, nothing halted (the journal already said so)."""
+    cfg = {"workers": [g("r", port_base=9391)]}
+    sup = supervisor(cfg)
+    sup.ready("r-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [g("r", "never_ready", port_base=9391)]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.spawned", worker="r-0", after=mark)  # the new one loads
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    halted = sup.find(event="supervisor.rollout_halted")
+    assert not halted, halted
+    assert sup.wait_event(event="supervisor.reload_done", after=mark)["halted"] == []
+    stopping = sup.wait_event(event="supervisor.stopping", after=mark)
+    assert not sup.find(event="worker.spawned", after=sup.events.index(stopping))
+
+
 def test_a_reload_on_a_new_definition_queued_behind_a_threshold_change_cuts_a_rolling_restart_short(
     supervisor: SupervisorFactory,
 ) -> None:
