@@ -378,7 +378,17 @@ def _wait_rollout(client: Client, group: str, seen: int) -> int:
     restart (after event ``seen``); 0 when done, 1 when halted."""
     journal = _Journal(client, seen)
     while True:
-        events = journal.next()
+        try:
+            events = journal.next()
+        except ApiClientError:
+            # it took the rolling restart, then went (regression: "cannot reach the
+            # supervisor", as if its address were wrong)
+            print(
+                f"gpu-supervisor: the supervisor stopped before the rolling restart of {group} "
+                "finished",
+                file=sys.stderr,
+            )
+            return 1
         if journal.restarted:
             print(RESTARTED, file=sys.stderr)
             return 1

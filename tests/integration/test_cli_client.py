@@ -584,3 +584,36 @@ def test_postmortem_show_escapes_what_a_terminal_would_act_on(
     assert not {"\x1b", "\x07", "\x9b", "\r"} & set(out), out
     code, out, _ = run(capsys, "postmortem", "show", pm_id, "--state-dir", str(tmp_path), "--json")
     assert code == 0 and json.loads(out)["log_tail"] == tail  # the JSON: as it is
+
+
+def test_a_rolling_restart_waited_for_says_the_supervisor_stopped(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """``restart --rolling --wait`` while the supervisor is stopped (a node drained, a
+    deploy): regression: it said "cannot reach the supervisor ... connection refused", as if
+    the address were wrong, where ``reload --wait`` says the supervisor stopped first. It says
+    that too (exit 1)."""
+    socket_path = tmp_path / "api.sock"
+    group = {
+        "name": "a",
+        "replicas": 2,
+        "gpus": "none",
+        "command": worker_cmd("ready_then_sleep"),
+        "restart": {"stable_s": 30},
+    }
+    sup = supervisor({"api": {"listen": f"unix:{socket_path}"}, "workers": [group]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    client = cli_client("restart", "--rolling", "--wait", "a", "-c", str(sup.config_path))
+    try:
+        sup.ready("a-0", after=mark)  # replaced; the roll-out waits 30 s for it to stay ready
+        assert sup.stop() == 0
+        out, err = client.communicate(timeout=30)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode == 1, (out, err)
+    assert "the supervisor stopped before the rolling restart of a finished" in err, (out, err)
+    assert "cannot reach" not in err, err
