@@ -13,9 +13,9 @@ import pytest
 
 from supervisor.cli import main
 from tests.conftest import SupervisorFactory
+from tests.harness import Supervisor, serving, worker_cmd
 from tests.harness import client as cli_client
 from tests.harness import run_cli as cli
-from tests.harness import serving, worker_cmd
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 TOKEN = "cli-token"  # noqa: S105 - test data
@@ -313,12 +313,11 @@ def test_reload_command_says_what_became_of_the_file(
     assert sup.stop() == 0
 
 
-def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
+def two_slow_to_roll(
     supervisor: SupervisorFactory, tmp_path: Path
-) -> None:
-    """Regression: the client said "cannot reach the supervisor ... is it running?" about a
-    supervisor that had accepted the reload and was stopping."""
-    socket_path = tmp_path / "api.sock"
+) -> tuple[Supervisor, dict[str, Any], dict[str, Any]]:
+    """A supervisor (its API on a unix socket) with group ``a``'s two workers ready, whose
+    roll-outs wait 30 s for each replaced worker to stay ready; and its config and group."""
     group = {
         "name": "a",
         "replicas": 2,
@@ -326,10 +325,19 @@ def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
         "command": worker_cmd("ready_then_sleep"),
         "restart": {"stable_s": 30},  # each replaced worker must stay ready this long
     }
-    config = {"api": {"listen": f"unix:{socket_path}"}, "workers": [group]}
+    config = {"api": {"listen": f"unix:{tmp_path / 'api.sock'}"}, "workers": [group]}
     sup = supervisor(config)
     sup.ready("a-0")
     sup.ready("a-1")
+    return sup, config, group
+
+
+def test_reload_wait_says_when_the_supervisor_stops_during_the_roll_outs(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the client said "cannot reach the supervisor ... is it running?" about a
+    supervisor that had accepted the reload and was stopping."""
+    sup, config, group = two_slow_to_roll(supervisor, tmp_path)
     sup.write_config({**config, "workers": [{**group, "env": {"X": "1"}}]})
     client = cli_client("reload", "--wait", "-c", str(sup.config_path))
     try:
@@ -593,17 +601,7 @@ def test_a_rolling_restart_waited_for_says_the_supervisor_stopped(
     deploy): regression: it said "cannot reach the supervisor ... connection refused", as if
     the address were wrong, where ``reload --wait`` says the supervisor stopped first. It says
     that too (exit 1)."""
-    socket_path = tmp_path / "api.sock"
-    group = {
-        "name": "a",
-        "replicas": 2,
-        "gpus": "none",
-        "command": worker_cmd("ready_then_sleep"),
-        "restart": {"stable_s": 30},
-    }
-    sup = supervisor({"api": {"listen": f"unix:{socket_path}"}, "workers": [group]})
-    sup.ready("a-0")
-    sup.ready("a-1")
+    sup, _, _ = two_slow_to_roll(supervisor, tmp_path)
     mark = sup.mark()
     client = cli_client("restart", "--rolling", "--wait", "a", "-c", str(sup.config_path))
     try:
