@@ -637,13 +637,16 @@ class WorkerRunner:
         # first 2xx at the end of them is ready)
         # The process, not the record: a start after the pre-start hook queues its
         # ``Spawned`` and this task may run before the record has the pid.
-        while self._current_pid() == pid and self.record.state is WorkerState.STARTING:
+        def probing() -> bool:
+            return self._current_pid() == pid and self.record.state is WorkerState.STARTING
+
+        while probing():
             try:
                 status = await _get(client, url, HEALTH_TIMEOUT_S)
             except httpx.TimeoutException:
-                self.last_probe = f"timed out after {HEALTH_TIMEOUT_S:g} s"
+                said = f"timed out after {HEALTH_TIMEOUT_S:g} s"
             except httpx.HTTPError as exc:
-                self.last_probe = connection_reason(exc)[:200]
+                said = connection_reason(exc)[:200]
             except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
                 self._log.error("worker.health_probe_failed", pid=pid, url=url, error=repr(exc))
                 self.last_probe = f"cannot be asked: {exc!r}"
@@ -652,7 +655,13 @@ class WorkerRunner:
                 if 200 <= status < 300:
                     self.post(lc.Ready(pid))
                     return
-                self.last_probe = f"HTTP {status}"
+                said = f"HTTP {status}"
+            if not probing():
+                # cut short by its stop (a start timeout killed the server under the probe):
+                # the worker's last answer stays what it said (regression: "Server
+                # disconnected", which the kill caused, in the start_timeout post-mortem)
+                return
+            self.last_probe = said
             await anyio.sleep(HEALTH_POLL_S)
 
     def _start_liveness(self, pid: int) -> None:

@@ -207,6 +207,41 @@ def test_ready_from_a_descendant_and_by_http(supervisor: SupervisorFactory) -> N
     assert sup.stop() == 0
 
 
+def test_a_probe_cut_short_by_the_start_timeout_is_not_the_last_answer(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A worker answers its readiness probe 503, then stops answering; its start timeout
+    kills it while a probe waits. Regression (CI, a loaded machine): that probe's error, which
+    the kill itself caused ("ReadError"), was recorded as the last answer, and the
+    start_timeout post-mortem said it instead of the worker's own "HTTP 503"."""
+    stall = tmp_path / "stall"
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "slow",
+                    "http_ready",
+                    "600",
+                    "--stall-when",
+                    str(stall),
+                    ready="http://127.0.0.1:{port}/health",
+                    port_base=18991,
+                    start_timeout_s=2.0,
+                    restart={"burst": 1},
+                )
+            ]
+        }
+    )
+    sup.wait_line("[slow-0]", contains="answered 503")
+    stall.touch()
+    sup.wait_line("[slow-0]", contains="stalling")  # a probe waits on it now
+    written = sup.wait_event(event="records.postmortem", worker="slow-0", timeout=20)
+    assert written["reason"] == "start_timeout"
+    doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
+    assert doc["evidence"]["last_probe"] == "HTTP 503"
+    assert sup.stop() == 0
+
+
 def test_http_readiness_follows_a_redirect_and_says_its_last_answer(
     supervisor: SupervisorFactory,
 ) -> None:

@@ -36,6 +36,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         if stall_when is not None and os.path.exists(stall_when):
+            say("stalling")
             time.sleep(30)
         code = 200 if time.monotonic() >= ready_at else 503
         if sick_when is not None and os.path.exists(sick_when):
