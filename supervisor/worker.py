@@ -635,9 +635,10 @@ class WorkerRunner:
         self.last_probe = None
         client = self._probes.client()  # (HttpProbes: no proxy, redirects followed: the
         # first 2xx at the end of them is ready)
-        # The process, not the record: a start after the pre-start hook queues its
-        # ``Spawned`` and this task may run before the record has the pid.
+
         def probing() -> bool:
+            # The process, not the record: a start after the pre-start hook queues its
+            # ``Spawned`` and this task may run before the record has the pid.
             return self._current_pid() == pid and self.record.state is WorkerState.STARTING
 
         while probing():
