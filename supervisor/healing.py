@@ -55,6 +55,7 @@ from supervisor.policy.detect import (
     max_age_due,
     reports_fresh,
     thermal_step,
+    urgency,
     xid_class,
 )
 from supervisor.policy.heal import (
@@ -674,7 +675,7 @@ class Healer:
                     )
                     for u, series in w.gpu_floors.items()
                 ),
-                key=_soonest,
+                key=urgency,
             )
         else:
             w.gpu_leak = judge_leak(
@@ -702,34 +703,33 @@ class Healer:
             )
             if leak[1].act
         ]
-        # both at once: one finding, of the one that runs out sooner (regression: the host
-        # one, judged second, replaced the GPU one, whose memory ran out first)
-        acting.sort(key=lambda leak: _or_inf(leak[1].projected_oom_s))
-        for memory, verdict, current, limit in acting[:1]:
-            if verdict.act:
-                what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
-                reported = memory == "gpu" and w.gpu_leak_source == "worker"
-                if reported:
-                    what = "GPU memory in use (reported by the worker)"
-                self._add(  # the newest projection (an imminent one is not deferred)
-                    Finding(
-                        "leak",
-                        f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
-                        f"{verdict.projected_oom_s or 0:.0f} s",
-                        worker=runner.name,
-                        evidence={
-                            "memory": memory,
-                            "source": w.gpu_leak_source if memory == "gpu" else "procfs",
-                            **verdict.evidence(),
-                            "used_mb": _round(current),
-                            "in_use_mb": _round(in_use) if reported else None,
-                            "limit_mb": limit or None,
-                            "oom_horizon_s": health.oom_horizon_s,
-                            "leak_min_mb_per_min": health.leak_min_mb_per_min,
-                        },
-                    ),
-                    newest=True,
-                )
+        if acting:
+            # both at once: one finding, of the one that runs out sooner (regression: the
+            # host one, judged second, replaced the GPU one, whose memory ran out first)
+            memory, verdict, current, limit = min(acting, key=lambda leak: urgency(leak[1]))
+            what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
+            reported = memory == "gpu" and w.gpu_leak_source == "worker"
+            if reported:
+                what = "GPU memory in use (reported by the worker)"
+            self._add(  # the newest projection (an imminent one is not deferred)
+                Finding(
+                    "leak",
+                    f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
+                    f"{verdict.projected_oom_s or 0:.0f} s",
+                    worker=runner.name,
+                    evidence={
+                        "memory": memory,
+                        "source": w.gpu_leak_source if memory == "gpu" else "procfs",
+                        **verdict.evidence(),
+                        "used_mb": _round(current),
+                        "in_use_mb": _round(in_use) if reported else None,
+                        "limit_mb": limit or None,
+                        "oom_horizon_s": health.oom_horizon_s,
+                        "leak_min_mb_per_min": health.leak_min_mb_per_min,
+                    },
+                ),
+                newest=True,
+            )
 
     def _judge_age(
         self,
@@ -1299,21 +1299,6 @@ def _budget(
         worker=name,
         evidence={"used_mb": _round(used), "limit_mb": limit, "samples_over": BUDGET_SAMPLES},
     )
-
-
-def _soonest(verdict: LeakVerdict) -> tuple[float, bool, float]:
-    """Order of a worker's per-GPU leak verdicts: the soonest projected to run out, then a
-    suspected one, then the fastest growing."""
-    slope = verdict.slope_mb_per_min
-    return (
-        _or_inf(verdict.projected_oom_s),
-        not verdict.suspected,
-        -slope if slope is not None else math.inf,
-    )
-
-
-def _or_inf(value: float | None) -> float:
-    return math.inf if value is None else value
 
 
 def _round(value: float | None) -> float | None:

@@ -2004,7 +2004,7 @@ class Runtime:
         nothing where ``state_dir`` could not be locked at start."""
         if self._state_lock is None or self._lock_in_place():
             return
-        if self._relock_state_dir() and self._lock_in_place():
+        if self._relock_state_dir():
             self.log.warning(
                 "records.relocked",
                 path=os.fspath(self.settings.supervisor.state_dir / LOCK_FILE),

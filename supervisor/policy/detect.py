@@ -298,6 +298,17 @@ def judge_leak(
     )
 
 
+def urgency(verdict: LeakVerdict) -> tuple[float, bool, float]:
+    """Sort key of leak verdicts, most urgent first: the soonest projected to run out, then a
+    suspected one, then the fastest growing (a worker's GPUs, or its GPU and host memory)."""
+    slope = verdict.slope_mb_per_min
+    return (
+        math.inf if verdict.projected_oom_s is None else verdict.projected_oom_s,
+        not verdict.suspected,
+        -slope if slope is not None else math.inf,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Shape:
     """What one scale is judged against."""
