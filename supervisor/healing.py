@@ -49,6 +49,7 @@ from supervisor.policy.detect import (
     ThermalTrack,
     budget_streak,
     headroom,
+    in_use_on_gpus,
     in_use_total,
     judge_leak,
     match_pattern,
@@ -173,6 +174,11 @@ class _Watch:
     in_use_floor: FloorSeries
     #: pid -> (MiB, reported at): the latest report of each process of the worker's tree
     in_use_by_pid: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: GPU -> the floor of what the worker's processes there report, for a worker on several
+    #: GPUs (judged GPU by GPU while each reporting process is on exactly one of them)
+    in_use_floors: dict[str, FloorSeries] = field(default_factory=dict)
+    #: reporting pid -> the worker's GPUs NVML's process lists have shown it on
+    in_use_on: dict[int, set[str]] = field(default_factory=dict)
     bad_report_logged: bool = False
     gpu_leak_source: Literal["nvml", "worker"] = "nvml"
     gpu_streak: int = 0
@@ -589,7 +595,10 @@ class Healer:
                 w.gpu_floors = {
                     u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
                 }
-                for series in w.gpu_floors.values():
+                w.in_use_floors = {
+                    u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
+                }
+                for series in (*w.gpu_floors.values(), *w.in_use_floors.values()):
                     series.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         known = usage.gpu_memory_mb is not None
@@ -639,6 +648,14 @@ class Healer:
         in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
         if in_use is not None:
             w.in_use_floor.add(now, in_use)
+        # on several GPUs, what each GPU's processes report (None: a reporter is on none or
+        # several of them, as far as NVML's process lists tell: the total is judged)
+        in_use_by_gpu = None
+        if w.in_use_floors:
+            _place_reporters(w, sample, gpus)
+            in_use_by_gpu = in_use_on_gpus(w.in_use_by_pid, w.in_use_on, now, health.leak_window_s)
+            for u, series in w.in_use_floors.items():
+                series.add(now, None if in_use_by_gpu is None else in_use_by_gpu.get(u))
         if not judge:
             return
         w.judged_at = now
@@ -657,7 +674,12 @@ class Healer:
         # headroom, as the GPU with the least free memory does (regression: twice the budget
         # less both GPUs' use, for a worker on two: a leak on one GPU was projected to reach
         # the budget long after it did)
-        if w.gpu_leak_source == "nvml" and w.gpu_floors:
+        per_gpu = w.gpu_floors if w.gpu_leak_source == "nvml" else None
+        if w.gpu_leak_source == "worker" and in_use_by_gpu is not None:
+            # the reports of each GPU's ranks against that GPU's headroom (regression: their
+            # sum against the fullest GPU's: a leak on every rank ran out N times too soon)
+            per_gpu = {u: w.in_use_floors[u] for u in in_use_by_gpu if u in w.in_use_floors}
+        if per_gpu:
             # on several GPUs, each GPU's floor against its own headroom, the soonest to run
             # out reported and acted on (regression: the slope of the sum over its GPUs
             # against one GPU's headroom: a leak on every rank ran out N times too soon)
@@ -673,7 +695,7 @@ class Healer:
                             free_of.get(u),
                         ),
                     )
-                    for u, series in w.gpu_floors.items()
+                    for u, series in per_gpu.items()
                 ),
                 key=urgency,
             )
@@ -1303,6 +1325,23 @@ def _budget(
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def _place_reporters(w: _Watch, sample: Sample, gpus: Sequence[str]) -> None:
+    """Note on which of its ``gpus`` each reporting process of a worker is, as the sample's
+    process lists show it (learnt only from a sample that lists every one of its GPUs: a
+    process missing from a list not read might be there)."""
+    for gone in [p for p in w.in_use_on if p not in w.in_use_by_pid]:
+        del w.in_use_on[gone]
+    lists = [sample.device(u) for u in gpus]
+    listed: list[set[int]] = []
+    for d in lists:
+        if d is None or d.processes is None:
+            return
+        listed.append({p.pid for p in d.processes})
+    for pid in w.in_use_by_pid:
+        on = {u for u, pids in zip(gpus, listed, strict=True) if pid in pids}
+        w.in_use_on.setdefault(pid, set()).update(on)
 
 
 def _host_available_mb() -> float | None:

@@ -480,7 +480,10 @@ def _pick(
             f"cannot place {name}: needs {group.gpus_per_worker} GPU(s), "
             f"{len(candidates)} available ({why})"
         )
-    return tuple(d.uuid for d in candidates[: group.gpus_per_worker])
+    # the chosen GPUs in index order (nvidia-smi's, PCI bus order), not ranked: the worker's
+    # cuda:0 is the lowest of them (regression: the best-ranked first, cuda:0 was GPU 3)
+    chosen = sorted(candidates[: group.gpus_per_worker], key=lambda d: d.index)
+    return tuple(d.uuid for d in chosen)
 
 
 def build_plan(

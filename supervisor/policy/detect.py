@@ -20,7 +20,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -460,6 +460,28 @@ def in_use_total(
     still fresh (``reports``: pid -> ``(MiB, reported at)``); None when none is."""
     fresh = [mb for mb, at in reports.values() if reports_fresh(at, now, window_s)]
     return sum(fresh) if fresh else None
+
+
+def in_use_on_gpus(
+    reports: Mapping[int, tuple[float, float]],
+    placed: Mapping[int, Collection[str]],
+    now: float,
+    window_s: float,
+) -> dict[str, float] | None:
+    """What a worker on several GPUs reports in use on each of them: per GPU, the sum of the
+    fresh reports of its processes there (``placed``: pid -> the worker's GPUs NVML lists the
+    process on). None when a fresh report's process is not on exactly one of them (nothing
+    says where its memory is: the total is judged then) or no report is fresh."""
+    by_gpu: dict[str, float] = {}
+    for pid, (mb, at) in reports.items():
+        if not reports_fresh(at, now, window_s):
+            continue
+        on = placed.get(pid, ())
+        if len(on) != 1:
+            return None
+        (gpu,) = on
+        by_gpu[gpu] = by_gpu.get(gpu, 0.0) + mb
+    return by_gpu or None
 
 
 def headroom(

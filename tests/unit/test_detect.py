@@ -30,6 +30,7 @@ from supervisor.policy.detect import (
     coarse_floors,
     headroom,
     hot_reason,
+    in_use_on_gpus,
     in_use_total,
     judge_leak,
     match_pattern,
@@ -708,6 +709,26 @@ def test_in_use_is_the_sum_of_fresh_reports_per_process(
     reports: dict[int, tuple[float, float]], now: float, total: float | None
 ) -> None:
     assert in_use_total(reports, now, 600.0) == total
+
+
+@pytest.mark.parametrize(
+    ("placed", "by_gpu"),
+    [
+        ({7: {"A"}, 8: {"B"}, 9: {"B"}}, {"A": 300.0, "B": 250.0}),  # one rank per GPU and more
+        ({7: {"A"}, 8: {"B"}}, None),  # 9 reports but is on none of the worker's GPUs (yet)
+        ({7: {"A"}, 8: {"B"}, 9: {"A", "B"}}, None),  # 9 on both: nothing says where it grows
+        ({7: {"A"}, 8: {"B"}, 9: set()}, None),
+    ],
+)
+def test_in_use_per_gpu_only_where_each_reporter_is_on_one_gpu(
+    placed: dict[int, set[str]], by_gpu: dict[str, float] | None
+) -> None:
+    """Regression: the reports of a worker on several GPUs were only ever summed, though
+    NVML's process lists tell on which GPU each rank is; they are per GPU where every fresh
+    report's process is on exactly one of the worker's GPUs (a stale one does not count)."""
+    reports = {7: (300.0, 99.0), 8: (200.0, 98.0), 9: (50.0, 97.0), 10: (900.0, 10.0)}
+    assert in_use_on_gpus(reports, placed, 100.0, 600.0) == by_gpu
+    assert in_use_on_gpus({}, placed, 100.0, 600.0) is None
 
 
 @pytest.mark.parametrize(

@@ -1047,6 +1047,72 @@ def test_a_leak_on_every_gpu_of_a_tensor_parallel_worker_is_projected_per_gpu(tp
     assert t0.posted == []
 
 
+@pytest.mark.parametrize(
+    ("leaking", "nvml", "placed", "projected"),
+    [
+        # every rank leaks 10 MiB/min, 600 of 1000 MiB used on each GPU: 400 / 10 = 40 min
+        ((0, 1), (600.0, 600.0), True, 2400),
+        # only the rank on GPU-0 (300 used there) leaks, GPU-1 is the fullest: 700 / 10
+        ((0,), (300.0, 800.0), True, 4200),
+        # the ranks' GPUs unknown (no process lists): the sum against the fullest GPU
+        ((0, 1), (600.0, 600.0), False, 1200),
+    ],
+)
+def test_the_reports_of_a_tensor_parallel_worker_are_judged_per_gpu(
+    leaking: tuple[int, ...], nvml: tuple[float, float], placed: bool, projected: float
+) -> None:
+    """Regression: a worker on two GPUs whose ranks report ``X_GPU_MEMORY_IN_USE_MB`` had the
+    sum of the reports judged against one headroom (its fullest GPU's), though NVML's process
+    lists say which GPU each rank is on: 10 MiB/min on each rank with 400 MiB left on each
+    GPU was projected to run out in 20 minutes, not 40 (drained with a 30-minute horizon),
+    and one rank's leak was projected against another GPU's headroom. Each GPU's reports are
+    now judged against that GPU's headroom; unplaced reports are still judged summed."""
+    import os
+
+    from supervisor.model import GpuProcess
+
+    gpus = (GPUS[0], GPUS[1])
+    t0 = Runner("t-0", gpus[0])
+    t0.spec.gpus = gpus
+    cfg = {
+        "supervisor": {"sample_interval_s": 1.0},
+        "gpu": {"backend": "sim"},
+        "workers": [
+            {
+                "name": "t",
+                "command": ["x"],
+                "gpus_per_worker": 2,
+                "health": {
+                    "gpu_memory_limit_mb": 1000,
+                    "leak_warmup_s": 0,
+                    "leak_window_s": 600,
+                    "oom_horizon_s": 1800,
+                },
+            }
+        ],
+    }
+    host = Host(parse_settings(cfg), {"t-0": t0})
+    ranks = (os.getpid(), os.getppid())  # running processes: a gone rank's reports are dropped
+    for i, (u, pid) in enumerate(zip(gpus, ranks, strict=True)):
+        procs = (GpuProcess(pid, nvml[i]),) if placed else None
+        host.devices[u] = replace(host.devices[u], processes=procs)
+    healer = Healer(host)  # type: ignore[arg-type]
+    by_gpu = dict(zip(gpus, nvml, strict=True))
+    usage = WorkerUsage("t-0", ranks, sum(nvml), by_gpu, "pid", 100.0, 0.0)
+    for _ in range(600):  # 10 minutes, a report from each rank every 5 s
+        host.clock.advance(1.0)
+        now = host.clock.now()
+        if now % 5 == 0:
+            for i, pid in enumerate(ranks):
+                mb = 200 + (10 * now / 60 if i in leaking else 0)
+                healer.on_notify(t0, pid, {"X_GPU_MEMORY_IN_USE_MB": f"{mb:.1f}"})  # type: ignore[arg-type]
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    leak = healer.annotate("t-0", {})["leak"]
+    assert leak["source"] == "worker", leak
+    assert leak["suspected"] and leak["projected_oom_s"] == pytest.approx(projected, rel=0.1), leak
+    assert (t0.posted == []) == (projected > 1800)
+
+
 def test_the_alert_of_a_worker_that_stayed_on_two_gpus_names_its_hot_one() -> None:
     """Regression: a worker on GPU-0 and GPU-1 that could not move off hot GPU-1 was said to
     be stuck on its hot GPU-0 (the alert's gpu was the first of its GPUs, which is cool)."""

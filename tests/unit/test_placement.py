@@ -111,6 +111,25 @@ def test_plan_puts_uuids_in_cuda_visible_devices() -> None:
     assert plan.warnings == ()
 
 
+def test_a_worker_on_several_gpus_lists_them_in_index_order() -> None:
+    """Regression: a worker on several GPUs got them in the order placement ranked them (the
+    most free memory first): GPU 3 then GPU 1 in ``CUDA_VISIBLE_DEVICES``, so its cuda:0 was
+    GPU 3, against nvidia-smi's (and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``'s) order that users and
+    NCCL's topology expect. The same GPUs are chosen, listed by index."""
+    frees = [10_000.0, 60_000.0, 20_000.0, 70_000.0]
+    slots = [GpuSlot(i, f"GPU-{i}", 80_000.0, f, 40.0) for i, f in enumerate(frees)]
+    settings = parse_settings(
+        {"workers": [{"name": "a", "command": ["x"], "replicas": 2, "gpus_per_worker": 2}]}
+    )
+    assert place(settings.workers, slots, 0) == {
+        "a-0": ("GPU-1", "GPU-3"),
+        "a-1": ("GPU-0", "GPU-2"),
+    }
+    plan = build_plan(settings, {}, None, slots)
+    envs = [(w.gpus, w.env["CUDA_VISIBLE_DEVICES"]) for w in plan.groups[0].workers]
+    assert envs == [(("GPU-1", "GPU-3"), "GPU-1,GPU-3"), (("GPU-0", "GPU-2"), "GPU-0,GPU-2")]
+
+
 def test_only_a_cordon_lets_a_worker_restart_where_it_was() -> None:
     from supervisor.plan import CORDONED, SUSPECT, GpuSlot, may_restart_in_place
 
