@@ -4,8 +4,10 @@ The worker's stdout and stderr share one pipe; ``pump()`` reads it without block
 
 A line longer than :data:`MAX_LINE` bytes is never held whole: the log file gets every byte as
 it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its own prefixed
-line, so that output from several workers never mixes within a line), and the in-memory tail and
-``on_line`` get its first ``MAX_LINE`` bytes, where the timestamp, level and error text are.
+line, so that output from several workers never mixes within a line), and ``on_line`` gets its
+first ``MAX_LINE`` bytes, where the timestamp, level and error text are; the in-memory tail gets
+those and its last :data:`END_PIECE` bytes (a traceback's exception message, in a log record
+that holds the whole traceback).
 
 The tail reads a carriage return inside a line (a progress bar redrawing itself) as a terminal
 shows it: back to the line's start, the text after it overwriting what was there; ``on_line``
@@ -51,6 +53,10 @@ _READ_SIZE = 65536
 MAX_LINE = 16384
 #: Appended to the start of a line that was cut for the tail (the log file has the whole line).
 CUT_MARK = " [... line cut: {total} bytes]"
+#: A line cut for the tail keeps this many of its last bytes too, after ``CUT_MARK`` and
+#: ``" ..."``: where a record that holds a whole traceback (a JSON log line) has the
+#: exception's message, which the death is judged by.
+END_PIECE = 4096
 #: What a log emptied on a full disk starts with (``RotatingFile.write``).
 TRIMMED_MARK = b"--- gpu-supervisor: disk full: the earlier content of this log was removed ---\n"
 #: A log capped after a full disk still rotates at this size at least.
@@ -481,13 +487,15 @@ class _Shown:
     Only the first bytes of each (a little over ``MAX_LINE``) are held.
     """
 
-    __slots__ = ("cr", "cur", "cur_len", "told", "under", "under_len")
+    __slots__ = ("cr", "cur", "cur_end", "cur_len", "told", "under", "under_end", "under_len")
 
     def __init__(self) -> None:
         self.under = b""  # the line as the segments before the current one left it
         self.under_len = 0
+        self.under_end = b""  # its last bytes (where it is longer than what is held of it)
         self.cur = b""  # the current segment
         self.cur_len = 0
+        self.cur_end = b""  # its last END_PIECE bytes, once it is longer than what is held
         self.cr = False  # a carriage return held back
         self.told = False  # on_line has had the current segment (it grew too long)
 
@@ -510,6 +518,9 @@ class _Shown:
         for i, part in enumerate(piece.split(b"\r") if b"\r" in piece else (piece,)):
             if i:
                 self.carriage(on_line)
+            if self.cur_len + len(part) > _HELD:  # the end, beyond the start held
+                before = self.cur if self.cur_len <= _HELD else self.cur_end
+                self.cur_end = (before[-END_PIECE:] + part[-END_PIECE:])[-END_PIECE:]
             room = _HELD - len(self.cur)
             if room > 0:
                 self.cur += part[:room]
@@ -525,9 +536,11 @@ class _Shown:
         self.cr = False
         if self.cur_len and not self.told and on_line is not None:
             on_line(_text(self.cur))
+        if max(self.cur_len, self.under_len) > _HELD:  # its end is not all in what is held
+            self.under_end = self._line_end()
         self.under = (self.cur + self.under[len(self.cur) :])[:_HELD]
         self.under_len = max(self.under_len, self.cur_len)
-        self.cur, self.cur_len, self.told = b"", 0, False
+        self.cur, self.cur_len, self.cur_end, self.told = b"", 0, b"", False
 
     def end(self, on_line: Callable[[str], None] | None) -> str:
         """The line ends: its last segment told; what the terminal shows, cut when too long."""
@@ -536,11 +549,27 @@ class _Shown:
             on_line(_text(self.cur))
         size = self.size()
         shown = _text(self.cur + self.under[len(self.cur) :])
-        self.under, self.under_len, self.cur, self.cur_len, self.told = b"", 0, b"", 0, False
-        return shown + CUT_MARK.format(total=size) if size > MAX_LINE else shown
+        if size > MAX_LINE:
+            end = _end_text(self._line_end(), size - MAX_LINE)
+            shown += CUT_MARK.format(total=size) + " ..." + end
+        self.reset()
+        return shown
+
+    def _line_end(self) -> bytes:
+        """The last bytes of the line shown (``END_PIECE`` at least, or all of it): the
+        current segment's where it is the longest, else the earlier segments' end with as much
+        of it as the current segment overwrote."""
+        cur = self.cur if self.cur_len <= _HELD else self.cur_end
+        if self.cur_len >= self.under_len:
+            return cur
+        if self.under_len <= _HELD:
+            return self.cur + self.under[len(self.cur) :]
+        over = self.cur_len - (self.under_len - len(self.under_end))
+        return cur[-over:] + self.under_end[over:] if over > 0 else self.under_end
 
     def reset(self) -> None:
         self.under, self.under_len, self.cur, self.cur_len = b"", 0, b"", 0
+        self.under_end = self.cur_end = b""
         self.cr = self.told = False
 
 
@@ -551,6 +580,16 @@ _HELD = MAX_LINE + 3
 def _text(held: bytes) -> str:
     """The first ``MAX_LINE`` bytes of ``held`` as text (cut between UTF-8 characters)."""
     return held[: _cut_at(held, 0, MAX_LINE)].decode("utf-8", errors="replace")
+
+
+def _end_text(last: bytes, beyond: int) -> str:
+    """The line's end from ``last`` (its last bytes): those past its first ``MAX_LINE`` bytes,
+    ``END_PIECE`` at most, from a character's start."""
+    piece = last[-min(beyond, END_PIECE) :]
+    start = 0
+    while start < min(3, len(piece)) and piece[start] & 0xC0 == 0x80:
+        start += 1  # a UTF-8 character's continuation bytes: its start is in the part cut
+    return piece[start:].decode("utf-8", errors="replace")
 
 
 class WorkerOutput:

@@ -97,7 +97,7 @@ from supervisor.plan import (
 )
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.attribution import alias_owner
-from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify
+from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify, may_be_oom_kill
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.lifecycle import may_start
 from supervisor.policy.reload import (
@@ -2198,7 +2198,6 @@ class Runtime:
                 why = "no WATCHDOG=1 within watchdog_s"
             detail = f"{why}; {outcome.detail}" if outcome.detail else why
             self.healer.on_restarted(runner, outcome.reason.value, detail)
-        sigkill = outcome.status is not None and outcome.status.signal == signal.SIGKILL
         dead = _Death(
             runner=runner,
             action=action,
@@ -2221,8 +2220,11 @@ class Runtime:
             ),
             samples=list(self.samples_of.pop(runner.name, ())),
             healing=self.healer.exit_evidence(runner.name),
-            # Only a SIGKILL can be the kernel's OOM killer: /proc/vmstat is not read otherwise.
-            oom_baseline=self.healer.oom_baseline(runner.name) if sigkill else None,
+            # Only a SIGKILL (or a wrapper's exit 137 passing one on) can be the kernel's OOM
+            # killer: /proc/vmstat is not read otherwise.
+            oom_baseline=self.healer.oom_baseline(runner.name)
+            if may_be_oom_kill(outcome.status)
+            else None,
             journal_seq=self.journal.last_seq,
             restarted=restarted,
             last_probe=runner.last_probe,

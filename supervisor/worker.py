@@ -156,6 +156,8 @@ class WorkerRunner:
         self._before: lc.WorkerRecord = self.record
         self._create_time: float | None = None
         self._reaped = False  # the current process's status was collected: its pid is not ours
+        #: the process that had ended on its own when a stop signal was to be sent to it
+        self._ended_unasked: int | None = None
         self.last_exit_wall: float | None = None
         self.last_exit_pid: int | None = None
         self._exit_reason: str | None = None  # the last exit as classified (cuda_oom, ...)
@@ -432,6 +434,8 @@ class WorkerRunner:
             self._tg.start_soon(self._prepare_and_spawn, self._spawn_token)
             return None
         if isinstance(action, lc.SendSignal):
+            if self.record.pid is not None and self._has_ended(self.record.pid):
+                self._ended_unasked = self.record.pid  # its death is its own, not our stop
             self._signal(action.signal)
             # a tree an operator stopped (``signal STOP``) gets its stop signal only once it
             # runs again: woken, as systemd does, rather than killed at stop_timeout_s
@@ -486,6 +490,7 @@ class WorkerRunner:
         self.started_wall = self._clock.wall()
         self._create_time = None
         self._reaped = False
+        self._ended_unasked = None
         self._register_pid(child.pid, self)
         self._reaper.register(child.pid, self._on_reaped)
         assert self._tg is not None
@@ -548,7 +553,20 @@ class WorkerRunner:
     def _on_reaped(self, reaped: Reaped) -> None:
         if self._child is not None and reaped.pid == self._child.pid:
             self._reaped = True
-        self.post(lc.Exited(reaped.pid, reaped.status))
+        unasked = reaped.pid == self._ended_unasked
+        if unasked:
+            self._ended_unasked = None  # (its pid may be a later process's)
+        self.post(lc.Exited(reaped.pid, reaped.status, unasked=unasked))
+
+    def _has_ended(self, pid: int) -> bool:
+        """Whether the process ``pid`` has ended: collected already, or a zombie yet to be
+        (``waitid`` with ``WNOWAIT`` leaves its status to the reaper)."""
+        if self._reaped and self._child is not None and self._child.pid == pid:
+            return True
+        try:
+            return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except OSError:  # not a child of ours (any more): nothing to tell
+            return False
 
     def send_signal(self, sig: int, reason: str) -> int | None:
         """Send ``sig`` to the worker's whole process tree now (an operator's ``signal``);

@@ -26,7 +26,21 @@ CUDA_OOM_PATTERNS: tuple[str, ...] = (
     "CUDNN_STATUS_ALLOC_FAILED",
     "Cuda failure 'out of memory'",  # NCCL
     "Cuda failure 2 'out of memory'",  # NCCL 2.19 and later (with the error's number)
+    # JAX / XLA (``XlaRuntimeError: RESOURCE_EXHAUSTED: ...``; older: ``Resource exhausted``)
+    "RESOURCE_EXHAUSTED: Out of memory",
+    "Resource exhausted: Out of memory",
+    "RESOURCE_EXHAUSTED: Failed to allocate request for",
+    "Resource exhausted: Failed to allocate request for",
+    # TensorFlow (a bare ``ResourceExhaustedError`` is also a quota or a gRPC message limit)
+    "OOM when allocating tensor",
+    "ResourceExhaustedError: failed to allocate memory",
 )
+#: A line that names a CPU device is the host's memory (TensorFlow's ``OOM when allocating
+#: tensor ... on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu``), not the GPU's.
+CUDA_OOM_NOT: tuple[str, ...] = ("device:CPU:",)
+
+#: The most of the matching line a post-mortem's evidence shows (``log_line``).
+LOG_LINE_CHARS = 2000
 
 #: A CUDA out-of-memory line is a death's reason only when it came at most this long before
 #: it: a worker that caught one (a server that halves its batch, a warm-up probing the largest
@@ -50,6 +64,10 @@ POSTMORTEM_EXITS = frozenset(
 
 #: A SIGKILL is an out-of-memory kill when the kernel's (or the cgroup's) oom_kill count went up.
 SIGKILL = 9
+#: Exit codes that pass a child's SIGKILL on: a shell's (``sh -c "python serve.py"``, a launch
+#: script without exec, ``exit $?``: 128 + 9) and a launcher's ``sys.exit(child.returncode)``
+#: (-9, as 256 - 9).
+SIGKILL_EXIT_CODES = frozenset({128 + SIGKILL, 256 - SIGKILL})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +78,30 @@ class Classified:
     evidence: Mapping[str, Any]
 
 
-def find_line(lines: Sequence[str], patterns: Sequence[str]) -> str | None:
-    """The last line of ``lines`` that contains one of ``patterns``."""
+def may_be_oom_kill(status: ExitStatus | None) -> bool:
+    """Whether this end can be the kernel's OOM killer's: a SIGKILL, or a wrapper's exit that
+    passes its child's SIGKILL on (then the oom_kill count says whether it was)."""
+    if status is None:
+        return False
+    return status.signal == SIGKILL or status.code in SIGKILL_EXIT_CODES
+
+
+def find_line(
+    lines: Sequence[str], patterns: Sequence[str], exclude: Sequence[str] = ()
+) -> str | None:
+    """The last line of ``lines`` that contains one of ``patterns`` (and none of ``exclude``)."""
     for line in reversed(lines):
-        if any(p in line for p in patterns):
+        if any(p in line for p in patterns) and not any(x in line for x in exclude):
             return line
     return None
+
+
+def excerpt(line: str, patterns: Sequence[str], size: int = LOG_LINE_CHARS) -> str:
+    """``size`` characters of ``line`` that show the first of ``patterns`` it contains: its
+    start, or (a long line whose match is further in) from a little before the match."""
+    at = min((i for i in (line.find(p) for p in patterns) if i >= 0), default=0)
+    start = 0 if at <= size // 2 else at - size // 4
+    return line[start : start + size]
 
 
 def classify(
@@ -125,10 +161,10 @@ def classify(
     if reason in HEALING_REASONS:
         return Classified(reason.value, {**base, **(healing or {})})
     if reason in (ExitReason.EXIT, ExitReason.SIGNAL):
-        oom = find_line(log_tail, CUDA_OOM_PATTERNS)
+        oom = find_line(log_tail, CUDA_OOM_PATTERNS, CUDA_OOM_NOT)
         if oom is not None:
-            return Classified("cuda_oom", {**base, "log_line": oom[:2000]})
-        if status is not None and status.signal == SIGKILL and oom_kills > 0:
+            return Classified("cuda_oom", {**base, "log_line": excerpt(oom, CUDA_OOM_PATTERNS)})
+        if may_be_oom_kill(status) and oom_kills > 0:
             return Classified(
                 "host_oom", {**base, "oom_kills": oom_kills, "oom_kills_scope": oom_scope}
             )

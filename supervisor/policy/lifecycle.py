@@ -190,6 +190,8 @@ class Exited:
 
     pid: int
     status: ExitStatus
+    #: it had already ended when the stop signal was to be sent (a death of its own)
+    unasked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,6 +398,10 @@ def _on_exit(
         outcome = Outcome(ev.status, reason, now, ev.status.describe())
         return _after_failure_or_stable(rec, now, t, outcome, [])
     reason = rec.stop_reason or ExitReason.STOP
+    if ev.unasked and reason in _OPERATOR_STOPS:
+        # it died on its own before the operator's stop signal: its death, not the stop (the
+        # operator's restart or stop still happens)
+        reason = _exit_reason(ev.status)
     outcome = Outcome(ev.status, reason, now, ev.status.describe())
     if expected is AfterExit.RECOVER:
         return _after_failure_or_stable(rec, now, t, outcome, [])
@@ -648,6 +654,10 @@ def _restart_after(reason: ExitReason) -> AfterExit:
     return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
 
 
+#: Stops the operator (or a reload, a shutdown) asked for: no death of the worker's.
+_OPERATOR_STOPS = frozenset(
+    {ExitReason.STOP, ExitReason.RESTART, ExitReason.RELOAD, ExitReason.SHUTDOWN}
+)
 #: Reasons a worker is stopped for that are its death (a post-mortem): a stop asked for
 #: while it stops for one of them does not take their place.
 _FAULT_STOPS = frozenset({ExitReason.HANG, ExitReason.START_TIMEOUT, *HEALING_REASONS})

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from supervisor.healing import parse_in_use
 from supervisor.model import ExitReason, ExitStatus, WorkerState
-from supervisor.policy.classify import classify
+from supervisor.policy.classify import classify, may_be_oom_kill
 from supervisor.policy.heal import (
     COOLDOWN_S,
     LEAK_IMMINENT_S,
@@ -527,6 +527,30 @@ def test_host_oom_needs_sigkill_and_an_oom_kill(
     assert got is not None and got.reason == reason
     if reason == "host_oom":
         assert got.evidence["oom_kills"] == oom_kills
+
+
+@pytest.mark.parametrize(
+    ("status", "oom_kills", "reason"),
+    [
+        (ExitStatus(137, None), 1, "host_oom"),  # sh -c "python serve.py; exit $?"
+        (ExitStatus(247, None), 1, "host_oom"),  # sys.exit(child.returncode): -9 as 247
+        (ExitStatus(137, None), 0, "exit"),  # a 137 without an OOM kill is a plain exit
+        (ExitStatus(136, None), 2, "exit"),  # 128 + SIGFPE: not the OOM killer's signal
+    ],
+)
+def test_a_wrapper_shell_whose_child_the_oom_killer_took_is_host_oom(
+    status: ExitStatus, oom_kills: int, reason: str
+) -> None:
+    """Regression: a worker started through a wrapper (``sh -c``, a launch script that runs
+    python without exec) whose python the kernel's OOM killer took exits 137 (128 + 9) itself,
+    not by a signal: its death was ``exit`` although its cgroup's oom_kill count went up, and
+    the supervisor did not even read the count for it (only for a SIGKILL)."""
+    assert may_be_oom_kill(status) is (status.code in (137, 247))
+    got = classify(ExitReason.EXIT, status, [], failure=True, oom_kills=oom_kills)
+    assert got is not None and got.reason == reason
+    assert got.evidence["exit_code"] == status.code
+    assert not may_be_oom_kill(ExitStatus(1, None)) and not may_be_oom_kill(ExitStatus(None, 15))
+    assert may_be_oom_kill(ExitStatus(None, 9))
 
 
 @pytest.mark.parametrize(

@@ -642,3 +642,22 @@ def test_a_wait_status_is_decoded_with_its_core_dump(
 ) -> None:
     status = ExitStatus.from_wait_status(raw)
     assert status == expected and status.describe() == described
+
+
+@pytest.mark.parametrize(("event", "state"), [(lc.Restart(), S.STARTING), (lc.Stop(), S.STOPPED)])
+def test_a_process_dead_before_the_operators_stop_signal_keeps_its_crash(
+    event: lc.Restart | lc.Stop, state: WorkerState
+) -> None:
+    """Regression: a worker that crashed on its own just before an operator's restart or stop
+    (its process already ended when the stop signal was to be sent) had its death called
+    ``restart``/``stop``: no post-mortem, and ``last_exit.reason`` hid the crash. The operator's
+    restart (or stop) still happens; the death is judged as the crash it was."""
+    stopping, acts = lc.step(ready(), event, 101, T)
+    assert lc.SendSignal(T.stop_signal) in acts
+    rec, acts = lc.step(stopping, lc.Exited(10, CRASH, unasked=True), 101.1, T)
+    assert rec.state is state
+    exits = [a for a in acts if isinstance(a, lc.Exit)]
+    assert [e.outcome.reason for e in exits] == [ExitReason.EXIT]
+    # the process that ended after the signal was ours to stop
+    rec, acts = lc.step(stopping, lc.Exited(10, CRASH), 101.1, T)
+    assert [a.outcome.reason for a in acts if isinstance(a, lc.Exit)] == [event.reason]

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.output import _READ_SIZE, CUT_MARK, MAX_LINE, WorkerOutput
+from supervisor.output import _READ_SIZE, CUT_MARK, END_PIECE, MAX_LINE, WorkerOutput
 
 PREFIX = b"[w-0] "
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -86,7 +86,7 @@ def test_the_tail_keeps_the_start_of_a_long_line_marked_as_cut(make: Make) -> No
     head = long[:MAX_LINE].decode()
     assert out.lines() == [
         "before",
-        head + CUT_MARK.format(total=len(long)),
+        head + CUT_MARK.format(total=len(long)) + " ..." + long[-END_PIECE:].decode(),
         "after",
     ]
 
@@ -96,7 +96,9 @@ def test_a_long_complete_line_in_one_read_is_cut_for_the_tail_too(make: Make) ->
     out = make()
     long = b"x" * (3 * MAX_LINE)
     out.feed(long + b"\n")
-    assert out.lines() == [long[:MAX_LINE].decode() + CUT_MARK.format(total=len(long))]
+    assert out.lines() == [
+        long[:MAX_LINE].decode() + CUT_MARK.format(total=len(long)) + " ..." + "x" * END_PIECE
+    ]
 
 
 def test_on_line_sees_the_start_of_a_long_line_once_and_early(make: Make) -> None:
@@ -131,7 +133,8 @@ def test_line_lengths_at_the_limit(make: Make, length: int) -> None:
     if length <= MAX_LINE:
         assert tail == line.decode()
     else:
-        assert tail == "a" * MAX_LINE + CUT_MARK.format(total=length)
+        end = "a" * min(length - MAX_LINE, END_PIECE)  # its end, past the start kept
+        assert tail == "a" * MAX_LINE + CUT_MARK.format(total=length) + " ..." + end
 
 
 def test_pieces_are_cut_between_utf8_characters(make: Make) -> None:
@@ -191,8 +194,40 @@ def test_an_endless_line_is_passed_on_with_bounded_memory(make: Make, tmp_path: 
     assert first == [chunk[:MAX_LINE]]
     # the tail has what a terminal shows: the last update (each began with \r), cut
     shown = chunk[1:]
-    assert out.lines() == [shown[:MAX_LINE].decode() + CUT_MARK.format(total=len(shown))]
+    assert out.lines() == [
+        shown[:MAX_LINE].decode()
+        + CUT_MARK.format(total=len(shown))
+        + " ..."
+        + shown[-END_PIECE:].decode()
+    ]
     assert (tmp_path / "w.log").stat().st_size == rounds * len(chunk)
+
+
+def test_an_error_at_the_end_of_a_long_line_is_in_the_tail_and_judged(make: Make) -> None:
+    """Regression: a line longer than MAX_LINE was kept cut to its start, so an error at its
+    end (a JSON log record whose ``exc_info`` holds a long traceback, the exception's message
+    last) was in no line the death was judged by: a CUDA OOM 100 kB into the line was
+    classified ``exit``. The tail now keeps the line's end too (bounded: END_PIECE bytes)."""
+    from supervisor.model import ExitReason, ExitStatus
+    from supervisor.output import this_run
+    from supervisor.policy.classify import classify
+
+    out = make()
+    error = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    frames = "".join(f'  File \\"/app/m{i}.py\\", line {i}, in f\\n' for i in range(2000))
+    record = f'{{"level": "error", "exc_info": "Traceback:\\n{frames}{error}", "pid": 7}}'
+    long = record.encode()
+    assert len(long) > 5 * MAX_LINE
+    out.mark("started pid 7")
+    for chunk in chunks(long + b"\nbye\n", 3000):
+        out.feed(chunk)
+    out.mark("exited: exit code 1")
+    cut = out.lines()[1]
+    assert cut.startswith('{"level": "error"') and cut.endswith(error + '", "pid": 7}')
+    assert len(cut.encode()) <= MAX_LINE + END_PIECE + len(CUT_MARK) + 20
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), this_run(out.lines()), failure=True)
+    assert found is not None and found.reason == "cuda_oom"
+    assert error in found.evidence["log_line"]
 
 
 def test_a_marker_ends_a_long_line_in_progress(make: Make) -> None:
@@ -207,7 +242,7 @@ def test_a_marker_ends_a_long_line_in_progress(make: Make) -> None:
     assert b"".join(payloads(seen)[:-1]) == long
     assert payloads(seen)[-1] == b"late"
     assert out.lines() == [
-        "S" + "y" * (MAX_LINE - 1) + CUT_MARK.format(total=len(long)),
+        "S" + "y" * (MAX_LINE - 1) + CUT_MARK.format(total=len(long)) + " ..." + "y" * END_PIECE,
         "--- gpu-supervisor: exited: code 1 ---",
         "late",
     ]
@@ -351,7 +386,13 @@ def test_a_too_long_segment_is_told_once_and_overwritten_as_a_terminal_does(make
     for chunk in chunks(data, 3000):
         out.feed(chunk)
     assert told == ["x" * MAX_LINE, "short"]
-    assert out.lines() == ["short" + "x" * (MAX_LINE - 5) + CUT_MARK.format(total=20_000)]
+    assert out.lines() == [
+        "short"
+        + "x" * (MAX_LINE - 5)
+        + CUT_MARK.format(total=20_000)
+        + " ..."
+        + "x" * (20_000 - MAX_LINE)
+    ]
 
 
 def test_passthrough_turned_off_by_a_reload_passes_nothing_more(make: Make) -> None:

@@ -753,6 +753,54 @@ def test_library_allocation_failures_are_cuda_oom(line: str) -> None:
     assert found.evidence["log_line"] == line
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        # JAX / XLA on a full GPU, as jaxlib raises it and as older versions did
+        "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying "
+        "to allocate 7406166528 bytes.",
+        "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes.",
+        "RuntimeError: Resource exhausted: Out of memory while trying to allocate 12582912 bytes.",
+        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Failed to allocate request for 2.00GiB "
+        "(2147483648B) on device ordinal 0",
+        # TensorFlow's GPU allocator
+        "tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating "
+        "tensor with shape[8192,8192] and type float on /job:localhost/replica:0/task:0/"
+        "device:GPU:0 by allocator GPU_0_bfc",
+        "ResourceExhaustedError: failed to allocate memory [Op:AddV2]",
+    ],
+)
+def test_tensorflow_and_jax_out_of_memory_errors_are_cuda_oom(line: str) -> None:
+    """Regression: a TensorFlow or JAX worker that died of a full GPU (XLA's
+    ``RESOURCE_EXHAUSTED: Out of memory``, TensorFlow's ``OOM when allocating tensor``) was
+    classified ``exit``: only PyTorch's and the CUDA libraries' wording was known."""
+    tail = ["Traceback (most recent call last):", line, "--- gpu-supervisor: exited ---"]
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
+    assert found is not None and found.reason == "cuda_oom"
+    assert found.evidence["log_line"] == line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # TensorFlow's host (CPU) allocator: host memory, not the GPU's
+        "W tensorflow/core/framework/op_kernel.cc:1763] OP_REQUIRES failed at cast_op.cc:109 : "
+        "Resource exhausted: OOM when allocating tensor with shape[1,559,512,3] and type float "
+        "on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu",
+        # a quota or a gRPC message size: resources, not memory
+        "tensorflow.python.framework.errors_impl.ResourceExhaustedError: Received message larger "
+        "than max (8388608 vs. 4194304)",
+        "grpc._channel._InactiveRpcError: StatusCode.RESOURCE_EXHAUSTED",
+        "MemoryError: Unable to allocate 184. MiB for an array",
+    ],
+)
+def test_host_memory_and_other_exhausted_resources_are_not_cuda_oom(line: str) -> None:
+    """The TensorFlow/JAX wording is matched narrowly: an exhausted host allocator, a gRPC
+    limit or a quota (also ``ResourceExhaustedError``) is no CUDA out-of-memory."""
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), [line], failure=True)
+    assert found is not None and found.reason == "exit"
+
+
 def test_a_recovered_cuda_oom_long_before_the_death_is_not_its_reason(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
