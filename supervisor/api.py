@@ -67,7 +67,7 @@ from supervisor.output import MAX_LOG_READ
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
 from supervisor.policy.route import Candidate, GpuLoad, NoneReady, NoRoom, Ranking, pick, rank
-from supervisor.runtime import Cordon, RollingRestart, WorkerCommand, passed_over
+from supervisor.runtime import Cordon, WorkerCommand, passed_over
 from supervisor.sampler import stuck_text
 
 if TYPE_CHECKING:
@@ -211,6 +211,11 @@ class GroupAccepted(BaseModel):
     group: str
     command: str
     workers: list[Worker]
+
+
+class RollingRestartAccepted(GroupAccepted):
+    #: its ``rollout.done`` / ``rollout.halted`` in the journal carry it as ``request``
+    request: int
 
 
 class ReloadAccepted(BaseModel):
@@ -802,7 +807,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             "workers": [rt.worker_object(rt.runners[n]) for n in sent],
         }
 
-    @post(f"{API_PREFIX}/groups/{{group}}/rolling-restart", GroupAccepted, 202, 404, 409)
+    @post(f"{API_PREFIX}/groups/{{group}}/rolling-restart", RollingRestartAccepted, 202, 404, 409)
     async def rolling_restart(request: Request, group: str) -> dict[str, Any]:
         """Restart the group one worker at a time, each waiting for readiness."""
         names = group_names(group)
@@ -822,12 +827,13 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
                 f"group {group} has no running worker to restart (every worker is stopped, "
                 "fatal, on its way to a stop, or waiting for a GPU)",
             )
-        rt.submit(RollingRestart(group))
+        number = rt.request_rolling_restart(group)
         log.info("api.command", command="rolling-restart", target=group, client=client_of(request))
         return {
             "group": group,
             "command": "rolling-restart",
             "workers": [rt.worker_object(rt.runners[n]) for n in names],
+            "request": number,
         }
 
     @post(f"{API_PREFIX}/reload", ReloadAccepted, 202, 409)

@@ -319,6 +319,11 @@ class WorkerCgroups:
         self._leftover.discard(worker)
         return True
 
+    @property
+    def leftover(self) -> frozenset[str]:
+        """Workers whose directory :meth:`remove` could not remove yet (:meth:`sweep`)."""
+        return frozenset(self._leftover)
+
     def sweep(self, keep: Iterable[str] = ()) -> list[str]:
         """Remove the directories :meth:`remove` could not; the names still there."""
         kept = set(keep)

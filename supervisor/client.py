@@ -373,9 +373,10 @@ class _Journal:
         return events
 
 
-def _wait_rollout(client: Client, group: str, seen: int) -> int:
+def _wait_rollout(client: Client, group: str, seen: int, request: int | None = None) -> int:
     """Wait for the journal's ``rollout.done`` / ``rollout.halted`` of ``group``'s rolling
-    restart (after event ``seen``); 0 when done, 1 when halted."""
+    restart (after event ``seen``) numbered ``request`` (None: a supervisor that numbers none,
+    the first); 0 when done, 1 when halted."""
     journal = _Journal(client, seen)
     while True:
         try:
@@ -393,7 +394,8 @@ def _wait_rollout(client: Client, group: str, seen: int) -> int:
             print(RESTARTED, file=sys.stderr)
             return 1
         for e in events:
-            if e.get("group") == group and e.get("kind") == "rolling_restart":
+            mine = request is None or e.get("request") == request
+            if e.get("group") == group and e.get("kind") == "rolling_restart" and mine:
                 if e["type"] == "rollout.done":
                     print(f"{group}: rolling restart done")
                     return 0
@@ -531,10 +533,16 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         return _wait_reload(client, int(request), seen, args.wait)
     if args.command == "restart" and args.rolling:
         seen = _last_seq(client) if args.wait else 0
-        client.request("POST", f"{API}/groups/{_quote(args.name)}/rolling-restart", ok=(202,))
+        path = f"{API}/groups/{_quote(args.name)}/rolling-restart"
+        accepted = client.request("POST", path, ok=(202,))
         print(f"{args.name}: rolling restart started (one worker at a time)", flush=True)
         if args.wait:
-            return _wait_rollout(client, args.name, seen)
+            # its own roll-out's verdict, by the request number the 202 gives (an older
+            # supervisor gives none: the group's first verdict, as before)
+            body = accepted.json()
+            number = body.get("request") if isinstance(body, dict) else None
+            request = number if isinstance(number, int) else None
+            return _wait_rollout(client, args.name, seen, request)
         return 0
     if getattr(args, "wait", False):
         raise UsageError("gpu-supervisor restart: --wait goes with --rolling")

@@ -74,7 +74,15 @@ async def serve_api(
     loop would hold everything, readiness and exits included, for that long.
     """
     try:
+        # A stop asked for during start-up (or during the import) opens no API: its socket is
+        # closed now. Regression: it started listening after the stop, answering meanwhile.
+        if runtime.shutting_down:
+            task_status.started()
+            return
         api = await anyio.to_thread.run_sync(importlib.import_module, "supervisor.api")
+        if runtime.shutting_down:
+            task_status.started()
+            return
         await api.serve(runtime, bound=bound, task_status=task_status)
     finally:
         bound.close()

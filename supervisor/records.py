@@ -113,14 +113,16 @@ def failure_kind(exc: OSError) -> str:
 READ_LIMIT = 64 << 20
 
 
-def read_file(path: Path, limit: int = READ_LIMIT) -> bytes:
+def read_file(path: Path, limit: int = READ_LIMIT, *, follow: bool = True) -> bytes:
     """The bytes of the regular file ``path``; OSError for anything else.
 
     Opened without blocking and never through a FIFO, a device or a directory put in a record's
     place (``open()`` of a FIFO waits for a writer: the supervisor would hang at start), nor a
-    file larger than ``limit`` (EFBIG).
+    file larger than ``limit`` (EFBIG); with ``follow`` False, not through a symbolic link
+    either (ELOOP).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -516,9 +518,10 @@ def _text(value: object) -> str | None:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``, or None when it is missing or does not parse."""
+    """The JSON object in ``path``, or None when it is missing, a symbolic link (not followed:
+    one planted in ``state_dir`` must not choose what is read) or does not parse."""
     try:
-        doc = json.loads(read_file(path))
+        doc = json.loads(read_file(path, follow=False))
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None

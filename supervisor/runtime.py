@@ -223,6 +223,9 @@ class RollingRestart:
     """Restart a group one worker at a time, each waiting for readiness."""
 
     group: str
+    #: the number :meth:`Runtime.request_rolling_restart` gave it: its ``rollout.done`` /
+    #: ``rollout.halted`` in the journal carry it (0: none)
+    request: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +348,8 @@ class Runtime:
         self._vetted_data: tuple[int, dict[str, Any]] | None = None
         #: reload requests numbered so far (signals and the API)
         self.reload_requests = 0
+        #: rolling restart requests numbered so far (the API)
+        self.rolling_requests = 0
         self._ready_sent = False
         self._notify_kept = anyio.Event()  # a message for the service manager waits to go
         self._all_added = False
@@ -451,6 +456,16 @@ class Runtime:
         n = self._next_reload_request()
         self.submit(Reload(n))
         return n
+
+    def request_rolling_restart(self, group: str) -> int:
+        """Queue a rolling restart of ``group``; return its request number, which its
+        ``rollout.done`` / ``rollout.halted`` in the journal carry as ``request``.
+        Regression: nothing told one roll-out's verdict from another's, so ``restart --rolling
+        --wait`` could report another operator's roll-out (or the refusal of a second request
+        made at the same time) as its own."""
+        self.rolling_requests += 1
+        self.submit(RollingRestart(group, self.rolling_requests))
+        return self.rolling_requests
 
     def submit(self, intent: Intent) -> None:
         """Queue an intent for the single writer."""
@@ -644,6 +659,17 @@ class Runtime:
             await self._tg.start(self.alerter.serve)
         self.healer.alerter = self.alerter if url else None
 
+    def _sweep_cgroups(self) -> None:
+        """Remove the cgroups of workers that are gone which could not be removed then (a
+        killed process still exiting). Regression: they were kept until shutdown, one more
+        for each reload that removed a worker while a straggler was in its cgroup."""
+        waiting = self.cgroups.leftover - self.runners.keys()
+        if not waiting:
+            return
+        left = self.cgroups.sweep(keep=self.runners)
+        for name in sorted(waiting.difference(left)):
+            self.log.info("cgroup.removed", worker=name, reason="empty now")
+
     def _kill_stale_cgroups(self) -> None:
         for worker, pids in self.cgroups.stale().items():
             self.log.warning(
@@ -651,7 +677,7 @@ class Runtime:
                 worker=worker,
                 pids=pids,
                 reason="left by an earlier run: its processes killed; the directory is "
-                "reused or removed at shutdown",
+                "reused, or removed once empty",
             )
 
     def _probe_cgroups(self) -> None:
@@ -896,6 +922,7 @@ class Runtime:
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
         self.healer.on_sample(sample)
+        self._sweep_cgroups()
         for listener in self.sample_listeners:
             listener(sample)
         if self.suspect and sample.nvml_available:  # without telemetry nothing is seen gone
@@ -1633,7 +1660,12 @@ class Runtime:
             runner.post(lc.Kill("not stopped in time"))
             await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
         runner.cancel()
-        self.cgroups.remove(runner.name)
+        if not self.cgroups.remove(runner.name):
+            self.log.warning(
+                "cgroup.not_removed",
+                workers=[runner.name],
+                reason="still populated: removed at a later sample, once empty",
+            )
         names = self.groups.get(runner.spec.group)
         if names is not None and runner.name in names:
             names.remove(runner.name)
@@ -1734,9 +1766,19 @@ class Runtime:
             remove_temp_files(d)
         previous = read_json(state_dir / STATE_FILE)
         try:
-            there = previous is None and (state_dir / STATE_FILE).exists()
+            link = previous is None and (state_dir / STATE_FILE).is_symlink()
+            there = previous is None and not link and (state_dir / STATE_FILE).exists()
         except OSError:  # cannot be looked at (EACCES: a state_dir we may not search; EIO)
-            there = True  # regression: this crashed the start-up; said as unreadable now
+            link, there = False, True  # regression: this crashed the start-up; said so now
+        if link:
+            # Regression: it was followed, so a link planted there chose which processes
+            # were ended as a predecessor's orphans.
+            self.log.warning(
+                "records.previous_state_link",
+                path=os.fspath(state_dir / STATE_FILE),
+                reason="a symbolic link: not followed; no previous state (leftovers are "
+                "found by their environment only)",
+            )
         if there:
             self.log.warning(
                 "records.previous_state_unreadable",
@@ -2359,7 +2401,14 @@ class Runtime:
             elif self._shutting_down:
                 continue
             elif isinstance(intent, RollingRestart):
-                if intent.group not in self.groups:
+                if intent.group not in self.groups:  # a reload removed it meanwhile
+                    self._journal_rollout(
+                        intent.group,
+                        "rolling_restart",
+                        False,
+                        request=intent.request,
+                        reason="refused: the group was removed by a reload",
+                    )
                     continue
                 if intent.group in self.rolling:  # asked for while the API said it was free
                     self.log.warning(
@@ -2371,11 +2420,12 @@ class Runtime:
                         intent.group,
                         "rolling_restart",
                         False,
+                        request=intent.request,
                         reason=f"refused: a {self.rolling[intent.group]} of the group is running",
                     )
                     continue
                 self.rolling[intent.group] = "rolling restart"
-                self._tg.start_soon(self._rolling_restart, intent.group)
+                self._tg.start_soon(self._rolling_restart, intent.group, intent.request)
             elif isinstance(intent, Cordon):
                 self._cordon(intent)
             else:
@@ -2460,7 +2510,7 @@ class Runtime:
             return ident
         return next((uuid for uuid, index in ids.items() if ident == str(index)), None)
 
-    async def _rolling_restart(self, group: str) -> None:
+    async def _rolling_restart(self, group: str, request: int = 0) -> None:
         done = False
         try:
             done = await self._roll_restart(group)
@@ -2468,7 +2518,7 @@ class Runtime:
             self.rolling.pop(group, None)
             self._changed_now()  # a reload's roll-out of the group may wait for this one
             if not self._shutting_down:
-                self._journal_rollout(group, "rolling_restart", done)
+                self._journal_rollout(group, "rolling_restart", done, request=request)
 
     def _serving(self, name: str) -> bool:
         """Sort key of a roll-out: the workers that serve nothing now (in backoff, loading,
@@ -2619,6 +2669,7 @@ class Runtime:
         """``rollout.done`` or ``rollout.halted`` in the journal (``/api/v1/events``): what
         ``restart --rolling --wait`` and deploy scripts wait for. A halted one says where and
         why (``worker``, ``state``, ``reason``)."""
+        request = fields.pop("request", None)
         where = {**self._halted_at.pop(group, {}), **fields}
         worker = where.pop("worker", None)
         self.journal.append(
@@ -2627,6 +2678,7 @@ class Runtime:
             None if done else worker,
             group=group,
             kind=kind,
+            **({} if request is None else {"request": request}),
             **({} if done else where),
         )
 

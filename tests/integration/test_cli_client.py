@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from supervisor import client as client_module
 from supervisor.cli import main
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, serving, worker_cmd
@@ -615,3 +616,50 @@ def test_a_rolling_restart_waited_for_says_the_supervisor_stopped(
     assert client.returncode == 1, (out, err)
     assert "the supervisor stopped before the rolling restart of a finished" in err, (out, err)
     assert "cannot reach" not in err, err
+
+
+def test_a_rolling_restart_waited_for_reports_its_own_roll_out(
+    supervisor: SupervisorFactory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``restart --rolling --wait`` took the first ``rollout.done`` /
+    ``rollout.halted`` of the group after the journal position it read before asking, so
+    another operator's roll-out that ended in between (or a second request refused at once
+    because the first one was running) was reported as its own: "done" while its own roll-out
+    had only started. The 202 now names the request, and its verdict carries it."""
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "g",
+                    "replicas": 2,
+                    "command": worker_cmd("ready_then_sleep"),
+                    "restart": {"stable_s": 0.2},
+                }
+            ]
+        }
+    )
+    sup.ready("g-0")
+    sup.ready("g-1")
+    api = sup.api()
+    first = api.post("/api/v1/groups/g/rolling-restart")
+    assert first.status_code == 202, first.text
+    last_seq = client_module._last_seq
+
+    def seq_then_first_done(client: Any) -> int:
+        seen = last_seq(client)  # the other roll-out is still running here
+        sup.wait_event(event="supervisor.rolling_restart_done", group="g")
+        return seen
+
+    monkeypatch.setattr(client_module, "_last_seq", seq_then_first_done)
+    code, out, _ = run(capsys, "restart", "--rolling", "--wait", "g", "--url", sup.api_url())
+    done = [
+        e
+        for e in api.get("/api/v1/events").json()
+        if e["type"] == "rollout.done" and e.get("kind") == "rolling_restart"
+    ]
+    assert code == 0 and out.strip().endswith("g: rolling restart done"), out
+    assert len(done) == 2, "it returned before its own roll-out was done"
+    api.close()

@@ -652,6 +652,52 @@ def test_the_replacement_waits_for_the_cgroup_to_empty(
         _remove_cgroup_tree(home)
 
 
+def test_a_removed_workers_cgroup_is_removed_once_its_straggler_is_gone(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a worker removed by a reload whose cgroup still held a straggler (a killed
+    process not gone yet: rmdir says EBUSY) kept its cgroup until the supervisor shut down, so
+    a long-running supervisor with many reloads accumulated them. Now the removal is retried
+    at the next samples, once the cgroup is empty, and said."""
+    home = _cgroup_home(tmp_path)
+    try:
+        script = 'setsid sleep 7772 & echo "escapee $!"; exec "$@"'
+        esc = ["sh", "-c", script, "sh", *worker_cmd("ready_then_sleep")]
+        other = {"name": "oth", "command": worker_cmd("ready_then_sleep")}
+        (tmp_path / "sim" / "gpus").mkdir(parents=True)
+        (tmp_path / "sim" / "gpus" / "0").write_text(
+            "uuid GPU-00000000-0000-0000-0000-000000000000\n"
+        )
+        config: dict[str, Any] = {
+            "supervisor": {"sample_interval_s": 0.05},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            "workers": [{"name": "esc", "command": esc, "log_passthrough": True}, other],
+        }
+        sup = supervisor(
+            config, prefix=["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(home)]
+        )
+        try:
+            assert sup.wait_event(event="cgroup.mode")["containment"] == "cgroup"
+            cg = home / "gpu-supervisor-esc-0"
+            sup.ready("esc-0")
+            sup.ready("oth-0")
+            escapee = int(sup.wait_line("[esc-0] escapee ").split()[-1])
+            with stuck(escapee, f"gpu-supervisor-test-{os.getpid()}-{tmp_path.name}"):
+                mark = sup.mark()
+                sup.write_config({**config, "workers": [other]})
+                sup.signal(signal.SIGHUP)
+                sup.wait_event(event="supervisor.reload_done", after=mark)
+                assert cg.exists()  # the escapee, killed but frozen, is still in it
+            assert wait_dead([escapee]) == []
+            removed = sup.wait_event(event="cgroup.removed", worker="esc-0", after=mark)
+            assert not cg.exists(), removed
+            assert sup.stop() == 0
+        finally:
+            sup.close()
+    finally:
+        _remove_cgroup_tree(home)
+
+
 def _sleepers(replicas: int) -> dict[str, Any]:
     return {
         "workers": [

@@ -607,6 +607,37 @@ def stubborn_orphan_of(
     return stubborn, termed
 
 
+def test_a_state_json_that_is_a_link_is_not_followed(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """Regression: ``state.json`` was read at start through a symbolic link, so a link planted
+    in ``state_dir`` to a file of someone else's choosing (listing any pid with its start
+    time) had the supervisor end those processes as a predecessor's orphans. The link is not
+    followed (O_NOFOLLOW): one warning, and no previous state."""
+    out = subprocess.run(
+        ["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    victim = psutil.Process(int(out.stdout))
+    orphans.append(victim)
+    planted = tmp_path / "planted.json"
+    record = {"name": "w-0", "pid": victim.pid, "pid_create_time": victim.create_time()}
+    planted.write_text(json.dumps({"schema_version": 1, "workers": [record]}))
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "state.json").symlink_to(planted)
+    sup = supervisor({"workers": [group("w", "ready_then_sleep")]})
+    sup.ready("w-0")
+    said = sup.find(event="records.previous_state_link")
+    assert len(said) == 1 and said[0]["level"] == "warning", said
+    assert not sup.find(event="supervisor.reclaimed_orphan")
+    assert not sup.find(event="records.previous_state_unreadable")
+    assert victim.is_running() and victim.status() != psutil.STATUS_ZOMBIE
+    assert sup.stop() == 0
+
+
 def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
 ) -> None:
@@ -624,6 +655,29 @@ def test_a_stop_during_the_start_up_reclaim_keeps_its_verdicts(
     assert ended["signal"] == "SIGKILL" and ended["ended"] is True
     state = json.loads((state_dir / "state.json").read_text())["supervisor"]
     assert state["stopped"] and [r["pid"] for r in state["reclaimed"]] == [stubborn.pid]
+
+
+def test_a_stop_during_start_up_opens_no_api(
+    supervisor: SupervisorFactory, tmp_path: Path, orphans: list[psutil.Process]
+) -> None:
+    """Regression: a SIGTERM during start-up (here while the reclaim waits for an orphan that
+    ignores SIGTERM) did not keep the start-up from starting the HTTP API afterwards: it
+    listened (``api.listening``), answering, while the supervisor was stopping. No API
+    is started once a stop was asked for."""
+    stubborn, termed = stubborn_orphan_of(tmp_path, "w-0", orphans)
+    brief = (
+        "import runpy, sys; import supervisor.reclaim as r; r.TERM_WAIT_S = 0.5; "
+        "sys.argv = ['supervisor', *sys.argv[4:]]; "
+        "runpy.run_module('supervisor', run_name='__main__', alter_sys=True)"
+    )
+    sup = supervisor(
+        {"workers": [group("w", "ready_then_sleep")]}, prefix=[sys.executable, "-c", brief]
+    )
+    sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
+    sup.signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    assert sup.find(event="supervisor.reclaimed_orphan", pid=stubborn.pid)
+    assert not sup.find(event="api.listening")
 
 
 def test_a_second_stop_signal_during_the_start_up_reclaim_kills_at_once(
