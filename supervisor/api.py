@@ -20,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import email.utils
+import errno
 import functools
 import hashlib
 import hmac
@@ -989,6 +990,8 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         except (FileNotFoundError, ValueError):
             raise _problem(404, f"no post-mortem {id!r}") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link planted in postmortems/: not one
+                raise _problem(404, f"no post-mortem {id!r} ({exc.strerror})") from None
             raise _problem(503, f"cannot read post-mortem {id!r}: {exc.strerror or exc}") from None
         return doc
 

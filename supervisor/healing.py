@@ -38,6 +38,7 @@ from supervisor.model import (
 )
 from supervisor.plan import GpuSlot, covering, place
 from supervisor.policy import lifecycle as lc
+from supervisor.policy.classify import excerpt
 from supervisor.policy.detect import (
     BUDGET_SAMPLES,
     FLOOR_BUCKET_S,
@@ -422,7 +423,7 @@ class Healer:
                 "log_pattern",
                 f"output matches {pattern!r}",
                 worker=runner.name,
-                evidence={"pattern": pattern, "log_line": line[:2000]},
+                evidence={"pattern": pattern, "log_line": excerpt(line, (pattern,))},
             )
         )
         self._run(self.host.clock.now())

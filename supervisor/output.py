@@ -5,9 +5,9 @@ The worker's stdout and stderr share one pipe; ``pump()`` reads it without block
 A line longer than :data:`MAX_LINE` bytes is never held whole: the log file gets every byte as
 it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its own prefixed
 line, so that output from several workers never mixes within a line), and ``on_line`` gets its
-first ``MAX_LINE`` bytes, where the timestamp, level and error text are; the in-memory tail gets
-those and its last :data:`END_PIECE` bytes (a traceback's exception message, in a log record
-that holds the whole traceback).
+first ``MAX_LINE`` bytes, where the timestamp, level and error text are, then, when it ends, its
+last :data:`END_PIECE` bytes (a traceback's exception message, in a log record that holds the
+whole traceback); the in-memory tail gets both.
 
 The tail reads a carriage return inside a line (a progress bar redrawing itself) as a terminal
 shows it: back to the line's start, the text after it overwriting what was there; ``on_line``
@@ -534,8 +534,7 @@ class _Shown:
     def carriage(self, on_line: Callable[[str], None] | None) -> None:
         """The current segment ends (a carriage return): told, then overwritten in part."""
         self.cr = False
-        if self.cur_len and not self.told and on_line is not None:
-            on_line(_text(self.cur))
+        self._tell(on_line)
         if max(self.cur_len, self.under_len) > _HELD:  # its end is not all in what is held
             self.under_end = self._line_end()
         self.under = (self.cur + self.under[len(self.cur) :])[:_HELD]
@@ -545,8 +544,7 @@ class _Shown:
     def end(self, on_line: Callable[[str], None] | None) -> str:
         """The line ends: its last segment told; what the terminal shows, cut when too long."""
         self.cr = False  # a CRLF line end
-        if self.cur_len and not self.told and on_line is not None:
-            on_line(_text(self.cur))
+        self._tell(on_line)
         size = self.size()
         shown = _text(self.cur + self.under[len(self.cur) :])
         if size > MAX_LINE:
@@ -554,6 +552,17 @@ class _Shown:
             shown += CUT_MARK.format(total=size) + " ..." + end
         self.reset()
         return shown
+
+    def _tell(self, on_line: Callable[[str], None] | None) -> None:
+        """The current segment ends: ``on_line`` gets it (its start, if not had yet), then, where
+        it was too long, its last ``END_PIECE`` bytes (a sticky error at the end of a long
+        record; before, only its first ``MAX_LINE`` bytes were matched)."""
+        if on_line is None or not self.cur_len:
+            return
+        if not self.told:
+            on_line(_text(self.cur))
+        if self.cur_len > MAX_LINE:
+            on_line(_end_text(self.cur if self.cur_len <= _HELD else self.cur_end, self.cur_len))
 
     def _line_end(self) -> bytes:
         """The last bytes of the line shown (``END_PIECE`` at least, or all of it): the
@@ -620,7 +629,8 @@ class WorkerOutput:
         self._stdout = stdout or _write_stdout
         self._prefix = f"[{name}] ".encode()
         #: Called once with every line of output, a too long one cut to its first ``MAX_LINE``
-        #: bytes as soon as they are in (the sticky-error patterns watch it).
+        #: bytes as soon as they are in, then again with its last ``END_PIECE`` bytes when it
+        #: ends (the sticky-error patterns watch it).
         self.on_line: Callable[[str], None] | None = None
         #: The pipes being pumped (a process's, and an exited one's still held by its children).
         self._fds: set[int] = set()

@@ -113,6 +113,10 @@ def failure_kind(exc: OSError) -> str:
 READ_LIMIT = 64 << 20
 
 
+#: Why a record that is a symbolic link (``read_file(..., follow=False)``) was not read.
+LINK_REFUSED = "a symbolic link: not followed"
+
+
 def read_file(path: Path, limit: int = READ_LIMIT, *, follow: bool = True) -> bytes:
     """The bytes of the regular file ``path``; OSError for anything else.
 
@@ -259,8 +263,17 @@ def instance_id(state_dir: Path, keep: str | None = None) -> str | None:
     path = state_dir / INSTANCE_FILE
     if keep is None:
         found: str | None = None
-        with contextlib.suppress(OSError):
-            found = read_file(path, 4096).decode(errors="replace").strip()
+        try:
+            found = read_file(path, 4096, follow=False).decode(errors="replace").strip()
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                # Regression: followed, so a link planted there gave this supervisor another
+                # one's id, and it ended that one's workers as its own leftovers.
+                structlog.get_logger().warning(
+                    "records.instance_link",
+                    path=os.fspath(path),
+                    reason="a symbolic link: not followed; a new id is made in its place",
+                )
         if found is not None and _INSTANCE.fullmatch(found):
             return found
         try:
@@ -295,12 +308,14 @@ def read_cordons(state_dir: Path) -> tuple[set[str], str | None]:
     such file; (none, why) when there is one that cannot be read (the caller says so: an
     operator's maintenance cordon must not be lost without a word)."""
     try:
-        text = read_file(state_dir / CORDONS_FILE).decode()
+        text = read_file(state_dir / CORDONS_FILE, follow=False).decode()
     except (FileNotFoundError, NotADirectoryError):  # no such file, or no state_dir at all
         return set(), None
     except UnicodeDecodeError:
         return set(), "not text (UTF-8)"
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # regression: followed, a planted link cordoned GPUs
+            return set(), LINK_REFUSED
         return set(), exc.strerror or str(exc)
     return {line.strip() for line in text.splitlines() if line.strip()}, None
 
@@ -471,7 +486,12 @@ class PostmortemStore:
         """One post-mortem's content (FileNotFoundError if there is none, ValueError if bad)."""
         path = self.path_of(id_)
         try:
-            doc = json.loads(read_file(path))
+            # not through a link: one planted here would have the API show any JSON file
+            doc = json.loads(read_file(path, follow=False))
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, LINK_REFUSED, os.fspath(path)) from None
+            raise
         except json.JSONDecodeError as exc:  # torn by hand or by a disk: say which file
             raise ValueError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
         except UnicodeDecodeError:

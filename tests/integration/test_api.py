@@ -672,6 +672,37 @@ def test_a_post_mortem_file_of_another_shape_does_not_break_the_list(
     assert sup.stop() == 0
 
 
+def test_a_post_mortem_that_is_a_link_is_not_followed(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a symbolic link planted in postmortems/, named like a post-mortem, was
+    followed: the API and `postmortem show` served whatever JSON file it named (one only root
+    may read, read by a root supervisor). It is taken for no post-mortem now: left out of the
+    list, a 404 for the API, and a one-line error (exit 2) for the CLI."""
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"token": "s3cret"}')
+    sup = supervisor({"workers": [{"name": "c", "command": worker_cmd("ready_then_sleep")}]})
+    sup.ready("c-0")
+    planted = "20260101T000000.000000Z-x-exit"
+    (sup.state_dir / "postmortems" / f"{planted}.json").symlink_to(secret)
+    with sup.api() as http:
+        answer = http.get("/api/v1/postmortems")
+        assert answer.status_code == 200 and answer.json() == [], answer.text
+        one = http.get(f"/api/v1/postmortems/{planted}")
+        assert_error(one, 404, "no post-mortem")
+        assert "s3cret" not in one.text
+    cli = [sys.executable, "-m", "supervisor", "postmortem", "show", planted]
+    shown = subprocess.run(
+        [*cli, "--state-dir", str(sup.state_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 2 and "symbolic link" in shown.stderr, shown
+    assert shown.stderr.count("\n") == 1 and "s3cret" not in shown.stdout + shown.stderr
+    assert sup.stop() == 0
+
+
 def test_a_post_mortem_directory_that_cannot_be_listed_is_a_503(
     supervisor: SupervisorFactory,
 ) -> None:

@@ -594,6 +594,29 @@ def test_a_cordons_file_that_cannot_be_read_is_said(
     assert sup.stop() == 0
 
 
+def test_a_cordons_file_that_is_a_link_is_not_followed(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: state_dir/cordons was read through a symbolic link, so a link planted there
+    to any file holding a GPU's UUID cordoned that GPU at start. The link is not followed: one
+    warning, and the start goes on with no cordon from before."""
+    planted = tmp_path / "planted"
+    planted.write_text(f"{UUID1}\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cordons").symlink_to(planted)
+    sup = supervisor(config(tmp_path, {"name": "g", "command": worker_cmd("gpu_user", "100")}))
+    said = sup.wait_event(event="records.cordons_unreadable")
+    assert "symbolic link" in said["error"] and said["path"] == str(state / "cordons")
+    assert not sup.find(event="gpu.cordons_kept")
+    sup.ready("g-0")
+    with sup.api() as http:
+        devices = {d["uuid"]: d for d in http.get("/api/v1/gpu/status").json()["devices"]}
+        assert devices[UUID1]["cordoned"] is False
+    assert planted.read_text() == f"{UUID1}\n"
+    assert sup.stop() == 0
+
+
 def test_fifos_in_place_of_the_records_do_not_hang_the_start(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

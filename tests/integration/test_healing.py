@@ -742,6 +742,27 @@ def test_sticky_cuda_error_line_restarts_the_worker(
     assert sup.stop() == 0
 
 
+def test_sticky_cuda_error_at_the_end_of_a_long_line_restarts_the_worker(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the patterns saw only a long line's first 16 KiB, so a worker that printed
+    its sticky CUDA error at the end of one long line (a JSON log record holding the whole
+    traceback) was never restarted. Now the line's end is matched too, and the evidence shows
+    the part of the line where the match is."""
+    error = "CUDA error: an illegal memory access was encountered"
+    line = "z" * 20_000 + " " + error
+    sup = supervisor(
+        config(tmp_path, {"name": "s", "command": sim("100", "--say-after", "0.2", line)})
+    )
+    sup.ready("s-0")
+    action = sup.wait_event(event="heal.action", worker="s-0", timeout=20)
+    assert (action["action"], action["reason"]) == ("restart", "log_pattern")
+    doc = postmortem(sup, "log_pattern")
+    assert doc["evidence"]["log_line"].endswith(error)
+    assert doc["evidence"]["pattern"] == "CUDA error: an illegal memory access"
+    assert sup.stop() == 0
+
+
 def test_max_unavailable_holds_when_several_workers_leak(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

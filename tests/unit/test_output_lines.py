@@ -102,7 +102,8 @@ def test_a_long_complete_line_in_one_read_is_cut_for_the_tail_too(make: Make) ->
 
 
 def test_on_line_sees_the_start_of_a_long_line_once_and_early(make: Make) -> None:
-    """Sticky-error patterns are matched on the start of the line, as soon as it is in."""
+    """Sticky-error patterns are matched on the start of the line, as soon as it is in (and
+    on its end when it ends)."""
     seen: list[str] = []
     out = make()
     out.on_line = seen.append
@@ -114,7 +115,24 @@ def test_on_line_sees_the_start_of_a_long_line_once_and_early(make: Make) -> Non
     assert len(seen[0].encode()) == MAX_LINE
     for chunk in rest:
         out.feed(chunk)
-    assert seen[1:] == ["next"]
+    assert seen[1:] == ["z" * END_PIECE, "next"]
+
+
+@pytest.mark.parametrize("size", [_READ_SIZE, 997])
+def test_on_line_sees_the_end_of_a_long_line(make: Make, size: int) -> None:
+    """Regression: on_line got only a long line's first MAX_LINE bytes, so a sticky CUDA error
+    at the end of a JSON record holding a whole traceback never restarted the worker. Now it
+    gets the line's last END_PIECE bytes too when the line ends (a carriage return ends a
+    segment alike); memory stays bounded."""
+    seen: list[str] = []
+    out = make()
+    out.on_line = seen.append
+    error = "CUDA error: an illegal memory access was encountered"
+    data = ("z" * 20_000 + " " + error + "\n" + "é" * 30_000 + "\r" + error + "\n").encode()
+    for chunk in chunks(data, size):
+        out.feed(chunk)
+    end = ("z" * 20_000 + " " + error)[-END_PIECE:]
+    assert seen == ["z" * MAX_LINE, end, "é" * (MAX_LINE // 2), "é" * (END_PIECE // 2), error]
 
 
 @pytest.mark.parametrize("length", [MAX_LINE - 1, MAX_LINE, MAX_LINE + 1, 2 * MAX_LINE + 1])
@@ -385,7 +403,7 @@ def test_a_too_long_segment_is_told_once_and_overwritten_as_a_terminal_does(make
     data = b"x" * 20_000 + b"\rshort\r\n"
     for chunk in chunks(data, 3000):
         out.feed(chunk)
-    assert told == ["x" * MAX_LINE, "short"]
+    assert told == ["x" * MAX_LINE, "x" * END_PIECE, "short"]
     assert out.lines() == [
         "short"
         + "x" * (MAX_LINE - 5)

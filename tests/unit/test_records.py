@@ -624,6 +624,29 @@ def test_an_instance_id_in_another_spelling_is_kept_and_a_replaced_one_is_said(
     assert logs == []
 
 
+def test_an_instance_file_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    """Regression: ``state_dir/instance`` was read through a symbolic link, so a link planted
+    there to a file holding another supervisor's id made this one take that id, and end that
+    supervisor's workers as its own leftovers. The link is not followed: one warning, a new
+    id in a file of its own (the link replaced), the file it named untouched."""
+    from supervisor.records import instance_id
+
+    other = tmp_path / "other"
+    other.write_text("0123456789abcdef0123456789abcdef\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "instance").symlink_to(other)
+    with capture_logs() as logs:
+        new = instance_id(state)
+    assert new is not None and new != "0123456789abcdef0123456789abcdef"
+    assert [(e["event"], e["log_level"], e["path"]) for e in logs] == [
+        ("records.instance_link", "warning", os.fspath(state / "instance"))
+    ]
+    assert not (state / "instance").is_symlink()
+    assert (state / "instance").read_text() == f"{new}\n"
+    assert other.read_text() == "0123456789abcdef0123456789abcdef\n"
+
+
 def test_records_are_read_only_from_regular_files(tmp_path: Path) -> None:
     """A FIFO, a directory or an oversized file in a record's place is an OSError at once
     (never a blocked open, never a whole disk read into memory); a regular file is read."""
