@@ -608,13 +608,22 @@ class Recorder:
         self._wake.set()
 
     def postmortem(self, doc: dict[str, Any]) -> None:
-        """Queue a post-mortem document for writing."""
-        if len(self._pending) >= MAX_PENDING_POSTMORTEMS:
+        """Queue a post-mortem document for writing. While post-mortem writes fail, at most
+        ``MAX_PENDING_POSTMORTEMS`` wait; on a disk that takes them, a burst (many workers
+        dying at once) waits whole for the writer, up to ``postmortem_keep`` (the oldest
+        beyond it would be pruned as soon as the newer ones are written)."""
+        failing = "postmortem" in self.health.failing
+        limit = (
+            MAX_PENDING_POSTMORTEMS if failing else max(MAX_PENDING_POSTMORTEMS, self.store.keep)
+        )
+        while len(self._pending) >= limit:
             dropped = self._pending.pop(0)
             self._log.error(
                 "records.postmortem_dropped",
                 id=dropped.get("id"),
-                reason="too many post-mortems waiting for a writable state_dir",
+                reason="too many post-mortems waiting for a writable state_dir"
+                if failing
+                else "more post-mortems waiting than postmortem_keep",
             )
         self._pending.append(doc)
         self._wake.set()

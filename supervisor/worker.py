@@ -49,41 +49,54 @@ PROBE_BODY_MAX = 64 * 1024
 
 
 class HttpProbes:
-    """One HTTP client for the health probes of every worker of a runtime (readiness and
-    liveness URLs): made at the first probe (importing httpx and loading the CA store take
-    ~50 ms of CPU, a client ~7 ms more: once, not at every start of every worker), closed
-    with the runtime. Never through ``http_proxy`` (the workers are on this machine);
-    redirects are followed (a framework's /health -> /health/); no cookie is kept (a cookie
-    ignores ports: one worker's would go to every other, and to later processes); each
-    request has its own timeout."""
+    """The HTTP clients for the health probes of every worker of a runtime (readiness and
+    liveness URLs): one per worker, made at its first probe, all with one TLS context (made
+    at the first: importing httpx and loading the CA store take ~50 ms of CPU, once, not at
+    every start of every worker; a client on it costs ~0.04 ms), closed with the runtime or
+    when the worker is removed. One client shared by every worker kept all their connections
+    in one pool, which each request searches: with 64 workers loading (probed every 0.2 s)
+    a probe cost 2.3 ms of the loop's CPU instead of 0.7 ms. Never through ``http_proxy``
+    (the workers are on this machine); redirects are followed (a framework's /health ->
+    /health/); no cookie is kept (a cookie ignores ports: one worker's would go to every
+    other, and to later processes); each request has its own timeout."""
 
     def __init__(self) -> None:
-        self._client: Any = None
+        self._clients: dict[str, Any] = {}
+        self._tls: Any = None
 
-    def client(self) -> Any:
-        """The ``httpx.AsyncClient`` (made now if there is none)."""
-        if self._client is None:
+    def client(self, worker: str = "") -> Any:
+        """The ``httpx.AsyncClient`` of ``worker`` (made now if it has none)."""
+        client = self._clients.get(worker)
+        if client is None:
             import http.cookiejar
 
             import httpx  # only supervisors with an HTTP health URL pay for the import
 
-            self._client = httpx.AsyncClient(
+            if self._tls is None:
+                self._tls = httpx.create_ssl_context(trust_env=False)
+            client = self._clients[worker] = httpx.AsyncClient(
                 trust_env=False,
+                verify=self._tls,
                 follow_redirects=True,
-                # keeps no cookie: one worker's (or process's) would go to every other
+                # keeps no cookie: one process's would go to the next on its port
                 cookies=http.cookiejar.CookieJar(
                     http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
                 ),
-                # one connection a worker at most at a time; kept between probes while the
+                # one connection a URL at most at a time; kept between probes while the
                 # worker keeps it open (HTTP/1.1)
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=8),
             )
-        return self._client
+        return client
+
+    async def forget(self, worker: str) -> None:
+        """Close ``worker``'s client (the worker is removed)."""
+        client = self._clients.pop(worker, None)
+        if client is not None:
+            await client.aclose()
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.aclose()
+        for worker in list(self._clients):
+            await self.forget(worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,7 +664,7 @@ class WorkerRunner:
         import httpx  # only groups with an HTTP health URL pay for the import
 
         self.last_probe = None
-        client = self._probes.client()  # (HttpProbes: no proxy, redirects followed: the
+        client = self._probes.client(self.name)  # (HttpProbes: no proxy, redirects followed: the
         # first 2xx at the end of them is ready)
 
         def probing() -> bool:
@@ -704,7 +717,7 @@ class WorkerRunner:
         failed, last = 0, ""
         asked_at: float | None = None  # when the last probe (or look at the state) began
         try:
-            client = self._probes.client()
+            client = self._probes.client(self.name)
             while self._current_pid() == pid:
                 live = self.spec.liveness
                 if live is None:

@@ -674,6 +674,71 @@ def test_a_scale_down_does_not_remove_the_last_ready_worker(
     assert sup.stop() == 0
 
 
+def test_a_scale_down_stops_the_removed_workers_together(supervisor: SupervisorFactory) -> None:
+    """A reload scales a group of 4 SIGTERM-ignoring workers down to 1: the 3 it removes get
+    their stop signal at once, and are killed together one stop timeout later. Regression:
+    they were stopped one after another (a scale-down from 16 to 4 of workers that take
+    their 10 s stop timeout held the reload, and every group after it, for 2 minutes), while
+    removing a whole group stopped its workers together."""
+    group = {**g("a", "ignore_sigterm", replicas=4, port_base=9421), "stop_timeout_s": 0.5}
+    sup = supervisor({"workers": [group]})
+    for i in range(4):
+        sup.ready(f"a-{i}")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "replicas": 1}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=15)
+    removed = ("a-1", "a-2", "a-3")
+    signals = [
+        sup.events.index(e)
+        for w in removed
+        for e in sup.find(mark, event="worker.signal", worker=w)
+    ]
+    kills = [
+        sup.events.index(e) for w in removed for e in sup.find(mark, event="worker.kill", worker=w)
+    ]
+    assert len(signals) == 3 and len(kills) == 3, (signals, kills)
+    assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
+        mark, event="worker.kill"
+    )
+    with sup.api() as api:
+        assert [w["name"] for w in api.get("/api/v1/workers").json()] == ["a-0"]
+    assert sup.stop() == 0
+
+
+def test_a_reload_stops_the_groups_it_removes_together(supervisor: SupervisorFactory) -> None:
+    """A reload removes three groups of SIGTERM-ignoring workers: all of them get their stop
+    signal before any is killed. Regression: the groups were stopped one after another (each
+    waiting out its stop timeout), and the groups the reload added started only after all
+    that."""
+    groups = [
+        {**g(name, "ignore_sigterm", port_base=9431 + i), "stop_timeout_s": 0.5}
+        for i, name in enumerate(("a", "b", "c"))
+    ]
+    sup = supervisor({"workers": groups})
+    for name in ("a-0", "b-0", "c-0"):
+        sup.ready(name)
+    mark = sup.mark()
+    sup.write_config({"workers": [g("d", port_base=9435)]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=15)
+    removed = ("a-0", "b-0", "c-0")
+    signals = [
+        sup.events.index(e)
+        for w in removed
+        for e in sup.find(mark, event="worker.signal", worker=w)
+    ]
+    kills = [
+        sup.events.index(e) for w in removed for e in sup.find(mark, event="worker.kill", worker=w)
+    ]
+    assert len(signals) == 3 and len(kills) == 3, (signals, kills)
+    assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
+        mark, event="worker.kill"
+    )
+    sup.ready("d-0", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_reload_that_removes_a_crash_looping_replica_does_not_wait_for_it(
     supervisor: SupervisorFactory,
 ) -> None:

@@ -170,3 +170,71 @@ def test_the_shared_probe_client_sends_no_worker_the_cookies_of_another() -> Non
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+class _Loading(http.server.BaseHTTPRequestHandler):
+    """A model server still loading: 503 on every GET, connection kept alive."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_each_worker_is_probed_through_a_connection_pool_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: one HTTP client probed every worker, so its one connection pool held a
+    kept-alive connection to each worker, and httpx searches the pool at every request: a
+    probe's CPU grew with the number of workers (64 workers loading, each probed every
+    0.2 s: 2.3 ms a probe instead of 0.7 ms, 0.77 of a core spent by the supervisor while they
+    loaded). Each worker's probes go through a client (a pool) of its own, the same one from
+    probe to probe; the clients share one TLS context (made once: loading the CA store costs
+    ~50 ms); a removed worker's client is closed."""
+    from supervisor.worker import HttpProbes
+
+    made: list[object] = []
+    real = httpx.create_ssl_context
+
+    def counted(*args: object, **kwargs: object) -> object:
+        made.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(httpx, "create_ssl_context", counted)
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Loading) for _ in range(4)]
+    for server in servers:
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    urls = [f"http://127.0.0.1:{s.server_address[1]}/health" for s in servers]
+
+    async def probe() -> tuple[int, int, bool, bool]:
+        probes = HttpProbes()
+        try:
+            with anyio.fail_after(5):  # the test's own bound
+                clients = [probes.client(f"w-{i}") for i in range(len(urls))]
+                for _ in range(2):
+                    for i, url in enumerate(urls):
+                        client = probes.client(f"w-{i}")
+                        assert client is clients[i]  # the same pool from probe to probe
+                        assert (await client.get(url, timeout=2.0)).status_code == 503
+                await probes.forget("w-0")
+                return (
+                    len({id(c) for c in clients}),
+                    len(made),
+                    clients[0].is_closed and not clients[1].is_closed,
+                    probes.client("w-0") is not clients[0],
+                )
+        finally:
+            await probes.aclose()
+
+    try:
+        assert anyio.run(probe) == (4, 1, True, True)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()

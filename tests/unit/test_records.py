@@ -318,6 +318,52 @@ async def test_post_mortems_left_unwritten_at_exit_are_said(tmp_path: Path) -> N
     assert said and said[0]["count"] == 2 and said[0]["ids"] == ids
 
 
+async def test_a_burst_of_post_mortems_on_a_writable_disk_is_written_whole(
+    tmp_path: Path,
+) -> None:
+    """Regression: the queue of post-mortems waiting to be written dropped its oldest beyond
+    100 even on a disk that took every write ("too many post-mortems waiting for a writable
+    state_dir"): 64 workers crash-looping together (a bad deploy, a host-wide fault) queue
+    more than that before the writer thread catches up, and about two thirds of their
+    post-mortems, the first crash's among them, were lost. The bound holds only while the
+    disk fails; on a working disk only what retention (``postmortem_keep``) would prune at
+    once is left out."""
+    state = tmp_path / "state"
+    state.mkdir()
+    recorder = Recorder(state, 200, WriteHealth(), snapshot=dict)
+    ids = [postmortem_id(T0 + i / 1000, f"w-{i}", "exit") for i in range(150)]
+    with capture_logs() as logs:
+        for id_ in ids:  # one loop turn: the writer has not run yet
+            recorder.postmortem({"id": id_})
+        await recorder.flush()
+    assert [e for e in logs if e["event"] == "records.postmortem_dropped"] == []
+    assert sorted(p.stem for p in (state / "postmortems").glob("*.json")) == sorted(ids)
+    # beyond postmortem_keep the oldest go, as retention would delete them once written
+    recorder = Recorder(tmp_path / "small", 5, WriteHealth(), snapshot=dict)
+    (tmp_path / "small").mkdir()
+    for id_ in ids[:20]:
+        recorder.postmortem({"id": id_})
+    await recorder.flush()
+    assert sorted(p.stem for p in (tmp_path / "small" / "postmortems").glob("*.json")) == ids[15:20]
+
+
+async def test_post_mortems_waiting_for_a_failing_disk_stay_bounded(tmp_path: Path) -> None:
+    """While post-mortem writes fail, at most 100 wait in memory (the oldest are dropped, and
+    said)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "postmortems").write_text("not a directory")  # every post-mortem write fails
+    recorder = Recorder(state, 1000, WriteHealth(), snapshot=dict)
+    recorder.postmortem({"id": postmortem_id(T0, "w-0", "exit")})
+    await recorder.flush()
+    assert "postmortem" in recorder.health.failing
+    with capture_logs() as logs:
+        for i in range(150):
+            recorder.postmortem({"id": postmortem_id(T0 + 1 + i, "w-0", "exit")})
+    assert len(recorder._pending) == 100
+    assert len([e for e in logs if e["event"] == "records.postmortem_dropped"]) == 51
+
+
 def test_a_state_dir_made_again_behind_the_recorders_back_counts_as_recreated(
     tmp_path: Path,
 ) -> None:
