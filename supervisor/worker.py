@@ -31,10 +31,10 @@ from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState, WorkerUsag
 from supervisor.notify import NotifyMessage
 from supervisor.output import WorkerOutput
 from supervisor.policy import lifecycle as lc
+from supervisor.policy.backoff import ready_poll_s
 from supervisor.processes import Child, Reaped, Reaper, descendants, kill_tree, signal_group, spawn
 from supervisor.views import redact_argv
 
-HEALTH_POLL_S = 0.2
 #: One readiness probe may take this long (a model server's /health can be slow while it warms
 #: up; a probe that gave up at 1 s never saw its 200); the probes go on until start_timeout_s.
 HEALTH_TIMEOUT_S = 5.0
@@ -672,6 +672,7 @@ class WorkerRunner:
             # ``Spawned`` and this task may run before the record has the pid.
             return self._current_pid() == pid and self.record.state is WorkerState.STARTING
 
+        since = self._clock.now()
         while probing():
             try:
                 status = await _get(client, url, HEALTH_TIMEOUT_S)
@@ -694,7 +695,8 @@ class WorkerRunner:
                 # disconnected", which the kill caused, in the start_timeout post-mortem)
                 return
             self.last_probe = said
-            await anyio.sleep(HEALTH_POLL_S)
+            # less often the longer it loads (regression: every 0.2 s for minutes)
+            await anyio.sleep(ready_poll_s(self._clock.now() - since))
 
     def _start_liveness(self, pid: int) -> None:
         """Ask the liveness URL about process ``pid`` while it is ready (one task a process)."""

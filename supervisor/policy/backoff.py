@@ -64,3 +64,21 @@ def record_failure(history: FailureHistory, now: float, policy: RestartPolicy) -
 def record_stable_exit(history: FailureHistory) -> FailureHistory:
     """A stable run resets the backoff streak (the failure window keeps its own horizon)."""
     return FailureHistory(times=history.times, consecutive=0)
+
+
+#: An HTTP health URL is asked every this many seconds at first (a server that loads in
+#: seconds is seen ready at once) ...
+READY_POLL_FIRST_S = 0.2
+#: ... and less often the longer it loads, down to once a second (a model that loads for
+#: minutes: 64 such workers asked every 0.2 s were 320 requests a second, a quarter of the
+#: supervisor's core, for readiness that a second's delay does not hurt).
+READY_POLL_LAST_S = 1.0
+#: How long the pause takes to grow from the first to the last (linearly in the time probed).
+READY_POLL_RAMP_S = 30.0
+
+
+def ready_poll_s(probing_for_s: float) -> float:
+    """The pause before the next readiness probe of a worker that has been asked for
+    ``probing_for_s`` seconds without a 2xx."""
+    grown = READY_POLL_LAST_S * probing_for_s / READY_POLL_RAMP_S
+    return min(READY_POLL_LAST_S, max(READY_POLL_FIRST_S, grown))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,6 +11,7 @@ from supervisor.policy.backoff import (
     RestartPolicy,
     backoff_delay,
     is_stable_run,
+    ready_poll_s,
     record_failure,
 )
 
@@ -56,3 +58,24 @@ def test_stable_run() -> None:
     assert is_stable_run(100.0, 110.0, P)
     assert not is_stable_run(100.0, 109.9, P)
     assert not is_stable_run(None, 1e9, P)
+
+
+@pytest.mark.parametrize(
+    ("probing_for_s", "pause_s"), [(0, 0.2), (5, 0.2), (6, 0.2), (15, 0.5), (30, 1.0), (600, 1.0)]
+)
+def test_a_server_that_loads_long_is_asked_for_readiness_less_often(
+    probing_for_s: float, pause_s: float
+) -> None:
+    """Regression: an HTTP health URL was asked every 0.2 s however long the server loaded:
+    64 workers loading a model for minutes were 320 requests a second, a quarter of the
+    supervisor's core. Every 0.2 s for the first seconds, then less often, once a second from
+    30 s on."""
+    assert ready_poll_s(probing_for_s) == pytest.approx(pause_s)
+
+
+@given(st.floats(0, 1e6), st.floats(0, 1e6))
+def test_the_readiness_pause_grows_with_the_time_probed_and_stays_bounded(
+    a: float, b: float
+) -> None:
+    lo, hi = sorted((a, b))
+    assert 0.2 <= ready_poll_s(lo) <= ready_poll_s(hi) <= 1.0
