@@ -484,7 +484,8 @@ class _Shown:
     sticky-error patterns see text a later segment overwrote), the tail gets what the terminal
     shows. A carriage
     return that ends a piece is held back: it may be a CRLF line end, whose newline comes next.
-    Only the first bytes of each (a little over ``MAX_LINE``) are held.
+    Only the first bytes of each (a little over ``MAX_LINE``) and its last ``END_PIECE`` bytes
+    are held.
     """
 
     __slots__ = ("cr", "cur", "cur_end", "cur_len", "told", "under", "under_end", "under_len")

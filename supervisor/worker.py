@@ -13,7 +13,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,8 @@ class WorkerRunner:
         self._reaped = False  # the current process's status was collected: its pid is not ours
         #: the process that had ended on its own when a stop signal was to be sent to it
         self._ended_unasked: int | None = None
+        #: the process the lifecycle's last signal (drain or stop) went to
+        self._signalled: int | None = None
         self.last_exit_wall: float | None = None
         self.last_exit_pid: int | None = None
         self._exit_reason: str | None = None  # the last exit as classified (cuda_oom, ...)
@@ -413,6 +415,11 @@ class WorkerRunner:
         while pending:
             event = pending.popleft()
             self._queued.discard(type(event))
+            if isinstance(event, lc.Exited) and event.pid == self._ended_unasked:
+                # collected (its exit queued) before the stop signal was to go out: its death
+                # is its own too (regression: queued as asked for, it was called the stop)
+                self._ended_unasked = None
+                event = replace(event, unasked=True)
             old = self.record
             self._before = old
             self.record, actions = lc.step(old, event, self._clock.now(), self.timing)
@@ -447,8 +454,13 @@ class WorkerRunner:
             self._tg.start_soon(self._prepare_and_spawn, self._spawn_token)
             return None
         if isinstance(action, lc.SendSignal):
-            if self.record.pid is not None and self._has_ended(self.record.pid):
-                self._ended_unasked = self.record.pid  # its death is its own, not our stop
+            pid = self.record.pid
+            # its death is its own, not our stop, when it had ended before we signalled it
+            # at all (regression: one that ended by the drain signal, or exited once drained,
+            # as the drain timeout's stop signal was due, was called a crash)
+            if pid is not None and self._signalled != pid and self._has_ended(pid):
+                self._ended_unasked = pid
+            self._signalled = pid
             self._signal(action.signal)
             # a tree an operator stopped (``signal STOP``) gets its stop signal only once it
             # runs again: woken, as systemd does, rather than killed at stop_timeout_s
@@ -503,7 +515,7 @@ class WorkerRunner:
         self.started_wall = self._clock.wall()
         self._create_time = None
         self._reaped = False
-        self._ended_unasked = None
+        self._ended_unasked = self._signalled = None
         self._register_pid(child.pid, self)
         self._reaper.register(child.pid, self._on_reaped)
         assert self._tg is not None

@@ -398,9 +398,9 @@ def _on_exit(
         outcome = Outcome(ev.status, reason, now, ev.status.describe())
         return _after_failure_or_stable(rec, now, t, outcome, [])
     reason = rec.stop_reason or ExitReason.STOP
-    if ev.unasked and reason in _OPERATOR_STOPS:
+    if ev.unasked and reason in _OPERATOR_STOPS and ev.status.code != 0:
         # it died on its own before the operator's stop signal: its death, not the stop (the
-        # operator's restart or stop still happens)
+        # operator's restart or stop still happens); a clean exit then is no death to record
         reason = _exit_reason(ev.status)
     outcome = Outcome(ev.status, reason, now, ev.status.describe())
     if expected is AfterExit.RECOVER:
