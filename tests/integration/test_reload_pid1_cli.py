@@ -689,18 +689,7 @@ def test_a_scale_down_stops_the_removed_workers_together(supervisor: SupervisorF
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=15)
     removed = ("a-1", "a-2", "a-3")
-    signals = [
-        sup.events.index(e)
-        for w in removed
-        for e in sup.find(mark, event="worker.signal", worker=w)
-    ]
-    kills = [
-        sup.events.index(e) for w in removed for e in sup.find(mark, event="worker.kill", worker=w)
-    ]
-    assert len(signals) == 3 and len(kills) == 3, (signals, kills)
-    assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
-        mark, event="worker.kill"
-    )
+    _stopped_together(sup, mark, removed)
     with sup.api() as api:
         assert [w["name"] for w in api.get("/api/v1/workers").json()] == ["a-0"]
     assert sup.stop() == 0
@@ -723,18 +712,7 @@ def test_a_reload_stops_the_groups_it_removes_together(supervisor: SupervisorFac
     sup.signal(signal.SIGHUP)
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=15)
     removed = ("a-0", "b-0", "c-0")
-    signals = [
-        sup.events.index(e)
-        for w in removed
-        for e in sup.find(mark, event="worker.signal", worker=w)
-    ]
-    kills = [
-        sup.events.index(e) for w in removed for e in sup.find(mark, event="worker.kill", worker=w)
-    ]
-    assert len(signals) == 3 and len(kills) == 3, (signals, kills)
-    assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
-        mark, event="worker.kill"
-    )
+    _stopped_together(sup, mark, removed)
     sup.ready("d-0", after=mark)
     assert sup.stop() == 0
 
@@ -1684,3 +1662,20 @@ def test_rolling_back_a_halted_budget_change_gives_the_old_memory_max_back(
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], superseded=[])
     assert memory_max.read_text() == str(256 * 1024 * 1024)
     assert sup.stop() == 0
+
+
+def _stopped_together(sup: Supervisor, mark: int, removed: tuple[str, ...]) -> None:
+    """Every one of ``removed`` (SIGTERM-ignoring workers) got its stop signal before any of
+    them was killed: they were stopped together, not one stop timeout after another."""
+    signals = [
+        sup.events.index(e)
+        for w in removed
+        for e in sup.find(mark, event="worker.signal", worker=w)
+    ]
+    kills = [
+        sup.events.index(e) for w in removed for e in sup.find(mark, event="worker.kill", worker=w)
+    ]
+    assert len(signals) == len(removed) == len(kills), (signals, kills)
+    assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
+        mark, event="worker.kill"
+    )

@@ -899,23 +899,23 @@ def test_the_host_budget_of_a_forked_tree_is_judged_on_its_pss() -> None:
     assert "host memory (PSS) 660 MiB over its budget of 600 MiB" in said["message"]
 
 
-def _tp_worker(on_thermal: str) -> tuple[Host, Healer, Runner]:
-    """t-0 of a group with gpus_per_worker = 2, on GPU-0 and GPU-1 (a tensor-parallel
-    server), 15000 MiB on each."""
+def _tp_host(health: dict[str, Any], interval_s: float | None = None) -> tuple[Host, Runner]:
+    """t-0 of a group with gpus_per_worker = 2 on GPU-0 and GPU-1 (a tensor-parallel server),
+    with these ``[workers.health]`` values (and ``sample_interval_s``)."""
     t0 = Runner("t-0", GPUS[0])
     t0.spec.gpus = (GPUS[0], GPUS[1])
-    cfg = {
+    cfg: dict[str, Any] = {
         "gpu": {"backend": "sim"},
-        "workers": [
-            {
-                "name": "t",
-                "command": ["x"],
-                "gpus_per_worker": 2,
-                "health": {"on_thermal": on_thermal, "max_unavailable": 5},
-            }
-        ],
+        "workers": [{"name": "t", "command": ["x"], "gpus_per_worker": 2, "health": health}],
     }
-    host = Host(parse_settings(cfg), {"t-0": t0})
+    if interval_s is not None:
+        cfg["supervisor"] = {"sample_interval_s": interval_s}
+    return Host(parse_settings(cfg), {"t-0": t0}), t0
+
+
+def _tp_worker(on_thermal: str) -> tuple[Host, Healer, Runner]:
+    """``_tp_host`` with 15000 MiB on each GPU."""
+    host, t0 = _tp_host({"on_thermal": on_thermal, "max_unavailable": 5})
     return host, Healer(host), t0  # type: ignore[arg-type]
 
 
@@ -969,26 +969,13 @@ def test_a_leak_on_one_gpu_of_two_is_projected_against_that_gpus_budget() -> Non
     against twice the budget less what both held: 5750 MiB growing 30 MiB/s on GPU-0 (of a
     10000 MiB budget) and 1000 flat on GPU-1 was 440 s from its budget, not 140, and with a
     300 s horizon the worker was restarted over its budget instead of drained before it."""
-    t0 = Runner("t-0", GPUS[0])
-    t0.spec.gpus = (GPUS[0], GPUS[1])
-    cfg = {
-        "supervisor": {"sample_interval_s": 0.25},
-        "gpu": {"backend": "sim"},
-        "workers": [
-            {
-                "name": "t",
-                "command": ["x"],
-                "gpus_per_worker": 2,
-                "health": {
-                    "gpu_memory_limit_mb": 10000,
-                    "leak_warmup_s": 1,
-                    "leak_window_s": 30,
-                    "oom_horizon_s": 300,
-                },
-            }
-        ],
+    health = {
+        "gpu_memory_limit_mb": 10000,
+        "leak_warmup_s": 1,
+        "leak_window_s": 30,
+        "oom_horizon_s": 300,
     }
-    host = Host(parse_settings(cfg), {"t-0": t0})
+    host, t0 = _tp_host(health, interval_s=0.25)
     healer = Healer(host)  # type: ignore[arg-type]
     for _ in range(100):  # 25 s
         host.clock.advance(0.25)
@@ -1072,26 +1059,13 @@ def test_the_reports_of_a_tensor_parallel_worker_are_judged_per_gpu(
     from supervisor.model import GpuProcess
 
     gpus = (GPUS[0], GPUS[1])
-    t0 = Runner("t-0", gpus[0])
-    t0.spec.gpus = gpus
-    cfg = {
-        "supervisor": {"sample_interval_s": 1.0},
-        "gpu": {"backend": "sim"},
-        "workers": [
-            {
-                "name": "t",
-                "command": ["x"],
-                "gpus_per_worker": 2,
-                "health": {
-                    "gpu_memory_limit_mb": 1000,
-                    "leak_warmup_s": 0,
-                    "leak_window_s": 600,
-                    "oom_horizon_s": 1800,
-                },
-            }
-        ],
+    health = {
+        "gpu_memory_limit_mb": 1000,
+        "leak_warmup_s": 0,
+        "leak_window_s": 600,
+        "oom_horizon_s": 1800,
     }
-    host = Host(parse_settings(cfg), {"t-0": t0})
+    host, t0 = _tp_host(health, interval_s=1.0)
     ranks = (os.getpid(), os.getppid())  # running processes: a gone rank's reports are dropped
     for i, (u, pid) in enumerate(zip(gpus, ranks, strict=True)):
         procs = (GpuProcess(pid, nvml[i]),) if placed else None

@@ -810,21 +810,6 @@ def test_the_lock_file_is_never_opened_through_a_link(tmp_path: Path) -> None:
         "ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of "
         "memory'",
         "h100:1:1 [0] include/alloc.h:103 NCCL WARN Cuda failure 2 'out of memory'",
-    ],
-)
-def test_library_allocation_failures_are_cuda_oom(line: str) -> None:
-    """Regression: a worker that died because cuBLAS, cuDNN or NCCL could not allocate GPU
-    memory (the way a full GPU fails inside those libraries) was classified ``exit``: the
-    post-mortem, ``last_exit.reason`` and ``worker_restarts_total`` hid the out-of-memory."""
-    tail = ["Traceback (most recent call last):", line, "--- gpu-supervisor: exited ---"]
-    found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
-    assert found is not None and found.reason == "cuda_oom"
-    assert found.evidence["log_line"] == line
-
-
-@pytest.mark.parametrize(
-    "line",
-    [
         # JAX / XLA on a full GPU, as jaxlib raises it and as older versions did
         "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying "
         "to allocate 7406166528 bytes.",
@@ -839,10 +824,12 @@ def test_library_allocation_failures_are_cuda_oom(line: str) -> None:
         "ResourceExhaustedError: failed to allocate memory [Op:AddV2]",
     ],
 )
-def test_tensorflow_and_jax_out_of_memory_errors_are_cuda_oom(line: str) -> None:
-    """Regression: a TensorFlow or JAX worker that died of a full GPU (XLA's
-    ``RESOURCE_EXHAUSTED: Out of memory``, TensorFlow's ``OOM when allocating tensor``) was
-    classified ``exit``: only PyTorch's and the CUDA libraries' wording was known."""
+def test_library_allocation_failures_are_cuda_oom(line: str) -> None:
+    """Regression: a worker that died because cuBLAS, cuDNN or NCCL could not allocate GPU
+    memory (the way a full GPU fails inside those libraries) was classified ``exit``: the
+    post-mortem, ``last_exit.reason`` and ``worker_restarts_total`` hid the out-of-memory.
+    So was a TensorFlow or JAX worker that died of a full GPU (XLA's ``RESOURCE_EXHAUSTED:
+    Out of memory``, TensorFlow's ``OOM when allocating tensor``)."""
     tail = ["Traceback (most recent call last):", line, "--- gpu-supervisor: exited ---"]
     found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
     assert found is not None and found.reason == "cuda_oom"
