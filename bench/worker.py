@@ -7,7 +7,9 @@ On start it appends ``<pid> <time.time_ns()>`` to the file named by ``BENCH_STAR
 ``GPU_SUPERVISOR_SIM_DIR``, GPUs from ``CUDA_VISIBLE_DEVICES``), as a sim workload would.
 ``--ignore-term`` makes it ignore SIGTERM (installed *before* the start line is written, so
 a worker that has announced itself is guaranteed to need the supervisor's SIGKILL).
-``--http`` answers every GET on ``PORT`` with 200 (a health URL) instead of pausing.
+``--http`` answers every GET on ``PORT`` with 200 (a health URL) instead of pausing;
+``--http-503`` answers 503 (a model still loading) over HTTP/1.1 keep-alive, a thread per
+connection, as an inference server's health URL does while it loads.
 Stdlib only; meant to be run with ``python -S`` so that start-up cost is minimal and equal
 for every supervisor.
 """
@@ -55,6 +57,8 @@ def main(argv: list[str]) -> int:
         os.close(fd)
     if "--http" in argv:
         serve_health(int(os.environ["PORT"]))
+    if "--http-503" in argv:
+        serve_loading(int(os.environ["PORT"]))
     while True:
         signal.pause()
 
@@ -73,6 +77,23 @@ def serve_health(port: int) -> None:
             pass
 
     http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+
+
+def serve_loading(port: int) -> None:
+    import http.server
+
+    class Loading(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the prober's connection is reused
+
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), Loading).serve_forever()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,690 @@
+"""A big node: 64 workers on 8 simulated GPUs.
+
+    .venv/bin/python bench/big_node.py [--groups 4] [--per-group 16] [--requests 50] [--quick]
+
+Every phase is a fresh ``gpu-supervisor run`` of this checkout (``PYTHONPATH`` on it, API on
+``127.0.0.1:0``: the supervisor binds port 0 and logs the URL), ``[gpu] backend = "sim"`` with
+8 sim devices, ``max_workers_per_gpu = 8``, ``sample_interval_s = 0.5``, ``stop_timeout_s =
+2``, ``[workers.restart] stable_s = 0``, in a temp dir. Workers are ``python -S
+bench/worker.py`` (stdlib only).
+
+1. ``--groups`` x ``--per-group`` workers (``--sim-mib 500 --ignore-term``, ``ready = "none"``):
+   launch -> all ready in ``GET /api/v1/workers`` (polled every 0.1 s; and the workers' first
+   and last start lines); after a 3 s settle, ``--requests`` GETs each (a new connection each)
+   of ``/api/v1/workers``, ``/metrics``, ``/api/v1/gpu/status``: size, p50, p99;
+   ``state.json``'s size and how often it is replaced in 5 s idle; the mean sampler tick
+   (``sample_duration_seconds`` sum / count from ``/metrics``); the supervisor's RSS; SIGKILL
+   of every worker at once -> the last replacement's ``worker.spawned`` and all ready again,
+   ``/healthz`` asked every 20 ms meanwhile; then SIGTERM to the supervisor -> it has exited
+   and every worker pid is gone (the workers ignore SIGTERM: ``stop_timeout_s`` + its
+   reaction).
+2. One group of ``--per-group`` SIGTERM-ignoring workers; the config rewritten to a quarter of
+   them, then SIGHUP -> the supervisor's ``supervisor.reload_done`` (each removed worker needs
+   the SIGKILL after ``stop_timeout_s``: ~2 s when they are stopped together).
+3. ``--groups`` x ``--per-group`` workers behind ``ready = "http://127.0.0.1:{port}/health"``
+   answering 503 (``bench/worker.py --http-503``: loading, never ready; ``start_timeout_s =
+   300``), which the supervisor asks every 0.2 s: its CPU (``utime + stime`` of
+   ``/proc/<pid>/stat``, workers excluded) over a 10 s window after a 6 s settle, in cores,
+   and ``/healthz`` (a new connection every 0.1 s) meanwhile.
+
+``--quick``: 2 groups x 8, 20 requests, 1 s settle, a 2 s idle window, a 5 s CPU window after
+3 s (a smoke run, ~35 s). Every process the run starts (the supervisors, each in a session of
+its own, and their workers, marked with ``BENCH_RUN_ID`` in their environment) is SIGKILLed
+after each phase, on an error and on Ctrl-C / SIGTERM; the run then checks that none is left
+(exit 1 if one is, 130 when interrupted). Raw results: ``bench/results/big-node-<UTC>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "worker.py"
+GPUS = 8
+PER_GPU = 8
+PATHS = ("/api/v1/workers", "/metrics", "/api/v1/gpu/status")
+SAMPLE_METRIC = "gpu_supervisor_sample_duration_seconds"
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: int
+    per_group: int
+    requests: int
+    settle_s: float
+    idle_s: float
+    cpu_settle_s: float
+    cpu_s: float
+
+    @property
+    def total(self) -> int:
+        return self.groups * self.per_group
+
+
+# --------------------------------------------------------------------------- process tracking
+
+
+@dataclass
+class Tracker:
+    """Everything this run started, so that it can all be killed at the end."""
+
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+    popens: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def ours(self) -> list[psutil.Process]:
+        """Live processes of this run: a supervisor we started or one carrying our marker."""
+        found: dict[int, psutil.Process] = {}
+        for proc in self.popens:
+            if proc.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    found[proc.pid] = psutil.Process(proc.pid)
+        me = os.getpid()
+        for p in psutil.process_iter(["create_time"]):
+            created = p.info["create_time"] or 0.0
+            if p.pid == me or p.pid in found or created < self.started_at - 1:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if (
+                    p.environ().get("BENCH_RUN_ID") == self.run_id
+                    and p.status() != psutil.STATUS_ZOMBIE
+                ):
+                    found[p.pid] = p
+        return list(found.values())
+
+    def kill_all(self) -> list[str]:
+        """SIGKILL every process group and process we started; return what survived."""
+        own_pgid = os.getpgid(0)
+        for _ in range(3):
+            live = self.ours()
+            if not live:
+                break
+            for p in live:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    pgid = os.getpgid(p.pid)
+                    if pgid != own_pgid:
+                        os.killpg(pgid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, signal.SIGKILL)
+            psutil.wait_procs(live, timeout=3)
+            for proc in self.popens:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)
+        left = []
+        for p in self.ours():
+            with contextlib.suppress(psutil.Error):
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+        return left
+
+
+# --------------------------------------------------------------------------- one supervisor
+
+
+class Log:
+    """The supervisor's JSON log lines, read by a thread; waits on a condition."""
+
+    def __init__(self, stream: Any) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.other: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                with self._cond:
+                    self.other.append(line.rstrip())
+                continue
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
+
+    def mark(self) -> int:
+        with self._cond:
+            return len(self.events)
+
+    def wait(
+        self, timeout: float, after: int = 0, n: int = 1, **match: Any
+    ) -> list[dict[str, Any]]:
+        """The first ``n`` events after ``after`` matching ``match``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = [
+                    e for e in self.events[after:] if all(e.get(k) == v for k, v in match.items())
+                ]
+                if len(found) >= n:
+                    return found[:n]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{len(found)} of {n} events {match} within {timeout} s")
+                self._cond.wait(remaining)
+
+    def tail(self, n: int = 8) -> str:
+        with self._cond:
+            lines = [json.dumps(e) for e in self.events[-n:]] + self.other[-n:]
+        return "\n".join(lines[-n:])
+
+
+def ts(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def _toml(value: str) -> str:
+    return json.dumps(value)
+
+
+def write_config(
+    base: Path,
+    run_id: str,
+    groups: int,
+    replicas: int,
+    worker_args: list[str],
+    ready: str = "none",
+    port_base: int | None = None,
+    extra: str = "",
+) -> Path:
+    argv = ", ".join(_toml(a) for a in [sys.executable, "-S", str(WORKER), *worker_args])
+    env = f"BENCH_START_FILE = {_toml(str(base / 'starts'))}, BENCH_RUN_ID = {_toml(run_id)}"
+    text = (
+        f"[supervisor]\nstate_dir = {_toml(str(base / 'state'))}\nsample_interval_s = 0.5\n"
+        f'[gpu]\nbackend = "sim"\nsim_dir = {_toml(str(base / "sim"))}\nsim_devices = {GPUS}\n'
+        '[api]\nlisten = "127.0.0.1:0"\n'
+    )
+    for g in range(groups):
+        text += (
+            f'[[workers]]\nname = "g{g}"\ncommand = [{argv}]\nreplicas = {replicas}\n'
+            f"env = {{ {env} }}\nmax_workers_per_gpu = {PER_GPU}\nready = {_toml(ready)}\n"
+            "stop_timeout_s = 2\n"
+            + (f"port_base = {port_base + g * replicas}\n" if port_base is not None else "")
+            + extra
+            + "[workers.restart]\nstable_s = 0\n"
+        )
+    path = base / "big-node.toml"
+    path.write_text(text)
+    return path
+
+
+class Supervisor:
+    """``gpu-supervisor run -c CFG`` in a session of its own, its JSON log read."""
+
+    def __init__(self, cfg: Path, tracker: Tracker) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_RUN_ID": tracker.run_id}
+        self.launched = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        tracker.popens.append(self.proc)
+        assert self.proc.stderr is not None
+        self.log = Log(self.proc.stderr)
+        try:
+            url = urlsplit(self.log.wait(60, event="api.listening")[0]["url"])
+        except TimeoutError:
+            raise RuntimeError(
+                f"no API (exit {self.proc.poll()}); log tail:\n{self.log.tail()}"
+            ) from None
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+
+    def get(self, path: str, timeout: float = 30) -> tuple[float, bytes]:
+        """``GET path`` on a new connection: (seconds, body), whatever the status."""
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("GET", path)
+            body = conn.getresponse().read()
+        finally:
+            conn.close()
+        return time.perf_counter() - t0, body
+
+    def workers(self) -> list[dict[str, Any]]:
+        data = json.loads(self.get("/api/v1/workers")[1])
+        return data if isinstance(data, list) else data.get("workers", [])
+
+    def pids(self) -> set[int]:
+        return {int(w["pid"]) for w in self.workers() if w.get("pid")}
+
+    def wait_ready(self, n: int, timeout: float, not_pids: set[int] | None = None) -> float:
+        """Poll the API every 0.1 s until ``n`` workers are ready (none with a pid in
+        ``not_pids``); return the ``time.time()`` it was seen."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(OSError, ValueError):
+                ready = {w.get("pid") for w in self.workers() if w.get("state") == "ready"}
+                if len(ready) >= n and not (not_pids and ready & not_pids):
+                    return time.time()
+            time.sleep(0.1)
+        raise TimeoutError(f"{n} workers not ready within {timeout} s")
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"supervisor exited {self.proc.returncode}:\n{self.log.tail()}")
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mib(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+    def sigterm(self, worker_pids: set[int], timeout: float = 60) -> float:
+        """SIGTERM -> the supervisor exited and every one of ``worker_pids`` is gone."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout)
+        while any(_alive(pid) for pid in worker_pids):
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError("workers outlived the supervisor")
+            time.sleep(0.002)
+        return time.monotonic() - t0
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+class Prober:
+    """``GET /healthz`` every ``every_s`` on a thread, a new connection each."""
+
+    def __init__(self, sup: Supervisor, every_s: float) -> None:
+        self.sup, self.every_s = sup, every_s
+        self.latencies: list[float] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.latencies.append(self.sup.get("/healthz", timeout=30)[0])
+            except OSError:
+                self.errors += 1
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(40)
+        lat = self.latencies
+        return {
+            "requests": len(lat),
+            "errors": self.errors,
+            "p50_ms": ms(statistics.median(lat)) if lat else None,
+            "max_ms": ms(max(lat)) if lat else None,
+        }
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def start_times(path: Path) -> list[float]:
+    """The workers' start lines: ``<pid> <time_ns>``."""
+    with contextlib.suppress(FileNotFoundError):
+        return [int(line.split()[1]) / 1e9 for line in path.read_text().splitlines() if line]
+    return []
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` free ports from it, below the ephemeral range (so that no
+    outgoing connection takes one meanwhile)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        else:
+            return base
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
+# --------------------------------------------------------------------------- the phases
+
+
+def phase_big(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
+    n = plan.total
+    args = ["--sim-mib", "500", "--ignore-term"]
+    sup = Supervisor(write_config(base, tracker.run_id, plan.groups, plan.per_group, args), tracker)
+    out: dict[str, Any] = {}
+    ready_at = sup.wait_ready(n, 120)
+    starts = start_times(base / "starts")
+    out["start"] = {
+        "all_ready_s": round(ready_at - sup.launched, 3),
+        "start_lines": len(starts),
+        "first_start_s": round(min(starts) - sup.launched, 3),
+        "last_start_s": round(max(starts) - sup.launched, 3),
+    }
+    time.sleep(plan.settle_s)
+
+    api: dict[str, Any] = {}
+    for path in PATHS:
+        lat, size = [], 0
+        for _ in range(plan.requests):
+            dt, body = sup.get(path)
+            lat.append(dt)
+            size = len(body)
+        api[path] = {
+            "bytes": size,
+            "requests": len(lat),
+            "p50_ms": ms(statistics.median(lat)),
+            "p99_ms": ms(pct(lat, 0.99)),
+        }
+    out["api"] = api
+
+    state = base / "state" / "state.json"
+    st = state.stat()
+    out["state_json_bytes"] = st.st_size
+    prev = (st.st_ino, st.st_mtime_ns)
+    writes = 0
+    t_end = time.monotonic() + plan.idle_s
+    while time.monotonic() < t_end:
+        with contextlib.suppress(FileNotFoundError):
+            st = state.stat()
+            if (st.st_ino, st.st_mtime_ns) != prev:
+                writes, prev = writes + 1, (st.st_ino, st.st_mtime_ns)
+        time.sleep(0.005)
+    out["state_json_idle"] = {"writes": writes, "window_s": plan.idle_s}
+
+    metrics = sup.get("/metrics")[1].decode()
+    vals = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith((SAMPLE_METRIC + "_sum", SAMPLE_METRIC + "_count"))
+    }
+    total, count = vals.get(SAMPLE_METRIC + "_sum"), vals.get(SAMPLE_METRIC + "_count")
+    out["sample_tick"] = {
+        "sum_s": total,
+        "count": count,
+        "mean_ms": ms(total / count) if total is not None and count else None,
+    }
+    out["rss_mib"] = round(sup.rss_mib(), 1)
+
+    # SIGKILL of every worker at once
+    pids = sup.pids()
+    prober = Prober(sup, 0.02)
+    time.sleep(0.2)
+    mark = sup.log.mark()
+    killed_at = time.time()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    spawned = sup.log.wait(60, after=mark, n=len(pids), event="worker.spawned")
+    ready_again = sup.wait_ready(n, 120, not_pids=pids)
+    out["kill_all"] = {
+        "killed": len(pids),
+        "all_spawned_s": round(max(ts(e) for e in spawned) - killed_at, 3),
+        "all_ready_s": round(ready_again - killed_at, 3),
+        "healthz": prober.stop(),
+    }
+    time.sleep(1.0)
+    pids = sup.pids()
+    out["shutdown"] = {"workers": len(pids), "s": round(sup.sigterm(pids), 3)}
+    out["supervisor_exit"] = sup.proc.returncode
+    return out
+
+
+def phase_reload(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
+    n, keep = plan.per_group, max(1, plan.per_group // 4)
+    args = ["--sim-mib", "500", "--ignore-term"]
+    sup = Supervisor(write_config(base, tracker.run_id, 1, n, args), tracker)
+    sup.wait_ready(n, 60)
+    time.sleep(1.0)
+    write_config(base, tracker.run_id, 1, keep, args)
+    mark = sup.log.mark()
+    t0 = time.time()
+    sup.proc.send_signal(signal.SIGHUP)
+    done = sup.log.wait(120, after=mark, event="supervisor.reload_done")[0]
+    reload_s = ts(done) - t0
+    workers = sup.workers()
+    pids = {int(w["pid"]) for w in workers if w.get("pid")}
+    shutdown = sup.sigterm(pids)
+    return {
+        "from": n,
+        "to": keep,
+        "reload_s": round(reload_s, 3),
+        "workers_after": len(workers),
+        "halted": done.get("halted"),
+        "shutdown_s": round(shutdown, 3),
+        "supervisor_exit": sup.proc.returncode,
+    }
+
+
+def phase_loading(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
+    n = plan.total
+    cfg = write_config(
+        base,
+        tracker.run_id,
+        plan.groups,
+        plan.per_group,
+        ["--http-503"],
+        ready="http://127.0.0.1:{port}/health",
+        port_base=free_port_range(n),
+        extra="start_timeout_s = 300\n",
+    )
+    sup = Supervisor(cfg, tracker)
+    sup.log.wait(120, n=n, event="worker.spawned")
+    time.sleep(plan.cpu_settle_s)
+    sup.check_alive()
+    prober = Prober(sup, 0.1)
+    c0, t0 = sup.cpu_s(), time.monotonic()
+    time.sleep(plan.cpu_s)
+    c1, t1 = sup.cpu_s(), time.monotonic()
+    healthz = prober.stop()
+    workers = sup.workers()
+    states: dict[str, int] = {}
+    for w in workers:
+        states[w.get("state", "?")] = states.get(w.get("state", "?"), 0) + 1
+    pids = {int(w["pid"]) for w in workers if w.get("pid")}
+    shutdown = sup.sigterm(pids)
+    return {
+        "workers": n,
+        "window_s": round(t1 - t0, 2),
+        "cpu_s": round(c1 - c0, 3),
+        "cores": round((c1 - c0) / (t1 - t0), 3),
+        "healthz": healthz,
+        "states": states,
+        "shutdown_s": round(shutdown, 3),
+        "supervisor_exit": sup.proc.returncode,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def table(r: dict[str, Any]) -> str:
+    big, rl, ld = r["big"], r["reload"], r["loading"]
+    s, k, tick = big["start"], big["kill_all"], big["sample_tick"]
+    rows = [
+        (
+            f"{s['start_lines']} workers: launch -> all ready in the API",
+            f"{s['all_ready_s']:.2f} s (start lines {s['first_start_s']:.2f} -> "
+            f"{s['last_start_s']:.2f} s after launch)",
+        )
+    ]
+    for path, a in big["api"].items():
+        rows.append(
+            (
+                f"GET {path} ({a['requests']} requests)",
+                f"{a['bytes'] / 1000:.1f} KB, p50 {a['p50_ms']:.2f} ms, p99 {a['p99_ms']:.2f} ms",
+            )
+        )
+    idle = big["state_json_idle"]
+    rows += [
+        (
+            "state.json",
+            f"{big['state_json_bytes'] / 1000:.1f} KB, {idle['writes']} writes in "
+            f"{idle['window_s']:g} s idle",
+        ),
+        (
+            "sample tick (sample_duration_seconds sum / count)",
+            f"{tick['mean_ms']} ms mean over {tick['count']:.0f} ticks",
+        ),
+        ("supervisor RSS", f"{big['rss_mib']:.0f} MiB"),
+        (
+            f"SIGKILL of all {k['killed']} workers at once",
+            f"all spawned in {k['all_spawned_s']:.2f} s, all ready in {k['all_ready_s']:.2f} s; "
+            f"/healthz meanwhile p50 {k['healthz']['p50_ms']} ms, max {k['healthz']['max_ms']} ms",
+        ),
+        (
+            f"reload: 1 group of {rl['from']} SIGTERM-ignoring workers -> {rl['to']}",
+            f"{rl['reload_s']:.2f} s (SIGHUP -> supervisor.reload_done)",
+        ),
+        (
+            f"supervisor CPU, {ld['workers']} workers loading behind a 503 health URL",
+            f"{ld['cores']:.2f} core over {ld['window_s']:.0f} s; /healthz p50 "
+            f"{ld['healthz']['p50_ms']} ms, max {ld['healthz']['max_ms']} ms",
+        ),
+        (
+            f"SIGTERM with {big['shutdown']['workers']} SIGTERM-ignoring workers",
+            f"{big['shutdown']['s']:.2f} s (stop_timeout_s = 2)",
+        ),
+    ]
+    return "\n".join(["| measure | result |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def git_revision() -> str | None:
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    return None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=None, help="groups (4; --quick 2)")
+    parser.add_argument("--per-group", type=int, default=None, help="workers a group (16; 8)")
+    parser.add_argument("--requests", type=int, default=None, help="GETs an endpoint (50; 20)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 x 8, ~35 s")
+    args = parser.parse_args()
+    q = args.quick
+    plan = Plan(
+        groups=args.groups or (2 if q else 4),
+        per_group=args.per_group or (8 if q else 16),
+        requests=args.requests or (20 if q else 50),
+        settle_s=1.0 if q else 3.0,
+        idle_s=2.0 if q else 5.0,
+        cpu_settle_s=3.0 if q else 6.0,
+        cpu_s=5.0 if q else 10.0,
+    )
+    if plan.total > GPUS * PER_GPU:
+        parser.error(f"at most {GPUS * PER_GPU} workers ({GPUS} sim GPUs x {PER_GPU})")
+    tracker = Tracker()
+    signal.signal(signal.SIGTERM, _interrupt)
+    t_start = time.monotonic()
+    results: dict[str, Any] = {}
+    code = 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-big-node-") as tmp:
+            for name, phase in (
+                ("big", phase_big),
+                ("reload", phase_reload),
+                ("loading", phase_loading),
+            ):
+                base = Path(tmp) / name
+                base.mkdir()
+                print(f"[{time.monotonic() - t_start:5.1f} s] {name} ...", flush=True)
+                try:
+                    results[name] = phase(plan, base, tracker)
+                finally:
+                    tracker.kill_all()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except Exception as e:  # report it, clean up, exit 1
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        results["error"] = f"{type(e).__name__}: {e}"
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        left = tracker.kill_all()
+    if left:
+        print(f"LEFT RUNNING: {left}", file=sys.stderr)
+        code = code or 1
+    if code == 130:
+        print("leftover processes: " + (", ".join(left) if left else "none"))
+        return code
+    elapsed = time.monotonic() - t_start
+    doc = {
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "git": git_revision(),
+        "plan": {**asdict(plan), "quick": q, "gpus": GPUS, "max_workers_per_gpu": PER_GPU},
+        "cpus": os.cpu_count(),
+        "elapsed_s": round(elapsed, 1),
+        "left_running": left,
+        **results,
+    }
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"big-node-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.write_text(json.dumps(doc, indent=2))
+    if code == 0:
+        print(
+            f"{plan.groups} groups x {plan.per_group} workers on {GPUS} sim GPUs "
+            f"({os.cpu_count()} CPUs, {elapsed:.0f} s)"
+        )
+        print(table(results))
+    print("leftover processes: " + (", ".join(left) if left else "none"))
+    print(f"raw: {out.relative_to(ROOT)}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
