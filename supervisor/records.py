@@ -556,6 +556,10 @@ URGENT_MIN_INTERVAL_S = 0.1
 CHECK_EVERY_S = 5.0
 #: Post-mortems waiting for a writable disk; beyond this the oldest are dropped (and logged).
 MAX_PENDING_POSTMORTEMS = 100
+#: The most that wait on a disk that takes them (a burst of deaths), whatever
+#: ``postmortem_keep`` says: a disk that hangs rather than fails (a stuck NFS mount) is never
+#: "failing", and documents of up to a few hundred KiB each must not pile up without bound.
+MAX_PENDING_BURST = 1000
 
 
 class Recorder:
@@ -594,6 +598,7 @@ class Recorder:
         self._last_at = -1e18
         self._last_body: str | None = None
         self._pending: list[dict[str, Any]] = []
+        self._writing: dict[str, Any] | None = None  # the one the writer thread has now
         self._next_check = 0.0
         self._recreated = False
         self._intact_seen = False  # state_dir with its post-mortem directory seen once
@@ -611,13 +616,19 @@ class Recorder:
         """Queue a post-mortem document for writing. While post-mortem writes fail, at most
         ``MAX_PENDING_POSTMORTEMS`` wait; on a disk that takes them, a burst (many workers
         dying at once) waits whole for the writer, up to ``postmortem_keep`` (the oldest
-        beyond it would be pruned as soon as the newer ones are written)."""
+        beyond it would be pruned as soon as the newer ones are written) and
+        ``MAX_PENDING_BURST``."""
         failing = "postmortem" in self.health.failing
         limit = (
-            MAX_PENDING_POSTMORTEMS if failing else max(MAX_PENDING_POSTMORTEMS, self.store.keep)
+            MAX_PENDING_POSTMORTEMS
+            if failing
+            else max(MAX_PENDING_POSTMORTEMS, min(self.store.keep, MAX_PENDING_BURST))
         )
-        while len(self._pending) >= limit:
-            dropped = self._pending.pop(0)
+        # never the one being written (regression: said dropped, written all the same, and
+        # the next one taken off the queue as written: lost without a word)
+        first = 1 if self._pending and self._pending[0] is self._writing else 0
+        while len(self._pending) >= limit and len(self._pending) > first:
+            dropped = self._pending.pop(first)
             self._log.error(
                 "records.postmortem_dropped",
                 id=dropped.get("id"),
@@ -732,8 +743,11 @@ class Recorder:
     async def _write_postmortems(self, inline: bool = False) -> None:
         async with self._lock:
             while self._pending:
-                doc = self._pending[0]
-                ok = await self._in_thread("postmortem", self._write_postmortem, doc, inline)
+                doc = self._writing = self._pending[0]
+                try:
+                    ok = await self._in_thread("postmortem", self._write_postmortem, doc, inline)
+                finally:
+                    self._writing = None
                 if not ok:
                     return
                 self._pending.pop(0)

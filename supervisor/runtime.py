@@ -424,7 +424,7 @@ class Runtime:
         self.sample_listeners: list[Callable[[Sample], None]] = []
         #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
         self.rolling: dict[str, str] = {}
-        #: one HTTP client for every worker's readiness and liveness probes
+        #: the HTTP clients of the workers' readiness and liveness probes (one per worker)
         self.http_probes = HttpProbes()
         #: groups whose operator rolling restart a reload's roll-out waits for, which restarts
         #: every worker on a new definition anyway: the rolling restart stops there

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import psutil
 import pytest
 from structlog.testing import capture_logs
@@ -345,6 +346,45 @@ async def test_a_burst_of_post_mortems_on_a_writable_disk_is_written_whole(
         recorder.postmortem({"id": id_})
     await recorder.flush()
     assert sorted(p.stem for p in (tmp_path / "small" / "postmortems").glob("*.json")) == ids[15:20]
+
+
+async def test_a_post_mortem_dropped_while_the_oldest_is_written_is_the_one_said(
+    tmp_path: Path,
+) -> None:
+    """Regression: when the queue was full while the writer thread wrote its oldest
+    post-mortem, that one (being written, and then written) was the one dropped and said
+    (``records.postmortem_dropped``); the writer then took the next one off the queue as the
+    one it had written, so that one was lost without a word."""
+    import threading
+
+    state = tmp_path / "state"
+    state.mkdir()
+    recorder = Recorder(state, 100, WriteHealth(), snapshot=dict)
+    writing, release = threading.Event(), threading.Event()
+    write = recorder._write_postmortem
+
+    def slow_write(doc: dict[str, Any]) -> bool:
+        if not writing.is_set():
+            writing.set()
+            release.wait(2.0)
+        return write(doc)
+
+    recorder._write_postmortem = slow_write  # type: ignore[method-assign]
+    ids = [postmortem_id(T0 + i / 1000, f"w-{i}", "exit") for i in range(101)]
+    recorder.postmortem({"id": ids[0]})
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(recorder._write_postmortems)
+            assert await anyio.to_thread.run_sync(writing.wait, 2.0)
+            for id_ in ids[1:]:  # the queue fills while the oldest is being written
+                recorder.postmortem({"id": id_})
+            release.set()
+        await recorder.flush()
+    dropped = {e["id"] for e in logs if e["event"] == "records.postmortem_dropped"}
+    written = {p.stem for p in (state / "postmortems").glob("*.json")}
+    assert len(dropped) == 1
+    assert not dropped & written
+    assert written | dropped == set(ids)
 
 
 async def test_post_mortems_waiting_for_a_failing_disk_stay_bounded(tmp_path: Path) -> None:
@@ -1003,3 +1043,25 @@ def test_secrets_in_a_health_url_are_masked_where_it_is_shown(url: str, shown: s
     from supervisor.views import redact_url
 
     assert redact_url(url) == shown
+
+
+async def test_the_post_mortems_waiting_stay_bounded_under_a_huge_postmortem_keep(
+    tmp_path: Path,
+) -> None:
+    """Regression: on a disk that is not failing, the queue was bounded by ``postmortem_keep``
+    alone, which has no upper bound: with ``postmortem_keep = 100000`` and a disk that hangs
+    rather than fails (a stuck NFS mount: no write fails, none ends), crash loops queued
+    documents of up to a few hundred KiB each without limit. At most
+    ``MAX_PENDING_BURST`` wait, whatever ``postmortem_keep`` says."""
+    from supervisor.records import MAX_PENDING_BURST
+
+    state = tmp_path / "state"
+    state.mkdir()
+    recorder = Recorder(state, 100_000, WriteHealth(), snapshot=dict)
+    n = MAX_PENDING_BURST + 5
+    with capture_logs() as logs:
+        for i in range(n):  # one loop turn: the writer has not run yet
+            recorder.postmortem({"id": postmortem_id(T0 + i / 1000, f"w-{i}", "exit")})
+    assert len(recorder._pending) == MAX_PENDING_BURST
+    assert len([e for e in logs if e["event"] == "records.postmortem_dropped"]) == 5
+    await recorder.flush()
