@@ -941,6 +941,8 @@ class Runtime:
                     held = self._suspect_of.get(uuid, {})
                     self._suspect_of[uuid] = {p: w for p, w in held.items() if p in listed}
         self._wake_gpu_waiters()
+        if self.systemd.enabled:  # the GPUs it counts change without a worker changing
+            self.systemd.status(self.status_line())
         # state.json shows the devices (with their flags) and each worker's tree (for orphan
         # reclaim): only a sample that changes one of them needs a new snapshot.
         recorded = (

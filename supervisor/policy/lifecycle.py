@@ -533,7 +533,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return rec, []
         if isinstance(ev, Drain):
             # Not ready yet, so not routed to: nothing to drain, stop straight away.
-            after = _restart_after(ev.reason) if ev.restart else AfterExit.STOP
+            after = _restart_after(ev.reason, drain=True) if ev.restart else AfterExit.STOP
             return _begin_stop(rec, now, t, after, ev.reason)
         return rec, []
 
@@ -549,7 +549,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Restart):
             return _begin_stop(rec, now, t, _restart_after(ev.reason), ev.reason)
         if isinstance(ev, Drain):
-            after = _restart_after(ev.reason) if ev.restart else AfterExit.STOP
+            after = _restart_after(ev.reason, drain=True) if ev.restart else AfterExit.STOP
             rec, acts = _move(
                 rec,
                 S.DRAINING,
@@ -642,14 +642,24 @@ def gpu_wait_s(policy: RestartPolicy, waits: int) -> float:
     return min(cap, first * 2.0 ** min(waits - 1, 30))
 
 
-def _restart_after(reason: ExitReason) -> AfterExit:
+#: Drains off a GPU that failed (quarantined): the GPU's doing, never the worker's.
+_GPU_FAULTS = frozenset(
+    {ExitReason.GPU_LOST, ExitReason.ROW_REMAP_FAILURE, ExitReason.RECOVERY_ACTION}
+)
+
+
+def _restart_after(reason: ExitReason, drain: bool = False) -> AfterExit:
     """A healing restart is judged like a crash once the process is gone: after a stable run it
     starts again at once (``delay_s``), else it counts as a failure (backoff, then ``fatal``),
     so a worker that is over its budget from the start cannot restart in a tight loop. An
     operator's or a reload's restart is not judged, nor a migration off a hot GPU (the GPU's
     doing, not the worker's: a GPU that turned hot soon after the start made it a failed start,
-    toward ``fatal``)."""
-    if reason is ExitReason.THERMAL:
+    toward ``fatal``), nor a drain off a failed GPU (``drain``: an XID drain is a device-fatal
+    one; a worker-fatal XID restarts, and is judged). Regression: a GPU that failed while its
+    worker loaded made the move a failed start (a backoff first; ``fatal`` after failures)."""
+    if reason is ExitReason.THERMAL or reason in _GPU_FAULTS:
+        return AfterExit.RESTART
+    if drain and reason is ExitReason.XID:
         return AfterExit.RESTART
     return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
+from supervisor.backends.sim import SimBackend
 from tests.conftest import SupervisorFactory
 from tests.harness import worker_cmd
 
@@ -372,3 +374,34 @@ def test_a_stop_while_a_reload_reads_its_file_applies_nothing(
         assert not [m for m in after if "RELOADING=1" in m or "READY=1" in m], got
         assert not sup.find(event="worker.spawned", worker="b-0")
         assert sup.find(event="supervisor.reload_rejected", reason="stopping")
+
+
+def test_status_says_the_gpus_once_nvml_answers_after_the_start(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML does not answer at the start (no library yet: the driver installed or loaded
+    late), then does. Regression: ``STATUS=`` said "no GPU telemetry" for as long as no worker
+    changed state (hours on a quiet machine), though the GPUs were read again: it was only
+    sent on a worker's change, never when the GPUs seen changed."""
+    path = tmp_path / "systemd.sock"
+    libdir = tmp_path / "lib"
+    libdir.mkdir()
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [{"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    env = {
+        "NOTIFY_SOCKET": str(path),
+        "LD_LIBRARY_PATH": str(libdir),
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+    }
+    with service_manager(path) as manager:
+        sup = supervisor(cfg, env=env)
+        assert "STATUS=1/1 ready, 0 fatal, no GPU telemetry" in manager.wait_for("READY=1")
+        shutil.copy(fake_nvml_libdir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+        sup.wait_event(event="gpu.backend", timeout=15)
+        assert manager.wait_for("STATUS=1/1 ready, 0 fatal, 2 GPUs", timeout=5)
+        assert sup.stop() == 0

@@ -521,6 +521,34 @@ def test_a_migration_off_a_hot_gpu_is_no_failed_start() -> None:
         assert exit_.failure is failure, reason
 
 
+@pytest.mark.parametrize(
+    "reason",
+    [
+        ExitReason.XID,
+        ExitReason.GPU_LOST,
+        ExitReason.ROW_REMAP_FAILURE,
+        ExitReason.RECOVERY_ACTION,
+    ],
+)
+@pytest.mark.parametrize("loading", [True, False])
+def test_a_move_off_a_failed_gpu_is_no_failed_start(reason: ExitReason, loading: bool) -> None:
+    """A GPU that fails (a device-fatal XID, lost, a failed row remap, a reset asked for) while
+    its worker loads, or within ``stable_s`` of its start, drains it to another GPU: the GPU's
+    doing, not the worker's. Regression: it counted as a failed start (backoff before the
+    move; a worker with failures already went ``fatal`` instead of moving to a healthy GPU)."""
+    rec = replace(started(), history=FailureHistory((99.0, 99.5), 2))  # burst 2: one more fatal
+    if not loading:
+        rec = at(rec, lc.Ready(10), 100.5)
+    rec = at(rec, lc.Drain(restart=True, reason=reason), 101)
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 101.2, T)
+    (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+    assert exit_.failure is False and rec.state is S.STARTING, rec
+    # a worker-fatal XID restarts the worker (its own fault, maybe): a failed start still
+    rec = at(started(), lc.Restart(reason=ExitReason.XID), 101)
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 101.2, T)
+    assert [a.failure for a in acts if isinstance(a, lc.Exit)] == [True]
+
+
 def test_an_operators_drain_of_a_worker_healing_drains_keeps_it_stopped() -> None:
     """Regression: `drain GROUP` while healing drained one of its workers was ignored for that
     worker (which restarted after the healing drain) though the client said it was drained."""
