@@ -60,7 +60,18 @@ class BackendError(SupervisorError):
 
 
 class BackendUnavailable(BackendError):
-    """No GPU telemetry: the library or driver is missing, or access is denied."""
+    """No GPU telemetry: the library or driver is missing, or access is denied.
+
+    ``library_absent``: the GPU library itself is not there (NVML's ``LibraryNotFound``, or a
+    library without the functions needed to initialise: a machine without GPUs), as opposed
+    to a library that is there but does not answer (driver not loaded yet, version mismatch,
+    no permission, a call that hangs): only the first is worth no retry."""
+
+    def __init__(
+        self, message: str, code: int | None = None, *, library_absent: bool = False
+    ) -> None:
+        super().__init__(message, code)
+        self.library_absent = library_absent
 
 
 class DeviceLost(BackendError):

@@ -699,15 +699,19 @@ class Runtime:
 
     async def _open_gpus(self) -> None:
         gpu = self.settings.gpu
-        # A call of the open still in flight is a slow or hung driver, not NVML failing to
-        # initialise: auto keeps NVML (down meanwhile, opened again once the call returns).
-        # Regression: it fell back to no telemetry for good (workers unplaced, XIDs unwatched)
-        # though NVML answered seconds later.
+        # auto runs without GPU telemetry for good only where the NVML library itself is
+        # absent (a machine without GPUs). A library that is there but fails to initialise (a
+        # driver loaded late, being upgraded: DRIVER_NOT_LOADED, RM version mismatch, no
+        # permission) or an open still in flight (a slow or hung driver) is a GPU machine:
+        # auto keeps NVML, down meanwhile and opened again with backoff, as nvml does.
+        # Regression: it fell back for good on any failure (workers unplaced, XIDs unwatched,
+        # no GPUs shown until a restart) though NVML answered seconds later.
         opened = await self.sampler.open(fallback=gpu.backend == "auto")
-        if not opened and gpu.backend == "auto" and self.sampler.stuck_for_s() is None:
+        if not opened and gpu.backend == "auto" and self.sampler.library_absent:
             self.log.warning(
                 "gpu.no_telemetry",
-                reason="backend auto: NVML did not initialise; running without GPU telemetry",
+                reason="backend auto: no NVML library on this machine; running without GPU "
+                "telemetry (not retried)",
                 error=self.sampler.error,
             )
             self.sampler.use(NoBackend())

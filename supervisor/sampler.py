@@ -302,6 +302,9 @@ class Sampler:
         self._seen: dict[str, DeviceIdentity] = {}  # every GPU listed since the backend opened
         self.error: str | None = None
         self.available = False
+        #: the last open failed because the GPU library itself is not there (no NVML on this
+        #: machine), not because a library that is there did not answer
+        self.library_absent = False
         self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
         self._host_limiter = anyio.CapacityLimiter(1)  # host reads go on while a GPU call hangs
@@ -357,9 +360,12 @@ class Sampler:
 
     async def open(self, fallback: bool = False) -> bool:
         """Open the backend (in the NVML thread); False (degraded) if it is unavailable.
-        ``fallback``: the caller runs without telemetry when the open fails (``auto``), so a
-        failure is not announced as one retried (``gpu.unavailable``) unless the call is stuck
-        (a slow driver, which ``auto`` keeps)."""
+        ``fallback``: the caller runs without telemetry when the open fails because the
+        library is absent (``auto`` on a machine without NVML: ``library_absent``), so such a
+        failure is not announced as one retried (``gpu.unavailable``); any other failure (a
+        driver not loaded yet, a call that hangs) is, with why ``auto`` keeps the backend.
+        Regression: ``auto`` fell back for good on any failure, though a GPU machine whose
+        driver loads late answers seconds later."""
         backend = self._opening = self._factory()
         try:
             opened = await self._bounded(self._guarded(backend.open))
@@ -367,20 +373,33 @@ class Sampler:
         except BackendUnavailable as exc:
             self.available = False
             self.error = str(exc)
+            self.library_absent = exc.library_absent and self.stuck_for_s() is None
             self.backend, self._opening = backend, None
             self._reopen_at = time.monotonic() + self._reopen_delay
-            if not fallback or self.stuck_for_s() is not None:
+            if not (fallback and self.library_absent):
+                kept = {}
+                if fallback:  # auto at the start: say why it is kept
+                    why = (
+                        "its open has not returned (a slow driver)"
+                        if self.stuck_for_s() is not None
+                        else "its library is there but did not initialise (driver not loaded yet?)"
+                    )
+                    kept["reason"] = (
+                        f"backend auto: {why}; keeping {backend.name}, retrying with backoff"
+                    )
                 self._log.warning(
                     "gpu.unavailable",
                     backend=backend.name,
                     error=str(exc),
                     retry_in_s=self._reopen_delay,
+                    **kept,
                 )
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
             return False
         self.backend, self._opening = backend, None
         self.available = True
         self.error = None
+        self.library_absent = False
         if self.identities:
             self._gpus_opened.set()
         # the backoff starts over after a good sample, not here: a backend that opens but

@@ -32,6 +32,8 @@ import pynvml
 from supervisor.backends.base import (
     BACKEND_GONE_CODES,
     DEVICE_LOST_CODES,
+    NVML_ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_TIMEOUT,
     NVML_ERROR_UNINITIALIZED,
     PLACEHOLDER,
@@ -70,6 +72,10 @@ MEMORY_ERRORS_EVERY_S = 5.0
 #: How many times a process list is asked for when it answers INSUFFICIENT_SIZE: processes
 #: started between pynvml's two calls (the count, then the list) and outgrew its buffer.
 LIST_TRIES = 3
+
+
+#: init failures that mean no usable NVML library on the machine (not retried under ``auto``)
+LIBRARY_ABSENT_CODES = (NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_FUNCTION_NOT_FOUND)
 
 
 def _code(exc: BaseException) -> int | None:
@@ -207,9 +213,19 @@ class NvmlBackend:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:
-            raise BackendUnavailable(f"NVML init failed: {_describe(exc)}", _code(exc)) from exc
+            # no library, or one without nvmlInitWithFlags: no NVML on this machine (``auto``
+            # runs without it); any other failure is a library that is there but does not
+            # answer yet (driver not loaded, RM version mismatch, no permission): retried
+            code = _code(exc)
+            raise BackendUnavailable(
+                f"NVML init failed: {_describe(exc)}",
+                code,
+                library_absent=code in LIBRARY_ABSENT_CODES,
+            ) from exc
         except OSError as exc:  # pragma: no cover - pynvml maps this to LibraryNotFound
-            raise BackendUnavailable(f"NVML library not loadable: {exc}") from exc
+            raise BackendUnavailable(
+                f"NVML library not loadable: {exc}", library_absent=True
+            ) from exc
         self._initialized = True
         try:
             count = pynvml.nvmlDeviceGetCount()

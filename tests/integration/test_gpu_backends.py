@@ -328,22 +328,51 @@ def test_nvml_missing_then_appearing(
     assert sup.stop() == 0
 
 
-def test_nvml_init_failure_is_degraded_and_auto_falls_back(
+def test_auto_keeps_nvml_when_the_driver_is_late(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
+    """`backend = "auto"` on a GPU machine whose driver is not loaded yet at the start (the
+    library is there, init says DRIVER_NOT_LOADED: a boot ordering race, a driver upgrade).
+    Regression: auto fell back to no telemetry for good (`gpu.no_telemetry`): GPUs never
+    shown, `gpus = "auto"` workers never placed, XIDs never watched until a restart. It keeps
+    NVML now and opens it again with backoff, as `backend = "nvml"` does."""
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
     (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
     cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
         "gpu": {"backend": "auto"},
         "workers": [{"name": "g", "command": worker_cmd("ready_then_sleep")}],
     }
     sup = supervisor(
-        cfg, env={"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+        cfg,
+        env={"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)},
+        log_level="debug",
     )
-    fallback = sup.wait_event(event="gpu.no_telemetry")
-    assert "Driver Not Loaded" in fallback["error"]
-    sup.ready("g-0")
+    down = sup.wait_event(event="gpu.unavailable")
+    assert down["backend"] == "nvml" and "Driver Not Loaded" in down["error"], down
+    assert "retrying" in down["reason"], down  # says which case it is
+    sup.ready("g-0")  # started meanwhile, unplaced
+    sample = sup.wait_event(event="gpu.sample", workers=lambda w: "g-0" in w)
+    assert sample["nvml_available"] is False
+    with sup.api() as http:
+        status = http.get("/api/v1/gpu/status").json()
+        assert status["backend"] == "nvml" and status["nvml_available"] is False, status
+    (world / "init_rc").unlink()  # the driver is loaded now
+    up = sup.wait_event(event="gpu.backend", backend="nvml", timeout=5)
+    assert up["uuids"] == [UUID0, UUID1]
+    sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/g-0/restart").status_code == 202
+        moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
+        assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
+        sup.ready("g-0", after=mark)
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+    with open(world / "events", "a") as fh:
+        fh.write("0 31\n")  # informational: counted, nothing restarted
+    assert sup.wait_event(event="gpu.xid", xid=31, after=mark)["uuid"] == UUID0
+    assert not sup.find(event="gpu.no_telemetry")
     assert sup.stop() == 0
 
 
@@ -367,6 +396,34 @@ def test_auto_without_nvml_says_so_with_one_warning(
     assert [e["event"] for e in sup.find(event="gpu.unavailable")] == []
     warnings = [e["event"] for e in sup.find(level="warning") if e["event"].startswith("gpu.")]
     assert warnings == ["gpu.no_telemetry"]
+
+
+@pytest.mark.parametrize("init_rc", [None, 9, 18, 4, 999])
+def test_an_init_failure_says_whether_the_library_is_absent(
+    tmp_path: Path, fake_nvml_libdir: Path, init_rc: int | None
+) -> None:
+    """Only a missing library (None: no libnvidia-ml.so.1) is NVML absent; DRIVER_NOT_LOADED,
+    LIB_RM_VERSION_MISMATCH, NO_PERMISSION and UNKNOWN at init are a library that is there.
+    Regression: the open's failure did not say which, so `auto` fell back to no telemetry
+    for good on a GPU machine whose driver was merely late."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    libdir = fake_nvml_libdir
+    if init_rc is None:
+        libdir = tmp_path / "lib"
+        libdir.mkdir()
+    else:
+        (world / "init_rc").write_text(f"{init_rc}\n")
+    script = (
+        "from supervisor.backends.nvml import NvmlBackend\n"
+        "from supervisor.errors import BackendUnavailable\n"
+        "try:\n"
+        "    NvmlBackend().open()\n"
+        "except BackendUnavailable as exc:\n"
+        "    print(exc.code, exc.library_absent)\n"
+    )
+    out = on_fake_nvml(script, world, libdir)
+    assert out.stdout.split() == [str(init_rc or 12), str(init_rc is None)], out.stdout
 
 
 def test_auto_keeps_nvml_when_its_open_is_only_slow(

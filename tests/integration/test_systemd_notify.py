@@ -376,21 +376,28 @@ def test_a_stop_while_a_reload_reads_its_file_applies_nothing(
         assert sup.find(event="supervisor.reload_rejected", reason="stopping")
 
 
+@pytest.mark.parametrize("late", ["library", "driver"])
 def test_status_says_the_gpus_once_nvml_answers_after_the_start(
-    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path, late: str
 ) -> None:
-    """NVML does not answer at the start (no library yet: the driver installed or loaded
-    late), then does. Regression: ``STATUS=`` said "no GPU telemetry" for as long as no worker
-    changed state (hours on a quiet machine), though the GPUs were read again: it was only
-    sent on a worker's change, never when the GPUs seen changed."""
+    """NVML does not answer at the start (``library``: no library yet, the driver installed
+    late, under ``backend = "nvml"``; ``driver``: the library is there but the driver is not
+    loaded yet, under ``backend = "auto"``), then does. Regression: ``STATUS=`` said "no GPU
+    telemetry" for as long as no worker changed state (hours on a quiet machine), though the
+    GPUs were read again: it was only sent on a worker's change, never when the GPUs seen
+    changed. Regression (``driver``): auto fell back to no telemetry for good, so the GPUs
+    never came."""
     path = tmp_path / "systemd.sock"
     libdir = tmp_path / "lib"
     libdir.mkdir()
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
+    if late == "driver":
+        shutil.copy(fake_nvml_libdir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+        (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
     cfg = {
         "supervisor": {"sample_interval_s": 0.1},
-        "gpu": {"backend": "nvml"},
+        "gpu": {"backend": "nvml" if late == "library" else "auto"},
         "workers": [{"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
     }
     env = {
@@ -401,7 +408,10 @@ def test_status_says_the_gpus_once_nvml_answers_after_the_start(
     with service_manager(path) as manager:
         sup = supervisor(cfg, env=env)
         assert "STATUS=1/1 ready, 0 fatal, no GPU telemetry" in manager.wait_for("READY=1")
-        shutil.copy(fake_nvml_libdir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+        if late == "library":
+            shutil.copy(fake_nvml_libdir / "libnvidia-ml.so.1", libdir / "libnvidia-ml.so.1")
+        else:
+            (world / "init_rc").unlink()
         sup.wait_event(event="gpu.backend", timeout=15)
         assert manager.wait_for("STATUS=1/1 ready, 0 fatal, 2 GPUs", timeout=5)
         assert sup.stop() == 0
