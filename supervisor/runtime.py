@@ -732,9 +732,9 @@ class Runtime:
         for d in sample.devices:
             why = ""
             if not d.healthy:
-                why = f"is unhealthy ({d.error})"
+                why = f"{_UNHEALTHY} ({d.error})"
             elif d.uuid in self.healer.state.quarantined:
-                why = f"is quarantined ({self.healer.state.quarantined[d.uuid]})"
+                why = f"{_QUARANTINED} ({self.healer.state.quarantined[d.uuid]})"
             elif d.uuid in self.suspect:
                 why = SUSPECT
             elif d.uuid in self.cordoned:
@@ -2716,6 +2716,9 @@ class Runtime:
                 _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + runner.timing.start_timeout_s,
             )
+            if settled and self._moved_off(runner, runner.spec.gpus or ()):
+                await self._back_after_move(group, runner)
+                going_down = True  # what it comes back as is not the roll-out's doing
             if self._shutting_down:
                 return False
             if superseded():  # it goes on loading; the reload's roll-out waits for it first
@@ -2768,9 +2771,29 @@ class Runtime:
         def broken() -> WorkerRunner | None:
             return next((r for r in replaced if r.state is not WorkerState.READY), None)
 
+        on = {r.name: frozenset(r.spec.gpus or ()) for r in replaced}
         if wait_s > 0:
             await self.wait_until(lambda: broken() is not None or self._superseded(group), wait_s)
         failed = broken()
+        # one that healing moves off its GPU (failed, lost, hot) is not the definition's
+        # fault: waited for on its new GPU and proven there, or passed over if none has room
+        # (regression: the roll-out halted, blaming the definition for its GPU)
+        while (
+            failed is not None
+            and not self._shutting_down
+            and self._moved_off(failed, on.get(failed.name, frozenset()))
+            and await self._back_after_move(group, failed)
+        ):
+            on[failed.name] = frozenset(failed.spec.gpus or ())
+            if failed.record.waiting_for_gpu:
+                replaced.remove(failed)
+                self._rollout_passes_over(group, failed)
+            else:
+                stable = wait_s if stable_s is None else stable_s
+                await self.wait_until(
+                    lambda: broken() is not None or self._superseded(group), stable
+                )
+            failed = broken()
         if failed is None and self._superseded(group):
             return self._roll_superseded(group)
         if failed is None or self._shutting_down:
@@ -2782,6 +2805,52 @@ class Runtime:
             f"replaced worker did not stay ready for stable_s ({stable:g} s); {rest}",
         )
         return False
+
+    def _moved_off(self, runner: WorkerRunner, gpus: Collection[str]) -> bool:
+        """``runner``, on ``gpus`` a moment ago, is down because healing moves it off
+        one of them that failed (quarantined, lost) or is hot."""
+        rec = runner.record
+        if rec.state is WorkerState.READY:
+            return False
+        if rec.state in (WorkerState.DRAINING, WorkerState.STOPPING):
+            reason = rec.stop_reason
+        else:
+            reason = None if rec.last_exit is None else rec.last_exit.reason
+        if reason not in _GPU_FAULTS:
+            return False
+        bad = {s.uuid for s in self.slots() if s.why_not.startswith(_BROKEN_GPU)}
+        return bool((bad | self.healer.hot_gpus()) & set(gpus))
+
+    async def _back_after_move(self, group: str, runner: WorkerRunner) -> bool:
+        """Wait for ``runner``, moved off its GPU by healing, to be ready on another one (or
+        to wait for one); False when it is not in time or failed to start there."""
+        attempts = runner.spawn_attempts
+        started = runner.state is WorkerState.STARTING and runner.record.pid is not None
+
+        def settled() -> bool:
+            rec = runner.record
+            return (
+                rec.state in (WorkerState.READY, WorkerState.FATAL, WorkerState.STOPPED)
+                or rec.waiting_for_gpu
+                or (
+                    rec.state is WorkerState.BACKOFF
+                    and (started or runner.spawn_attempts > attempts)
+                )
+            )
+
+        t = runner.timing
+        budget = (
+            self._stop_budget(runner)
+            + t.restart.backoff_max_s  # its stop may count as a failed start
+            + self.settings.gpu.release_timeout_s
+            + t.start_timeout_s
+        )
+        await self._wait_started(
+            functools.partial(self._in_line, (runner.name,)),
+            lambda: settled() or self._shutting_down or self._superseded(group),
+            budget,
+        )
+        return runner.state is WorkerState.READY or runner.record.waiting_for_gpu
 
     async def _shutdown(self, signal_name: str) -> None:
         self._notify("STOPPING=1")
@@ -2987,6 +3056,28 @@ class Runtime:
             settings, keep=(*diff.unchanged, *diff.scaled, *diff.same_placement)
         )
 
+    def _onto_broken(self, plan: Plan, diff: ReloadDiff) -> list[str]:
+        """One line per worker of a changed or added group that ``plan`` puts on a GPU that
+        failed (quarantined, unhealthy) where it does not run now (an explicit GPU list)."""
+        broken = {
+            s.uuid: f"GPU {s.index} {s.why_not}"
+            for s in self.slots()
+            if s.why_not.startswith(_BROKEN_GPU)
+        }
+        touched = {*diff.changed, *diff.added}
+        out = []
+        for g in plan.groups:
+            if g.group.name not in touched:
+                continue
+            for spec in g.workers:
+                runner = self.runners.get(spec.name)
+                if runner is not None and runner.spec.gpus == spec.gpus:
+                    continue  # where it is (waiting for the GPU already, say)
+                bad = [broken[u] for u in spec.gpus or () if u in broken]
+                if bad:
+                    out.append(f"cannot place {spec.name}: {'; '.join(bad)}")
+        return out
+
     def _journal_reload(self, request: int, done: bool, **fields: Any) -> None:
         """``reload.done`` (the end of its roll-outs: ``halted`` lists groups whose roll-out
         halted) or ``reload.rejected`` (nothing changed: ``reason``, ``error``) in the journal,
@@ -3076,6 +3167,16 @@ class Runtime:
             error = "; ".join(missing)
             self.log.error("supervisor.reload_rejected", reason="command", error=error)
             self._journal_reload(request, False, reason="command", error=error)
+            self._reload_over()
+            return False
+        # nor is a GPU that failed (quarantined, lost): an explicit list naming one took the
+        # workers down to wait for it (automatic placement is rejected above)
+        broken = self._onto_broken(plan, diff)
+        if broken:
+            self.settings = old
+            error = "; ".join(broken)
+            self.log.error("supervisor.reload_rejected", reason="placement", error=error)
+            self._journal_reload(request, False, reason="placement", error=error)
             self._reload_over()
             return False
         touched = {*diff.changed, *diff.added}
@@ -3368,6 +3469,9 @@ class Runtime:
                 _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + timing.start_timeout_s,
             )
+            if settled and self._moved_off(runner, runner.spec.gpus or ()):
+                await self._back_after_move(group.name, runner)
+                going_down = True  # what it comes back as is not the roll-out's doing
             if superseded():
                 # the worker goes on loading this file; the next roll-out replaces it first
                 return self._roll_superseded(group.name)
@@ -3379,7 +3483,8 @@ class Runtime:
                 self._rollout_passes_over(group.name, runner, _STOPPED_MEANWHILE)
                 continue
             if settled and going_down and runner.record.waiting_for_gpu:
-                replaced.remove(runner)  # it starts on the new definition once a GPU fits
+                if runner in replaced:  # (a new replica of a scale-up is not)
+                    replaced.remove(runner)  # it starts on the new definition once a GPU fits
                 self._rollout_passes_over(group.name, runner)
                 continue
             if not settled or runner.state is not WorkerState.READY:
@@ -3548,6 +3653,21 @@ def _going_down(runner: WorkerRunner) -> bool:
     was quarantined meanwhile halted the roll-out as before)."""
     return runner.state is not WorkerState.READY
 
+
+#: Healing reasons that move a worker off its GPU for the GPU's fault (a roll-out holding
+#: for the worker waits for it on another GPU rather than halt).
+_GPU_FAULTS = frozenset(
+    {
+        ExitReason.XID,
+        ExitReason.GPU_LOST,
+        ExitReason.ROW_REMAP_FAILURE,
+        ExitReason.RECOVERY_ACTION,
+        ExitReason.THERMAL,
+    }
+)
+#: How a slot says its GPU failed (``GpuSlot.why_not``, made by ``Runtime.slots``).
+_UNHEALTHY, _QUARANTINED = "is unhealthy", "is quarantined"
+_BROKEN_GPU = (_UNHEALTHY, _QUARANTINED)
 
 #: Why a roll-out passes over a worker it found stopped after it restarted it.
 _STOPPED_MEANWHILE = "stopped (an operator's stop or drain) while the roll-out replaced it"

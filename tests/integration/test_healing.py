@@ -1024,3 +1024,141 @@ def test_a_worker_on_two_gpus_migrates_off_its_hot_one(
     assert sorted(moved["new_gpus"]) == [UUID1, UUID2]
     sup.ready("tp-0", after=mark)
     assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("fault", ["xid_79", "hot", "lost"])
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_waits_for_a_replaced_worker_healing_moves_off_its_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str, fault: str
+) -> None:
+    """A roll-out has replaced g-0 and holds for its ``stable_s`` when g-0's GPU fails (XID
+    79, lost) or turns hot (``on_thermal = "migrate"``): healing moves g-0 to another GPU, the
+    roll-out waits for it to be ready there, then goes on to g-1 and completes. Regression:
+    it halted at once ("replaced worker did not stay ready for stable_s"; a reload's rest kept
+    the old config), blaming the definition for its GPU's fault."""
+    group: dict[str, Any] = {
+        "name": "g",
+        "replicas": 2,
+        "command": sim("100"),
+        "restart": {"delay_s": 0, "stable_s": 1},
+        "health": {"on_thermal": "migrate"},
+    }
+    sup = supervisor(config(tmp_path, group, sim_devices=3))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    if how == "reload":
+        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}, sim_devices=3))
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as api:
+            assert api.post("/api/v1/groups/g/rolling-restart").status_code == 202
+    sup.ready("g-0", after=mark)
+    with sup.api() as api:
+        (gpu,) = api.get("/api/v1/workers/g-0").json()["gpus"]
+    if fault == "xid_79":
+        xid(tmp_path, int(gpu[-1]), 79)
+    elif fault == "hot":
+        set_gpu(tmp_path, int(gpu[-1]), temperature_c=86, temperature_slowdown_c=87)
+    else:
+        set_gpu(tmp_path, int(gpu[-1]), lost=1)
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark, timeout=20)
+    assert gpu not in moved["new_gpus"], moved
+    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
+
+    def over() -> bool:
+        return bool(
+            sup.find(event=done, after=mark)
+            or sup.find(event="supervisor.rollout_halted", after=mark)
+        )
+
+    sup.wait_until(over, "the roll-out to end", timeout=20)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    assert sup.find(event="worker.state", worker="g-1", new="stopping", after=mark)
+    with sup.api() as api:
+        events = api.get("/api/v1/events").json()
+        workers = {w["name"]: w for w in api.get("/api/v1/workers").json()}
+    assert [e["type"] for e in events if e["type"].startswith("rollout.")][-1] == "rollout.done"
+    assert workers["g-0"]["gpus"] != [gpu] and workers["g-1"]["gpus"] != [gpu], workers
+    assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_passes_over_a_replaced_worker_whose_gpu_fails_while_it_loads(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
+) -> None:
+    """A roll-out replaces p-0 (one worker a GPU, p-1 on GPU 1); XID 79 on GPU 0 while the
+    new p-0 loads: healing drains it and it waits for a GPU. The roll-out passes over it, as
+    one that was down already when reached is, rolls p-1 and completes. Regression: it halted
+    at p-0 ("did not become ready"; a reload's p-1 kept the old config), blaming the
+    definition for its GPU's fault."""
+    group: dict[str, Any] = {
+        "name": "p",
+        "replicas": 2,
+        "max_workers_per_gpu": 1,
+        "command": worker_cmd("notify_ready_late", "1"),
+        "restart": {"delay_s": 0, "stable_s": 0.2},
+    }
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("p-0")
+    sup.ready("p-1")
+    mark = sup.mark()
+    if how == "reload":
+        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as api:
+            assert api.post("/api/v1/groups/p/rolling-restart").status_code == 202
+    sup.wait_event(event="worker.spawned", worker="p-0", after=mark)
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark, timeout=20)
+    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
+
+    def over() -> bool:
+        return bool(
+            sup.find(event=done, after=mark)
+            or sup.find(event="supervisor.rollout_halted", after=mark)
+        )
+
+    sup.wait_until(over, "the roll-out to end", timeout=20)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    passed = sup.find(event="supervisor.rollout_passed_over", after=mark)
+    assert [e["worker"] for e in passed] == ["p-0"], passed
+    assert sup.find(event="worker.state", worker="p-1", new="stopping", after=mark)
+    with sup.api() as api:
+        p0 = api.get("/api/v1/workers/p-0").json()
+        p1 = api.get("/api/v1/workers/p-1").json()
+    assert p0["state"] == "backoff" and "waiting for a GPU" in p0["reason"], p0
+    assert (p1["state"], p1["gpus"]) == ("ready", [UUID1]), p1
+    assert sup.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"gpus": [0]}, {"gpus": [0, 1], "gpus_per_worker": 2}],
+    ids=["list", "two-gpus"],
+)
+def test_a_reload_listing_a_quarantined_gpu_is_rejected_and_keeps_the_group_serving(
+    supervisor: SupervisorFactory, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    """XID 79 quarantines GPU 0 and g-0 moves to GPU 1; a reload then lists GPU 0 for the
+    group: rejected ("placement", as a reload whose automatic placement does not fit the
+    GPUs of the moment is), g-0 serves on on GPU 1. Regression: accepted, g-0 was taken down
+    and waited for GPU 0 until the quarantine was lifted (the group served nothing), while the
+    halted roll-out said the old config was in force."""
+    group: dict[str, Any] = {"name": "g", "command": sim("100")}
+    sup = supervisor(config(tmp_path, group))
+    sup.ready("g-0")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="quarantine", after=mark, timeout=20)
+    pid = sup.ready("g-0", after=mark)["pid"]
+    rejected = sup.reload_rejected(config(tmp_path, {**group, **change}))
+    assert rejected["reason"] == "placement", rejected
+    assert "GPU 0 is quarantined" in rejected["error"], rejected
+    with sup.api() as api:
+        g0 = api.get("/api/v1/workers/g-0").json()
+        events = api.get("/api/v1/events").json()
+    assert (g0["state"], g0["pid"], g0["gpus"]) == ("ready", pid, [UUID1]), g0
+    assert events[-1]["type"] == "reload.rejected", events[-1]
+    assert sup.stop() == 0
