@@ -670,10 +670,15 @@ def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_
         "max_workers_per_gpu": 1,
         "restart": {"stable_s": 0.1},
     }
-    if down == "crashed":  # still in backoff when the roll-out reaches it
-        group["restart"] = {"stable_s": 0.1, "backoff_initial_s": 5, "backoff_max_s": 5}
-    else:  # still draining when the roll-out reaches it (0.2 s was missed under load in CI)
-        group["drain_timeout_s"] = 2
+    # p-0 must still be down (not waiting for a GPU yet) when the roll-out reaches it, and
+    # nothing but the roll-out may end that: a backoff, or a drain (no drain_signal: the
+    # worker does not react to it), that outlasts the test by far. (A 0.2 s, then 2 s drain
+    # timeout and a 5 s backoff were missed under load: p-0 was waiting for a GPU already,
+    # passed over without a word, and the test timed out on supervisor.rollout_passed_over.)
+    if down == "crashed":
+        group["restart"] = {"stable_s": 0.1, "backoff_initial_s": 60, "backoff_max_s": 60}
+    else:
+        group["drain_timeout_s"] = 60
     sup = supervisor(config(tmp_path, group))
     pid = sup.ready("p-0")["pid"]
     sup.ready("p-1")
@@ -686,6 +691,7 @@ def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_
         sup.wait_event(event="heal.action", action="quarantine", after=mark, timeout=20)
     else:
         sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
+        sup.wait_event(event="worker.state", worker="p-0", new="draining", after=mark)
     if how == "reload":
         sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
         sup.signal(signal.SIGHUP)

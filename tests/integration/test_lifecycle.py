@@ -148,7 +148,11 @@ def test_watchdog_silence_restarts_with_reason_hang(supervisor: SupervisorFactor
                     "hb",
                     "heartbeat_then_stop",
                     "3",
-                    health={"watchdog_s": 0.4},
+                    "0.2",
+                    # far above the heartbeats' 0.2 s: a worker held off the CPU on a loaded
+                    # machine is not taken for hung before its last heartbeat (0.4 s with
+                    # heartbeats 0.1 s apart was: a gap of 0.3 s more did it)
+                    health={"watchdog_s": 1.0},
                     restart={"stable_s": 0.1},
                 )
             ]
@@ -158,8 +162,9 @@ def test_watchdog_silence_restarts_with_reason_hang(supervisor: SupervisorFactor
     assert env_line
     stopping = sup.wait_event(event="worker.state", worker="hb-0", new="stopping")
     assert stopping["reason"] == "hang"
-    # Three heartbeats every 0.1 s kept it alive for at least 0.3 s + 0.4 s of silence.
-    assert ts(stopping) - ts(env_line) >= 0.6
+    # Three heartbeats 0.2 s apart kept it alive for at least 0.6 s + 1 s of silence (with
+    # none, it would have been stopped 1 s after its ready).
+    assert ts(stopping) - ts(env_line) >= 1.5
     exited = sup.wait_event(event="worker.exited", worker="hb-0")
     assert exited["reason"] == "hang"
     sup.wait_events(2, event="worker.spawned", worker="hb-0")

@@ -51,18 +51,29 @@ def postmortem(sup: Supervisor, worker: str) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize(("flag", "answer"), [("--sick-when", "HTTP 500"), ("--stall-when", "")])
+# a port of its own for each case: cases of one test run side by side under xdist (one that
+# found its port taken crashed, or was answered by the other case's server)
+@pytest.mark.parametrize(
+    ("flag", "answer", "port"),
+    [("--sick-when", "HTTP 500", 18961), ("--stall-when", "", 18967)],
+    ids=["--sick-when-HTTP 500", "--stall-when-"],  # (as they were named before the ports)
+)
 def test_a_worker_whose_health_url_fails_is_restarted_as_hung(
-    supervisor: SupervisorFactory, tmp_path: Path, flag: str, answer: str
+    supervisor: SupervisorFactory, tmp_path: Path, flag: str, answer: str, port: int
 ) -> None:
     sick = tmp_path / "sick"
-    sup = supervisor({"workers": [web(tmp_path, 18961, flag, str(sick), **fast())]})
+    group = web(tmp_path, port, flag, str(sick), **fast())
+    # its 3 failed probes (0.2 s apart, each asked while it is ready) take at least 0.4 s
+    # from its ready: a stable_s under that makes it a stable run whatever the probes' phase
+    # (0.5 s was missed when a probe fell just after the ready)
+    group["restart"] = {"stable_s": 0.2}
+    sup = supervisor({"workers": [group]})
     first = sup.ready("web-0")["pid"]
     mark = sup.mark()
     sick.touch()  # its engine died: /health says 500 (or nothing) while the process runs
     failed = sup.wait_event(event="worker.liveness_failed", worker="web-0", after=mark)
     sick.unlink()  # the next process is well
-    assert failed["failures"] == 3 and failed["url"] == "http://127.0.0.1:18961/health"
+    assert failed["failures"] == 3 and failed["url"] == f"http://127.0.0.1:{port}/health"
     assert failed["last"] == (answer or "timed out after 0.5 s")
     probes = sup.find(event="worker.liveness_probe", worker="web-0", after=mark)
     assert [p["failed"] for p in probes] == [1, 2, 3]
@@ -143,20 +154,22 @@ def test_a_reload_mid_probe_judges_the_answer_by_the_new_settings(
 
 
 @pytest.mark.parametrize(
-    "before", [{}, {**fast(), "liveness_interval_s": 600}], ids=["added", "interval_shortened"]
+    ("before", "port"),
+    [({}, 18963), ({**fast(), "liveness_interval_s": 600}, 18968)],  # a port each (see above)
+    ids=["added", "interval_shortened"],
 )
 def test_a_reload_of_the_liveness_settings_applies_to_the_running_worker_at_once(
-    supervisor: SupervisorFactory, tmp_path: Path, before: dict[str, Any]
+    supervisor: SupervisorFactory, tmp_path: Path, before: dict[str, Any], port: int
 ) -> None:
     """A reload that adds a liveness URL (or lowers its interval) applies to the process that
     runs, without a restart, and at once: the next probe is due by the new interval, not
     after the old one has run out (regression: a 10-minute interval lowered to 0.2 s was
     asked again 10 minutes later)."""
     sick = tmp_path / "sick"
-    sup = supervisor({"workers": [web(tmp_path, 18963, "--sick-when", str(sick), **before)]})
+    sup = supervisor({"workers": [web(tmp_path, port, "--sick-when", str(sick), **before)]})
     first = sup.ready("web-0")["pid"]
     mark = sup.mark()
-    sup.write_config({"workers": [web(tmp_path, 18963, "--sick-when", str(sick), **fast())]})
+    sup.write_config({"workers": [web(tmp_path, port, "--sick-when", str(sick), **fast())]})
     with sup.api() as http:
         assert http.post("/api/v1/reload").status_code == 202
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[])

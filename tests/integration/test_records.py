@@ -274,9 +274,17 @@ def test_state_written_on_transitions_not_on_heartbeats(
         {
             "supervisor": {"sample_interval_s": 0.1},
             "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            # a heartbeat every 0.05 s, and a watchdog_s far above that: a worker (or the
+            # supervisor) held off the CPU for 0.2 s (watchdog_s was that) on a loaded machine
+            # was restarted for a hang, a transition written in the quiet window
             "workers": [
                 group(
-                    "hb", "heartbeat_then_stop", "100000", gpus="none", health={"watchdog_s": 0.2}
+                    "hb",
+                    "heartbeat_then_stop",
+                    "100000",
+                    "0.05",
+                    gpus="none",
+                    health={"watchdog_s": 5},
                 )
             ],
         },
