@@ -1071,18 +1071,24 @@ class Healer:
     def _state_of(self, runner: WorkerRunner, now: float) -> WorkerState:
         """The worker's state as decisions see it: leaving once an action to take it down was
         posted, before its task has taken it (a finding judged in that step of the loop, an
-        XID or a log line, must count it down: max_unavailable)."""
+        XID or a log line, must count it down: max_unavailable). So too for one that a
+        roll-out or an operator posted (a restart, stop or drain still queued)."""
         posted = self._posted.get(runner.name)
-        if posted is None:
-            return runner.state
-        pid, started_at, at, leaving = posted
-        if (
-            runner.state is WorkerState.READY
-            and (runner.record.pid, runner.record.started_at) == (pid, started_at)
-            and now - at < POSTED_HOLD_S
-        ):
-            return leaving
-        del self._posted[runner.name]  # taken (or a new process): its own state says it
+        if posted is not None:
+            pid, started_at, at, leaving = posted
+            if (
+                runner.state is WorkerState.READY
+                and (runner.record.pid, runner.record.started_at) == (pid, started_at)
+                and now - at < POSTED_HOLD_S
+            ):
+                return leaving
+            del self._posted[runner.name]  # taken (or a new process): its own state says it
+        if runner.state is WorkerState.READY:
+            queued = runner.queued_down()
+            if isinstance(queued, lc.Drain):
+                return WorkerState.DRAINING
+            if queued is not None:
+                return WorkerState.STOPPING
         return runner.state
 
     def _can_migrate(self, findings: list[Finding]) -> dict[str, bool | str]:

@@ -2555,6 +2555,10 @@ class Runtime:
                 and (keep is None or r.name in keep)  # not one the new plan removes
                 and (
                     r.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+                    # one a drain, restart or stop was posted to that its task has not taken
+                    # yet (a healing action of this step of the loop): it still says ready
+                    # (regression: the roll-out took its sibling down too)
+                    or (r.state is WorkerState.READY and r.queued_down() is not None)
                     # with no process yet too: at the GPU-release barrier (bounded by
                     # release_timeout_s; regression: taken for not coming back)
                     or r.state is WorkerState.STARTING

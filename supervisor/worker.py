@@ -46,6 +46,9 @@ STALL_GRACE_S = 0.5
 #: a URL that streams (server-sent events, a download) must not fill the supervisor's memory,
 #: nor keep its 200 from counting.
 PROBE_BODY_MAX = 64 * 1024
+#: Events that take a ready worker down (a roll-out's or an operator's restart, stop or drain;
+#: a healing action): posted, not yet taken, they are what ``queued_down`` says.
+TAKES_DOWN = (lc.Stop, lc.Restart, lc.Drain, lc.Kill)
 
 
 class HttpProbes:
@@ -166,6 +169,8 @@ class WorkerRunner:
         self._read_notify = read_notify
         #: a Heartbeat / Ready is queued and not handled yet: more of the same add nothing
         self._queued: set[type[lc.Event]] = set()
+        #: the events that take it down (``TAKES_DOWN``) posted and not taken yet, in order
+        self._downs: deque[lc.Event] = deque()
         self._before: lc.WorkerRecord = self.record
         self._create_time: float | None = None
         self._reaped = False  # the current process's status was collected: its pid is not ours
@@ -227,10 +232,19 @@ class WorkerRunner:
         """Queue an event (never blocks)."""
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._send.send_nowait(event)
+            if isinstance(event, TAKES_DOWN):
+                self._downs.append(event)
 
     def inbox_empty(self) -> bool:
         """No event waits to be applied (what the record says is all there is to it)."""
         return self._recv.statistics().current_buffer_used == 0
+
+    def queued_down(self) -> lc.Event | None:
+        """The first event posted to take the worker down (``TAKES_DOWN``) that its task has
+        not taken yet (None: none). Until it is taken, a step of the event loop later, the
+        worker still says ``ready``: whoever judges how many of a group are down
+        (``max_unavailable``: the healer, a roll-out) counts it as on its way down."""
+        return self._downs[0] if self._downs else None
 
     def reconfigure(self, spec: LaunchSpec, timing: lc.Timing, passthrough: bool) -> None:
         """Use a new spec from the next start on (reload)."""
@@ -411,7 +425,11 @@ class WorkerRunner:
 
     def _apply(self, first: lc.Event) -> None:
         pending: deque[lc.Event] = deque([first])
-        changed = False
+        # taking an event ``queued_down`` said is a change even when the record stays as it
+        # was: what waits for the worker to be back looks again
+        changed = bool(self._downs) and first is self._downs[0]
+        if changed:
+            self._downs.popleft()
         while pending:
             event = pending.popleft()
             self._queued.discard(type(event))

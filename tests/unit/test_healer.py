@@ -40,6 +40,9 @@ class Runner:
         )
         self.last_exit_pid: int | None = None
         self.posted: list[Any] = []
+        #: an event that takes it down, posted by someone else (a roll-out, an operator) and
+        #: not yet taken by its task (the healer's own posts stay in ``posted``)
+        self.queued: Any = None
 
     @property
     def state(self) -> WorkerState:
@@ -48,6 +51,9 @@ class Runner:
 
     def post(self, event: Any) -> None:
         self.posted.append(event)
+
+    def queued_down(self) -> Any:
+        return self.queued
 
 
 @dataclass
@@ -419,6 +425,36 @@ def test_an_action_its_worker_never_takes_holds_the_group_back_only_a_while() ->
     host.clock.advance(POSTED_HOLD_S + 1)
     host.tick(healer)
     assert [type(e).__name__ for e in w1.posted] == ["Restart"]
+
+
+@pytest.mark.parametrize(
+    "event",
+    [lc.Restart(ExitReason.RELOAD), lc.Restart(), lc.Stop(), lc.Drain(restart=False)],
+    ids=["reload", "rolling-restart", "operator-stop", "operator-drain"],
+)
+def test_a_worker_a_roll_out_has_posted_a_restart_to_counts_as_down(event: Any) -> None:
+    """Regression: a roll-out (or an operator's restart, stop or drain) posted its event to
+    w-0, and a finding about its sibling w-1 was judged in the same step of the loop, before
+    w-0's task took the event: w-0 still said ready, so w-1 was restarted too, both of group
+    w down at once with max_unavailable 1. A worker with such an event queued counts as
+    going down; once it is back, w-1's turn comes."""
+    from supervisor.model import XidEvent
+
+    host, healer, w0, w1, x0, x1 = two_groups_on_two_gpus()
+    w0.queued = event  # posted by the roll-out, not yet taken by w-0's task
+    host.clock.advance(10.0)
+    healer.on_xid(XidEvent(1, GPUS[1], 13, host.clock.now()))
+    assert [type(e).__name__ for e in x1.posted] == ["Restart"]  # group x has none down
+    assert not w1.posted  # deferred: w-0 is going down
+    w0.queued, w0.record.state = None, WorkerState.STOPPING  # its task took it
+    host.tick(healer)
+    assert not w1.posted
+    w0.record.pid, w0.record.started_at = 200, host.clock.now()  # back, ready again
+    w0.record.state = WorkerState.READY
+    healer.on_spawned(w0, 200)  # type: ignore[arg-type]
+    host.tick(healer)
+    assert [type(e).__name__ for e in w1.posted] == ["Restart"]
+    assert not w0.posted and not x0.posted
 
 
 def test_a_worker_started_on_a_gpu_that_is_hot_already_is_derated() -> None:

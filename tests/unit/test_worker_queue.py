@@ -212,3 +212,44 @@ async def _not_seen(tmp_path: Path) -> None:
     view = r.view(seen)
     assert view["gpu_memory_mb"] == 700.0 and view["host_rss_mb"] == 12.5, view
     closed(r)
+
+
+def test_an_event_that_takes_the_worker_down_is_known_until_its_task_takes_it(
+    tmp_path: Path,
+) -> None:
+    """Regression: a roll-out's (or an operator's) Restart posted to a ready worker left no
+    trace until the worker's task took it, a step of the event loop later: the healer judging
+    the group in between saw one more ready worker than there was (``max_unavailable``).
+    ``queued_down()`` says what is queued to take it down (heartbeats are not), until taken;
+    its taking is a change (waiters look again) even when the record stays as it was."""
+    anyio.run(_queued_down, tmp_path)
+
+
+async def _queued_down(tmp_path: Path) -> None:
+    r = runner(tmp_path)
+    changes: list[WorkerRunner] = []
+    r._on_change = changes.append
+    r.on_notify(NotifyMessage(42, {"WATCHDOG": "1"}))
+    assert r.queued_down() is None
+    stop, drain = lc.Stop(), lc.Drain(restart=False)
+    r.post(stop)
+    r.post(drain)
+    assert r.queued_down() is stop
+    heartbeat = r._recv.receive_nowait()
+    assert isinstance(heartbeat, lc.Heartbeat)
+    r._apply(heartbeat)
+    assert r.queued_down() is stop
+    r.record = lc.WorkerRecord()  # its process went meanwhile: a stop changes nothing
+    r._apply(lc.Stop())  # one never queued (applied directly) is not the queued one
+    assert r.queued_down() is stop
+    changes.clear()
+    taken = r._recv.receive_nowait()
+    assert isinstance(taken, lc.Stop)
+    r._apply(taken)
+    assert r.queued_down() is drain
+    assert changes == [r]
+    taken = r._recv.receive_nowait()
+    assert isinstance(taken, lc.Drain)
+    r._apply(taken)
+    assert r.queued_down() is None
+    closed(r)
