@@ -386,6 +386,9 @@ class Runtime:
         #: workers that could not be placed at start (a GPU lost or missing, none fitting):
         #: placed at each start until they are; why not
         self._unplaced: dict[str, str] = {}
+        #: worker -> its process a placement roll-out was started for (GPU telemetry came up
+        #: after it started unplaced): not again for that process while telemetry stays up
+        self._placing: dict[str, int] = {}
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
@@ -422,7 +425,8 @@ class Runtime:
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
         self.sample_listeners: list[Callable[[Sample], None]] = []
-        #: group -> what is rolling it out now ("rolling restart", "reload"): one at a time
+        #: group -> what is rolling it out now ("rolling restart", "reload", PLACEMENT): one
+        #: at a time
         self.rolling: dict[str, str] = {}
         #: the HTTP clients of the workers' readiness and liveness probes (one per worker)
         self.http_probes = HttpProbes()
@@ -742,6 +746,51 @@ class Runtime:
             out.append(slot_for(d, why))
         return out
 
+    def _place_unplaced(self, sample: Sample) -> None:
+        """GPU telemetry is up (the first open after a degraded start, or NVML back): each
+        ``gpus = "auto"`` group with workers running unplaced (started while it was down:
+        ``CUDA_VISIBLE_DEVICES`` unset, every GPU seen, all on ``cuda:0``) has them restarted
+        onto their GPUs, one at a time, each waiting for readiness, as an operator's rolling
+        restart does (journaled as a roll-out of kind ``placement``). A group being rolled out
+        already is tried again at a later sample. Once per process while telemetry stays up
+        (a roll-out that halts is not started over and over). Never without telemetry for
+        good (``backend = "none"``, ``auto`` without NVML: no identities), nor for explicit
+        lists or ``"none"``. Regression: they stayed unplaced until they happened to restart."""
+        if not sample.nvml_available or not self.slots():
+            self._placing.clear()  # down (again): placed once it is back
+            return
+        if self._shutting_down or self._tg is None:
+            return
+        for group in self.settings.workers:
+            if group.gpus != "auto" or group.name in self.rolling:
+                continue
+            due = [
+                r
+                for r in self._targets(group.name)
+                if _runs_unplaced(r) and self._placing.get(r.name) != r.record.pid
+            ]
+            if not due:
+                continue
+            names = [r.name for r in due]
+            for r in due:
+                self._placing[r.name] = r.record.pid or 0
+            self.rolling[group.name] = PLACEMENT
+            self.log.info(
+                "supervisor.placing_unplaced",
+                group=group.name,
+                workers=names,
+                reason=PLACING_WHY,
+            )
+            self.journal.append(
+                self.clock.wall(),
+                "supervisor.placing_unplaced",
+                None,
+                group=group.name,
+                workers=names,
+                reason=PLACING_WHY,
+            )
+            self._tg.start_soon(self._rolling_restart, group.name, 0, frozenset(names))
+
     def _wake_gpu_waiters(self) -> None:
         """Workers waiting for a GPU try again as soon as there may be room: a GPU became
         usable (back, healthy, released, uncordoned, out of quarantine) or one holds fewer
@@ -945,6 +994,7 @@ class Runtime:
                     held = self._suspect_of.get(uuid, {})
                     self._suspect_of[uuid] = {p: w for p, w in held.items() if p in listed}
         self._wake_gpu_waiters()
+        self._place_unplaced(sample)
         if self.systemd.enabled:  # the GPUs it counts change without a worker changing
             self.systemd.status(self.status_line())
         # state.json shows the devices (with their flags) and each worker's tree (for orphan
@@ -2518,15 +2568,22 @@ class Runtime:
             return ident
         return next((uuid for uuid, index in ids.items() if ident == str(index)), None)
 
-    async def _rolling_restart(self, group: str, request: int = 0) -> None:
+    async def _rolling_restart(
+        self, group: str, request: int = 0, unplaced: frozenset[str] | None = None
+    ) -> None:
+        """An operator's rolling restart of ``group``; or, with ``unplaced``, the placement
+        roll-out of those of its workers (:meth:`_place_unplaced`)."""
         done = False
         try:
-            done = await self._roll_restart(group)
+            done = await self._roll_restart(group, unplaced)
         finally:
             self.rolling.pop(group, None)
             self._changed_now()  # a reload's roll-out of the group may wait for this one
             if not self._shutting_down:
-                self._journal_rollout(group, "rolling_restart", done, request=request)
+                if unplaced is None:
+                    self._journal_rollout(group, "rolling_restart", done, request=request)
+                else:
+                    self._journal_rollout(group, "placement", done)
 
     def _serving(self, name: str) -> bool:
         """Sort key of a roll-out: the workers that serve nothing now (in backoff, loading,
@@ -2622,7 +2679,7 @@ class Runtime:
         definition waits for it (its restarts of the old one were waited out before)."""
         if self._shutting_down:
             return False
-        if self.rolling.get(group) == "rolling restart":
+        if self.rolling.get(group) in ("rolling restart", PLACEMENT):
             return group in self._roll_waiting
         return self.rolling.get(group) == "reload" and self._reload_superseded()
 
@@ -2636,7 +2693,7 @@ class Runtime:
         one that runs) for a newer reload (logged); False, as a halted one."""
         reason = "a later reload rolls the group out from here"
         halted = "superseded by a later reload"
-        if (kind or self.rolling.get(group)) == "rolling restart":
+        if (kind or self.rolling.get(group)) in ("rolling restart", PLACEMENT):
             if self.settings.group(group) is None:
                 reason = halted = "superseded by a reload that removes the group"
             else:
@@ -2694,11 +2751,14 @@ class Runtime:
             **({} if done else where),
         )
 
-    async def _roll_restart(self, group: str) -> bool:
-        """Restart ``group`` one worker at a time; True when every worker was restarted."""
-        self.log.info("supervisor.rolling_restart", group=group, reason="operator")
-        self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
-        key = ("rolling_restart", "operator")
+    async def _roll_restart(self, group: str, unplaced: frozenset[str] | None = None) -> bool:
+        """Restart ``group`` one worker at a time; True when every worker was restarted.
+        ``unplaced``: only those workers, and only while they still run unplaced (a placement
+        roll-out, said by :meth:`_place_unplaced`; one restarted meanwhile was placed then)."""
+        if unplaced is None:
+            self.log.info("supervisor.rolling_restart", group=group, reason="operator")
+            self.journal.append(self.clock.wall(), "operator.rolling_restart", None, target=group)
+        key = ("rolling_restart", "operator" if unplaced is None else "placement")
         self.actions_total[key] = self.actions_total.get(key, 0) + 1
         replaced: list[WorkerRunner] = []
         superseded = functools.partial(self._superseded, group)
@@ -2709,6 +2769,8 @@ class Runtime:
             if runner is None or runner.state in (WorkerState.STOPPED, WorkerState.FATAL):
                 continue
             if passed_over(runner):
+                continue
+            if unplaced is not None and (name not in unplaced or not _runs_unplaced(runner)):
                 continue
             if not await self._others_back(group, runner):
                 return False
@@ -2745,7 +2807,11 @@ class Runtime:
                 group, replaced, runner.timing.restart.stable_s, "the rest keep running"
             ):
                 return False
-        self.log.info("supervisor.rolling_restart_done", group=group)
+        self.log.info(
+            "supervisor.rolling_restart_done",
+            group=group,
+            **({} if unplaced is None else {"kind": "placement"}),
+        )
         return True
 
     async def _proven(self, group: str, runner: WorkerRunner, stable_s: float) -> bool:
@@ -3598,6 +3664,17 @@ class Runtime:
         return False
 
 
+def _runs_unplaced(runner: WorkerRunner) -> bool:
+    """``runner`` has a process, started without GPUs (``CUDA_VISIBLE_DEVICES`` unset), that
+    is loading or serving: restarted by a placement roll-out once telemetry is up."""
+    rec = runner.record
+    return (
+        runner.spec.gpus is None
+        and rec.pid is not None
+        and rec.state in (WorkerState.STARTING, WorkerState.READY)
+    )
+
+
 def passed_over(runner: WorkerRunner) -> bool:
     """A roll-out leaves it alone: draining or stopping toward ``stopped`` (an operator's drain
     or stop stays in force), or waiting for a GPU (no process to replace)."""
@@ -3673,6 +3750,13 @@ _GPU_FAULTS = frozenset(
 _UNHEALTHY, _QUARANTINED = "is unhealthy", "is quarantined"
 _BROKEN_GPU = (_UNHEALTHY, _QUARANTINED)
 
+#: ``Runtime.rolling``'s value while a placement roll-out runs (GPU telemetry came up after
+#: workers of a ``gpus = "auto"`` group started unplaced)
+PLACEMENT = "placement roll-out"
+PLACING_WHY = (
+    "GPU telemetry came up after these workers started: restarting them one at a time onto "
+    "their GPUs"
+)
 #: Why a roll-out passes over a worker it found stopped after it restarted it.
 _STOPPED_MEANWHILE = "stopped (an operator's stop or drain) while the roll-out replaced it"
 

@@ -303,13 +303,13 @@ def test_nvml_missing_then_appearing(
     up = sup.wait_event(event="gpu.backend", timeout=15)
     assert up["uuids"] == [UUID0, UUID1]
     sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
-    # the worker that started unplaced is placed at its next start; XIDs are read now too
+    # the worker that started unplaced is restarted onto its GPU (no operator action: a
+    # placement roll-out); XIDs are read now too
     mark, lines = sup.mark(), len(sup.stdout)
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=sup.events.index(up))
+    assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
+    sup.ready("g-0", after=sup.events.index(moved))
     with sup.api() as http:
-        assert http.post("/api/v1/workers/g-0/restart").status_code == 202
-        moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
-        assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
-        sup.ready("g-0", after=mark)
         assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
     env = sup.wait_line("[g-0] ", after=lines, contains=" env ")
     assert f'"CUDA_VISIBLE_DEVICES": "{UUID0}"' in env
@@ -363,16 +363,84 @@ def test_auto_keeps_nvml_when_the_driver_is_late(
     assert up["uuids"] == [UUID0, UUID1]
     sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
     mark = sup.mark()
+    # placed with no operator action: restarted onto its GPU (see the test after this one)
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=sup.events.index(up))
+    assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
+    sup.ready("g-0", after=sup.events.index(moved))
     with sup.api() as http:
-        assert http.post("/api/v1/workers/g-0/restart").status_code == 202
-        moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark)
-        assert moved["old_gpus"] is None and moved["new_gpus"] == [UUID0]
-        sup.ready("g-0", after=mark)
         assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
     with open(world / "events", "a") as fh:
         fh.write("0 31\n")  # informational: counted, nothing restarted
     assert sup.wait_event(event="gpu.xid", xid=31, after=mark)["uuid"] == UUID0
     assert not sup.find(event="gpu.no_telemetry")
+    assert sup.stop() == 0
+
+
+def test_workers_started_before_nvml_are_placed_once_it_opens(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """`backend = "nvml"`, NVML down at the start (driver not loaded yet): the `gpus = "auto"`
+    workers start unplaced (no `CUDA_VISIBLE_DEVICES`: every one sees every GPU). Once NVML
+    opens, each is restarted onto its GPUs, one at a time, with no operator action, said once
+    per group and journaled as a roll-out (`kind: "placement"`); a group of `gpus = "none"` is
+    left alone. Regression: they stayed unplaced (all on cuda:0) until they happened to restart."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
+    ready = worker_cmd("ready_then_sleep")
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [
+            {"name": "g", "replicas": 2, "command": ready, "restart": {"stable_s": 0.2}},
+            {"name": "c", "gpus": "none", "command": ready},
+        ],
+    }
+    env = {"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+    sup = supervisor(cfg, env=env, log_level="debug")
+    sup.wait_event(event="gpu.unavailable")
+    for name in ("g-0", "g-1", "c-0"):
+        sup.ready(name)  # started meanwhile: g-0 and g-1 unplaced
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/g-0").json()["gpus"] is None
+    mark = sup.mark()
+    (world / "init_rc").unlink()  # the driver is loaded now
+    said = sup.wait_event(event="supervisor.placing_unplaced", after=mark)
+    assert said["group"] == "g" and sorted(said["workers"]) == ["g-0", "g-1"], said
+    assert "GPU telemetry came up after these workers started" in said["reason"], said
+    moved = {
+        e["worker"]: e["new_gpus"]
+        for e in sup.wait_events(2, event="worker.moved", after=mark, timeout=5)
+    }
+    assert sorted(map(tuple, moved.values())) == [(UUID0,), (UUID1,)], moved
+
+    def placed(events: list[dict[str, Any]]) -> bool:
+        return any(e["type"] == "rollout.done" and e.get("group") == "g" for e in events)
+
+    journal = sup.wait_api("/api/v1/events", placed, timeout=5)
+    done = [e for e in journal if e["type"].startswith("rollout.") and e.get("group") == "g"]
+    assert [(e["type"], e["kind"]) for e in done] == [("rollout.done", "placement")], done
+    with sup.api() as http:
+        for name in ("g-0", "g-1"):
+            assert http.get(f"/api/v1/workers/{name}").json()["gpus"] == moved[name]
+        assert http.get("/api/v1/workers/c-0").json()["gpus"] == []  # "none": left alone
+    steps = [
+        (e["event"], e["worker"])
+        for e in sup.find(after=mark)
+        if e["event"] == "worker.moved"
+        or (e["event"] == "worker.state" and e["new"] == "ready" and e["worker"] != "c-0")
+    ]
+    first, second = steps[0][1], steps[2][1]
+    assert steps == [  # one at a time: the next once the first is ready on its GPU
+        ("worker.moved", first),
+        ("worker.state", first),
+        ("worker.moved", second),
+        ("worker.state", second),
+    ], steps
+    spawned = [e["worker"] for e in sup.find(event="worker.spawned", after=mark)]
+    assert sorted(spawned) == ["g-0", "g-1"], spawned  # each restarted once, c-0 not at all
+    assert len(sup.find(event="supervisor.placing_unplaced")) == 1
+    assert not sup.find(event="supervisor.rolling_restart")  # not an operator's roll-out
     assert sup.stop() == 0
 
 
