@@ -2774,6 +2774,14 @@ class Runtime:
                 continue
             if not await self._others_back(group, runner):
                 return False
+            # looked at again after that wait: placed by a restart of its own, or stopped by
+            # an operator, meanwhile (regression: restarted all the same)
+            if (
+                runner.state in (WorkerState.STOPPED, WorkerState.FATAL)
+                or passed_over(runner)
+                or (unplaced is not None and not _runs_unplaced(runner))
+            ):
+                continue
             attempts = runner.spawn_attempts
             going_down = _going_down(runner)
             runner.post(lc.Restart())
@@ -2852,8 +2860,11 @@ class Runtime:
             failed is not None
             and not self._shutting_down
             and self._moved_off(failed, on.get(failed.name, frozenset()))
-            and await self._back_after_move(group, failed)
         ):
+            if not await self._back_after_move(group, failed):
+                if self._superseded(group):  # a later reload takes over while it loads: no
+                    return self._roll_superseded(group)  # halt (regression: "did not stay")
+                break
             on[failed.name] = frozenset(failed.spec.gpus or ())
             if failed.record.waiting_for_gpu:
                 replaced.remove(failed)

@@ -305,6 +305,9 @@ class Sampler:
         #: the last open failed because the GPU library itself is not there (no NVML on this
         #: machine), not because a library that is there did not answer
         self.library_absent = False
+        #: ``auto`` kept this backend on a library that did not initialise at start: its
+        #: same failure again at a retry is not said again
+        self._auto_kept = False
         self._host = HostSampler(every_s=HOST_EVERY_S)
         self._limiter = anyio.CapacityLimiter(1)
         self._host_limiter = anyio.CapacityLimiter(1)  # host reads go on while a GPU call hangs
@@ -371,12 +374,17 @@ class Sampler:
             opened = await self._bounded(self._guarded(backend.open))
             self.identities = self._named_all(opened)
         except BackendUnavailable as exc:
+            before, self.error = self.error, str(exc)
             self.available = False
-            self.error = str(exc)
             self.library_absent = exc.library_absent and self.stuck_for_s() is None
             self.backend, self._opening = backend, None
             self._reopen_at = time.monotonic() + self._reopen_delay
-            if not (fallback and self.library_absent):
+            # auto kept on a library that does not initialise (a late driver, or a machine
+            # without GPUs that has the library): the same failure is said once, not at
+            # every retry (regression: a warning a minute for ever on CPU nodes)
+            self._auto_kept = self._auto_kept or (fallback and not self.library_absent)
+            repeated = self._auto_kept and not fallback and before == self.error
+            if not (fallback and self.library_absent) and not repeated:
                 kept = {}
                 if fallback:  # auto at the start: say why it is kept
                     why = (

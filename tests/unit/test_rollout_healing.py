@@ -26,6 +26,7 @@ class Worker:
         self.timing = lc.Timing()
         self.spawn_attempts = 0
         self.queued: lc.Event | None = None
+        self.spec: Any = SimpleNamespace(gpus=None)
 
     @property
     def state(self) -> WorkerState:
@@ -91,5 +92,107 @@ async def _healing_drain_posted() -> None:
             assert not result
             w1.record.state = WorkerState.READY  # back
             wake(rt)
+    assert result == [True]
+    assert not halted
+
+
+def test_a_roll_out_superseded_while_a_moved_worker_loads_is_superseded_not_halted() -> None:
+    """Regression: a reload's roll-out held for ``stable_s`` on w-0, which healing moved off its
+    GPU (a device-fatal XID: quarantined). While w-0 loaded on its new GPU, a newer reload
+    superseded the roll-out: the wait for w-0 ended (not ready yet) and the roll-out was
+    reported halted, "replaced worker did not stay ready for stable_s" (an error blaming the
+    definition; ``reload.done`` listed the group as halted) instead of superseded."""
+    anyio.run(_superseded_while_moved)
+
+
+async def _superseded_while_moved() -> None:
+    w0 = Worker("w-0")
+    w0.record.stop_reason = None
+    w0.record.last_exit = None
+    w0.spec = SimpleNamespace(gpus=("GPU-A",))
+    rt, halted = runtime(w0)
+    rt.rolling = {"w": "reload"}
+    rt.settings = SimpleNamespace(gpu=SimpleNamespace(release_timeout_s=10.0))
+    rt.slots = lambda: [SimpleNamespace(uuid="GPU-A", why_not="is quarantined (XID 79)")]
+    rt.healer = SimpleNamespace(hot_gpus=lambda: set())
+    newer = [False]
+    rt._superseded = lambda group: newer[0]
+    superseded: list[str] = []
+
+    def roll_superseded(group: str, kind: str | None = None) -> bool:
+        superseded.append(group)
+        return False
+
+    rt._roll_superseded = roll_superseded
+    rt._rollout_passes_over = lambda group, runner, reason="": None
+    result: list[bool] = []
+
+    async def hold() -> None:
+        result.append(await rt._rollout_holds("w", [w0], 60.0, "the rest keep the old config"))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            await settle()
+            # healing drains it off its quarantined GPU; it starts on another one
+            w0.record.state, w0.record.stop_reason = WorkerState.DRAINING, ExitReason.XID
+            wake(rt)
+            await settle()
+            w0.record.state, w0.record.stop_reason = WorkerState.STARTING, None
+            w0.record.last_exit = SimpleNamespace(reason=ExitReason.XID)
+            w0.spec = SimpleNamespace(gpus=("GPU-B",))
+            wake(rt)
+            await settle()
+            assert not result  # waits for it on GPU-B
+            newer[0] = True  # a later reload takes the group over
+            wake(rt)
+    assert result == [False]
+    assert superseded == ["w"]
+    assert not halted
+
+
+def test_a_placement_roll_out_leaves_a_worker_placed_while_it_waited_for_a_sibling() -> None:
+    """Regression: a placement roll-out (GPU telemetry came up after w-1 started unplaced)
+    waited for a sibling on its way back (a healing drain) before restarting w-1; meanwhile
+    w-1 crashed and was restarted onto its GPU by itself. The roll-out then restarted it all
+    the same (its check "still unplaced" came before the wait): a worker already placed lost
+    its load for nothing. So too one an operator stopped meanwhile (its stop was undone)."""
+    anyio.run(_placed_while_waiting)
+
+
+async def _placed_while_waiting() -> None:
+    w0, w1 = Worker("w-0"), Worker("w-1")
+    posted: list[lc.Event] = []
+    for w in (w0, w1):
+        w.record.after_exit = None
+    w0.spec = SimpleNamespace(gpus=("GPU-A",))
+    w0.record.state = WorkerState.DRAINING  # healing drains it: the roll-out waits for it
+    w1.spec = SimpleNamespace(gpus=None)  # started before GPU telemetry: unplaced
+    w1.post = posted.append  # type: ignore[attr-defined]
+    rt, halted = runtime(w0, w1)
+    rt.rolling = {"w": "placement roll-out"}
+    rt.actions_total = {}
+    rt.log = SimpleNamespace(info=lambda *a, **k: None)
+    rt._superseded = lambda group: False
+    result: list[bool] = []
+
+    async def roll() -> None:
+        result.append(await rt._roll_restart("w", frozenset({"w-1"})))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(roll)
+            await settle()
+            assert not result and not posted  # waits for w-0
+            # w-1 crashed and started again by itself, placed onto its GPU now
+            w1.record.state, w1.record.pid = WorkerState.STARTING, 101
+            w1.spec = SimpleNamespace(gpus=("GPU-B",))
+            wake(rt)
+            await settle()
+            w0.record.state = WorkerState.READY  # back
+            wake(rt)
+            await settle()
+            tg.cancel_scope.cancel()  # (a restart posted would be waited for)
+    assert not posted
     assert result == [True]
     assert not halted

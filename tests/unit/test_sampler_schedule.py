@@ -202,3 +202,33 @@ async def test_a_bug_reading_the_gpus_makes_telemetry_unavailable_not_the_superv
         await tg.start(sampler.serve)
         assert await anyio.to_thread.run_sync(waited_again.wait, 10)
         tg.cancel_scope.cancel()
+
+
+async def test_auto_kept_on_a_library_that_does_not_initialise_says_it_once() -> None:
+    """Regression: ``backend = "auto"`` keeps NVML where its library is there but does not
+    initialise (a driver loaded late), and retries it with backoff; on a machine without GPUs
+    that has the library installed (a CPU node of a GPU image), that was a ``gpu.unavailable``
+    warning every minute for ever, where ``auto`` had said once that it runs without GPU
+    telemetry. The same failure is said once; a different one (or ``gpu.backend`` when it
+    opens) is said again."""
+    from structlog.testing import capture_logs
+
+    errors = iter(["Driver Not Loaded"] * 3 + ["RM Version Mismatch"])
+
+    class Late:
+        name = "nvml"
+
+        def open(self) -> tuple[DeviceIdentity, ...]:
+            raise BackendUnavailable(f"NVML init failed: {next(errors)}")
+
+    sampler = Sampler(Late, 1.0, dict, lambda s: None, lambda e: None)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert not await sampler.open(fallback=True)
+        assert not await sampler.open()
+        assert not await sampler.open()
+        assert not await sampler.open()
+    said = [e["error"] for e in logs if e["event"] == "gpu.unavailable"]
+    assert said == [
+        "NVML init failed: Driver Not Loaded",
+        "NVML init failed: RM Version Mismatch",
+    ], said
