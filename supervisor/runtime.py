@@ -1513,6 +1513,21 @@ class Runtime:
             raise PlacementError(f"{runner.name}: its group is no longer in the config")
         return placed[runner.name]
 
+    def _has_room(self, runner: WorkerRunner) -> bool:
+        """A placement roll-out restarts ``runner`` (running unplaced) only where the GPUs
+        have room for it now; else it is left serving where it runs, and that is said.
+        Regression: it was restarted all the same, then waited for a GPU without end."""
+        try:
+            self._place_one(runner, self.slots())
+        except PlacementError as exc:
+            self.log.warning(
+                "supervisor.placement_skipped",
+                worker=runner.name,
+                reason=f"left running unplaced: {exc}",
+            )
+            return False
+        return True
+
     def _spec_on(self, group: WorkerGroup, index: int, gpus: tuple[str, ...] | None) -> LaunchSpec:
         """Worker ``index`` of ``group`` planned again on ``gpus``."""
         return launch_spec(
@@ -2782,6 +2797,8 @@ class Runtime:
                 or (unplaced is not None and not _runs_unplaced(runner))
             ):
                 continue
+            if unplaced is not None and not self._has_room(runner):
+                continue  # left serving where it runs (said)
             attempts = runner.spawn_attempts
             going_down = _going_down(runner)
             runner.post(lc.Restart())

@@ -444,6 +444,46 @@ def test_workers_started_before_nvml_are_placed_once_it_opens(
     assert sup.stop() == 0
 
 
+def test_a_placement_roll_out_leaves_serving_a_worker_no_gpu_has_room_for(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Two `gpus = "auto"` workers started unplaced while NVML was down; it opens with one GPU
+    and `max_workers_per_gpu = 1`: one of them is moved onto it, the other is left running
+    (serving, unplaced) with a line saying why. Regression: it was restarted too, then waited
+    for a GPU without end: a serving worker taken down for a placement that could not be."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("ready_then_sleep"),
+                "max_workers_per_gpu": 1,
+                "restart": {"stable_s": 0.2},
+            }
+        ],
+    }
+    env = {"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+    sup = supervisor(cfg, env=env, log_level="debug")
+    sup.wait_event(event="gpu.unavailable")
+    pids = {name: sup.ready(name)["pid"] for name in ("g-0", "g-1")}
+    mark = sup.mark()
+    (world / "init_rc").unlink()  # the driver is loaded now
+    moved = sup.wait_event(event="worker.moved", after=mark, timeout=5)
+    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=5)
+    assert left["worker"] != moved["worker"] and left["reason"], left
+    sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
+    with sup.api() as http:
+        kept = http.get(f"/api/v1/workers/{left['worker']}").json()
+    assert kept["state"] == "ready" and kept["pid"] == pids[left["worker"]], kept
+    assert [e["worker"] for e in sup.find(event="worker.spawned", after=mark)] == [moved["worker"]]
+    assert sup.stop() == 0
+
+
 def test_auto_without_nvml_says_so_with_one_warning(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
