@@ -380,6 +380,7 @@ def test_dashboard_structure() -> None:
         "gpu_supervisor_worker_projected_oom_seconds",
         "gpu_supervisor_actions_total",
         "gpu_supervisor_worker_state",
+        "gpu_supervisor_gpu_xids_watched",
     ):
         assert metric in every, metric
     assert '$gpu"' in every and '$worker"' in every  # the variables are used
@@ -423,6 +424,47 @@ def test_dashboard_panels_show_problems_as_problems() -> None:
     ]
     (steps,) = [p["value"]["steps"] for p in override["properties"] if p["id"] == "thresholds"]
     assert steps[0] == {"color": "green", "value": None} and steps[1]["value"] == 1, steps
+
+
+def test_dashboard_shows_each_gpu_whose_xids_are_not_watched() -> None:
+    """Regression: the dashboard did not show ``gpu_xids_watched``, so a GPU whose XIDs act on
+    nothing looked like any other. A stat panel in the GPUs row shows each such GPU now (an
+    instant query: a GPU watched again leaves it), in the warning colour, by host and index."""
+    doc = dashboard()
+    (panel,) = [
+        p
+        for p in dashboard_panels(doc)
+        if any("gpu_xids_watched" in t["expr"] for t in p.get("targets", []))
+    ]
+    (gpus_row,) = [p for p in doc["panels"] if p["type"] == "row" and p["title"] == "GPUs"]
+    (next_row,) = [p for p in doc["panels"] if p["type"] == "row" and p["title"] == "Workers"]
+    assert gpus_row["gridPos"]["y"] < panel["gridPos"]["y"] < next_row["gridPos"]["y"]
+    assert panel["type"] == "stat"
+    (target,) = panel["targets"]
+    assert target["expr"] == (
+        '1 - gpu_supervisor_gpu_xids_watched{instance=~"$instance", gpu=~"$gpu"} > 0'
+    )
+    assert target["instant"] is True and target["range"] is False
+    assert set(LEGEND_LABEL.findall(target["legendFormat"])) == {"instance", "gpu"}
+    defaults = panel["fieldConfig"]["defaults"]
+    assert defaults["thresholds"]["steps"] == [
+        {"color": "green", "value": None},
+        {"color": "orange", "value": 1},
+    ]
+    assert defaults["mappings"] == [
+        {"type": "value", "options": {"1": {"text": "XIDs not watched"}}}
+    ]
+    assert defaults["noValue"]
+    assert panel["options"]["colorMode"] == "background"
+    # no panel overlaps another (the rows below moved down to make room)
+    cells: set[tuple[int, int]] = set()
+    for p in dashboard_panels(doc):
+        g = p["gridPos"]
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
+        assert not mine & cells, p["title"]
+        cells |= mine
 
 
 # --- Kubernetes ----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from supervisor.backends.sim import write_atomic
+from supervisor.backends.sim import SimBackend, write_atomic
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, worker_cmd
 from tests.tools import REQUIRE_ENV, require_tool, tools_required
@@ -377,6 +377,58 @@ def test_page_shows_workers_gpus_and_follows_a_state_change(
             {("operator.stop", "\u2014"), ("worker.exited", "c-0")} <= set(event_types(browser))
         ),
     )
+    assert_no_console_errors(browser)
+    assert sup.stop() == 0
+
+
+def gpu_chips(driver: Chrome) -> list[list[tuple[str, str, str | None]]]:
+    """Each GPU row's flags: text, class and title of each chip."""
+    found: list[list[list[Any]]] = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#gpus tbody tr[data-gpu]'),"
+        " tr => Array.from(tr.querySelectorAll('.chip'),"
+        " c => [c.textContent, c.className, c.getAttribute('title')]))"
+    )
+    return [[(text, cls, title) for text, cls, title in row] for row in found]
+
+
+@pytest.mark.timeout(120)
+def test_page_flags_a_gpu_whose_xids_are_not_watched(
+    supervisor: SupervisorFactory, tmp_path: Path, browser: Chrome, fake_nvml_libdir: Path
+) -> None:
+    """Regression: a GPU whose XID errors do not reach the supervisor (``xids_watched`` false:
+    NVML does not deliver them, here its event types are not supported) looked like any other
+    on the page, though its XIDs act on nothing. Its row says "XIDs not watched", as a
+    warning, with why it matters; a watched GPU's does not."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with (world / "gpus" / "1").open("a") as fh:
+        fh.write("rc_nvmlDeviceGetSupportedEventTypes 3\n")
+    config = page_config(tmp_path)
+    config["gpu"]["backend"] = "nvml"
+    config["workers"] = [w for w in config["workers"] if w["name"] == "c"]
+    sup = supervisor(
+        config, env={"GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(fake_nvml_libdir)}
+    )
+    sup.ready("c-0")
+    sup.wait_event(event="gpu.xids_unwatched")
+    with sup.api() as http:
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+    assert [d["xids_watched"] for d in devices] == [True, False]
+    browser.get(sup.api_url() + "/")
+    chips = wait_for(
+        browser,
+        "GPU 1 flagged",
+        lambda: (
+            len(gpu_rows(browser)) == 2
+            and any(c[0] == "XIDs not watched" for c in gpu_chips(browser)[1])
+            and gpu_chips(browser)
+        ),
+    )
+    assert [c[0] for c in chips[0]] == ["healthy"]
+    assert [c[0] for c in chips[1]] == ["healthy", "XIDs not watched"]
+    (_, cls, title) = chips[1][1]
+    assert cls.split() == ["chip", "warn"]  # as cordoned and suspect are
+    assert title and "gpu.xids_unwatched" in title
     assert_no_console_errors(browser)
     assert sup.stop() == 0
 
