@@ -81,6 +81,21 @@ def postmortem(sup: Supervisor, reason: str) -> dict[str, Any]:
     return doc
 
 
+def rolled_out(sup: Supervisor, how: str, mark: int, timeout: float) -> None:
+    """The roll-out (``how``: a reload or a rolling restart) begun after ``mark`` ends, done
+    (not halted)."""
+    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
+
+    def over() -> bool:
+        return bool(
+            sup.find(event=done, after=mark)
+            or sup.find(event="supervisor.rollout_halted", after=mark)
+        )
+
+    sup.wait_until(over, "the roll-out to end", timeout=timeout)
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+
+
 def test_leaking_worker_is_drained_and_restarted_before_its_budget(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -982,16 +997,7 @@ def test_a_recycle_never_halts_a_roll_out_of_its_group(
     else:
         with sup.api() as api:
             assert api.post("/api/v1/groups/m/rolling-restart").status_code == 202
-    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
-
-    def over() -> bool:
-        return bool(
-            sup.find(event=done, after=mark)
-            or sup.find(event="supervisor.rollout_halted", after=mark)
-        )
-
-    sup.wait_until(over, "the roll-out to end", timeout=40)
-    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    rolled_out(sup, how, mark, timeout=40)
     sup.wait_event(event="heal.action", reason="max_age", after=mark, timeout=20)
     assert most_not_ready(sup.find(event="worker.state", after=mark)) <= 1
     assert sup.stop() == 0
@@ -1070,16 +1076,7 @@ def test_a_roll_out_waits_for_a_replaced_worker_healing_moves_off_its_gpu(
         set_gpu(tmp_path, int(gpu[-1]), lost=1)
     moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark, timeout=20)
     assert gpu not in moved["new_gpus"], moved
-    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
-
-    def over() -> bool:
-        return bool(
-            sup.find(event=done, after=mark)
-            or sup.find(event="supervisor.rollout_halted", after=mark)
-        )
-
-    sup.wait_until(over, "the roll-out to end", timeout=20)
-    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    rolled_out(sup, how, mark, timeout=20)
     assert sup.find(event="worker.state", worker="g-1", new="stopping", after=mark)
     with sup.api() as api:
         events = api.get("/api/v1/events").json()
@@ -1118,16 +1115,7 @@ def test_a_roll_out_passes_over_a_replaced_worker_whose_gpu_fails_while_it_loads
     sup.wait_event(event="worker.spawned", worker="p-0", after=mark)
     xid(tmp_path, 0, 79)
     sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark, timeout=20)
-    done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
-
-    def over() -> bool:
-        return bool(
-            sup.find(event=done, after=mark)
-            or sup.find(event="supervisor.rollout_halted", after=mark)
-        )
-
-    sup.wait_until(over, "the roll-out to end", timeout=20)
-    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    rolled_out(sup, how, mark, timeout=20)
     passed = sup.find(event="supervisor.rollout_passed_over", after=mark)
     assert [e["worker"] for e in passed] == ["p-0"], passed
     assert sup.find(event="worker.state", worker="p-1", new="stopping", after=mark)
