@@ -42,6 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
+from benchkit import Log, ts
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 64
@@ -159,46 +160,6 @@ def finish_load(proc: subprocess.Popen[str], timeout: float, stop: bool = False)
 # --- the supervisor ---------------------------------------------------------------------------
 
 
-class Log:
-    """The supervisor's JSON log lines, read by a thread; waits on a condition, no polling."""
-
-    def __init__(self, stream: Any) -> None:
-        self.events: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: Any) -> None:
-        for line in stream:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self._cond:
-                self.events.append(event)
-                self._cond.notify_all()
-
-    def wait(self, timeout: float, after: int = 0, **match: Any) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for e in self.events[after:]:
-                    if all(e.get(k) == v for k, v in match.items()):
-                        return e
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"no event {match} within {timeout}s")
-                self._cond.wait(remaining)
-
-    def count(self, **match: Any) -> int:
-        with self._cond:
-            return sum(all(e.get(k) == v for k, v in match.items()) for e in self.events)
-
-    def mark(self) -> int:
-        with self._cond:
-            return len(self.events)
-
-
 def write_config(base: Path) -> Path:
     worker = [
         sys.executable,
@@ -222,10 +183,6 @@ def write_config(base: Path) -> Path:
     return path
 
 
-def ts(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
-
-
 def crash_latencies(log: Log, pids: dict[str, int], kills: int, rng: random.Random) -> list[float]:
     """SIGKILL random workers one at a time; seconds from the kill to the replacement's spawn."""
     out = []
@@ -234,7 +191,7 @@ def crash_latencies(log: Log, pids: dict[str, int], kills: int, rng: random.Rand
         mark = log.mark()
         killed_at = time.time()
         os.kill(pids[name], signal.SIGKILL)
-        spawned = log.wait(10, after=mark, event="worker.spawned", worker=name)
+        spawned = log.wait(10, after=mark, event="worker.spawned", worker=name)[0]
         pids[name] = spawned["pid"]
         out.append(ts(spawned) - killed_at)
         time.sleep(rng.uniform(0.05, 0.15))  # gap between kills (not a wait for a condition)
@@ -271,7 +228,7 @@ def main() -> int:
         assert proc.stderr is not None
         log = Log(proc.stderr)
         try:
-            url = log.wait(30, event="api.listening")["url"]
+            url = log.wait(30, event="api.listening")[0]["url"]
             for i in range(WORKERS):
                 log.wait(30, event="worker.spawned", worker=f"w-{i}")
             pids = {e["worker"]: e["pid"] for e in log.events if e.get("event") == "worker.spawned"}

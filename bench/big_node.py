@@ -51,14 +51,14 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
+from benchkit import Log, Tracker, interrupt, ts
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
@@ -83,115 +83,7 @@ class Plan:
         return self.groups * self.per_group
 
 
-# --------------------------------------------------------------------------- process tracking
-
-
-@dataclass
-class Tracker:
-    """Everything this run started, so that it can all be killed at the end."""
-
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    started_at: float = field(default_factory=time.time)
-    popens: list[subprocess.Popen[str]] = field(default_factory=list)
-
-    def ours(self) -> list[psutil.Process]:
-        """Live processes of this run: a supervisor we started or one carrying our marker."""
-        found: dict[int, psutil.Process] = {}
-        for proc in self.popens:
-            if proc.poll() is None:
-                with contextlib.suppress(psutil.Error):
-                    found[proc.pid] = psutil.Process(proc.pid)
-        me = os.getpid()
-        for p in psutil.process_iter(["create_time"]):
-            created = p.info["create_time"] or 0.0
-            if p.pid == me or p.pid in found or created < self.started_at - 1:
-                continue
-            with contextlib.suppress(psutil.Error):
-                if (
-                    p.environ().get("BENCH_RUN_ID") == self.run_id
-                    and p.status() != psutil.STATUS_ZOMBIE
-                ):
-                    found[p.pid] = p
-        return list(found.values())
-
-    def kill_all(self) -> list[str]:
-        """SIGKILL every process group and process we started; return what survived."""
-        own_pgid = os.getpgid(0)
-        for _ in range(3):
-            live = self.ours()
-            if not live:
-                break
-            for p in live:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    pgid = os.getpgid(p.pid)
-                    if pgid != own_pgid:
-                        os.killpg(pgid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(p.pid, signal.SIGKILL)
-            psutil.wait_procs(live, timeout=3)
-            for proc in self.popens:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=1)
-        left = []
-        for p in self.ours():
-            with contextlib.suppress(psutil.Error):
-                left.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
-        return left
-
-
 # --------------------------------------------------------------------------- one supervisor
-
-
-class Log:
-    """The supervisor's JSON log lines, read by a thread; waits on a condition."""
-
-    def __init__(self, stream: Any) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.other: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: Any) -> None:
-        for line in stream:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                with self._cond:
-                    self.other.append(line.rstrip())
-                continue
-            with self._cond:
-                self.events.append(event)
-                self._cond.notify_all()
-
-    def mark(self) -> int:
-        with self._cond:
-            return len(self.events)
-
-    def wait(
-        self, timeout: float, after: int = 0, n: int = 1, **match: Any
-    ) -> list[dict[str, Any]]:
-        """The first ``n`` events after ``after`` matching ``match``."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                found = [
-                    e for e in self.events[after:] if all(e.get(k) == v for k, v in match.items())
-                ]
-                if len(found) >= n:
-                    return found[:n]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{len(found)} of {n} events {match} within {timeout} s")
-                self._cond.wait(remaining)
-
-    def tail(self, n: int = 8) -> str:
-        with self._cond:
-            lines = [json.dumps(e) for e in self.events[-n:]] + self.other[-n:]
-        return "\n".join(lines[-n:])
-
-
-def ts(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def _toml(value: str) -> str:
@@ -244,7 +136,7 @@ class Supervisor:
             text=True,
             start_new_session=True,
         )
-        tracker.popens.append(self.proc)
+        tracker.add_popen(self.proc)
         assert self.proc.stderr is not None
         self.log = Log(self.proc.stderr)
         try:
@@ -603,10 +495,6 @@ def git_revision() -> str | None:
     return None
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=None, help="groups (4; --quick 2)")
@@ -627,7 +515,7 @@ def main() -> int:
     if plan.total > GPUS * PER_GPU:
         parser.error(f"at most {GPUS * PER_GPU} workers ({GPUS} sim GPUs x {PER_GPU})")
     tracker = Tracker()
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     t_start = time.monotonic()
     results: dict[str, Any] = {}
     code = 0

@@ -32,14 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import psutil
+from benchkit import Tracker, interrupt
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -97,83 +96,6 @@ class Plan:
 
 FULL = Plan(rounds=6, kills_per_round=5, idle_s_per_round=10.0, floor_per_round=5, budget_s=540)
 QUICK = Plan(rounds=2, kills_per_round=4, idle_s_per_round=5.0, floor_per_round=4, budget_s=110)
-
-
-# --------------------------------------------------------------------------- process tracking
-
-
-@dataclass
-class Tracker:
-    """Everything this run started, so that it can all be killed at the end."""
-
-    run_id: str
-    started_at: float = field(default_factory=time.time)
-    procs: dict[int, float] = field(default_factory=dict)  # pid -> psutil create_time
-    popens: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def add_pid(self, pid: int) -> None:
-        with contextlib.suppress(psutil.Error):
-            self.procs.setdefault(pid, psutil.Process(pid).create_time())
-
-    def add_popen(self, proc: subprocess.Popen[bytes]) -> None:
-        self.popens.append(proc)
-        self.add_pid(proc.pid)
-
-    def _ours(self) -> list[psutil.Process]:
-        """Live processes that are ours: tracked pids (same create time) or carrying our marker."""
-        found: dict[int, psutil.Process] = {}
-        for pid, created in self.procs.items():
-            with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
-                    found[pid] = p
-        me = os.getpid()
-        for p in psutil.process_iter(["create_time"]):
-            if p.pid == me or p.pid in found:
-                continue
-            try:
-                if p.info["create_time"] < self.started_at - 1:
-                    continue
-                if (
-                    p.environ().get("BENCH_RUN_ID") == self.run_id
-                    and p.status() != psutil.STATUS_ZOMBIE
-                ):
-                    found[p.pid] = p
-            except psutil.Error:
-                continue
-        return list(found.values())
-
-    def kill_all(self) -> list[str]:
-        """SIGKILL every process group and process we started; return what survived."""
-        own_pgid = os.getpgid(0)
-        for _ in range(3):
-            live = self._ours()
-            if not live:
-                break
-            for p in live:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    pgid = os.getpgid(p.pid)
-                    if pgid != own_pgid:
-                        os.killpg(pgid, signal.SIGKILL)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(p.pid, signal.SIGKILL)
-            psutil.wait_procs(live, timeout=3)
-            for proc in self.popens:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=1)
-        for proc in self.popens:  # reap our direct children
-            if proc.poll() is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=1)
-        return [f"{p.pid} {' '.join(p.cmdline())[:80]}" for p in self._safe_ours()]
-
-    def _safe_ours(self) -> list[psutil.Process]:
-        out = []
-        for p in self._ours():
-            with contextlib.suppress(psutil.Error):
-                p.cmdline()
-                out.append(p)
-        return out
 
 
 # --------------------------------------------------------------------------- start-file reading
@@ -959,10 +881,6 @@ def render_targets(
 # --------------------------------------------------------------------------- main
 
 
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-
 @contextlib.contextmanager
 def _no_interrupts() -> Iterator[None]:
     """Finish cleanup even if Ctrl-C is pressed again."""
@@ -1000,7 +918,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_begin:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    tracker = Tracker(run_id=uuid.uuid4().hex)
+    tracker = Tracker()
     rng = random.Random(args.seed)
     sups: dict[str, Supervisor] = {
         OURS: GpuSupervisor(tracker, log),
@@ -1032,7 +950,7 @@ def run(args: argparse.Namespace) -> int:
     order = [n for n in SUPERVISORS if not status.get(n)]
     round_times: list[float] = []
     old_handlers = {
-        s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     }
     try:
         for rnd in range(plan.rounds):
