@@ -1516,9 +1516,14 @@ class Runtime:
     def _has_room(self, runner: WorkerRunner) -> bool:
         """A placement roll-out restarts ``runner`` (running unplaced) only where the GPUs
         have room for it now; else it is left serving where it runs, and that is said.
-        Regression: it was restarted all the same, then waited for a GPU without end."""
+        Regression: it was restarted all the same, then waited for a GPU without end. So too
+        while GPU telemetry is down again (no devices: ``place`` gives an ``auto`` worker
+        nothing, not an error): the roll-out when it is back places it."""
+        slots = self.slots()
         try:
-            self._place_one(runner, self.slots())
+            if not slots:
+                raise PlacementError("no GPU telemetry now")
+            self._place_one(runner, slots)
         except PlacementError as exc:
             self.log.warning(
                 "supervisor.placement_skipped",

@@ -10,6 +10,7 @@ import anyio
 import anyio.lowlevel
 
 from supervisor.clock import FakeClock
+from supervisor.config import Settings
 from supervisor.model import ExitReason, WorkerState
 from supervisor.policy import lifecycle as lc
 from supervisor.runtime import Runtime
@@ -196,3 +197,27 @@ async def _placed_while_waiting() -> None:
     assert not posted
     assert result == [True]
     assert not halted
+
+
+def test_a_placement_roll_out_leaves_serving_a_worker_while_gpu_telemetry_is_down() -> None:
+    """Regression: a placement roll-out (GPU telemetry came up after w-0 started unplaced)
+    reached w-0 after NVML had gone down again (no GPU to place it on now). ``_has_room``
+    found "room": placed without devices, an ``auto`` worker gets nothing, not an error. So
+    w-0, serving, was restarted, only to wait for GPU telemetry at its start ("no GPU
+    telemetry"): taken down for a placement that could not be. It is left serving, said; the
+    roll-out started when telemetry is back places it."""
+    w0 = Worker("w-0")
+    rt, _ = runtime(w0)
+    rt.settings = Settings.model_validate(
+        {"workers": [{"name": "w", "command": ["true"], "gpus": "auto"}]}
+    )
+    rt.workers = lambda: [w0]
+    w0.spec = SimpleNamespace(gpus=None, group="w", index=0)
+    rt.slots = lambda: []  # NVML down (again): no devices to place on
+    said: list[dict[str, Any]] = []
+    rt.log = SimpleNamespace(
+        warning=lambda event, **fields: said.append({"event": event, **fields})
+    )
+    assert rt._has_room(w0) is False
+    assert [(s["event"], s["worker"]) for s in said] == [("supervisor.placement_skipped", "w-0")]
+    assert "telemetry" in said[0]["reason"], said
