@@ -81,6 +81,17 @@ def postmortem(sup: Supervisor, reason: str) -> dict[str, Any]:
     return doc
 
 
+def begin_roll_out(sup: Supervisor, tmp_path: Path, how: str, group: dict[str, Any]) -> None:
+    """Roll ``group`` out: a reload that changes its environment, or a rolling restart."""
+    if how == "reload":
+        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
+        sup.signal(signal.SIGHUP)
+    else:
+        with sup.api() as api:
+            path = f"/api/v1/groups/{group['name']}/rolling-restart"
+            assert api.post(path).status_code == 202
+
+
 def rolled_out(sup: Supervisor, how: str, mark: int, timeout: float) -> None:
     """The roll-out (``how``: a reload or a rolling restart) begun after ``mark`` ends, done
     (not halted)."""
@@ -707,12 +718,7 @@ def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_
     else:
         sup.wait_event(event="heal.action", action="drain", worker="p-0", after=mark, timeout=20)
         sup.wait_event(event="worker.state", worker="p-0", new="draining", after=mark)
-    if how == "reload":
-        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
-        sup.signal(signal.SIGHUP)
-    else:
-        with sup.api() as api:
-            assert api.post("/api/v1/groups/p/rolling-restart").status_code == 202
+    begin_roll_out(sup, tmp_path, how, group)
     passed = sup.wait_event(event="supervisor.rollout_passed_over", after=mark, timeout=15)
     assert passed["worker"] == "p-0", passed
     done = "supervisor.reload_done" if how == "reload" else "supervisor.rolling_restart_done"
@@ -991,12 +997,7 @@ def test_a_recycle_never_halts_a_roll_out_of_its_group(
     sup.ready("m-0")
     sup.ready("m-1")
     mark = sup.mark()
-    if how == "reload":
-        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
-        sup.signal(signal.SIGHUP)
-    else:
-        with sup.api() as api:
-            assert api.post("/api/v1/groups/m/rolling-restart").status_code == 202
+    begin_roll_out(sup, tmp_path, how, group)
     rolled_out(sup, how, mark, timeout=40)
     sup.wait_event(event="heal.action", reason="max_age", after=mark, timeout=20)
     assert most_not_ready(sup.find(event="worker.state", after=mark)) <= 1
@@ -1106,12 +1107,7 @@ def test_a_roll_out_passes_over_a_replaced_worker_whose_gpu_fails_while_it_loads
     sup.ready("p-0")
     sup.ready("p-1")
     mark = sup.mark()
-    if how == "reload":
-        sup.write_config(config(tmp_path, {**group, "env": {"V": "2"}}))
-        sup.signal(signal.SIGHUP)
-    else:
-        with sup.api() as api:
-            assert api.post("/api/v1/groups/p/rolling-restart").status_code == 202
+    begin_roll_out(sup, tmp_path, how, group)
     sup.wait_event(event="worker.spawned", worker="p-0", after=mark)
     xid(tmp_path, 0, 79)
     sup.wait_event(event="worker.waiting_gpu", worker="p-0", after=mark, timeout=20)
