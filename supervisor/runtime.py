@@ -2919,7 +2919,7 @@ class Runtime:
             reason = rec.stop_reason
         else:
             reason = None if rec.last_exit is None else rec.last_exit.reason
-        if reason not in _GPU_FAULTS:
+        if reason not in lc.GPU_FAULTS:
             return False
         bad = {s.uuid for s in self.slots() if s.why_not.startswith(_BROKEN_GPU)}
         return bool((bad | self.healer.hot_gpus()) & set(gpus))
@@ -3768,17 +3768,6 @@ def _going_down(runner: WorkerRunner) -> bool:
     return runner.state is not WorkerState.READY
 
 
-#: Healing reasons that move a worker off its GPU for the GPU's fault (a roll-out holding
-#: for the worker waits for it on another GPU rather than halt).
-_GPU_FAULTS = frozenset(
-    {
-        ExitReason.XID,
-        ExitReason.GPU_LOST,
-        ExitReason.ROW_REMAP_FAILURE,
-        ExitReason.RECOVERY_ACTION,
-        ExitReason.THERMAL,
-    }
-)
 #: How a slot says its GPU failed (``GpuSlot.why_not``, made by ``Runtime.slots``).
 _UNHEALTHY, _QUARANTINED = "is unhealthy", "is quarantined"
 _BROKEN_GPU = (_UNHEALTHY, _QUARANTINED)

@@ -643,8 +643,18 @@ def gpu_wait_s(policy: RestartPolicy, waits: int) -> float:
 
 
 #: Drains off a GPU that failed (quarantined): the GPU's doing, never the worker's.
-_GPU_FAULTS = frozenset(
-    {ExitReason.GPU_LOST, ExitReason.ROW_REMAP_FAILURE, ExitReason.RECOVERY_ACTION}
+#: Healing reasons that move a worker off its GPU for the GPU's fault (failed, lost, hot):
+#: never the worker's (its restart is not judged; a roll-out holding for it waits for it on
+#: another GPU). An ``xid`` is one only as a drain (a device-fatal XID: the GPU quarantined); a
+#: worker-fatal XID restarts the worker where it is.
+GPU_FAULTS = frozenset(
+    {
+        ExitReason.XID,
+        ExitReason.GPU_LOST,
+        ExitReason.ROW_REMAP_FAILURE,
+        ExitReason.RECOVERY_ACTION,
+        ExitReason.THERMAL,
+    }
 )
 
 
@@ -657,9 +667,7 @@ def _restart_after(reason: ExitReason, drain: bool = False) -> AfterExit:
     toward ``fatal``), nor a drain off a failed GPU (``drain``: an XID drain is a device-fatal
     one; a worker-fatal XID restarts, and is judged). Regression: a GPU that failed while its
     worker loaded made the move a failed start (a backoff first; ``fatal`` after failures)."""
-    if reason is ExitReason.THERMAL or reason in _GPU_FAULTS:
-        return AfterExit.RESTART
-    if drain and reason is ExitReason.XID:
+    if reason in GPU_FAULTS and (drain or reason is not ExitReason.XID):
         return AfterExit.RESTART
     return AfterExit.RECOVER if reason in HEALING_REASONS else AfterExit.RESTART
 
