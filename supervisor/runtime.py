@@ -736,15 +736,23 @@ class Runtime:
         for d in sample.devices:
             why = ""
             if not d.healthy:
-                why = f"{_UNHEALTHY} ({d.error})"
+                why = f"is unhealthy ({d.error})"
             elif d.uuid in self.healer.state.quarantined:
-                why = f"{_QUARANTINED} ({self.healer.state.quarantined[d.uuid]})"
+                why = f"is quarantined ({self.healer.state.quarantined[d.uuid]})"
             elif d.uuid in self.suspect:
                 why = SUSPECT
             elif d.uuid in self.cordoned:
                 why = CORDONED
             out.append(slot_for(d, why))
         return out
+
+    def _failed_gpus(self) -> dict[str, GpuSlot]:
+        """The slots of the GPUs that failed: unhealthy (lost, not answering) or quarantined."""
+        sample = self.sampler.last
+        bad = set(self.healer.state.quarantined)
+        if sample is not None:
+            bad.update(d.uuid for d in sample.devices if not d.healthy)
+        return {s.uuid: s for s in self.slots() if s.uuid in bad}
 
     def _place_unplaced(self, sample: Sample) -> None:
         """GPU telemetry is up (the first open after a degraded start, or NVML back): each
@@ -2921,7 +2929,7 @@ class Runtime:
             reason = None if rec.last_exit is None else rec.last_exit.reason
         if reason not in lc.GPU_FAULTS:
             return False
-        bad = {s.uuid for s in self.slots() if s.why_not.startswith(_BROKEN_GPU)}
+        bad = set(self._failed_gpus())
         return bool((bad | self.healer.hot_gpus()) & set(gpus))
 
     async def _back_after_move(self, group: str, runner: WorkerRunner) -> bool:
@@ -3162,11 +3170,7 @@ class Runtime:
     def _onto_broken(self, plan: Plan, diff: ReloadDiff) -> list[str]:
         """One line per worker of a changed or added group that ``plan`` puts on a GPU that
         failed (quarantined, unhealthy) where it does not run now (an explicit GPU list)."""
-        broken = {
-            s.uuid: f"GPU {s.index} {s.why_not}"
-            for s in self.slots()
-            if s.why_not.startswith(_BROKEN_GPU)
-        }
+        broken = {u: f"GPU {s.index} {s.why_not}" for u, s in self._failed_gpus().items()}
         touched = {*diff.changed, *diff.added}
         out = []
         for g in plan.groups:
@@ -3767,10 +3771,6 @@ def _going_down(runner: WorkerRunner) -> bool:
     was quarantined meanwhile halted the roll-out as before)."""
     return runner.state is not WorkerState.READY
 
-
-#: How a slot says its GPU failed (``GpuSlot.why_not``, made by ``Runtime.slots``).
-_UNHEALTHY, _QUARANTINED = "is unhealthy", "is quarantined"
-_BROKEN_GPU = (_UNHEALTHY, _QUARANTINED)
 
 #: ``Runtime.rolling``'s value while a placement roll-out runs (GPU telemetry came up after
 #: workers of a ``gpus = "auto"`` group started unplaced)

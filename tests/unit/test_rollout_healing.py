@@ -115,7 +115,10 @@ async def _superseded_while_moved() -> None:
     rt.rolling = {"w": "reload"}
     rt.settings = SimpleNamespace(gpu=SimpleNamespace(release_timeout_s=10.0))
     rt.slots = lambda: [SimpleNamespace(uuid="GPU-A", why_not="is quarantined (XID 79)")]
-    rt.healer = SimpleNamespace(hot_gpus=lambda: set())
+    rt.sampler = SimpleNamespace(last=None)  # (no sample: the quarantine says it failed)
+    rt.healer = SimpleNamespace(
+        hot_gpus=lambda: set(), state=SimpleNamespace(quarantined={"GPU-A": "XID 79"})
+    )
     newer = [False]
     rt._superseded = lambda group: newer[0]
     superseded: list[str] = []
