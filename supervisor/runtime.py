@@ -2440,29 +2440,36 @@ class Runtime:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         try:
-            with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
-                release_held_signals()  # one that came while we started is delivered now
-                task_status.started()
-                last: dict[int, float] = {}  # signal -> when it was last received
-                async for signum in signals:
-                    now = self.clock.now()
-                    since = now - last.get(signum, -math.inf)
-                    last[signum] = now
-                    intent = signal_intent(signum, self._shutting_down, since)
-                    if isinstance(intent, Reload):
-                        intent = Reload(self._next_reload_request())
-                    said = {"repeat": True} if since < SIGNAL_REPEAT_S else {}
-                    self.log.info("supervisor.signal", signal=signal.Signals(signum).name, **said)
-                    if intent is not None:
-                        self.submit(intent)
-        finally:
-            # Closing the receiver put their default actions back, while the supervisor still
-            # ends (tasks cancelled, files closed): one now is the stop already made, ignored.
-            # Regression: a Ctrl-C more exited 130 ("interrupted", or a traceback), a SIGTERM
-            # or SIGHUP killed it, with no supervisor.exit.
-            for sig in HELD_SIGNALS:
-                with contextlib.suppress(ValueError, OSError):  # (not the main thread)
-                    signal.signal(sig, ignore_signal)
+            try:
+                await self._receive_signals(task_status)
+            finally:
+                # Closing the receiver put their default actions back, while the supervisor
+                # still ends (tasks cancelled, files closed): one now is the stop already
+                # made, ignored. Regression: a Ctrl-C more exited 130 ("interrupted", or a
+                # traceback), a SIGTERM or SIGHUP killed it, with no supervisor.exit.
+                _ignore_held_signals()
+        except KeyboardInterrupt:
+            # a Ctrl-C in the instant between the receiver's close (Python's default handler
+            # back: KeyboardInterrupt) and the line above (regression: exit 130 in 1 of ~100
+            # stops under a stream of Ctrl-C)
+            _ignore_held_signals()
+
+    async def _receive_signals(self, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.open_signal_receiver(*HELD_SIGNALS) as signals:
+            release_held_signals()  # one that came while we started is delivered now
+            task_status.started()
+            last: dict[int, float] = {}  # signal -> when it was last received
+            async for signum in signals:
+                now = self.clock.now()
+                since = now - last.get(signum, -math.inf)
+                last[signum] = now
+                intent = signal_intent(signum, self._shutting_down, since)
+                if isinstance(intent, Reload):
+                    intent = Reload(self._next_reload_request())
+                said = {"repeat": True} if since < SIGNAL_REPEAT_S else {}
+                self.log.info("supervisor.signal", signal=signal.Signals(signum).name, **said)
+                if intent is not None:
+                    self.submit(intent)
 
     async def _serve_intents(self) -> None:
         assert self._tg is not None
@@ -3699,6 +3706,20 @@ class Runtime:
             "no worker the group keeps is ready: not removing its last ready one",
         )
         return False
+
+
+def _ignore_held_signals() -> None:
+    """``HELD_SIGNALS`` do nothing from now on (the supervisor ends), even when one arrives
+    while this is done: a KeyboardInterrupt in between, and it is done again."""
+    while True:
+        try:
+            for sig in HELD_SIGNALS:
+                with contextlib.suppress(ValueError, OSError):  # (not the main thread)
+                    signal.signal(sig, ignore_signal)
+        except KeyboardInterrupt:
+            continue
+        else:
+            return
 
 
 def _runs_unplaced(runner: WorkerRunner) -> bool:
