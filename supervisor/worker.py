@@ -725,8 +725,12 @@ class WorkerRunner:
                 # disconnected", which the kill caused, in the start_timeout post-mortem)
                 return
             self.last_probe = said
-            # less often the longer it loads (regression: every 0.2 s for minutes)
-            await anyio.sleep(ready_poll_s(self._clock.now() - since))
+            # less often the longer it loads (regression: every 0.2 s for minutes), often
+            # again in the last seconds of start_timeout_s (regression: ready in its last
+            # second, unseen: the next probe was due after the kill)
+            now, deadline = self._clock.now(), self.record.deadline
+            left = math.inf if deadline is None else deadline - now
+            await anyio.sleep(ready_poll_s(now - since, left))
 
     def _start_liveness(self, pid: int) -> None:
         """Ask the liveness URL about process ``pid`` while it is ready (one task a process)."""

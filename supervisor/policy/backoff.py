@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -75,10 +76,18 @@ READY_POLL_FIRST_S = 0.2
 READY_POLL_LAST_S = 1.0
 #: How long the pause takes to grow from the first to the last (linearly in the time probed).
 READY_POLL_RAMP_S = 30.0
+#: In this many last seconds before ``start_timeout_s`` runs out, the probes come every
+#: ``READY_POLL_FIRST_S`` again: a server ready in the last second is seen before it is
+#: killed for not being ready (with a pause of a second, a probe due just after the deadline
+#: never came).
+READY_POLL_FINAL_S = 2.0
 
 
-def ready_poll_s(probing_for_s: float) -> float:
+def ready_poll_s(probing_for_s: float, left_s: float = math.inf) -> float:
     """The pause before the next readiness probe of a worker that has been asked for
-    ``probing_for_s`` seconds without a 2xx."""
+    ``probing_for_s`` seconds without a 2xx and has ``left_s`` seconds left of its
+    ``start_timeout_s``."""
+    if left_s <= READY_POLL_FINAL_S:
+        return READY_POLL_FIRST_S
     grown = READY_POLL_LAST_S * probing_for_s / READY_POLL_RAMP_S
-    return min(READY_POLL_LAST_S, max(READY_POLL_FIRST_S, grown))
+    return min(READY_POLL_LAST_S, max(READY_POLL_FIRST_S, grown), left_s - READY_POLL_FINAL_S)

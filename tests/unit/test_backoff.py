@@ -79,3 +79,33 @@ def test_the_readiness_pause_grows_with_the_time_probed_and_stays_bounded(
 ) -> None:
     lo, hi = sorted((a, b))
     assert 0.2 <= ready_poll_s(lo) <= ready_poll_s(hi) <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("probing_for_s", "left_s", "pause_s"),
+    [
+        (600, 100, 1.0),
+        (600, 2.5, 0.5),
+        (600, 2.1, 0.1),
+        (600, 2.0, 0.2),
+        (600, 0.3, 0.2),
+        (0, 1, 0.2),
+    ],
+)
+def test_the_last_seconds_of_start_timeout_are_probed_often_again(
+    probing_for_s: float, left_s: float, pause_s: float
+) -> None:
+    """Regression: a server that loaded long was asked once a second to the end, so one
+    ready in the last second of ``start_timeout_s`` was killed unseen (its next probe was due
+    after the deadline). In the last 2 s the probes come every 0.2 s again."""
+    assert ready_poll_s(probing_for_s, left_s) == pytest.approx(pause_s)
+
+
+@given(st.floats(0, 1e6), st.floats(0, 1e6))
+def test_no_readiness_pause_ends_past_the_final_seconds(
+    probing_for_s: float, left_s: float
+) -> None:
+    pause = ready_poll_s(probing_for_s, left_s)
+    assert 0 < pause <= 1.0
+    if left_s > 2.0:
+        assert left_s - pause >= 2.0 - 1e-9  # the final seconds are reached, not skipped
