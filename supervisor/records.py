@@ -19,7 +19,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,6 +41,7 @@ FILE_MODE = 0o640
 LOCK_FILE = "lock"  # held by the running supervisor (flock), with its pid inside
 INSTANCE_FILE = "instance"  # the state_dir's random id, in its workers' environment
 CORDONS_FILE = "cordons"  # the GPUs an operator cordoned, one UUID a line
+QUARANTINE_FILE = "quarantine"  # the GPUs quarantined in this boot, and why (JSON)
 _INSTANCE = re.compile(r"^[0-9a-f]{32}$")
 
 _ID = re.compile(r"^[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[A-Za-z0-9._-]+$")
@@ -323,6 +324,55 @@ def read_cordons(state_dir: Path) -> tuple[set[str], str | None]:
 def write_cordons(state_dir: Path, uuids: Iterable[str]) -> None:
     """Record the operator's cordons (``read_cordons``); raises OSError."""
     atomic_write(state_dir / CORDONS_FILE, "".join(f"{u}\n" for u in sorted(uuids)).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class KeptQuarantine:
+    """What ``state_dir/quarantine`` says (``read_quarantine``)."""
+
+    #: GPU UUID -> why it was quarantined: the quarantines a new supervisor keeps
+    gpus: dict[str, str]
+    #: the quarantines of an earlier boot, dropped (a reboot reset the GPUs)
+    dropped: dict[str, str]
+    #: why the file could not be read (None: read, or no such file)
+    unreadable: str | None = None
+
+
+def read_quarantine(state_dir: Path, boot: str) -> KeptQuarantine:
+    """The GPUs quarantined before this start (a device-fatal XID, a GPU lost, a failed row
+    remap), kept while the machine has not rebooted since: ``boot`` is this boot's id. A
+    quarantined GPU stays unusable until it is reset, which a restart of the supervisor is
+    not; a reboot is. Where either boot id is unknown, the quarantines are kept."""
+    try:
+        doc = json.loads(read_file(state_dir / QUARANTINE_FILE, follow=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return KeptQuarantine({}, {})
+    except ValueError:
+        return KeptQuarantine({}, {}, "not JSON")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a planted link must not choose the GPUs quarantined
+            return KeptQuarantine({}, {}, LINK_REFUSED)
+        return KeptQuarantine({}, {}, exc.strerror or str(exc))
+    gpus = doc.get("gpus") if isinstance(doc, dict) else None
+    saved_boot = doc.get("boot_id") if isinstance(doc, dict) else None
+    if not isinstance(gpus, dict) or not isinstance(saved_boot, str):
+        return KeptQuarantine({}, {}, 'not {"boot_id": ..., "gpus": {...}}')
+    kept = {str(gpu): str(why) for gpu, why in gpus.items()}
+    if saved_boot and boot and saved_boot != boot:
+        return KeptQuarantine({}, kept)
+    return KeptQuarantine(kept, {})
+
+
+def write_quarantine(state_dir: Path, boot: str, gpus: Mapping[str, str]) -> None:
+    """Record the GPUs quarantined now (``read_quarantine``); none: the file is removed.
+    Raises OSError."""
+    path = state_dir / QUARANTINE_FILE
+    if not gpus:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    doc = {"boot_id": boot, "gpus": dict(sorted(gpus.items()))}
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 
 def remove_temp_files(directory: Path) -> int:

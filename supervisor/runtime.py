@@ -130,6 +130,7 @@ from supervisor.records import (
     INSTANCE_FILE,
     LOCK_FILE,
     POSTMORTEM_DIR,
+    QUARANTINE_FILE,
     STATE_FILE,
     Recorder,
     ThreadUnavailable,
@@ -139,9 +140,11 @@ from supervisor.records import (
     lock_state_dir,
     read_cordons,
     read_json,
+    read_quarantine,
     remove_temp_files,
     write_cordons,
     write_lock_pid,
+    write_quarantine,
 )
 from supervisor.sampler import LOST_UNLISTED, Sampler, WorkerRef, host_interval, stuck_text
 from supervisor.sdnotify import SystemdNotifier
@@ -320,6 +323,9 @@ class Runtime:
         #: after the next state write that works; held with ``_cordons_guard``
         self._cordons_unsaved: frozenset[str] | None = None
         self._cordons_guard = threading.Lock()  # one writer of state_dir/cordons at a time
+        #: the quarantines state_dir/quarantine holds (None: not known to hold the ones now,
+        #: a write failed or the directory was recreated): written again when they differ
+        self._quarantine_saved: dict[str, str] | None = {}
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -983,6 +989,7 @@ class Runtime:
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
         self.healer.on_sample(sample)
+        self._save_quarantine()  # (one a full disk kept from the file: tried again)
         self._sweep_cgroups()
         for listener in self.sample_listeners:
             listener(sample)
@@ -1832,6 +1839,7 @@ class Runtime:
                 f"notify socket {self.notify_path} answers): give each supervisor a state_dir "
                 "of its own"
             )
+        self._restore_quarantine(state_dir)  # (not rewritten under another supervisor)
         try:
             self.listener.open()
         except OSError as exc:
@@ -2061,6 +2069,52 @@ class Runtime:
         """Something the read model shows changed (wake waiters, mark the state file)."""
         self._changed_now()
         self.recorder.mark(urgent=True)
+        self._save_quarantine()
+
+    def _restore_quarantine(self, state_dir: Path) -> None:
+        """Quarantine again the GPUs an earlier supervisor quarantined in this boot
+        (regression: a restart of the supervisor, an upgrade say, lifted every quarantine,
+        and workers were placed on a GPU that had failed with a device-fatal XID)."""
+        kept = read_quarantine(state_dir, procfs.boot_id())
+        if kept.unreadable is not None:
+            self.log.warning(
+                "records.quarantine_unreadable",
+                path=os.fspath(state_dir / QUARANTINE_FILE),
+                error=kept.unreadable,
+                reason="the GPUs quarantined before this start are not known: cordon any "
+                "that failed and has not been reset",
+            )
+        if kept.dropped:
+            self.log.info(
+                "gpu.quarantines_dropped",
+                gpus=kept.dropped,
+                reason="the machine rebooted since they were quarantined (their GPUs reset)",
+            )
+            self._quarantine_saved = None  # the file is rewritten without them
+        if kept.gpus:
+            self.healer.state.quarantined.update(kept.gpus)
+            self._quarantine_saved = dict(kept.gpus)
+            self.log.warning(
+                "gpu.quarantines_kept",
+                gpus=kept.gpus,
+                reason="quarantined before this start, in this boot: lifted by "
+                "`uncordon --lift-quarantine` once reset",
+            )
+        self._save_quarantine()
+
+    def _save_quarantine(self) -> None:
+        """Write ``state_dir/quarantine`` when the quarantines differ from what it holds (at
+        a quarantine, a lift, and at each sample after a write that failed)."""
+        now = self.healer.state.quarantined
+        if now == self._quarantine_saved:
+            return
+        try:
+            write_quarantine(self.settings.supervisor.state_dir, procfs.boot_id(), now)
+        except OSError as exc:
+            self._quarantine_saved = None
+            self.write_health.failed("state", exc)
+        else:
+            self._quarantine_saved = dict(now)
 
     def _on_state_dir_recreated(self) -> None:
         """``state_dir`` was removed: lock it again (the lock file went with it), bind the
@@ -2070,6 +2124,8 @@ class Runtime:
         operator = self.cordoned - self.healer.state.thermal_cordoned
         if operator:
             self._save_cordons(operator)
+        self._quarantine_saved = None  # it went with the directory
+        self._save_quarantine()
         with contextlib.suppress(OSError):
             if not self.listener.bound():
                 self.listener.rebind()
@@ -2573,6 +2629,7 @@ class Runtime:
         operator = self.cordoned - self.healer.state.thermal_cordoned
         if operator != operator_before:  # a heat cordon the operator makes theirs counts too
             self._save_cordons(operator)  # a cordon outlives a restart of the supervisor
+        self._save_quarantine()  # a lift, too
         self._changed_now()
 
     def gpu_answers(self, uuid: str) -> bool:

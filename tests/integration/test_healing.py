@@ -19,6 +19,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor import procfs
 from tests.conftest import SupervisorFactory
 from tests.harness import Supervisor, most_not_ready, worker_cmd
 from tests.schemas import validate_file
@@ -562,6 +563,59 @@ def test_xid_79_quarantines_the_gpu_and_moves_its_workers(
         ready = api.get("/readyz").json()
         assert [g["uuid"] for g in ready["gpus_unhealthy"]] == [UUID0]
         assert 'gpu_supervisor_gpu_healthy{gpu="0"' in api.get("/metrics").text
+    assert sup.stop() == 0
+
+
+def test_a_quarantine_outlives_a_restart_of_the_supervisor_until_lifted(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """XID 79 quarantines GPU 0; the supervisor is restarted (an upgrade, a crash) in the same
+    boot: GPU 0 is still quarantined, and g-0 starts on GPU 1. Regression: every quarantine
+    was lifted by the restart, and workers were placed on the GPU that had failed (on real
+    hardware: a crash loop until someone reset it). An operator's lift ends it for good."""
+    cfg = config(tmp_path, {"name": "g", "command": sim("100")})
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark, timeout=20)
+    sup.ready("g-0", after=mark)
+    saved = json.loads((sup.state_dir / "quarantine").read_text())
+    assert saved["boot_id"] == procfs.boot_id() and list(saved["gpus"]) == [UUID0], saved
+    assert sup.stop() == 0
+
+    again = supervisor(cfg)
+    kept = again.wait_event(event="gpu.quarantines_kept")
+    assert list(kept["gpus"]) == [UUID0] and "79" in kept["gpus"][UUID0], kept
+    again.ready("g-0")
+    with again.api() as api:
+        assert api.get("/api/v1/workers/g-0").json()["gpus"] == [UUID1]
+        gpu0 = api.get("/api/v1/gpu/status").json()["devices"][0]
+        assert (gpu0["healthy"], gpu0["quarantined"]) == (False, True), gpu0
+        lifted = api.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "true"})
+        assert lifted.json()["quarantined"] is False, lifted.text
+    assert not (again.state_dir / "quarantine").exists()
+    assert again.stop() == 0
+
+
+def test_a_quarantine_of_an_earlier_boot_is_dropped(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """state_dir/quarantine was written before the machine rebooted (another boot id): the
+    reboot reset the GPUs, so GPU 0 is usable again (said, `gpu.quarantines_dropped`) and the
+    file goes."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "quarantine").write_text(
+        json.dumps({"boot_id": "an-earlier-boot", "gpus": {UUID0: "XID 79"}})
+    )
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}))
+    assert sup.wait_event(event="gpu.quarantines_dropped")["gpus"] == {UUID0: "XID 79"}
+    sup.ready("g-0")
+    with sup.api() as api:
+        assert api.get("/api/v1/gpu/status").json()["devices"][0]["quarantined"] is False
+    assert not sup.find(event="gpu.quarantines_kept")
+    assert not (state / "quarantine").exists()
     assert sup.stop() == 0
 
 

@@ -1090,6 +1090,32 @@ def test_a_cordon_made_while_state_dir_is_full_is_saved_once_it_takes_writes(
     assert sup.stop() == 0
 
 
+def test_a_quarantine_made_while_state_dir_is_full_is_saved_once_it_takes_writes(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """XID 79 quarantines GPU 1 while state_dir is full: state_dir/quarantine cannot be
+    written then; it is written at a sample once the disk takes writes again, so the next
+    supervisor of this boot keeps the GPU quarantined."""
+    config = {
+        "supervisor": {"sample_interval_s": 0.05},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [group("w", "ready_then_sleep", gpus="none")],
+    }
+    filler = _fill(small_fs)
+    sup = supervisor(config)
+    sup.ready("w-0")
+    mark = sup.mark()
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("1 79\n")
+    sup.wait_event(event="heal.action", action="quarantine", after=mark, timeout=20)
+    assert not (small_fs / "quarantine").exists()
+    filler.unlink()
+    sup.wait_until(lambda: (small_fs / "quarantine").exists(), "the quarantine file", timeout=15)
+    saved = json.loads((small_fs / "quarantine").read_text())
+    assert list(saved["gpus"]) == ["GPU-00000000-0000-0000-0000-000000000001"], saved
+    assert sup.stop() == 0
+
+
 def test_read_only_state_dir_does_not_stop_supervision(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:

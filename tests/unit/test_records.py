@@ -31,8 +31,10 @@ from supervisor.records import (
     atomic_write,
     failure_kind,
     lock_state_dir,
+    read_quarantine,
     remove_temp_files,
     write_lock_pid,
+    write_quarantine,
 )
 from supervisor.views import (
     SamplePoint,
@@ -1065,3 +1067,57 @@ async def test_the_post_mortems_waiting_stay_bounded_under_a_huge_postmortem_kee
     assert len(recorder._pending) == MAX_PENDING_BURST
     assert len([e for e in logs if e["event"] == "records.postmortem_dropped"]) == 5
     await recorder.flush()
+
+
+GPU_A = "GPU-00000000-0000-0000-0000-00000000000a"
+
+
+@pytest.mark.parametrize(
+    ("saved_boot", "boot", "kept"),
+    [("b1", "b1", True), ("b0", "b1", False), ("", "b1", True), ("b1", "", True)],
+)
+def test_quarantines_are_kept_in_the_boot_that_made_them(
+    tmp_path: Path, saved_boot: str, boot: str, kept: bool
+) -> None:
+    """A quarantine outlives a restart of the supervisor, not a reboot (which resets the
+    GPUs); where a boot id is unknown (no /proc), it is kept: a GPU that failed is not put
+    back to work on a guess."""
+    write_quarantine(tmp_path, saved_boot, {GPU_A: "XID 79"})
+    got = read_quarantine(tmp_path, boot)
+    assert got.unreadable is None
+    assert (got.gpus, got.dropped) == (({GPU_A: "XID 79"}, {}) if kept else ({}, {GPU_A: "XID 79"}))
+
+
+def test_no_quarantine_left_removes_the_file(tmp_path: Path) -> None:
+    write_quarantine(tmp_path, "b", {GPU_A: "lost"})
+    write_quarantine(tmp_path, "b", {})
+    assert not (tmp_path / "quarantine").exists()
+    write_quarantine(tmp_path, "b", {})  # none there: nothing to remove, no error
+    assert read_quarantine(tmp_path, "b") == read_quarantine(tmp_path / "nowhere", "b")
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"{not json", "not JSON"),
+        (b'["GPU-x"]', "not {"),
+        (b'{"gpus": {"GPU-x": "lost"}}', "not {"),
+        (b'{"boot_id": "b", "gpus": ["GPU-x"]}', "not {"),
+    ],
+)
+def test_a_quarantine_file_that_cannot_be_read_is_said(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
+    (tmp_path / "quarantine").write_bytes(content)
+    got = read_quarantine(tmp_path, "b")
+    assert not got.gpus and got.unreadable is not None and got.unreadable.startswith(why)
+
+
+def test_a_quarantine_file_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    """A link planted in state_dir must not choose which GPUs are taken out of service."""
+    planted = tmp_path / "planted"
+    write_quarantine(tmp_path, "b", {GPU_A: "XID 79"})
+    (tmp_path / "quarantine").rename(planted)
+    (tmp_path / "quarantine").symlink_to(planted)
+    got = read_quarantine(tmp_path, "b")
+    assert not got.gpus and got.unreadable is not None and "symbolic link" in got.unreadable
