@@ -395,6 +395,9 @@ class Runtime:
         #: worker -> its process a placement roll-out was started for (GPU telemetry came up
         #: after it started unplaced): not again for that process while telemetry stays up
         self._placing: dict[str, int] = {}
+        #: workers a placement roll-out left serving unplaced for want of room: tried again
+        #: when a GPU may have room (as workers waiting for a GPU are)
+        self._no_room: set[str] = set()
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
@@ -772,6 +775,7 @@ class Runtime:
         lists or ``"none"``. Regression: they stayed unplaced until they happened to restart."""
         if not sample.nvml_available or not self.slots():
             self._placing.clear()  # down (again): placed once it is back
+            self._no_room.clear()
             return
         if self._shutting_down or self._tg is None:
             return
@@ -810,20 +814,29 @@ class Runtime:
         usable (back, healthy, released, uncordoned, out of quarantine) or one holds fewer
         worker processes than at the last sample. Nothing is computed while none waits."""
         waiting = [r for r in self.workers() if r.record.waiting_for_gpu]
-        if not waiting:
+        if not waiting and not self._no_room:
             self._room = None
             return
+        before, self._room = self._room, self._room_now()
+        # the first sample of a wait is what it is measured against
+        if before is not None and more_room(before, self._room):
+            for r in waiting:
+                r.post(lc.GpuFreed())
+            # placed by a roll-out at this sample if they fit now (regression: left
+            # unplaced, every GPU seen, until they happened to restart)
+            for name in self._no_room:
+                self._placing.pop(name, None)
+            self._no_room.clear()
+
+    def _room_now(self) -> Room:
+        """The usable GPUs and how many worker processes each holds (``more_room``)."""
         usable = frozenset(s.uuid for s in self.slots() if s.usable)
         held: dict[str, int] = {}
         for r in self.workers():
             if r.record.pid is not None:  # a process that holds its place
                 for uuid in r.spec.gpus or ():
                     held[uuid] = held.get(uuid, 0) + 1
-        before, self._room = self._room, (usable, held)
-        # the first sample of a wait is what it is measured against
-        if before is not None and more_room(before, self._room):
-            for r in waiting:
-                r.post(lc.GpuFreed())
+        return usable, held
 
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
         return {r.name: r.spec.gpus for r in self.workers()}
@@ -1530,7 +1543,8 @@ class Runtime:
 
     def _has_room(self, runner: WorkerRunner) -> bool:
         """A placement roll-out restarts ``runner`` (running unplaced) only where the GPUs
-        have room for it now; else it is left serving where it runs, and that is said.
+        have room for it now; else it is left serving where it runs, and that is said (and
+        it is tried again when a GPU may have room: one frees, a worker there stops).
         Regression: it was restarted all the same, then waited for a GPU without end. So too
         while GPU telemetry is down again (no devices: ``place`` gives an ``auto`` worker
         nothing, not an error): the roll-out when it is back places it."""
@@ -1540,6 +1554,10 @@ class Runtime:
                 raise PlacementError("no GPU telemetry now")
             self._place_one(runner, slots)
         except PlacementError as exc:
+            if slots:  # tried again when a GPU may have room (_wake_gpu_waiters)
+                self._no_room.add(runner.name)
+                if self._room is None:  # measured from now (regression: from the next
+                    self._room = self._room_now()  # sample, and an uncordon before it missed)
             self.log.warning(
                 "supervisor.placement_skipped",
                 worker=runner.name,
@@ -1768,8 +1786,15 @@ class Runtime:
         # nor is anything else kept about it (reloads that add and remove groups for months
         # grew these without bound; a worker of the same name added later inherited them)
         self.healer.forget(runner.name)
-        for per_worker in (self._trees, self.samples_of, self._fingerprints, self._unplaced):
+        for per_worker in (
+            self._trees,
+            self.samples_of,
+            self._fingerprints,
+            self._unplaced,
+            self._placing,
+        ):
             per_worker.pop(runner.name, None)
+        self._no_room.discard(runner.name)
         with anyio.move_on_after(KILL_WAIT_S):  # its health probes' client (connections)
             await self.http_probes.forget(runner.name)
 

@@ -484,6 +484,56 @@ def test_a_placement_roll_out_leaves_serving_a_worker_no_gpu_has_room_for(
     assert sup.stop() == 0
 
 
+def test_workers_left_unplaced_for_want_of_room_are_placed_once_a_gpu_has_room(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Two `gpus = "auto"` workers started unplaced while NVML was down; it opens with its one
+    GPU cordoned by an operator (kept from before the start): both are left serving unplaced.
+    The operator uncordons it: there is room now, and both are restarted onto it, one at a
+    time. Regression: they stayed unplaced (every GPU seen, on cuda:0, counted on no GPU)
+    until they happened to restart."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cordons").write_text(f"{UUID0}\n")
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [
+            {
+                "name": "g",
+                "replicas": 2,
+                "command": worker_cmd("ready_then_sleep"),
+                "restart": {"stable_s": 0.2},
+            }
+        ],
+    }
+    env = {"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+    sup = supervisor(cfg, env=env)
+    sup.wait_event(event="gpu.unavailable")
+    for name in ("g-0", "g-1"):
+        sup.ready(name)
+    mark = sup.mark()
+    (world / "init_rc").unlink()  # the driver is loaded now
+    left = sup.wait_events(2, event="supervisor.placement_skipped", after=mark, timeout=5)
+    assert sorted(e["worker"] for e in left) == ["g-0", "g-1"], left
+    sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
+    assert not sup.find(event="worker.spawned", after=mark)
+    mark = sup.mark()
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/0/uncordon").status_code == 200
+        moved = sup.wait_events(2, event="worker.moved", after=mark, timeout=10)
+        assert sorted(e["worker"] for e in moved) == ["g-0", "g-1"], moved
+        assert all(e["new_gpus"] == [UUID0] for e in moved), moved
+        sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
+        for name in ("g-0", "g-1"):
+            worker = http.get(f"/api/v1/workers/{name}").json()
+            assert (worker["state"], worker["gpus"]) == ("ready", [UUID0]), worker
+    assert sup.stop() == 0
+
+
 def test_auto_without_nvml_says_so_with_one_warning(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
