@@ -1,7 +1,8 @@
 """The NVML backend (``nvidia-ml-py``'s ``pynvml``): the only module that imports ``pynvml``.
 
 - One long-lived ``nvmlInit``; identities (UUID, name, total memory) cached at ``open()``; a
-  GPU whose handle or UUID cannot be read then is asked again every ``HANDLE_RETRY_S``.
+  GPU whose handle or UUID cannot be read then is asked again every ``HANDLE_RETRY_S``, but
+  one that answers NO_PERMISSION (not this user's or cgroup's) is left out.
 - Versioned entry points are probed once: memory ``_v2`` (else v1), the process lists (compute
   and graphics) ``_v3`` (else ``_v2``), ``TemperatureV`` (else the deprecated
   ``GetTemperature``), slowdown/shutdown thresholds through field values 194/193 (else
@@ -44,6 +45,24 @@ from supervisor.backends.base import (
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, RemappedRows, XidEvent
 
+
+def _legacy_package(module: Any) -> bool:
+    """``module`` is the legacy PyPI package ``pynvml`` before 12 (a ``pynvml/`` package
+    whose ``__version__`` is 11 or less), not nvidia-ml-py's single ``pynvml.py``. A package
+    of another version is let be: a later layout of nvidia-ml-py must not be refused."""
+    if not hasattr(module, "__path__"):
+        return False
+    major = str(getattr(module, "__version__", "")).split(".")[0]
+    return major.isdigit() and int(major) < 12
+
+
+if _legacy_package(pynvml):
+    raise ImportError(
+        f"the pynvml found ({pynvml.__path__[0]}) is the legacy PyPI package `pynvml` (before "
+        "12), which shadows nvidia-ml-py's and lacks what the supervisor uses: "
+        "pip uninstall pynvml (or upgrade it to 12 or later, which leaves nvidia-ml-py's)"
+    )
+
 T = TypeVar("T")
 MIB = 1024 * 1024
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
@@ -76,6 +95,27 @@ LIST_TRIES = 3
 
 #: init failures that mean no usable NVML library on the machine (not retried under ``auto``)
 LIBRARY_ABSENT_CODES = (NVML_ERROR_LIBRARY_NOT_FOUND, NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
+class _NoMismatchError(Exception):
+    """Stands in for ``pynvml.NVMLLibraryMismatchError`` where the bindings have none: never
+    raised."""
+
+
+#: What nvidia-ml-py 12.550 and later raise for a versioned wrapper whose symbol the library
+#: lacks (not an ``NVMLError``); earlier releases have no such class.
+_MISMATCH: type[Exception] = getattr(pynvml, "NVMLLibraryMismatchError", _NoMismatchError)
+
+
+def _binding(name: str) -> Callable[..., Any]:
+    """pynvml's wrapper ``name``. One the installed nvidia-ml-py lacks
+    (``nvmlDeviceGetTemperatureV`` before 12.570, the ``_v2`` process lists before 12.550)
+    raises FUNCTION_NOT_FOUND, as a symbol the library lacks does: the older call is asked,
+    or that field is unknown. Regression: an AttributeError failed the open or the sample."""
+    fn: Callable[..., Any] | None = getattr(pynvml, name, None)
+    if fn is None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+    return fn
 
 
 def _code(exc: BaseException) -> int | None:
@@ -239,9 +279,13 @@ class NvmlBackend:
             try:
                 handle, ident = self._identify(index)
             except pynvml.NVMLError as exc:
+                if _code(exc) == pynvml.NVML_ERROR_NO_PERMISSION:
+                    # counted, but not this user's or cgroup's to open (nvml.h): not one of
+                    # its GPUs. Regression: listed as lost (a false alarm for good).
+                    continue
+                self._handle_retry_at[len(handles)] = retry_at  # by position
                 handles.append(None)
                 identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
-                self._handle_retry_at[index] = retry_at
                 continue
             handles.append(handle)
             identities.append(ident)
@@ -333,7 +377,7 @@ class NvmlBackend:
         )
         self._procs_v3 = self._works(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h))
         self._temperature_v = self._works(
-            lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
+            lambda: _binding("nvmlDeviceGetTemperatureV")(h, pynvml.NVML_TEMPERATURE_GPU)
         )
         self._threshold_fields = self._works(
             lambda: pynvml.nvmlDeviceGetFieldValues(h, [_FI_SLOWDOWN, _FI_SHUTDOWN])
@@ -344,7 +388,7 @@ class NvmlBackend:
         """False only for "this entry point or struct version does not exist here"."""
         try:
             fn()
-        except pynvml.NVMLLibraryMismatchError:
+        except _MISMATCH:
             return False
         except pynvml.NVMLError as exc:
             return _code(exc) not in VERSION_CODES
@@ -420,7 +464,7 @@ class NvmlBackend:
             if newer_exists and (index, field) not in self._older:
                 try:
                     return newer()
-                except pynvml.NVMLLibraryMismatchError:
+                except _MISMATCH:
                     pass
                 except pynvml.NVMLError as exc:
                     if _code(exc) not in VERSION_CODES:
@@ -447,7 +491,7 @@ class NvmlBackend:
             return None
         try:
             return fn()
-        except pynvml.NVMLLibraryMismatchError:
+        except _MISMATCH:
             self._unsupported.add((index, field))
             return None
         except pynvml.NVMLError as exc:
@@ -502,7 +546,7 @@ class NvmlBackend:
             i,
             "temperature",
             self._temperature_v,
-            lambda: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
+            lambda: _binding("nvmlDeviceGetTemperatureV")(h, pynvml.NVML_TEMPERATURE_GPU),
             lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
         )
         slowdown, shutdown, recovery = self._field_values(i, h)
@@ -517,7 +561,7 @@ class NvmlBackend:
             "processes",
             self._procs_v3,
             lambda: _listed(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v3(h)),
-            lambda: _listed(lambda: pynvml.nvmlDeviceGetComputeRunningProcesses_v2(h)),
+            lambda: _listed(lambda: _binding("nvmlDeviceGetComputeRunningProcesses_v2")(h)),
         )
         graphics = mps = None
         if procs is not None:
@@ -526,14 +570,14 @@ class NvmlBackend:
                 "graphics_processes",
                 self._procs_v3,
                 lambda: _listed(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v3(h)),
-                lambda: _listed(lambda: pynvml.nvmlDeviceGetGraphicsRunningProcesses_v2(h)),
+                lambda: _listed(lambda: _binding("nvmlDeviceGetGraphicsRunningProcesses_v2")(h)),
             )
             mps = v(
                 i,
                 "mps_processes",
                 self._procs_v3,
                 lambda: _listed(lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v3(h)),
-                lambda: _listed(lambda: pynvml.nvmlDeviceGetMPSComputeRunningProcesses_v2(h)),
+                lambda: _listed(lambda: _binding("nvmlDeviceGetMPSComputeRunningProcesses_v2")(h)),
             )
         total = used = free = None
         if mem is not None:
@@ -690,8 +734,13 @@ class NvmlBackend:
             raise BackendError(f"NVML event wait failed: {_describe(data)}", _code(data)) from data
         if int(data.eventType) & _XID_EVENT == 0:
             return []
-        index = self._index_of(data.device)
-        uuid = self._identities[index].uuid if index is not None else None
+        position = self._index_of(data.device)
+        ident = self._identities[position] if position is not None else None
         return [
-            XidEvent(index if index is not None else -1, uuid, int(data.eventData), self._clock())
+            XidEvent(
+                ident.index if ident is not None else -1,
+                ident.uuid if ident is not None else None,
+                int(data.eventData),
+                self._clock(),
+            )
         ]

@@ -1464,3 +1464,113 @@ def test_both_backends_read_the_thresholds_where_one_of_their_two_calls_fails(
         assert seen[name][2] == (None, None), (name, seen)
         assert None not in (*seen[name][0], *seen[name][1]), (name, seen)
     assert seen["sim"] == seen["nvml"], seen
+
+
+def test_older_nvidia_ml_py_releases_within_the_pin_still_read_the_gpus(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """nvidia-ml-py 12.535.x, which the pin allows, has no ``NVMLLibraryMismatchError`` and no
+    ``..._v2`` process-list wrappers, and every release before 12.570.86 lacks
+    ``nvmlDeviceGetTemperatureV``. Regression: the version probe at open raised
+    AttributeError (NVML "unavailable" for good on every machine with those bindings), and
+    any NVML error of one optional reading (an encoder NOT_SUPPORTED) failed the whole
+    sample; now a wrapper the bindings lack is a function not found: the older call, or
+    that one field unknown."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("temperature_c 71\nrc_nvmlDeviceGetEncoderUtilization 3\n")
+    with open(world / "gpus" / "1", "a") as fh:  # only the v2 list, which these bindings lack
+        fh.write("rc_nvmlDeviceGetComputeRunningProcesses_v3 3\n")
+    script = """
+import pynvml
+for name in ("NVMLLibraryMismatchError", "nvmlDeviceGetTemperatureV",
+             "nvmlDeviceGetComputeRunningProcesses_v2", "nvmlDeviceGetGraphicsRunningProcesses_v2",
+             "nvmlDeviceGetMPSComputeRunningProcesses_v2"):
+    delattr(pynvml, name)  # the API of nvidia-ml-py 12.535.108
+import supervisor.backends.nvml as n
+b = n.NvmlBackend()
+b.open()
+for d in b.sample():
+    print(d.index, d.healthy, d.temperature_c, d.encoder_percent, d.processes)
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "0 True 71.0 None ()" in out.stdout, out.stdout
+    assert "1 True 40.0 0.0 None" in out.stdout, out.stdout
+
+
+def test_a_gpu_this_user_may_not_open_is_not_reported_lost(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML counts every GPU on the host, and the handle of one the supervisor's user or
+    cgroup may not open (systemd ``DeviceAllow=``, a container's device rules) answers
+    NO_PERMISSION (nvml.h, nvmlDeviceGetCount_v2). Regression: such a GPU was listed as an
+    ``unknown-<index>`` GPU with ``healthy: false``: a "GPU stopped answering" finding and
+    alert, and ``gpu_healthy 0`` for good, for a GPU that is merely not this supervisor's.
+    It is left out now, as a GPU the driver does not show."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("rc_nvmlDeviceGetHandleByIndex 4\n")
+    devices = gpus_on_nvml(world, fake_nvml_libdir)
+    assert [(d["uuid"], d["healthy"]) for d in devices] == [(UUID0, True)], devices
+
+
+def test_an_xid_after_a_gpu_left_out_names_the_gpu_it_came_from(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 0 answers NO_PERMISSION and is left out; an XID of GPU 1 must say GPU 1, not the
+    position GPU 1 has among the GPUs kept (0)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("rc_nvmlDeviceGetHandleByIndex 4\n")
+    script = f"""
+import time
+import supervisor.backends.nvml as n
+b = n.NvmlBackend()
+print("opened:", [(i.index, i.uuid) for i in b.open()])
+with open({str(world / "events")!r}, "a") as fh:
+    fh.write("1 79\\n")
+got = []
+deadline = time.monotonic() + 10
+while not got and time.monotonic() < deadline:
+    got = b.wait_xid(0.5)
+print("xids:", [(e.gpu_index, e.uuid, e.xid) for e in got])
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert f"opened: [(1, '{UUID1}')]" in out.stdout, out.stdout
+    assert f"xids: [(1, '{UUID1}', 79)]" in out.stdout, out.stdout
+
+
+def test_a_legacy_pynvml_package_shadowing_nvidia_ml_py_is_said_not_a_crash(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """The PyPI package ``pynvml`` before 12 installs a ``pynvml/`` package, which shadows
+    nvidia-ml-py's ``pynvml.py`` when both are installed (NVML.md section 1): it lacks what
+    the backend uses. Regression: making the backend raised AttributeError outside every
+    guard, so ``gpus`` (and ``run``, at start) died with a traceback; now NVML is unavailable
+    with a reason that says what to do, as a machine without the library is."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    legacy = tmp_path / "site" / "pynvml"
+    legacy.mkdir(parents=True)
+    (legacy / "__init__.py").write_text('from .nvml import *\n__version__ = "11.5.0"\n')
+    (legacy / "nvml.py").write_text("NVML_ERROR_FUNCTION_NOT_FOUND = 13\n")  # and little else
+    script = f"""
+import sys
+sys.path.insert(0, {str(tmp_path / "site")!r})
+from supervisor.backends.factory import make_backend
+from supervisor.config import GpuSection
+from supervisor.errors import BackendUnavailable
+backend = make_backend(GpuSection(backend="auto"))
+try:
+    backend.open()
+except BackendUnavailable as exc:
+    print("unavailable:", exc.library_absent, exc)
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "unavailable: True" in out.stdout, out.stdout
+    assert "pip uninstall pynvml" in out.stdout, out.stdout
