@@ -366,6 +366,19 @@ class Healer:
                 ),
                 self.host.clock.now(),
             )
+        if group is not None and group.health.on_thermal == "cordon":
+            # so too a GPU that turned hot with no worker of a cordon group on it: no new
+            # workers there from now on (regression: never cordoned while it stayed hot);
+            # not one cordoned for this heat already, that an operator uncordoned since
+            for gpu in sorted(hot - self.host.cordoned):
+                last = self._recent.get(("cordon", gpu, "thermal"))
+                since = self.state.thermal[gpu].hot_since
+                if last is not None and since is not None and last >= since:
+                    continue
+                self._execute(
+                    Act("cordon", "thermal", f"{runner.name} started on a hot GPU", gpu=gpu),
+                    self.host.clock.now(),
+                )
 
     def forget(self, name: str) -> None:
         """Worker ``name`` is gone for good (a reload removed it): what was kept about it goes.
@@ -834,6 +847,13 @@ class Healer:
                 )
             else:
                 self._pending.pop(("thermal", d.uuid), None)
+                # a migration off it still under way need not avoid it any more (regression:
+                # one that found no other GPU started there again with an alert that it
+                # "could not move off its hot GPU", cool by then)
+                for name in [n for n, gpus in self.avoid.items() if d.uuid in gpus]:
+                    self.avoid[name].discard(d.uuid)
+                    if not self.avoid[name]:
+                        del self.avoid[name]
                 self._add(
                     Finding(
                         "thermal_cleared",

@@ -471,6 +471,38 @@ def test_a_migration_whose_target_turned_hot_while_it_drained_is_said(
     assert sup.stop() == 0
 
 
+def test_a_migration_whose_gpu_cooled_while_it_drained_stays_without_an_alert(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """GPU 0 turns hot, m-0 is to move to GPU 1; while m-0 drains GPU 0 cools and GPU 1
+    turns hot: m-0 starts on GPU 0 again, which is cool now, and nothing says otherwise.
+    Regression: the migration still avoided GPU 0 as if it were hot, found no cooler GPU,
+    and alerted "could not move off its hot GPU" (worker.gpu_hot) for a GPU that was cool."""
+    group = {
+        "name": "m",
+        "command": sim("100"),
+        "drain_timeout_s": 1.5,  # it does not exit by itself: the GPUs change meanwhile
+        "health": {"on_thermal": "migrate"},
+    }
+    sup = supervisor(config(tmp_path, group))
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
+    sup.wait_event(event="heal.action", action="migrate", worker="m-0", after=mark)
+    set_gpu(tmp_path, 1, temperature_c=86, temperature_slowdown_c=87)
+    set_gpu(tmp_path, 0, temperature_c=40)
+    sup.wait_api(
+        "/api/v1/gpu/status", lambda s: s["devices"][1]["hot"] and not s["devices"][0]["hot"]
+    )
+    assert not sup.find(event="worker.exited", worker="m-0", after=mark), "drained too soon"
+    sup.ready("m-0", after=mark)
+    with sup.api() as api:
+        assert api.get("/api/v1/workers/m-0").json()["gpus"] == [UUID0]
+    assert not sup.find(event="worker.gpu_hot", after=mark)
+    assert not sup.find(event="heal.action", action="alert", worker="m-0", after=mark)
+    assert sup.stop() == 0
+
+
 def test_a_migrate_worker_on_a_hot_cordoned_gpu_restarts_there_when_nothing_else_fits(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -473,6 +473,37 @@ def test_a_worker_started_on_a_gpu_that_is_hot_already_is_derated() -> None:
     assert ("derate", "g-1") in host.acts()
 
 
+def test_a_cordon_worker_started_on_a_gpu_that_turned_hot_empty_cordons_it() -> None:
+    """GPU-1 turned hot with no worker on it (nothing to cordon for then); c-1 of an
+    ``on_thermal = "cordon"`` group starts there afterwards (a scale, an explicit list): the
+    GPU is cordoned at its start, and uncordoned once it is cool. Regression: it was never
+    cordoned while it stayed hot, so every later placement could go onto it. A heat cordon
+    the operator lifted stays lifted when a worker starts there again."""
+    c0, c1 = Runner("c-0", GPUS[0]), Runner("c-1", GPUS[1])
+    host, healer = setup("cordon", c0, c1)
+    del host.runners["c-1"]  # not there yet when the GPU turns hot
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert healer.hot_gpus() == {GPUS[1]} and host.cordoned == set()
+    host.runners["c-1"] = c1
+    healer.on_spawned(c1, 200)  # type: ignore[arg-type]
+    assert host.cordoned == {GPUS[1]} and host.acts() == [("cordon", None)]
+    host.temperature(GPUS[1], 50)
+    for _ in range(40):
+        host.tick(healer)
+    assert host.cordoned == set() and host.acts() == [("cordon", None), ("uncordon", None)]
+    host.temperature(GPUS[1], 89)  # hot again, c-1 on it: cordoned as it turns hot
+    for _ in range(12):
+        host.tick(healer)
+    assert host.cordoned == {GPUS[1]}
+    host.cordoned.discard(GPUS[1])  # the operator uncordons it (the runtime's Cordon)
+    healer.state.thermal_cordoned.discard(GPUS[1])
+    healer.on_spawned(c1, 300)  # type: ignore[arg-type]
+    assert host.cordoned == set()
+    assert host.acts() == [("cordon", None), ("uncordon", None), ("cordon", None)]
+
+
 def test_an_xid_on_the_replacement_within_the_cooldown_is_acted_on() -> None:
     """XID 13 restarts w-0; 8 s after its replacement started, another XID 13 on the GPU
     restarts the new process too. Regression: the 60 s cooldown dropped it for good (the
