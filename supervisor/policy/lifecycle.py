@@ -598,20 +598,25 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             if not rec.killed:
                 return replace(rec, killed=True, deadline=None), [KillTree()]
             return replace(rec, deadline=None), []
-        if isinstance(ev, Stop):
+        if isinstance(ev, Stop) or (isinstance(ev, Drain) and not ev.restart):
             # stopped for a fault (a hang, a start timeout, a healing action): the stop
             # wins, but the death keeps its reason and post-mortem (regression: a shutdown
-            # while a hung worker ignored its SIGTERM made it a plain "shutdown")
+            # while a hung worker ignored its SIGTERM made it a plain "shutdown"); an
+            # operator's drain (of its group) too: nothing left to drain, it stays stopped
+            # (regression: ignored, the worker started again once its process was gone)
             return replace(rec, after_exit=AfterExit.STOP, stop_reason=_kept_reason(rec, ev)), []
         if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
             return rec, []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
             return replace(rec, after_exit=AfterExit.RESTART), []
-        if isinstance(ev, Start) and rec.after_exit is AfterExit.RECOVER:
+        if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.RECOVER:
             # stopped for a fault (a hang, a start timeout, healing): it starts again after its
-            # exit, which is still judged (post-mortem, backoff); an operator's start gives it a
-            # full `burst` as from backoff or fatal (regression: accepted, then ignored, and the
-            # exit could make it fatal)
+            # exit, which is still judged (post-mortem, backoff); an operator's start (or
+            # restart, a reload's) gives it a full `burst` as from backoff or fatal (regression:
+            # accepted, then ignored, and the exit could make it fatal); a healing restart
+            # (queued behind the fault's stop) is no new beginning
+            if isinstance(ev, Restart) and ev.reason in HEALER_REASONS:
+                return rec, []
             return replace(rec, history=FailureHistory()), []
         return rec, []
 
@@ -681,7 +686,7 @@ _OPERATOR_STOPS = frozenset(
 _FAULT_STOPS = frozenset({ExitReason.HANG, ExitReason.START_TIMEOUT, *HEALING_REASONS})
 
 
-def _kept_reason(rec: WorkerRecord, ev: Stop) -> ExitReason:
+def _kept_reason(rec: WorkerRecord, ev: Stop | Drain) -> ExitReason:
     """The reason of a stop asked for while the worker is drained or stopped already: the
     fault it is drained or stopped for, if any (its death, with its post-mortem)."""
     if rec.stop_reason is not None and rec.stop_reason in _FAULT_STOPS:

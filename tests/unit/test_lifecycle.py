@@ -689,3 +689,41 @@ def test_a_process_dead_before_the_operators_stop_signal_keeps_its_crash(
     # the process that ended after the signal was ours to stop
     rec, acts = lc.step(stopping, lc.Exited(10, CRASH), 101.1, T)
     assert [a.outcome.reason for a in acts if isinstance(a, lc.Exit)] == [event.reason]
+
+
+@pytest.mark.parametrize(
+    "toward",
+    [
+        lc.Drain(restart=True, reason=ExitReason.GPU_LOST),  # healing, while it loaded
+        lc.Restart(reason=ExitReason.LEAK),  # healing
+        lc.Restart(),  # an operator's restart
+        lc.Heartbeat(10, trigger=True),  # hung
+    ],
+)
+def test_an_operators_drain_of_a_stopping_worker_keeps_it_stopped(toward: lc.Event) -> None:
+    """Regression: `drain GROUP` reaches every worker of the group; one that was stopping on
+    its way to a restart (a healing action, a hang, an operator's restart) ignored the drain
+    and started again once its process was gone: the drained group came back."""
+    rec = at(started(), toward, 101)
+    assert rec.state is S.STOPPING and rec.after_exit is not lc.AfterExit.STOP
+    rec, acts = lc.step(rec, lc.Drain(restart=False), 101.5, T)  # the operator's
+    assert acts == [] and rec.after_exit is lc.AfterExit.STOP
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(None, 15)), 102, T)
+    assert rec.state is S.STOPPED and lc.Spawn() not in acts
+
+
+@pytest.mark.parametrize("command", [lc.Restart(), lc.Restart(ExitReason.RELOAD)])
+def test_an_operators_restart_of_a_worker_stopped_for_a_fault_is_a_new_beginning(
+    command: lc.Restart,
+) -> None:
+    """Regression: a restart (an operator's, or a reload's) of a worker being stopped for a
+    fault (here a start timeout) was accepted, then ignored: its exit was judged against the
+    failures from before, and the worker the operator restarted went ``fatal`` (a start there
+    gives it a full ``burst``, as from backoff or fatal: so must a restart)."""
+    loading = replace(started(), history=FailureHistory(times=(98.0, 99.0), consecutive=2))
+    stopping = at(loading, lc.Timer(), 105)  # start timeout: stopped, to be judged
+    assert stopping.state is S.STOPPING and stopping.after_exit is lc.AfterExit.RECOVER
+    rec = at(at(stopping, command, 105.5), lc.Exited(10, ExitStatus(None, 15)), 106)
+    assert rec.state is not S.FATAL
+    as_started = at(at(stopping, lc.Start(), 105.5), lc.Exited(10, ExitStatus(None, 15)), 106)
+    assert rec == as_started
