@@ -608,7 +608,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Restart) and _healing_over_stop(rec, ev):
             return rec, []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.STOP:
-            return replace(rec, after_exit=AfterExit.RESTART), []
+            # an operator's start (or a reload's restart) of a worker being stopped is a new
+            # beginning, as from stopped (regression: the failures before the stop were kept,
+            # and one crash-looping before it went fatal at its next failed start)
+            return replace(rec, after_exit=AfterExit.RESTART, history=FailureHistory()), []
         if isinstance(ev, Start | Restart) and rec.after_exit is AfterExit.RECOVER:
             # stopped for a fault (a hang, a start timeout, healing): it starts again after its
             # exit, which is still judged (post-mortem, backoff); an operator's start (or

@@ -167,6 +167,25 @@ def test_a_start_while_stopping_for_a_hang_gives_a_full_burst() -> None:
     assert next(a for a in acts if isinstance(a, lc.Exit)).failure is True
 
 
+@pytest.mark.parametrize("command", [lc.Start(), lc.Restart(), lc.Restart(ExitReason.RELOAD)])
+def test_a_start_while_an_operators_stop_is_under_way_gives_a_full_burst(
+    command: lc.Event,
+) -> None:
+    """A worker with `burst` failures behind it is stopped by the operator, who starts (or
+    restarts, or a reload restarts) it again before its process is gone: it starts with a full
+    `burst`, as it would from stopped. Regression: the failures from before the stop were kept,
+    and the next failed start made it fatal at once."""
+    t = replace(T, restart=replace(T.restart, burst=2, interval_s=1000))
+    rec = replace(ready(), history=FailureHistory((90.0, 95.0), 2))
+    stopping = at(rec, lc.Stop(), 101.0, t)
+    assert stopping.state is S.STOPPING
+    rec = at(at(stopping, command, 101.1, t), lc.Exited(10, ExitStatus(None, 15)), 101.2, t)
+    assert rec.state is S.STARTING, rec
+    rec = at(rec, lc.Spawned(11), 101.2, t)
+    rec = at(rec, lc.Exited(11, CRASH), 101.5, t)  # its first start after the stop fails
+    assert rec.state is S.BACKOFF, rec
+
+
 @pytest.mark.parametrize(
     ("fault", "reason"),
     [
