@@ -380,6 +380,13 @@ class Healer:
                     self.host.clock.now(),
                 )
 
+    def on_stopped(self, runner: WorkerRunner) -> None:
+        """``runner`` has no process any more (stopped, fatal): out of routing for that, not
+        derated (regression: the API and ``worker_derated`` said derated for a worker with no
+        process); started again on a GPU that is hot, it is derated at its start."""
+        if self.state.derated.pop(runner.name, None) is not None:
+            self.host.changed()
+
     def forget(self, name: str) -> None:
         """Worker ``name`` is gone for good (a reload removed it): what was kept about it goes.
 
@@ -524,7 +531,18 @@ class Healer:
         for runner in runners:
             self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
         self._judge_devices(sample, now)
+        self._restore_undeserved(now)
         self._run(now)
+
+    def _restore_undeserved(self, now: float) -> None:
+        """Derated workers whose group no longer derates (a reload changed ``on_thermal``) are
+        back in routing at once (regression: they stayed out of it until the GPU cooled)."""
+        for name in list(self.state.derated):
+            runner = self.host.runners.get(name)
+            group = self._group(runner) if runner is not None else None
+            if group is not None and group.health.on_thermal != "derate":
+                message = f"on_thermal is {group.health.on_thermal!r} now, not 'derate'"
+                self._execute(Act("restore", "thermal", message, worker=name), now)
 
     def _host_free(self, now: float) -> float | None:
         """Available host memory, read at most every ``HOST_FREE_EVERY_S`` (/proc/meminfo)."""
@@ -1195,10 +1213,17 @@ class Healer:
                 return
             self.state.derated[act.worker] = act.message
         elif act.action == "restore":
-            if act.worker not in self.state.derated or (
-                runner is not None and self.hot_gpus() & set(runner.spec.gpus or ())
-            ):
-                return  # (one of its other GPUs is still hot: routed again once it cools)
+            if act.worker not in self.state.derated:
+                return
+            gpus = set(runner.spec.gpus or ()) if runner is not None else set()
+            group = self._group(runner) if runner is not None else None
+            hot = sorted(self.hot_gpus() & gpus)
+            if hot and (group is None or group.health.on_thermal == "derate"):
+                # one of its other GPUs is still hot: routed again once it cools; derated for
+                # that one now (regression: the reason still named the GPU that cooled)
+                self.state.derated[act.worker] = self._hot_message(hot[0])
+                self.host.changed()
+                return
             del self.state.derated[act.worker]
         elif act.action == "cordon":
             if act.gpu is None or act.gpu in self.host.cordoned:
@@ -1319,6 +1344,11 @@ class Healer:
         group = self._group(runner)
         assert group is not None
         return group.health
+
+    def _hot_message(self, uuid: str) -> str:
+        """Why a hot GPU is hot, as its ``thermal`` finding says it."""
+        index = next((s.index for s in self.host.slots() if s.uuid == uuid), uuid)
+        return f"GPU {index} is hot: {self.state.thermal[uuid].why}"
 
     def _uuid_of(self, index: int) -> str | None:
         return next((s.uuid for s in self.host.slots() if s.index == index), None)

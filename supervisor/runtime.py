@@ -2270,7 +2270,10 @@ class Runtime:
             self.cgroups.place(runner.name, fields["pid"])
             self.healer.on_spawned(runner, fields["pid"])
         elif kind == "worker.state" and fields.get("new") == WorkerState.FATAL.value:
+            self.healer.on_stopped(runner)
             self.healer.on_fatal(runner, str(fields.get("reason", "")))
+        elif kind == "worker.state" and fields.get("new") == WorkerState.STOPPED.value:
+            self.healer.on_stopped(runner)
         elif kind == "worker.waiting_gpu":
             self.healer.on_waiting_gpu(runner, str(fields.get("error", "")))
 

@@ -291,6 +291,10 @@ def candidate_acts(
             choice_t = policies.get(workers[n].group, GroupPolicy()).on_thermal
             if choice_t == "none" or (again and choice_t != "migrate"):
                 continue
+            if choice_t == "derate" and not workers[n].has_process:
+                # nothing runs to route to (stopped, fatal, in backoff): derated at its next
+                # start if the GPU is hot then (regression: shown derated with no process)
+                continue
             if choice_t == "migrate" and can_migrate is not None and can_migrate.get(n) is not True:
                 if again:
                     continue  # said when the GPU turned hot

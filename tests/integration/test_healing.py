@@ -352,6 +352,58 @@ def test_hot_gpu_derates_its_workers_then_restores_them(
     assert sup.stop() == 0
 
 
+def test_a_reload_that_turns_derating_off_routes_the_derated_workers_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a reload that changed ``on_thermal`` from ``derate`` to ``none`` left g-0
+    derated (out of routing, ``derated`` in the API, ``worker_derated`` 1) until its GPU
+    cooled. It is restored at once, said as a ``restore``, and keeps running."""
+    g = {"name": "g", "command": sim("100"), "gpus": [0]}
+    sup = supervisor(config(tmp_path, g))
+    sup.ready("g-0")
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x20)  # SW thermal slowdown
+    sup.wait_event(event="heal.action", action="derate", worker="g-0", timeout=20)
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, {**g, "health": {"on_thermal": "none"}}))
+    sup.signal(signal.SIGHUP)
+    restore = sup.wait_event(event="heal.action", action="restore", worker="g-0", after=mark)
+    assert "on_thermal" in restore["message"]
+    with sup.api() as api:
+        assert api.get("/api/v1/workers/g-0").json()["derated"] is False
+        assert api.get("/api/v1/route", params={"group": "g"}).json()["name"] == "g-0"
+        assert (
+            'gpu_supervisor_worker_derated{group="g",worker="g-0"} 0.0' in api.get("/metrics").text
+        )
+    assert not sup.find(event="worker.exited")
+    assert sup.stop() == 0
+
+
+def test_a_stopped_worker_on_a_hot_gpu_is_not_derated(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a derated worker an operator stopped stayed derated (the API and
+    ``worker_derated`` said 1 for a worker with no process). Started again on the GPU, still
+    hot, it is derated at its start."""
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100"), "gpus": [0]}))
+    sup.ready("g-0")
+    set_gpu(tmp_path, 0, clocks_event_reasons=0x20)  # SW thermal slowdown
+    sup.wait_event(event="heal.action", action="derate", worker="g-0", timeout=20)
+    with sup.api() as api:
+        assert api.post("/api/v1/workers/g-0/stop").status_code == 202
+        sup.wait_event(event="worker.state", worker="g-0", new="stopped")
+        worker = api.get("/api/v1/workers/g-0").json()
+        assert worker["state"] == "stopped" and worker["derated"] is False, worker
+        assert (
+            'gpu_supervisor_worker_derated{group="g",worker="g-0"} 0.0' in api.get("/metrics").text
+        )
+        mark = sup.mark()
+        assert api.post("/api/v1/workers/g-0/start").status_code == 202
+        derate = sup.wait_event(event="heal.action", action="derate", worker="g-0", after=mark)
+        assert "started on a hot GPU" in derate["message"]
+        assert api.get("/api/v1/workers/g-0").json()["derated"] is True
+    assert sup.stop() == 0
+
+
 def test_a_worker_removed_by_a_reload_leaves_nothing_to_one_of_its_name_added_later(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

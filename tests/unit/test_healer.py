@@ -1249,3 +1249,77 @@ def test_a_gpu_and_a_host_leak_at_once_act_on_the_sooner_one() -> None:
     kind, worker, fields = host.journal.items[0]
     assert (kind, worker, fields["reason"]) == ("heal.restart", "w-0", "leak")
     assert fields["message"].startswith("GPU memory grows"), fields
+
+
+def _on_thermal(host: Host, choice: str) -> None:
+    """Every group of ``host`` with ``on_thermal = choice`` (as a reload applies it)."""
+    host.settings = host.settings.model_copy(
+        update={
+            "workers": tuple(
+                g.model_copy(update={"health": g.health.model_copy(update={"on_thermal": choice})})
+                for g in host.settings.workers
+            )
+        }
+    )
+
+
+@pytest.mark.parametrize("choice", ["none", "alert", "migrate", "cordon"])
+def test_turning_derating_off_restores_the_derated_workers_at_once(choice: str) -> None:
+    """Regression: a reload that changed ``on_thermal`` from ``derate`` to another choice left
+    the workers derated then out of routing until their GPU cooled: they are restored at the
+    next sample, said as a ``restore`` with the reason."""
+    g0 = Runner("g-0", GPUS[0])
+    host, healer = setup("derate", g0)
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert "g-0" in healer.state.derated
+    _on_thermal(host, choice)
+    host.tick(healer)
+    assert healer.state.derated == {}
+    assert [a for a in host.acts() if a[0] in ("derate", "restore")] == [
+        ("derate", "g-0"),
+        ("restore", "g-0"),
+    ]
+    restore = next(f for kind, _, f in host.journal.items if kind == "heal.restore")
+    assert restore["reason"] == "thermal" and "on_thermal" in restore["message"]
+
+
+@pytest.mark.parametrize("state", [WorkerState.STOPPED, WorkerState.FATAL])
+def test_a_worker_without_a_process_is_not_derated(state: WorkerState) -> None:
+    """Regression: a stopped or fatal worker on a GPU that turned hot was derated (the API and
+    ``worker_derated`` said 1 for a worker with no process), and a derated worker that was
+    stopped stayed derated; one started again on the hot GPU is derated at its start."""
+    g0, g1 = Runner("g-0", GPUS[0], state), Runner("g-1", GPUS[0])
+    g0.record.pid = None
+    host, healer = setup("derate", g0, g1)
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        host.tick(healer)
+    assert set(healer.state.derated) == {"g-1"}
+    g1.record.state, g1.record.pid = state, None  # g-1 stops (or gives up)
+    healer.on_stopped(g1)  # type: ignore[arg-type]
+    host.tick(healer)
+    assert healer.state.derated == {}
+    assert ("restore", "g-1") not in host.acts()  # not back in routing: it serves nothing
+    g0.record.state, g0.record.pid = WorkerState.STARTING, 200
+    healer.on_spawned(g0, 200)  # type: ignore[arg-type]
+    assert set(healer.state.derated) == {"g-0"}
+
+
+def test_a_worker_on_two_gpus_stays_derated_for_the_one_still_hot() -> None:
+    """Regression: derated for GPU 0, then GPU 1 turned hot too, then GPU 0 cooled: the worker
+    rightly stayed derated, but ``derated_reason`` still named GPU 0, cool by then."""
+    host, healer, _ = _tp_worker("derate")
+    host.temperature(GPUS[0], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    assert healer.state.derated["t-0"].startswith("GPU 0 is hot")
+    host.temperature(GPUS[1], 89)
+    for _ in range(12):
+        _tp_tick(host, healer)
+    host.temperature(GPUS[0], 50)
+    for _ in range(40):
+        _tp_tick(host, healer)
+    assert healer.hot_gpus() == {GPUS[1]}
+    assert healer.state.derated["t-0"].startswith("GPU 1 is hot")
