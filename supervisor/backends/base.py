@@ -29,6 +29,7 @@ NVML_ERROR_GPU_IS_LOST = 15
 NVML_ERROR_RESET_REQUIRED = 16
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+NVML_ERROR_DEPRECATED = 26
 NVML_ERROR_UNKNOWN = 999
 
 #: The UUID a backend gives a GPU whose UUID it cannot read (``unknown-<index>``).
@@ -49,12 +50,14 @@ BACKEND_GONE_CODES = frozenset(
     {NVML_ERROR_UNINITIALIZED, NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIB_RM_VERSION_MISMATCH}
 )
 #: Codes that mean "this field is not available here": remember and stop asking.
+#: DEPRECATED: a call newer drivers no longer answer (regression: asked at every tick).
 UNSUPPORTED_CODES = frozenset(
     {
         NVML_ERROR_NOT_SUPPORTED,
         NVML_ERROR_NO_PERMISSION,
         NVML_ERROR_FUNCTION_NOT_FOUND,
         NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
+        NVML_ERROR_DEPRECATED,
     }
 )
 

@@ -8,11 +8,11 @@
   ``GetTemperature``), slowdown/shutdown thresholds through field values 194/193 (else
   ``GetTemperatureThreshold``).
 - Errors are mapped here (NVML.md section 2): not supported / no permission / function not found /
-  version mismatch -> the field is None and is not asked again on that device; GPU lost, reset
-  required, insufficient power, IRQ issue -> the device is unhealthy this tick; uninitialised,
-  driver not loaded, driver/library version mismatch -> ``BackendUnavailable`` (initialised
-  again with backoff); anything else -> the field is None this tick. An init failure is
-  ``BackendUnavailable``.
+  version mismatch / deprecated -> the field is None and is not asked again on that device; GPU
+  lost, reset required, insufficient power, IRQ issue -> the device is unhealthy this tick;
+  uninitialised, driver not loaded, driver/library version mismatch -> ``BackendUnavailable``
+  (initialised again with backoff); anything else -> the field is None this tick. An init
+  failure is ``BackendUnavailable``. A name that cannot be read is ``UNKNOWN_NAME``.
 - Calls block: the sampler runs ``sample()`` in one dedicated thread and ``wait_xid()`` in
   another (a bounded ``nvmlEventSetWait_v2``).
 """
@@ -33,6 +33,7 @@ import pynvml
 from supervisor.backends.base import (
     BACKEND_GONE_CODES,
     DEVICE_LOST_CODES,
+    NVML_ERROR_DEPRECATED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_TIMEOUT,
@@ -67,18 +68,21 @@ T = TypeVar("T")
 MIB = 1024 * 1024
 _XID_EVENT = 0x8  # nvmlEventTypeXidCriticalError
 #: What a call answers where its entry point or struct version does not exist (or the device
-#: does not do that version): the older version is asked instead.
+#: does not do that version, or no longer does: DEPRECATED): the older version is asked instead.
 VERSION_CODES = frozenset(
     {
         pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
         pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
         pynvml.NVML_ERROR_NOT_SUPPORTED,
+        NVML_ERROR_DEPRECATED,
     }
 )
 #: An XID event set that could not be made is tried again this often (``wait_xid``).
 EVENTS_RETRY_S = 30.0
 #: Why a GPU's XIDs are not watched where it reports none (MIG instances, some vGPUs).
 XIDS_NOT_SUPPORTED = "the GPU reports no XID events to NVML (not supported)"
+#: The name of a GPU whose name cannot be read (its handle and UUID can).
+UNKNOWN_NAME = "unknown"
 #: A GPU whose handle or UUID could not be read is asked again this often (``sample``).
 HANDLE_RETRY_S = 30.0
 _FI_SHUTDOWN = 193
@@ -300,7 +304,14 @@ class NvmlBackend:
         """The handle and identity of GPU ``index`` (``NVMLError`` when either cannot be read)."""
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = pynvml.nvmlDeviceGetUUID(handle)
-        name = pynvml.nvmlDeviceGetName(handle)
+        try:
+            name = pynvml.nvmlDeviceGetName(handle)
+        except pynvml.NVMLError as exc:
+            # the name is cosmetic (regression: NOT_SUPPORTED or UNKNOWN here alone made a GPU
+            # whose handle and UUID read fine an unhealthy placeholder); a lost GPU stays lost
+            if _code(exc) in DEVICE_LOST_CODES | BACKEND_GONE_CODES:
+                raise
+            name = UNKNOWN_NAME
         total: float | None = None
         try:
             total = pynvml.nvmlDeviceGetMemoryInfo(handle).total / MIB
@@ -337,27 +348,32 @@ class NvmlBackend:
                 if self._event_set is None and self._events_error is None:
                     self._register_events()  # no GPU could be watched before: maybe this one
             return  # a set that failed is made again, with every handle, by wait_xid
-        why = self._register(handle, self._event_set)
+        refused = self._register(handle, self._event_set)
         unwatched = dict(self._unwatched)
         unwatched.pop(self._identities[position].uuid, None)
-        if why is not None:
+        if refused is not None:
+            why, for_good = refused
             unwatched[self._identities[position].uuid] = why
-            if why != XIDS_NOT_SUPPORTED:
+            if not for_good:
                 self._events_failed(why)
         self._unwatched = unwatched
 
     @staticmethod
-    def _register(handle: Any, event_set: Any) -> str | None:
-        """Register ``handle`` for XID events in ``event_set``; why not (None: registered)."""
+    def _register(handle: Any, event_set: Any) -> tuple[str, bool] | None:
+        """Register ``handle`` for XID events in ``event_set``; why not and whether for good
+        (None: registered). Refused for good (not supported, no permission, ...: the codes of
+        a field not available here) is not tried again. Regression: NO_PERMISSION on every GPU
+        made the set again every ``EVENTS_RETRY_S`` and failed every wait, for ever."""
         try:
             mask = _XID_EVENT & int(pynvml.nvmlDeviceGetSupportedEventTypes(handle))
             if not mask:
-                return XIDS_NOT_SUPPORTED
+                return XIDS_NOT_SUPPORTED, True
             pynvml.nvmlDeviceRegisterEvents(handle, mask, event_set)
         except pynvml.NVMLError as exc:
-            if _code(exc) == pynvml.NVML_ERROR_NOT_SUPPORTED:
-                return XIDS_NOT_SUPPORTED
-            return f"nvmlDeviceRegisterEvents: {_describe(exc)}"
+            code = _code(exc)
+            if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                return XIDS_NOT_SUPPORTED, True
+            return f"nvmlDeviceRegisterEvents: {_describe(exc)}", code in UNSUPPORTED_CODES
         return None
 
     def xids_unwatched(self) -> Mapping[str, str]:
@@ -385,13 +401,15 @@ class NvmlBackend:
 
     @staticmethod
     def _works(fn: Callable[[], object]) -> bool:
-        """False only for "this entry point or struct version does not exist here"."""
+        """False only for "this entry point or struct version does not exist here": not for
+        NOT_SUPPORTED, the first GPU's own answer (regression: every GPU was then read through
+        the older call, or not at all; ``_query_versions`` falls back GPU by GPU)."""
         try:
             fn()
         except _MISMATCH:
             return False
         except pynvml.NVMLError as exc:
-            return _code(exc) not in VERSION_CODES
+            return _code(exc) not in VERSION_CODES - {pynvml.NVML_ERROR_NOT_SUPPORTED}
         return True
 
     def _register_events(self) -> None:
@@ -414,12 +432,13 @@ class NvmlBackend:
         for ident, handle in zip(self._identities, self._handles, strict=True):
             if handle is None:
                 continue
-            why = self._register(handle, event_set)
-            if why is None:
+            refused = self._register(handle, event_set)
+            if refused is None:
                 registered += 1
                 continue
+            why, for_good = refused
             unwatched[ident.uuid] = why
-            if why != XIDS_NOT_SUPPORTED:  # NOT_SUPPORTED leaves the set usable
+            if not for_good:  # NOT_SUPPORTED leaves the set usable
                 failure = why
         self._unwatched = unwatched
         if registered:
@@ -684,7 +703,9 @@ class NvmlBackend:
                     self._unsupported.add((i, "threshold_fields"))  # the queries from now on
                 if _FI_RECOVERY_ACTION in unsupported:
                     self._unsupported.add((i, "recovery_action"))
-                self._field_ids.pop(i, None)
+                # dropped once, the others kept (regression: one threshold field alone not
+                # supported had the list made again, with it, at every tick)
+                self._field_ids[i] = [fid for fid in ids if fid not in unsupported]
         if slowdown is None:
             slowdown = self._threshold(i, h, "threshold_slowdown", _SLOWDOWN)
         if shutdown is None:

@@ -1574,3 +1574,135 @@ except BackendUnavailable as exc:
     out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "unavailable: True" in out.stdout, out.stdout
     assert "pip uninstall pynvml" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(("code", "retried"), [(4, False), (13, False), (999, True)])
+def test_an_xid_registration_refused_for_good_is_said_once_not_retried(
+    tmp_path: Path, fake_nvml_libdir: Path, code: int, retried: bool
+) -> None:
+    """Regression: a GPU whose nvmlDeviceRegisterEvents was refused for good (NO_PERMISSION,
+    FUNCTION_NOT_FOUND) on every GPU made each XID wait fail (gpu.xid_wait_failed once a
+    minute) and the event set was made again every EVENTS_RETRY_S, forever. Now such a GPU is
+    listed unwatched once, with its reason; a passing failure (UNKNOWN) is still retried."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write(f"rc_nvmlDeviceRegisterEvents {code}\n")
+    script = """
+import pynvml
+import supervisor.backends.nvml as n
+from supervisor.errors import BackendError
+calls = []
+real = pynvml.nvmlDeviceRegisterEvents
+pynvml.nvmlDeviceRegisterEvents = lambda *a: (calls.append(1), real(*a))[1]
+now = [0.0]
+b = n.NvmlBackend(clock=lambda: now[0])
+b.open()
+failed = 0
+for _ in range(3):
+    now[0] += n.EVENTS_RETRY_S
+    try:
+        b.wait_xid(0.01)
+    except BackendError:
+        failed += 1
+print("registrations:", len(calls), "failed waits:", failed)
+print("unwatched:", sorted(b.xids_unwatched()))
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    if retried:
+        assert "registrations: 4 failed waits: 3" in out.stdout, out.stdout
+    else:
+        assert "registrations: 1 failed waits: 0" in out.stdout, out.stdout
+    assert f"unwatched: ['{UUID0}']" in out.stdout, out.stdout
+
+
+def test_a_deprecated_reading_is_not_asked_again_and_its_alternative_is(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: NVML_ERROR_DEPRECATED (26, newer drivers) was not taken for "unsupported":
+    that reading was asked again at every tick forever, and a newer call answering it did not
+    lead to the older one. Now it is asked once (the older call read instead, where there is
+    one)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("temperature_c 61\nrc_nvmlDeviceGetTemperatureV 26\n")
+        fh.write("rc_nvmlDeviceGetPowerUsage 26\n")
+    script = """
+import pynvml
+import supervisor.backends.nvml as n
+calls = []
+real = pynvml.nvmlDeviceGetPowerUsage
+pynvml.nvmlDeviceGetPowerUsage = lambda *a: (calls.append(1), real(*a))[1]
+b = n.NvmlBackend()
+b.open()
+seen = [(d.temperature_c, d.power_watts) for d in (b.sample()[0] for _ in range(3))]
+print("seen:", seen, "power asked:", len(calls))
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "seen: [(61.0, None), (61.0, None), (61.0, None)] power asked: 1" in out.stdout, (
+        out.stdout
+    )
+
+
+def test_a_threshold_field_alone_not_supported_is_dropped_once(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """Regression: where only one of the threshold field values (194 slowdown, 193 shutdown)
+    answered NOT_SUPPORTED, the list of field ids was rebuilt with it and asked again at every
+    tick. Now that field is dropped once (its threshold read from the query), the other kept."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("temperature_shutdown_c 95\nrc_field_194 3\n")
+    script = """
+import pynvml
+import supervisor.backends.nvml as n
+asked = []
+real = pynvml.nvmlDeviceGetFieldValues
+b = n.NvmlBackend()
+b.open()
+pynvml.nvmlDeviceGetFieldValues = lambda h, ids: (asked.append(list(ids)), real(h, ids))[1]
+seen = [(d.temperature_slowdown_c, d.temperature_shutdown_c)
+        for d in (b.sample()[0] for _ in range(3))]
+print("seen:", seen)
+print("asked:", asked)
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "seen: [(87.0, 95.0), (87.0, 95.0), (87.0, 95.0)]" in out.stdout, out.stdout
+    assert "asked: [[194, 193, 230], [193, 230], [193, 230]]" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("code", [3, 999])
+def test_a_gpu_whose_name_cannot_be_read_is_healthy(
+    tmp_path: Path, fake_nvml_libdir: Path, code: int
+) -> None:
+    """Regression: a GPU answering nvmlDeviceGetName NOT_SUPPORTED (or UNKNOWN) became an
+    unhealthy ``unknown-<index>`` placeholder, nothing placed on it, though its handle and UUID
+    read fine. The name is cosmetic: the GPU is healthy, its name "unknown"."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write(f"rc_nvmlDeviceGetName {code}\n")
+    (dev,) = gpus_on_nvml(world, fake_nvml_libdir)
+    assert (dev["uuid"], dev["name"], dev["healthy"]) == (UUID0, "unknown", True), dev
+
+
+def test_versioned_calls_are_chosen_gpu_by_gpu(tmp_path: Path, fake_nvml_libdir: Path) -> None:
+    """Regression: the versioned calls were probed on the first GPU only, and one NOT_SUPPORTED
+    there (a GPU without that reading) made every GPU use the older call: GPU 1, whose older
+    temperature call fails (or whose field values hold its recovery action), was left without
+    it. NOT_SUPPORTED is one GPU's answer; only a call the library lacks decides for all."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "0", "a") as fh:
+        fh.write("rc_nvmlDeviceGetTemperatureV 3\nrc_nvmlDeviceGetFieldValues 3\n")
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("temperature_c 66\nrc_nvmlDeviceGetTemperature 3\nrecovery_action 1\n")
+    first, second = gpus_on_nvml(world, fake_nvml_libdir)
+    assert first["temperature_celsius"] == 40, first
+    assert second["temperature_celsius"] == 66, second
+    assert second["recovery_action"] == "gpu_reset", second
