@@ -33,6 +33,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -747,11 +748,15 @@ def _placeholder_errors(text: str) -> str | None:
     return None
 
 
-def _taken_ports(data: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> list[range]:
-    """The ports a raw config already claims: the API's and the groups' with a ``port_base``."""
+def _taken_ports(
+    data: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], listen: object = None
+) -> list[range]:
+    """The ports a raw config already claims: the API's and the groups' with a ``port_base``.
+    ``listen``: the API's address where the environment sets it (None: the file's)."""
     taken: list[range] = []
     api = data.get("api")
-    listen = api.get("listen", _DEFAULT_LISTEN) if isinstance(api, dict) else _DEFAULT_LISTEN
+    if listen is None:
+        listen = api.get("listen", _DEFAULT_LISTEN) if isinstance(api, dict) else _DEFAULT_LISTEN
     with contextlib.suppress(ValueError):  # a bad listen value is reported by its own check
         kind, _, api_port = parse_listen(listen if isinstance(listen, str) else "")
         if kind == "tcp" and api_port:
@@ -767,18 +772,21 @@ def keep_port_bases(
     data: Mapping[str, Any],
     running: Mapping[str, range],
     held: Mapping[str, Sequence[range]] | None = None,
+    *,
+    listen: str | None = None,
 ) -> dict[str, Any]:
     """``data`` (a raw config) with each group that has no ``port_base`` given the one it runs
     with (``running``: group -> its ports now) where its ports, as many as its replicas now, are
     free: a reload that scales one group never moves another's ports, and a group keeps its own
     while it fits. Groups that keep or shrink their range go first, then those that grow; one
     that no longer fits gets a free range as usual. ``held``: group -> ports its workers hold
-    outside its ``running`` range (a roll-out that stopped part-way): no other group's."""
+    outside its ``running`` range (a roll-out that stopped part-way): no other group's.
+    ``listen``: ``api.listen`` as the environment overrides it (None: the file's)."""
     held = held or {}
     groups = data.get("workers")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return dict(data)
-    taken = _taken_ports(data, groups)
+    taken = _taken_ports(data, groups, listen)
     # a name as written: one missing or no string (``name = true``) is the validation's to
     # report (regression: looked up as the text it reads as, KeyError, the supervisor crashed)
     names = {g.get("name") for g in groups if isinstance(g.get("name"), str)}
@@ -964,6 +972,10 @@ def _env_name_for(loc: tuple[int | str, ...], environ: Mapping[str, str]) -> str
         name = ENV_PREFIX + ENV_DELIMITER.join(str(p) for p in parts).upper()
         if any(k.upper() == name for k in environ):
             return name
+        if depth == len(loc) > 1:  # a path below the key (``GPU_SUPERVISOR_GPU__BACKEND__X``)
+            deeper = sorted(k for k in environ if k.upper().startswith(name + ENV_DELIMITER))
+            if deeper:
+                return deeper[0]
     return None
 
 
@@ -1125,8 +1137,20 @@ def load_settings(
         )
     _check_toml_types(data, Settings, "", source)
     if keep_ports:
-        data = keep_port_bases(data, keep_ports, held_ports)
+        data = keep_port_bases(data, keep_ports, held_ports, listen=_env_listen())
     return parse_settings(data, source)
+
+
+def _env_listen() -> str | None:
+    """``api.listen`` as the environment overrides it (``GPU_SUPERVISOR_API__LISTEN``, or
+    ``GPU_SUPERVISOR_API`` as JSON), None where it does not (or not readably: the validation
+    says so): the port the API takes is not a group's to keep on a reload."""
+    try:
+        api = EnvSettingsSource(Settings)().get("api")
+    except (SettingsError, ValueError):
+        return None
+    listen = api.get("listen") if isinstance(api, dict) else None
+    return listen if isinstance(listen, str) else None
 
 
 #: What the client commands read of a config file: where the API is and its token

@@ -523,3 +523,47 @@ def test_a_huge_replicas_with_a_port_base_is_refused_not_a_hang(tmp_path: Path, 
     assert "c.toml: workers[0].replicas: Input should be less than or equal to 4096" in str(
         result[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("GPU_SUPERVISOR_API__LISTEN", "127.0.0.1:8002"),
+        ("GPU_SUPERVISOR_API", '{"listen": "127.0.0.1:8002"}'),
+    ],
+)
+def test_a_reload_keeps_automatic_ports_off_an_api_port_set_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """Regression: a reload that grew a group with automatic ports kept the group's range by
+    the file's ``api.listen``, not the environment's: with the API's port set by
+    ``GPU_SUPERVISOR_API__LISTEN`` the range was kept onto it and the reload rejected ("include
+    the API's port"), where the same listen in the file moved the group to a free range."""
+    p = tmp_path / "c.toml"
+    p.write_text("[[workers]]\nname = 'w'\ncommand = ['x']\nreplicas = 2\n")
+    monkeypatch.setenv(name, value)
+    s = load_settings(p, {"w": range(8001, 8002)})
+    assert s.api.listen == "127.0.0.1:8002"
+    assert s.workers[0].port_base == 8003
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "GPU_SUPERVISOR_GPU__BACKEND__X",
+        "GPU_SUPERVISOR_API__ALLOWED_HOSTS__0",
+        "GPU_SUPERVISOR_SUPERVISOR__STATE_DIR__X",
+    ],
+)
+def test_an_override_nested_too_deep_names_its_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Regression: an override with a key path below a key (``GPU_SUPERVISOR_GPU__BACKEND__X``,
+    a list item as ``..._ALLOWED_HOSTS__0``) was reported as the key's own mistake
+    (``c.toml: gpu.backend: Input should be 'auto', ...``) without naming the variable: the
+    user looked for it in a file that did not have it."""
+    monkeypatch.setenv(name, "x")
+    assert bad({}).endswith(f"[from {name}]")
+    monkeypatch.delenv(name)
+    monkeypatch.setenv("GPU_SUPERVISOR_GPU__RESERVE_MB", "100")  # not the one at fault
+    assert "[from" not in bad({"gpu": {"backend": "x"}})
