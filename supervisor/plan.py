@@ -267,6 +267,10 @@ class GpuSlot:
     usable: bool = True  # False when cordoned, unhealthy or suspect
     why_not: str = ""
     cpus: tuple[int, ...] | None = None  # the CPUs close to it (None: not known)
+    #: memory held there by processes that are no worker of ours (another supervisor's
+    #: workers, the driver): budgets fit under total - max(reserve_mb, others_mb); None: not
+    #: known (reserve_mb alone)
+    others_mb: float | None = None
 
 
 #: ``GpuSlot.why_not`` of a GPU that nothing else keeps placements off.
@@ -289,9 +293,11 @@ def may_restart_in_place(
     )
 
 
-def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
+def slot_for(
+    d: DeviceSample, why_not: str | None = None, others_mb: float | None = None
+) -> GpuSlot:
     """Device ``d`` as placement sees it; ``why_not``: why nothing may be placed on it now
-    (None: only its health counts)."""
+    (None: only its health counts); ``others_mb``: see ``GpuSlot``."""
     if why_not is None:
         why_not = "" if d.healthy else f"is unhealthy ({d.error})"
     return GpuSlot(
@@ -303,6 +309,7 @@ def slot_for(d: DeviceSample, why_not: str | None = None) -> GpuSlot:
         usable=not why_not,
         why_not=why_not,
         cpus=d.cpus,
+        others_mb=others_mb,
     )
 
 
@@ -370,7 +377,8 @@ def place(
 
     ``gpus = "auto"`` picks, per worker, the usable GPUs with the fewest workers, then the most
     free memory, then the lowest temperature; at most ``max_workers_per_gpu`` workers per GPU;
-    with ``gpu_memory_limit_mb`` set, only GPUs where the budgets fit under total - reserve_mb.
+    with ``gpu_memory_limit_mb`` set, only GPUs where the budgets fit under total - reserve_mb,
+    or total less what others hold there where that is more (``GpuSlot.others_mb``).
     Without devices (no telemetry) ``auto`` places nothing (None). Raises ``PlacementError``.
     """
     fixed = dict(fixed or {})
@@ -451,18 +459,15 @@ def _pick(
     reasons: list[str] = []
     candidates = []
     for d in devices:
+        # memory that processes not ours hold there (another supervisor's workers) is not
+        # there for our budgets; up to reserve_mb of it is what the reserve is for
+        kept = max(reserve_mb, d.others_mb or 0.0)
         if not d.usable:
             reasons.append(f"GPU {d.index} {d.why_not or 'unusable'}")
         elif counts[d.uuid] >= group.max_workers_per_gpu:
             reasons.append(f"GPU {d.index} has {counts[d.uuid]} workers (max_workers_per_gpu)")
-        elif budget and (
-            d.total_mb is None or committed[d.uuid] + budget > d.total_mb - reserve_mb
-        ):
-            room = (
-                "unknown"
-                if d.total_mb is None
-                else f"{d.total_mb - reserve_mb - committed[d.uuid]:g}"
-            )
+        elif budget and (d.total_mb is None or committed[d.uuid] + budget > d.total_mb - kept):
+            room = "unknown" if d.total_mb is None else f"{d.total_mb - kept - committed[d.uuid]:g}"
             reasons.append(f"GPU {d.index} has {room} MB left for budgets, needs {budget:g}")
         else:
             candidates.append(d)

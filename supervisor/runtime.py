@@ -752,8 +752,24 @@ class Runtime:
                 why = SUSPECT
             elif d.uuid in self.cordoned:
                 why = CORDONED
-            out.append(slot_for(d, why))
+            out.append(slot_for(d, why, self._others_mb(sample, d)))
         return out
+
+    def _others_mb(self, sample: Sample, d: DeviceSample) -> float | None:
+        """The memory held on ``d`` by processes that are no worker of ours (another
+        supervisor's workers, the driver): its used memory less what our workers hold there;
+        None where that is not known (its use, or that of a worker of ours placed there)."""
+        if d.memory_used_mb is None:
+            return None
+        ours = 0.0
+        for name, usage in sample.workers.items():
+            runner = self.runners.get(name)
+            if usage.gpu_memory_mb is None:
+                if runner is not None and d.uuid in (runner.spec.gpus or ()):
+                    return None
+                continue
+            ours += usage.gpu_memory_by_gpu.get(d.uuid, 0.0)
+        return max(d.memory_used_mb - ours, 0.0)
 
     def _failed_gpus(self) -> dict[str, GpuSlot]:
         """The slots of the GPUs that failed: unhealthy (lost, not answering) or quarantined."""

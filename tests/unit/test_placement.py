@@ -66,6 +66,26 @@ def test_budget_exactly_fits() -> None:
     assert got == {"a-0": ("GPU-0",), "a-1": ("GPU-0",)}
 
 
+def test_budgets_fit_beside_the_memory_others_hold() -> None:
+    """Regression: budgets were fitted under total - reserve_mb only, whatever processes that
+    are no worker of ours held there (another supervisor's workers on the same GPUs): a worker
+    with a 30 GB budget went onto a GPU where 60 of 80 GB were held, and died of CUDA OOM at
+    every start, while another GPU had room. Memory held by others up to reserve_mb is what the
+    reserve is for (counted once)."""
+    g = groups({"name": "a", "replicas": 2, "health": {"gpu_memory_limit_mb": 30_000}})
+    slots = [
+        GpuSlot(0, "GPU-0", 80_000.0, 20_000.0, others_mb=60_000.0),
+        GpuSlot(1, "GPU-1", 80_000.0, 80_000.0, others_mb=0.0),
+    ]
+    assert place(g, slots, 512) == {"a-0": ("GPU-1",), "a-1": ("GPU-1",)}
+    with pytest.raises(PlacementError, match="GPU 0 has 20000 MB left for budgets, needs 30000"):
+        place(g, slots[:1], 512)
+    # others within the reserve: the budgets fit exactly as before
+    g = groups({"name": "a", "replicas": 2, "health": {"gpu_memory_limit_mb": 39_744}})
+    got = place(g, [GpuSlot(0, "GPU-0", 80_000.0, 79_700.0, others_mb=300.0)], 512)
+    assert got == {"a-0": ("GPU-0",), "a-1": ("GPU-0",)}
+
+
 def test_explicit_lists_resolve_to_uuids() -> None:
     g = groups(
         {"name": "a", "gpus": [1]}, {"name": "b", "gpus": ["GPU-0"]}, {"name": "c", "gpus": "none"}
