@@ -96,7 +96,7 @@ from supervisor.plan import (
     worker_cpus,
 )
 from supervisor.policy import lifecycle as lc
-from supervisor.policy.attribution import alias_owner
+from supervisor.policy.attribution import alias_owner, still_held
 from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify, may_be_oom_kill
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.lifecycle import may_start
@@ -1023,20 +1023,28 @@ class Runtime:
         for listener in self.sample_listeners:
             listener(sample)
         if self.suspect and sample.nvml_available:  # without telemetry nothing is seen gone
-            listed = {p.pid for d in sample.devices for p in d.processes or ()}
             # one in a PID namespace of its own is listed under its pid there, as at the
             # barrier (regression: said released at the next sample, its memory still held)
             inner = procfs.inner_pids(frozenset().union(*self.suspect.values()))
-            listed |= {inner[p] for p in listed if p in inner and procfs.running(inner[p])}
+            listed: dict[str, frozenset[int] | None] = {}
+            for d in sample.devices:
+                if d.processes is None:
+                    continue  # not known this sample: its suspect pids are kept
+                pids_there = {p.pid for p in d.processes}
+                pids_there |= {
+                    inner[p] for p in pids_there if p in inner and procfs.running(inner[p])
+                }
+                listed[d.uuid] = frozenset(pids_there)
+            held_now = still_held(self.suspect, listed)
             for uuid, pids in list(self.suspect.items()):
-                if not pids & listed:
+                if uuid not in held_now:
                     del self.suspect[uuid]
                     self._suspect_of.pop(uuid, None)
                     self.log.info("gpu.released", gpu=uuid, reason="old pids no longer listed")
-                elif pids - listed:  # some of them let go: suspect for the others still
-                    self.suspect[uuid] = pids & listed
+                elif held_now[uuid] != pids:  # some of them let go: suspect for the others
+                    self.suspect[uuid] = held_now[uuid]
                     held = self._suspect_of.get(uuid, {})
-                    self._suspect_of[uuid] = {p: w for p, w in held.items() if p in listed}
+                    self._suspect_of[uuid] = {p: w for p, w in held.items() if p in held_now[uuid]}
         self._wake_gpu_waiters()
         self._place_unplaced(sample)
         if self.systemd.enabled:  # the GPUs it counts change without a worker changing

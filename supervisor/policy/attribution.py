@@ -156,3 +156,21 @@ def alias_owner(
         return None
     owner = worker_of.get(ours)
     return owner if owner is not None and uuid in (assigned.get(owner) or ()) else None
+
+
+def still_held(
+    suspect: Mapping[str, frozenset[int]],
+    listed: Mapping[str, frozenset[int] | None],
+) -> dict[str, frozenset[int]]:
+    """Which of the old pids each suspect GPU waits for are still listed on *that* GPU
+    (``listed``: GPU UUID -> the pids NVML lists there now, namespace aliases resolved; None
+    or missing: not known this sample, so all are kept). A GPU with none left is released
+    (absent from the result). Regression: a pid still listed on another GPU (a worker on two
+    GPUs whose stuck process let go of one) kept this one suspect."""
+    out: dict[str, frozenset[int]] = {}
+    for uuid, pids in suspect.items():
+        there = listed.get(uuid)
+        held = pids if there is None else pids & there
+        if held:
+            out[uuid] = held
+    return out

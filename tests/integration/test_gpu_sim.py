@@ -488,9 +488,14 @@ def test_the_release_barrier_waits_for_a_process_listed_under_its_namespace_pid(
 ) -> None:
     """The old process of a worker in a PID namespace of its own is listed (pid 1 there) and
     cannot be ended (stuck in the kernel): the restart waits for its memory, then marks the GPU
-    suspect and moves. Regression: the barrier compared NVML's pids with ours only, and the
-    replacement started at once next to the memory still held."""
+    suspect (and starts there again: GPU 1 is cordoned, as the simulated world files a process
+    by its pid, and the replacement, pid 1 of a namespace of its own too, on GPU 1 would take
+    the stuck one's place in it). Regression: the barrier compared NVML's pids with ours only,
+    and the replacement started at once next to the memory still held."""
     assert UNSHARE is not None
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "cordons").write_text(f"{UUID1}\n")
     sup = supervisor(
         config(
             tmp_path,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.model import DeviceSample, GpuProcess
-from supervisor.policy.attribution import attribute, sane_processes
+from supervisor.policy.attribution import attribute, sane_processes, still_held
 
 
 def dev(uuid: str, *procs: tuple[int, float | None], total: float = 1000.0) -> DeviceSample:
@@ -154,3 +155,29 @@ def test_pid_matches_sum_every_listed_process_of_the_tree(
             for uuid, m in mine:
                 by[uuid] = by.get(uuid, 0.0) + (m or 0.0)
             assert got[name].by_gpu == by
+
+
+A, B = "GPU-a", "GPU-b"
+
+
+@pytest.mark.parametrize(
+    ("suspect", "listed", "held"),
+    [
+        # the stuck process let go of GPU A but still holds GPU B (a worker on both): A is
+        # released (regression: its pid listed on B kept A suspect too)
+        ({A: frozenset({7}), B: frozenset({7})}, {A: frozenset(), B: frozenset({7})}, {B: {7}}),
+        # one of two old pids let go
+        ({A: frozenset({7, 8})}, {A: frozenset({8, 100})}, {A: {8}}),
+        # A's process list is not known this sample (or A is not listed): kept as it was
+        ({A: frozenset({7})}, {A: None, B: frozenset()}, {A: {7}}),
+        ({A: frozenset({7})}, {B: frozenset({7})}, {A: {7}}),
+        # all gone
+        ({A: frozenset({7}), B: frozenset({9})}, {A: frozenset(), B: frozenset({1})}, {}),
+    ],
+)
+def test_a_suspect_gpu_waits_only_for_the_old_pids_listed_on_it(
+    suspect: dict[str, frozenset[int]],
+    listed: dict[str, frozenset[int] | None],
+    held: dict[str, set[int]],
+) -> None:
+    assert still_held(suspect, listed) == {u: frozenset(p) for u, p in held.items()}
