@@ -26,7 +26,8 @@ from supervisor import client
 from supervisor._version import __version__
 from supervisor.backends.factory import make_backend
 from supervisor.backends.sim import SimBackend
-from supervisor.config import ENV_PREFIX, GpuSection, Settings, SupervisorSection, load_settings
+from supervisor.config import GpuSection, Settings, load_settings
+from supervisor.config import environment_client_settings as env_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
@@ -326,7 +327,7 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    gpu = client.client_settings(args.config).gpu if args.config else GpuSection()
+    gpu = client.client_settings(args.config).gpu if args.config else env_settings().gpu
     if args.sim_dir and args.backend not in (None, "sim"):
         raise UsageError(
             f"gpu-supervisor gpus: --sim-dir goes with --backend sim (not {args.backend!r})"
@@ -381,9 +382,7 @@ def _store(args: argparse.Namespace) -> PostmortemStore:
     elif args.config:
         state_dir = client.client_settings(args.config).supervisor.state_dir
     else:  # where a supervisor started without the key keeps them (its env override too)
-        state_dir = Path(
-            os.environ.get(f"{ENV_PREFIX}SUPERVISOR__STATE_DIR") or SupervisorSection().state_dir
-        )
+        state_dir = env_settings().supervisor.state_dir
     if not state_dir.is_dir():  # regression: "no post-mortems" (exit 0), or a traceback
         why = "no such directory" if not state_dir.exists() else "not a directory"
         raise UsageError(f"gpu-supervisor postmortem: state_dir {str(state_dir)!r}: {why}")

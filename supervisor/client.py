@@ -2,7 +2,8 @@
 ``cordon``, ``uncordon``, all through the HTTP API of a running supervisor.
 
 The API is found from ``--url`` or from ``-c FILE`` (its ``[api] listen``; ``unix:/path`` goes
-through a unix-socket transport), else the default ``127.0.0.1:9811``. The token comes from
+through a unix-socket transport), else from ``GPU_SUPERVISOR_API__LISTEN``, else the default
+``127.0.0.1:9811``. The token comes from
 ``GPU_SUPERVISOR_API_TOKEN`` or the config's ``api.token_file``.
 
 Exit codes (through the errors raised): 0 ok; 1 (``ApiClientError``) when the supervisor is not
@@ -27,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 from supervisor.config import (
-    ApiSection,
     Settings,
+    environment_client_settings,
     http_url,
     is_loopback,
     load_client_settings,
@@ -213,7 +214,7 @@ def resolve(
     token file this user cannot read is then no error (the service user's 0600 file, read by
     an operator's shell or a probe)."""
     environ = os.environ if environ is None else environ
-    api = client_settings(config, warn=warn).api if config else ApiSection()
+    api = client_settings(config, warn=warn).api if config else environment_client_settings().api
     if url is None:
         url = url_for(api.listen)
         if url is None:

@@ -1179,6 +1179,37 @@ def load_client_settings(path: str | os.PathLike[str]) -> tuple[Settings, str | 
         )
 
 
+def environment_client_settings() -> Settings:
+    """The settings a client command run without ``-c FILE`` uses: ``CLIENT_SECTIONS`` as the
+    ``GPU_SUPERVISOR_*`` environment sets them, defaults elsewhere. A supervisor configured
+    so (a container's environment, which ``docker exec`` passes on) is found where it listens
+    (regression: the default ``127.0.0.1:9811`` was asked whatever
+    ``GPU_SUPERVISOR_API__LISTEN`` said, and ``gpus`` ignored ``GPU_SUPERVISOR_GPU__*``). An
+    override of another section is not read here (a worker group's mistake is ``run``'s)."""
+    source = "environment"
+    try:
+        env = _ClientEnvironment()
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+    except SettingsError as exc:  # a section's override that is not JSON where JSON is due
+        raise ConfigError(_env_parse_error(source, exc)) from None
+    # (its sections validated: no other section's override is read, nor validated again)
+    return Settings.model_construct(supervisor=env.supervisor, gpu=env.gpu, api=env.api)
+
+
+class _ClientEnvironment(BaseSettings):
+    """The sections a client command reads (``CLIENT_SECTIONS``), to read their environment
+    overrides alone (``environment_client_settings``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, case_sensitive=False
+    )
+
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    gpu: GpuSection = Field(default_factory=GpuSection)
+    api: ApiSection = Field(default_factory=ApiSection)
+
+
 #: A config file is read up to this size (a few kB in practice).
 MAX_CONFIG_BYTES = 16 * 2**20
 

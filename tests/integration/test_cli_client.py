@@ -663,3 +663,35 @@ def test_a_rolling_restart_waited_for_reports_its_own_roll_out(
     assert code == 0 and out.strip().endswith("g: rolling restart done"), out
     assert len(done) == 2, "it returned before its own roll-out was done"
     api.close()
+
+
+def test_client_commands_without_a_config_follow_the_environment(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A supervisor configured through the environment (a container's `-e
+    GPU_SUPERVISOR_API__LISTEN=...`, which `docker exec` passes on to the commands run in it):
+    `status` and `health` without `-c` find its API there, and `gpus` without `-c` reads the
+    GPUs the environment's `[gpu]` names. Regression: they asked 127.0.0.1:9811 (not running:
+    exit 1) and the default backend, whatever the environment said."""
+    socket_path = tmp_path / "api.sock"
+    env = {
+        "GPU_SUPERVISOR_API__LISTEN": f"unix:{socket_path}",
+        "GPU_SUPERVISOR_GPU__BACKEND": "sim",
+        "GPU_SUPERVISOR_GPU__SIM_DIR": str(tmp_path / "sim"),
+    }
+    config = {"workers": [{"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")}]}
+    sup = supervisor(config, env=env)
+    assert sup.api_url() == f"unix:{socket_path}"
+    sup.ready("c-0")
+    shell = {**sup.env, "GPU_SUPERVISOR_API_TOKEN": ""}
+    out = cli("status", env=shell)
+    assert out.returncode == 0, out.stderr
+    assert any(line.split()[:2] == ["c-0", "ready"] for line in out.stdout.splitlines()), out.stdout
+    assert cli("health", "--ready", env=shell).returncode == 0
+    gpus = cli("gpus", "--json", env=shell)
+    assert gpus.returncode == 0, gpus.stderr
+    assert [d["uuid"] for d in json.loads(gpus.stdout)["devices"]][:1] == [UUID0], gpus.stdout
+    bad = cli("status", env={**shell, "GPU_SUPERVISOR_API__LISTEN": "nowhere"})
+    assert bad.returncode == 2 and "GPU_SUPERVISOR_API__LISTEN" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert sup.stop() == 0
