@@ -330,6 +330,47 @@ def test_a_reload_of_a_new_command_keeps_each_worker_on_its_gpu(
     assert sup.stop() == 0
 
 
+def test_a_reload_that_swaps_two_groups_gpus_rolls_both_out_at_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """a runs on GPU 0 and b on GPU 1, one worker a GPU; a reload swaps their GPU lists: each
+    group's new worker goes where the other group's old one is. Both roll out at the same
+    time (b-0 goes down before the new a-0 is ready) and neither waits for the other nor
+    halts: each ends on the other's GPU."""
+
+    def group(name: str, gpu: int) -> dict[str, Any]:
+        return {
+            "name": name,
+            "gpus": [gpu],
+            "max_workers_per_gpu": 1,
+            "command": worker_cmd("gpu_user", "100"),
+            "restart": {"stable_s": 0.1},
+        }
+
+    sup = supervisor(config(tmp_path, group("a", 0), group("b", 1)))
+    sup.ready("a-0")
+    sup.ready("b-0")
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, group("a", 1), group("b", 0)))
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_event(event="supervisor.reload", after=mark)["changed"] == ["a", "b"]
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=30)
+    assert (done["halted"], done["superseded"]) == ([], [])
+
+    def at(worker: str, new: str) -> int:
+        event = sup.wait_event(event="worker.state", worker=worker, new=new, after=mark)
+        return sup.events.index(event)
+
+    assert at("b-0", "stopping") < at("a-0", "ready")
+    assert at("a-0", "stopping") < at("b-0", "ready")
+    with sup.api() as http:
+        gpus = {w["name"]: w["gpus"] for w in http.get("/api/v1/workers").json()}
+    assert gpus == {"a-0": [UUID1], "b-0": [UUID0]}
+    assert sup.wait_line("[a-0] ", endswith=f"ready on {UUID1}")
+    assert sup.wait_line("[b-0] ", endswith=f"ready on {UUID0}")
+    assert sup.stop() == 0
+
+
 def two_of_g(
     supervisor: SupervisorFactory, tmp_path: Path, **extra: Any
 ) -> tuple[Supervisor, dict[str, Any], int, int]:

@@ -80,6 +80,79 @@ def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
     assert sup.stop() == 0
 
 
+def test_a_reload_rolls_its_changed_groups_out_at_the_same_time(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Two changed groups whose workers take long to stop (SIGTERM ignored: killed after
+    stop_timeout_s): each rolls out on its own, one worker at a time within the group, both
+    at once: b's first replacement begins before a's first is back. Regression: the groups
+    rolled one after another, the last waiting for all the others (minutes with several
+    groups). ``reload.done`` comes once, after both groups' ``rollout.done``."""
+
+    def group(name: str, version: str) -> dict[str, Any]:
+        return g(name, "ignore_sigterm", replicas=2, stop_timeout_s=1, env={"V": version})
+
+    sup = supervisor({"workers": [group("a", "1"), group("b", "1")]})
+    for w in ("a-0", "a-1", "b-0", "b-1"):
+        sup.ready(w)
+    mark = sup.mark()
+    sup.write_config({"workers": [group("a", "2"), group("b", "2")]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=30)
+    assert (done["halted"], done["superseded"]) == ([], [])
+
+    def at(worker: str, new: str) -> int:
+        return sup.events.index(
+            sup.wait_event(event="worker.state", worker=worker, new=new, after=mark)
+        )
+
+    # each group one worker at a time: its second goes once its first is back, ready
+    for name in ("a", "b"):
+        assert at(f"{name}-0", "stopping") < at(f"{name}-0", "ready") < at(f"{name}-1", "stopping")
+    # the groups at the same time: each one's first replacement began before the other's
+    # first was back (one after another, b-0 went only once a's roll-out was done)
+    assert at("b-0", "stopping") < at("a-0", "ready")
+    assert at("a-0", "stopping") < at("b-0", "ready")
+    with sup.api() as http:
+        events = http.get("/api/v1/events").json()
+    ends = [
+        (e["type"], e.get("group"))
+        for e in events
+        if e["type"] in ("rollout.done", "rollout.halted", "reload.done")
+    ]
+    assert sorted(ends[:2]) == [("rollout.done", "a"), ("rollout.done", "b")]
+    assert ends[2:] == [("reload.done", None)]
+    (reload_done,) = [e for e in events if e["type"] == "reload.done"]
+    assert (reload_done["halted"], reload_done["superseded"]) == ([], [])
+    assert sup.stop() == 0
+
+
+def test_a_stop_during_two_groups_roll_outs_ends_both_without_a_halt(
+    supervisor: SupervisorFactory,
+) -> None:
+    """SIGTERM while two groups roll out at once (each first replacement held stable_s):
+    both roll-outs end, cut short, not halted, the reload's end is said once, and the
+    supervisor exits 0."""
+
+    def group(name: str, version: str) -> dict[str, Any]:
+        return g(name, replicas=2, env={"V": version}, restart={"stable_s": 30})
+
+    sup = supervisor({"workers": [group("a", "1"), group("b", "1")]})
+    for w in ("a-0", "a-1", "b-0", "b-1"):
+        sup.ready(w)
+    mark = sup.mark()
+    sup.write_config({"workers": [group("a", "2"), group("b", "2")]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)
+    sup.ready("b-0", after=mark)
+    assert sup.stop() == 0
+    (done,) = sup.find(event="supervisor.reload_done", after=mark)
+    assert (done["halted"], done["superseded"]) == ([], [])
+    assert not sup.find(event="supervisor.rollout_halted", after=mark)
+    for w in ("a-1", "b-1"):  # never reached: stopped by the stop, not replaced
+        assert not sup.find(event="worker.spawned", worker=w, after=mark)
+
+
 def test_scaling_a_group_touches_only_the_workers_added_or_removed(
     supervisor: SupervisorFactory,
 ) -> None:
