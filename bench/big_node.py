@@ -1,15 +1,17 @@
 """A big node: 64 workers on 8 simulated GPUs.
 
     .venv/bin/python bench/big_node.py [--groups 4] [--per-group 16] [--requests 50] [--quick]
+        [--phases big,reload,rollout,loading] [--tree CHECKOUT]
 
-Every phase is a fresh ``gpu-supervisor run`` of this checkout (``PYTHONPATH`` on it, API on
+Every phase is a fresh ``gpu-supervisor run`` of this checkout (or of ``--tree``: the same
+bench on another version; ``PYTHONPATH`` on it, API on
 ``127.0.0.1:0``: the supervisor binds port 0 and logs the URL), ``[gpu] backend = "sim"`` with
 8 sim devices, ``max_workers_per_gpu = 8``, ``sample_interval_s = 0.5``, ``stop_timeout_s =
 2``, ``[workers.restart] stable_s = 0``, in a temp dir. Workers are ``python -S
 bench/worker.py`` (stdlib only).
 
-1. ``--groups`` x ``--per-group`` workers (``--sim-mib 500 --ignore-term``, ``ready = "none"``):
-   launch -> all ready in ``GET /api/v1/workers`` (polled every 0.1 s; and the workers' first
+1. ``big``: ``--groups`` x ``--per-group`` workers (``--sim-mib 500 --ignore-term``,
+   ``ready = "none"``): launch -> all ready in ``GET /api/v1/workers`` (polled every 0.1 s; and the workers' first
    and last start lines); after a 3 s settle, ``--requests`` GETs each (a new connection each)
    of ``/api/v1/workers``, ``/metrics``, ``/api/v1/gpu/status``: size, p50, p99;
    ``state.json``'s size and how often it is replaced in 5 s idle; the mean sampler tick
@@ -18,11 +20,15 @@ bench/worker.py`` (stdlib only).
    ``/healthz`` asked every 20 ms meanwhile; then SIGTERM to the supervisor -> it has exited
    and every worker pid is gone (the workers ignore SIGTERM: ``stop_timeout_s`` + its
    reaction).
-2. One group of ``--per-group`` SIGTERM-ignoring workers; the config rewritten to a quarter of
-   them, then SIGHUP -> the supervisor's ``supervisor.reload_done`` (each removed worker needs
+2. ``reload``: one group of ``--per-group`` SIGTERM-ignoring workers; the config rewritten to
+   a quarter of them, then SIGHUP -> the supervisor's ``supervisor.reload_done`` (each removed worker needs
    the SIGKILL after ``stop_timeout_s``: ~2 s when they are stopped together).
-3. ``--groups`` x ``--per-group`` workers behind ``ready = "http://127.0.0.1:{port}/health"``
-   answering 503 (``bench/worker.py --http-503``: loading, never ready; ``start_timeout_s =
+3. ``rollout``: ``--groups`` x ``--per-group`` SIGTERM-ignoring workers; the config rewritten
+   with another environment for every group, then SIGHUP -> ``supervisor.reload_done``, and
+   when each group's last replacement was spawned (each replacement waits ``stop_timeout_s``
+   for its SIGKILL).
+4. ``loading``: ``--groups`` x ``--per-group`` workers behind
+   ``ready = "http://127.0.0.1:{port}/health"`` answering 503 (``bench/worker.py --http-503``: loading, never ready; ``start_timeout_s =
    300``), which the supervisor asks every 0.2 s: its CPU (``utime + stime`` of
    ``/proc/<pid>/stat``, workers excluded) over a 10 s window after a 6 s settle, in cores,
    and ``/healthz`` (a new connection every 0.1 s) meanwhile.
@@ -51,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -61,6 +68,8 @@ import psutil
 from benchkit import Log, Tracker, interrupt, ts
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The checkout whose supervisor runs (``--tree``: another, for a before/after comparison).
+TREE = ROOT
 WORKER = ROOT / "bench" / "worker.py"
 GPUS = 8
 PER_GPU = 8
@@ -99,9 +108,12 @@ def write_config(
     ready: str = "none",
     port_base: int | None = None,
     extra: str = "",
+    generation: int = 0,
 ) -> Path:
     argv = ", ".join(_toml(a) for a in [sys.executable, "-S", str(WORKER), *worker_args])
     env = f"BENCH_START_FILE = {_toml(str(base / 'starts'))}, BENCH_RUN_ID = {_toml(run_id)}"
+    if generation:  # another environment: a reload rolls every group out
+        env += f", BENCH_GENERATION = {_toml(str(generation))}"
     text = (
         f"[supervisor]\nstate_dir = {_toml(str(base / 'state'))}\nsample_interval_s = 0.5\n"
         f'[gpu]\nbackend = "sim"\nsim_dir = {_toml(str(base / "sim"))}\nsim_devices = {GPUS}\n'
@@ -125,11 +137,11 @@ class Supervisor:
     """``gpu-supervisor run -c CFG`` in a session of its own, its JSON log read."""
 
     def __init__(self, cfg: Path, tracker: Tracker) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_RUN_ID": tracker.run_id}
+        env = {**os.environ, "PYTHONPATH": str(TREE), "BENCH_RUN_ID": tracker.run_id}
         self.launched = time.time()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "run", "-c", str(cfg), "--log-format", "json"],
-            cwd=ROOT,
+            cwd=TREE,
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -389,6 +401,37 @@ def phase_reload(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
     }
 
 
+def phase_rollout(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
+    """Every group changed by one reload: how long until each group is replaced."""
+    n = plan.total
+    args = ["--sim-mib", "500", "--ignore-term"]
+    sup = Supervisor(write_config(base, tracker.run_id, plan.groups, plan.per_group, args), tracker)
+    sup.wait_ready(n, 120)
+    time.sleep(1.0)
+    write_config(base, tracker.run_id, plan.groups, plan.per_group, args, generation=1)
+    mark = sup.log.mark()
+    t0 = time.time()
+    sup.proc.send_signal(signal.SIGHUP)
+    done = sup.log.wait(900, after=mark, event="supervisor.reload_done")[0]
+    spawned = sup.log.wait(10, after=mark, n=n, event="worker.spawned")
+    last: dict[str, float] = {}
+    for e in spawned:
+        group = str(e["worker"]).rsplit("-", 1)[0]
+        last[group] = max(last.get(group, 0.0), ts(e) - t0)
+    workers = sup.workers()
+    pids = {int(w["pid"]) for w in workers if w.get("pid")}
+    shutdown = sup.sigterm(pids)
+    return {
+        "groups": plan.groups,
+        "per_group": plan.per_group,
+        "reload_s": round(ts(done) - t0, 3),
+        "last_replacement_s": {g: round(v, 3) for g, v in sorted(last.items())},
+        "halted": done.get("halted"),
+        "shutdown_s": round(shutdown, 3),
+        "supervisor_exit": sup.proc.returncode,
+    }
+
+
 def phase_loading(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
     n = plan.total
     cfg = write_config(
@@ -432,7 +475,50 @@ def phase_loading(plan: Plan, base: Path, tracker: Tracker) -> dict[str, Any]:
 
 
 def table(r: dict[str, Any]) -> str:
-    big, rl, ld = r["big"], r["reload"], r["loading"]
+    rows = []
+    if "big" in r:
+        rows += big_rows(r)
+    if "reload" in r:
+        rl = r["reload"]
+        rows.append(
+            (
+                f"reload: 1 group of {rl['from']} SIGTERM-ignoring workers -> {rl['to']}",
+                f"{rl['reload_s']:.2f} s (SIGHUP -> supervisor.reload_done)",
+            )
+        )
+    if "rollout" in r:
+        ro = r["rollout"]
+        each = ", ".join(f"{v:.1f}" for v in ro["last_replacement_s"].values())
+        rows.append(
+            (
+                f"reload changing all {ro['groups']} groups of {ro['per_group']} "
+                "SIGTERM-ignoring workers",
+                f"{ro['reload_s']:.1f} s (SIGHUP -> supervisor.reload_done); each group's "
+                f"last replacement at {each} s",
+            )
+        )
+    if "loading" in r:
+        ld = r["loading"]
+        rows.append(
+            (
+                f"supervisor CPU, {ld['workers']} workers loading behind a 503 health URL",
+                f"{ld['cores']:.2f} core over {ld['window_s']:.0f} s; /healthz p50 "
+                f"{ld['healthz']['p50_ms']} ms, max {ld['healthz']['max_ms']} ms",
+            )
+        )
+    if "big" in r:
+        big = r["big"]
+        rows.append(
+            (
+                f"SIGTERM with {big['shutdown']['workers']} SIGTERM-ignoring workers",
+                f"{big['shutdown']['s']:.2f} s (stop_timeout_s = 2)",
+            )
+        )
+    return "\n".join(["| measure | result |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def big_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    big = r["big"]
     s, k, tick = big["start"], big["kill_all"], big["sample_tick"]
     rows = [
         (
@@ -465,28 +551,15 @@ def table(r: dict[str, Any]) -> str:
             f"all spawned in {k['all_spawned_s']:.2f} s, all ready in {k['all_ready_s']:.2f} s; "
             f"/healthz meanwhile p50 {k['healthz']['p50_ms']} ms, max {k['healthz']['max_ms']} ms",
         ),
-        (
-            f"reload: 1 group of {rl['from']} SIGTERM-ignoring workers -> {rl['to']}",
-            f"{rl['reload_s']:.2f} s (SIGHUP -> supervisor.reload_done)",
-        ),
-        (
-            f"supervisor CPU, {ld['workers']} workers loading behind a 503 health URL",
-            f"{ld['cores']:.2f} core over {ld['window_s']:.0f} s; /healthz p50 "
-            f"{ld['healthz']['p50_ms']} ms, max {ld['healthz']['max_ms']} ms",
-        ),
-        (
-            f"SIGTERM with {big['shutdown']['workers']} SIGTERM-ignoring workers",
-            f"{big['shutdown']['s']:.2f} s (stop_timeout_s = 2)",
-        ),
     ]
-    return "\n".join(["| measure | result |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+    return rows
 
 
 def git_revision() -> str | None:
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
+            cwd=TREE,
             capture_output=True,
             text=True,
             check=True,
@@ -501,7 +574,26 @@ def main() -> int:
     parser.add_argument("--per-group", type=int, default=None, help="workers a group (16; 8)")
     parser.add_argument("--requests", type=int, default=None, help="GETs an endpoint (50; 20)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 x 8, ~35 s")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"the phases to run, comma-separated ({','.join(PHASES)})",
+    )
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose supervisor runs (default: this one; another, for a "
+        "before/after comparison on the same machine)",
+    )
     args = parser.parse_args()
+    phases = [p for p in args.phases.split(",") if p]
+    if not phases or any(p not in PHASES for p in phases):
+        parser.error(f"--phases: one or more of {','.join(PHASES)} (got {args.phases!r})")
+    if not (args.tree / "supervisor" / "__init__.py").is_file():
+        parser.error(f"--tree {args.tree}: no supervisor/ package there")
+    global TREE
+    TREE = args.tree.resolve()
     q = args.quick
     plan = Plan(
         groups=args.groups or (2 if q else 4),
@@ -521,11 +613,8 @@ def main() -> int:
     code = 0
     try:
         with tempfile.TemporaryDirectory(prefix="gpu-big-node-") as tmp:
-            for name, phase in (
-                ("big", phase_big),
-                ("reload", phase_reload),
-                ("loading", phase_loading),
-            ):
+            for name in phases:
+                phase = PHASES[name]
                 base = Path(tmp) / name
                 base.mkdir()
                 print(f"[{time.monotonic() - t_start:5.1f} s] {name} ...", flush=True)
@@ -553,6 +642,7 @@ def main() -> int:
     doc = {
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "git": git_revision(),
+        "tree": str(TREE),
         "plan": {**asdict(plan), "quick": q, "gpus": GPUS, "max_workers_per_gpu": PER_GPU},
         "cpus": os.cpu_count(),
         "elapsed_s": round(elapsed, 1),
@@ -572,6 +662,14 @@ def main() -> int:
     print("leftover processes: " + (", ".join(left) if left else "none"))
     print(f"raw: {out.relative_to(ROOT)}")
     return code
+
+
+PHASES: dict[str, Callable[[Plan, Path, Tracker], dict[str, Any]]] = {
+    "big": phase_big,
+    "reload": phase_reload,
+    "rollout": phase_rollout,
+    "loading": phase_loading,
+}
 
 
 if __name__ == "__main__":
