@@ -1197,6 +1197,17 @@ def environment_client_settings() -> Settings:
     return Settings.model_construct(supervisor=env.supervisor, gpu=env.gpu, api=env.api)
 
 
+class _ClientApi(ApiSection):
+    """``[api]`` as a client reads it from the environment alone: where the API is. Not held
+    to what a server needs to listen (a non-loopback address or ``auth_read`` with a token
+    file), which the supervisor's config file may complete: the token then comes from
+    ``GPU_SUPERVISOR_API_TOKEN`` (regression: exit 2, "no token_file is set")."""
+
+    @model_validator(mode="after")
+    def _no_open_bind_without_token(self) -> _ClientApi:
+        return self
+
+
 class _ClientEnvironment(BaseSettings):
     """The sections a client command reads (``CLIENT_SECTIONS``), to read their environment
     overrides alone (``environment_client_settings``)."""
@@ -1207,7 +1218,7 @@ class _ClientEnvironment(BaseSettings):
 
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
     gpu: GpuSection = Field(default_factory=GpuSection)
-    api: ApiSection = Field(default_factory=ApiSection)
+    api: _ClientApi = Field(default_factory=_ClientApi)
 
 
 #: A config file is read up to this size (a few kB in practice).

@@ -96,7 +96,7 @@ from supervisor.plan import (
     worker_cpus,
 )
 from supervisor.policy import lifecycle as lc
-from supervisor.policy.attribution import alias_owner, still_held
+from supervisor.policy.attribution import alias_owner, listed_for_suspects, still_held
 from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify, may_be_oom_kill
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.lifecycle import may_start
@@ -396,7 +396,7 @@ class Runtime:
         #: after it started unplaced): not again for that process while telemetry stays up
         self._placing: dict[str, int] = {}
         #: workers a placement roll-out left serving unplaced for want of room: tried again
-        #: when a GPU may have room (as workers waiting for a GPU are)
+        #: once one of them fits (``_no_room_fits``)
         self._no_room: set[str] = set()
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
@@ -828,9 +828,16 @@ class Runtime:
     def _wake_gpu_waiters(self) -> None:
         """Workers waiting for a GPU try again as soon as there may be room: a GPU became
         usable (back, healthy, released, uncordoned, out of quarantine) or one holds fewer
-        worker processes than at the last sample. Nothing is computed while none waits."""
+        worker processes than at the last sample. Nothing is computed while none waits.
+        Workers a placement roll-out left unplaced for want of room: once one of them fits."""
         waiting = [r for r in self.workers() if r.record.waiting_for_gpu]
-        if not waiting and not self._no_room:
+        if self._no_room and self._no_room_fits():
+            # placed by a roll-out at this sample (regression: left unplaced, every GPU
+            # seen, until they happened to restart)
+            for name in self._no_room:
+                self._placing.pop(name, None)
+            self._no_room.clear()
+        if not waiting:
             self._room = None
             return
         before, self._room = self._room, self._room_now()
@@ -838,11 +845,30 @@ class Runtime:
         if before is not None and more_room(before, self._room):
             for r in waiting:
                 r.post(lc.GpuFreed())
-            # placed by a roll-out at this sample if they fit now (regression: left
-            # unplaced, every GPU seen, until they happened to restart)
-            for name in self._no_room:
-                self._placing.pop(name, None)
-            self._no_room.clear()
+
+    def _no_room_fits(self) -> bool:
+        """One of the workers a placement roll-out left unplaced for want of room would be
+        placed now, as its roll-out places it (``_has_room``). Regression: only a GPU turning
+        usable or a worker process gone counted, not memory that processes which are no
+        workers of ours let go of (another supervisor's, moved off the GPU): left unplaced."""
+        # one placed since (a start of its own) or gone is waited on no more
+        self._no_room = {
+            n for n, r in self.runners.items() if n in self._no_room and _runs_unplaced(r)
+        }
+        slots = self.slots()
+        if not slots:  # no telemetry now: ``place`` gives an ``auto`` worker nothing
+            return False
+        tried: set[str] = set()  # one worker a group: its others need the same
+        for runner in self.workers():
+            if runner.name not in self._no_room or runner.spec.group in tried:
+                continue
+            tried.add(runner.spec.group)
+            try:
+                self._place_one(runner, slots)
+            except PlacementError:
+                continue
+            return True
+        return False
 
     def _room_now(self) -> Room:
         """The usable GPUs and how many worker processes each holds (``more_room``)."""
@@ -1023,18 +1049,9 @@ class Runtime:
         for listener in self.sample_listeners:
             listener(sample)
         if self.suspect and sample.nvml_available:  # without telemetry nothing is seen gone
-            # one in a PID namespace of its own is listed under its pid there, as at the
-            # barrier (regression: said released at the next sample, its memory still held)
-            inner = procfs.inner_pids(frozenset().union(*self.suspect.values()))
-            listed: dict[str, frozenset[int] | None] = {}
-            for d in sample.devices:
-                if d.processes is None:
-                    continue  # not known this sample: its suspect pids are kept
-                pids_there = {p.pid for p in d.processes}
-                pids_there |= {
-                    inner[p] for p in pids_there if p in inner and procfs.running(inner[p])
-                }
-                listed[d.uuid] = frozenset(pids_there)
+            # (one in a PID namespace of its own is listed under its pid there, as at the
+            # barrier: regression, said released at the next sample, its memory still held)
+            listed = listed_for_suspects(sample.devices, self.suspect, _running_inner_pids)
             held_now = still_held(self.suspect, listed)
             for uuid, pids in list(self.suspect.items()):
                 if uuid not in held_now:
@@ -1568,7 +1585,7 @@ class Runtime:
     def _has_room(self, runner: WorkerRunner) -> bool:
         """A placement roll-out restarts ``runner`` (running unplaced) only where the GPUs
         have room for it now; else it is left serving where it runs, and that is said (and
-        it is tried again when a GPU may have room: one frees, a worker there stops).
+        it is tried again once it fits: a GPU frees, a worker there stops, memory is let go).
         Regression: it was restarted all the same, then waited for a GPU without end. So too
         while GPU telemetry is down again (no devices: ``place`` gives an ``auto`` worker
         nothing, not an error): the roll-out when it is back places it."""
@@ -1578,10 +1595,8 @@ class Runtime:
                 raise PlacementError("no GPU telemetry now")
             self._place_one(runner, slots)
         except PlacementError as exc:
-            if slots:  # tried again when a GPU may have room (_wake_gpu_waiters)
+            if slots:  # tried again once it fits (_wake_gpu_waiters)
                 self._no_room.add(runner.name)
-                if self._room is None:  # measured from now (regression: from the next
-                    self._room = self._room_now()  # sample, and an uncordon before it missed)
             self.log.warning(
                 "supervisor.placement_skipped",
                 worker=runner.name,
@@ -3857,6 +3872,12 @@ def _ignore_held_signals() -> None:
             continue
         else:
             return
+
+
+def _running_inner_pids(pids: frozenset[int]) -> dict[int, int]:
+    """Inner pid -> pid here, for those of ``pids`` in a PID namespace of their own that
+    still run (``procfs.inner_pids``)."""
+    return {i: p for i, p in procfs.inner_pids(pids).items() if procfs.running(p)}
 
 
 def _runs_unplaced(runner: WorkerRunner) -> bool:

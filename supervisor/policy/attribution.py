@@ -10,7 +10,7 @@ otherwise ``unavailable``, never 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.model import DeviceSample, GpuProcess
@@ -174,3 +174,26 @@ def still_held(
         if held:
             out[uuid] = held
     return out
+
+
+def listed_for_suspects(
+    devices: Iterable[DeviceSample],
+    suspect: Mapping[str, frozenset[int]],
+    inner_of: Callable[[frozenset[int]], Mapping[int, int]],
+) -> dict[str, frozenset[int] | None]:
+    """The pids NVML lists now on each suspect GPU (``still_held``'s ``listed``), each old
+    pid also found under its pid in a PID namespace of its own: ``inner_of(pids)`` maps
+    such inner pids of ``pids`` (still running) to theirs. Asked GPU by GPU (regression: two
+    stuck namespace inits on two GPUs share inner pid 1, which a lookup over both drops as
+    ambiguous: both GPUs were released while their memory was held). A GPU whose process
+    list is not known is left out (kept suspect)."""
+    listed: dict[str, frozenset[int] | None] = {}
+    for d in devices:
+        pids = suspect.get(d.uuid)
+        if not pids or d.processes is None:
+            continue
+        there = {p.pid for p in d.processes}
+        inner = inner_of(pids)
+        there |= {inner[p] for p in there if p in inner}
+        listed[d.uuid] = frozenset(there)
+    return listed

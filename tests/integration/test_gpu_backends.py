@@ -534,6 +534,52 @@ def test_workers_left_unplaced_for_want_of_room_are_placed_once_a_gpu_has_room(
     assert sup.stop() == 0
 
 
+def test_a_worker_left_unplaced_for_want_of_memory_is_placed_once_others_free_it(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A `gpus = "auto"` worker with a 20000 MiB budget started unplaced while NVML was down;
+    it opens with its one GPU nearly full of memory that is no worker's of this supervisor
+    (another supervisor's workers, started unplaced at the same boot): it is left serving
+    unplaced. That memory is freed (the other supervisor moved its workers): there is room
+    now, and it is placed. Regression: only a GPU turning usable or a worker of its own gone
+    counted as room, so it stayed unplaced (every GPU seen, on cuda:0) until it restarted."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    device = world / "gpus" / "0"
+    full = device.read_text()
+    device.write_text(full + "memory_base_mib 70000\n")
+    (world / "init_rc").write_text("9\n")  # NVML_ERROR_DRIVER_NOT_LOADED
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [
+            {
+                "name": "g",
+                "command": worker_cmd("ready_then_sleep"),
+                "health": {"gpu_memory_limit_mb": 20000},
+                "restart": {"stable_s": 0.2},
+            }
+        ],
+    }
+    env = {"LD_LIBRARY_PATH": str(fake_nvml_libdir), "GPU_SUPERVISOR_SIM_DIR": str(world)}
+    sup = supervisor(cfg, env=env)
+    sup.wait_event(event="gpu.unavailable")
+    sup.ready("g-0")
+    mark = sup.mark()
+    (world / "init_rc").unlink()  # the driver is loaded now
+    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=5)
+    assert "MB left for budgets" in left["reason"], left
+    sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
+    mark = sup.mark()
+    tmp = device.with_name(".0.tmp")
+    tmp.write_text(full)  # the other supervisor's memory is gone from the GPU
+    os.replace(tmp, device)
+    moved = sup.wait_event(event="worker.moved", worker="g-0", after=mark, timeout=5)
+    assert moved["new_gpus"] == [UUID0], moved
+    sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
+    assert sup.stop() == 0
+
+
 def test_auto_without_nvml_says_so_with_one_warning(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -7,7 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.model import DeviceSample, GpuProcess
-from supervisor.policy.attribution import attribute, sane_processes, still_held
+from supervisor.policy.attribution import (
+    attribute,
+    listed_for_suspects,
+    sane_processes,
+    still_held,
+)
 
 
 def dev(uuid: str, *procs: tuple[int, float | None], total: float = 1000.0) -> DeviceSample:
@@ -181,3 +186,20 @@ def test_a_suspect_gpu_waits_only_for_the_old_pids_listed_on_it(
     held: dict[str, set[int]],
 ) -> None:
     assert still_held(suspect, listed) == {u: frozenset(p) for u, p in held.items()}
+
+
+def test_two_stuck_namespace_inits_on_two_gpus_keep_both_suspect() -> None:
+    """Old processes 7 (GPU A) and 9 (GPU B), each pid 1 of a PID namespace of its own, are
+    listed as pid 1 on their GPUs. Looked up together, inner pid 1 is ambiguous and dropped
+    (``procfs.inner_pids``); GPU by GPU, each is found. Regression: both GPUs were released
+    while their memory was still held. A GPU whose list is unknown is left out (kept)."""
+
+    def inner_of(pids: frozenset[int]) -> dict[int, int]:
+        return {1: next(iter(pids))} if len(pids) == 1 else {}  # (1 shared: ambiguous)
+
+    suspect = {A: frozenset({7}), B: frozenset({9})}
+    devices = [dev(A, (1, 500.0)), dev(B, (1, 300.0)), DeviceSample(2, "C", "g", processes=None)]
+    listed = listed_for_suspects(devices, {**suspect, "C": frozenset({4})}, inner_of)
+    assert listed == {A: frozenset({1, 7}), B: frozenset({1, 9})}
+    assert still_held(suspect, listed) == suspect
+    assert still_held({"C": frozenset({4})}, listed) == {"C": frozenset({4})}

@@ -184,6 +184,26 @@ def test_resolve_token_from_env_then_file(tmp_path: Path) -> None:
         resolve("h:1", None, {})
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "url"),
+    [
+        ("GPU_SUPERVISOR_API__LISTEN", "0.0.0.0:9900", "http://127.0.0.1:9900"),
+        ("GPU_SUPERVISOR_API__AUTH_READ", "true", "http://127.0.0.1:9811"),
+    ],
+)
+def test_a_client_without_a_config_finds_an_api_whose_token_file_only_the_file_names(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, url: str
+) -> None:
+    """A supervisor whose config file sets `api.token_file`, its environment the rest
+    (`docker run -e GPU_SUPERVISOR_API__LISTEN=0.0.0.0:9900`): a client command run there
+    without `-c` (`docker exec ... gpu-supervisor status`) asks it where it listens, its
+    token from GPU_SUPERVISOR_API_TOKEN. Regression: the environment alone was held to the
+    server's rules ("not a loopback address and no token_file is set", "auth_read: needs
+    api.token_file"): exit 2, where the default address had been asked before."""
+    monkeypatch.setenv(variable, value)
+    assert resolve(None, None, {"GPU_SUPERVISOR_API_TOKEN": "tok"}) == (url, "tok")
+
+
 def test_a_read_only_command_needs_no_token_it_cannot_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
