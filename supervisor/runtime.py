@@ -3477,6 +3477,7 @@ class Runtime:
                 not_rolled[name] = before
                 left.add(name)
         else:
+            await self._hand_ports_on(diff.changed, plan)
             # each group rolls out on its own, all at once, each one worker at a time (as
             # several Deployments do): 4 changed groups of 16 workers took minutes one group
             # after another, the last waiting for all the others
@@ -3508,6 +3509,36 @@ class Runtime:
         if superseded and not stopped:
             return None
         return not halted
+
+    async def _hand_ports_on(self, changed: Sequence[str], plan: Plan) -> None:
+        """Remove first the workers this reload drops (past their group's new ``replicas``)
+        whose port another changed group's new workers take. A group's roll-out removes its
+        dropped workers at its end; the groups roll out at the same time, so the other
+        group's start would wait for the port only the holder's drain and stop timeouts,
+        then start beside the server still on it (regression: a bind refused, or the old
+        server answering the new worker's readiness probe)."""
+        claimed: dict[int, str] = {}  # port -> the changed group whose new worker takes it
+        for planned in plan.groups:
+            if planned.group.name in changed:
+                for spec in planned.workers:
+                    if spec.port is not None:
+                        claimed[spec.port] = planned.group.name
+        handed: list[WorkerRunner] = []
+        for name in changed:
+            group = self.settings.group(name)
+            for runner in self._targets(name):
+                port = runner.held_port()
+                if (
+                    group is not None
+                    and runner.spec.index >= group.replicas
+                    and port in claimed
+                    and claimed[port] != name
+                ):
+                    handed.append(runner)
+        if handed:
+            async with anyio.create_task_group() as tg:
+                for runner in handed:
+                    tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
 
     async def _reload_group(
         self,

@@ -375,6 +375,42 @@ def test_a_port_is_handed_on_only_once_its_old_process_is_gone(
     assert sup.stop() == 0
 
 
+def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
+    supervisor: SupervisorFactory,
+) -> None:
+    """One reload changes ``a`` (new environment, 2 -> 1 replicas: a-1 is dropped) and moves
+    ``b`` onto a-1's port. The groups roll out at the same time, and a's roll-out removes a-1
+    only at its end, once a-0's replacement is ready (4 s here). Regression: b-0's start
+    waited for a-1 only its drain and stop timeouts, then started next to the server still
+    holding its port (`worker.port_still_held`: a bind refused, or a-1 answering b-0's
+    readiness probe). A worker the reload drops whose port another changed group takes is
+    now removed first."""
+    ready = "http://127.0.0.1:{port}/health"
+    a = g("a", "http_ready", "0", ready=ready, port_base=18961, replicas=2)
+    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
+    b = g("b", "http_ready", "0", ready=ready, port_base=18965)
+    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
+    sup = supervisor({"workers": [a, b]})
+    for name in ("a-0", "a-1", "b-0"):
+        sup.ready(name)
+    mark = sup.mark()
+    slow_a = {**a, "command": worker_cmd("http_ready", "4"), "replicas": 1}
+    sup.write_config({"workers": [slow_a, {**b, "port_base": 18962}]})
+    sup.signal(signal.SIGHUP)
+    spawned = sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
+    gone = sup.find(event="worker.exited", worker="a-1", after=mark)
+    assert gone and sup.events.index(gone[0]) < sup.events.index(spawned), "a-1 still held it"
+    sup.ready("b-0", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=20)
+    assert not sup.find(event="worker.port_still_held", after=mark)
+    with sup.api() as http:
+        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
+            ("a-0", 18961),
+            ("b-0", 18962),
+        ]
+    assert sup.stop() == 0
+
+
 def test_a_port_held_by_a_worker_the_roll_out_removes_last_is_waited_for_a_while_only(
     supervisor: SupervisorFactory,
 ) -> None:
