@@ -326,6 +326,10 @@ class Runtime:
         #: the quarantines state_dir/quarantine holds (None: not known to hold the ones now,
         #: a write failed or the directory was recreated): written again when they differ
         self._quarantine_saved: dict[str, str] | None = {}
+        #: the quarantines state_dir/quarantine could not take (a full disk): written after
+        #: the next state write that works, as the cordons are; held with the guard
+        self._quarantine_unsaved: dict[str, str] | None = None
+        self._quarantine_guard = threading.Lock()
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -1044,7 +1048,6 @@ class Runtime:
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
         self.healer.on_sample(sample)
-        self._save_quarantine()  # (one a full disk kept from the file: tried again)
         self._sweep_cgroups()
         for listener in self.sample_listeners:
             listener(sample)
@@ -2168,17 +2171,22 @@ class Runtime:
 
     def _save_quarantine(self) -> None:
         """Write ``state_dir/quarantine`` when the quarantines differ from what it holds (at
-        a quarantine, a lift, and at each sample after a write that failed)."""
+        a quarantine or a lift). One the disk did not take is written after the next state
+        write that works (``_save_unsaved_ids``), not tried again at each change (regression:
+        a file that could not be written while state.json could said write_failed and
+        write_recovered in turn at every sample)."""
         now = self.healer.state.quarantined
-        if now == self._quarantine_saved:
+        if now == self._quarantine_saved or now == self._quarantine_unsaved:
             return
-        try:
-            write_quarantine(self.settings.supervisor.state_dir, procfs.boot_id(), now)
-        except OSError as exc:
-            self._quarantine_saved = None
-            self.write_health.failed("state", exc)
-        else:
-            self._quarantine_saved = dict(now)
+        snapshot = dict(now)
+        with self._quarantine_guard:
+            try:
+                write_quarantine(self.settings.supervisor.state_dir, procfs.boot_id(), snapshot)
+            except OSError as exc:
+                self._quarantine_saved, self._quarantine_unsaved = None, snapshot
+                self.write_health.failed("state", exc)
+            else:
+                self._quarantine_saved, self._quarantine_unsaved = snapshot, None
 
     def _on_state_dir_recreated(self) -> None:
         """``state_dir`` was removed: lock it again (the lock file went with it), bind the
@@ -2188,7 +2196,7 @@ class Runtime:
         operator = self.cordoned - self.healer.state.thermal_cordoned
         if operator:
             self._save_cordons(operator)
-        self._quarantine_saved = None  # it went with the directory
+        self._quarantine_saved = self._quarantine_unsaved = None  # it went with the directory
         self._save_quarantine()
         with contextlib.suppress(OSError):
             if not self.listener.bound():
@@ -2226,6 +2234,15 @@ class Runtime:
                     write_cordons(state_dir, cordons)
                     self._cordons_unsaved = None
                     self.log.info("records.cordons_saved", path=os.fspath(state_dir / CORDONS_FILE))
+        with self._quarantine_guard:
+            quarantine = self._quarantine_unsaved
+            if quarantine is not None:
+                with contextlib.suppress(OSError):  # still failing: after the next state write
+                    write_quarantine(state_dir, procfs.boot_id(), quarantine)
+                    self._quarantine_saved, self._quarantine_unsaved = quarantine, None
+                    self.log.info(
+                        "records.quarantine_saved", path=os.fspath(state_dir / QUARANTINE_FILE)
+                    )
         with self._state_lock_guard:  # the loop may be replacing the fd (state_dir recreated)
             lock = self._state_lock
             if self._lock_pid_unsaved and lock is not None and write_lock_pid(lock):

@@ -682,6 +682,27 @@ def test_a_quarantine_outlives_a_restart_of_the_supervisor_until_lifted(
     assert again.stop() == 0
 
 
+def test_a_quarantine_file_that_cannot_be_written_is_said_once(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """state_dir/quarantine cannot be written (a directory in its place) while state.json can:
+    the failure is said once, and the file is tried again after state writes, quietly.
+    Regression: it was tried again at every sample, each failure undoing the recovery the
+    next state.json write logged: records.write_failed and write_recovered in turn, twice a
+    second for ever."""
+    (tmp_path / "state" / "quarantine").mkdir(parents=True)
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}), log_level="debug")
+    sup.ready("g-0")
+    mark = sup.mark()
+    xid(tmp_path, 0, 79)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark, timeout=20)
+    sup.ready("g-0", after=mark)
+    sup.wait_events(20, event="gpu.sample", after=sup.mark(), timeout=20)
+    assert len(sup.find(event="records.write_failed", after=mark)) == 1
+    assert len(sup.find(event="records.write_recovered", after=mark)) <= 1
+    assert sup.stop() == 0
+
+
 def test_a_quarantine_of_an_earlier_boot_is_dropped(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
