@@ -209,6 +209,10 @@ class HealState:
     quarantined: dict[str, str] = field(default_factory=dict)  # GPU UUID -> why
     thermal: dict[str, ThermalTrack] = field(default_factory=dict)  # GPU UUID -> track
     thermal_cordoned: set[str] = field(default_factory=set)
+    #: GPU UUID -> the flags still on when an operator lifted its quarantine (reason ->
+    #: value: ``row_remap_failure`` 1, ``recovery_action`` its code), kept in
+    #: ``state_dir/quarantine`` so that the lift outlives a restart of the supervisor
+    lifted: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Healer:
@@ -482,7 +486,30 @@ class Healer:
         quarantine (why it was there is returned; None if it was not). The caller lifts only
         a GPU that answers; one lost after that is found lost again, and quarantined again."""
         self._lost.discard(uuid)
-        return self.state.quarantined.pop(uuid, None)
+        why = self.state.quarantined.pop(uuid, None)
+        on = {"row_remap_failure": 1} if ("row_remap_failure", uuid) in self._flags_on else {}
+        if self._recovery.get(uuid):
+            on["recovery_action"] = self._recovery[uuid]
+        if why is not None and on:
+            self.state.lifted[uuid] = on
+        return why
+
+    def keep_lifts(self, lifted: Mapping[str, Mapping[str, int]]) -> None:
+        """Lifts an earlier supervisor's operator made in this boot while a flag of the GPU
+        stayed on: the flag, on at the first sample, is not news (regression: the GPU was
+        quarantined again at every restart of the supervisor, its lift undone)."""
+        for uuid, flags in lifted.items():
+            self.state.lifted[uuid] = dict(flags)
+            if "row_remap_failure" in flags:
+                self._flags_on.add(("row_remap_failure", uuid))
+            if "recovery_action" in flags:
+                self._recovery[uuid] = flags["recovery_action"]
+
+    def _lift_ends(self, uuid: str, flag: str) -> None:
+        """``flag`` of GPU ``uuid`` went off or changed: a lift made while it was on is over."""
+        flags = self.state.lifted.get(uuid)
+        if flags is not None and flags.pop(flag, None) is not None and not flags:
+            del self.state.lifted[uuid]
 
     def on_xid(self, event: XidEvent) -> None:
         """An XID error: restart the GPU's workers, or quarantine it (informational: nothing)."""
@@ -940,6 +967,8 @@ class Healer:
         first sample), not again while it stays on."""
         if not on:
             self._flags_on.discard(finding.key)
+            if finding.gpu is not None:
+                self._lift_ends(finding.gpu, finding.kind)
             self._pending.pop(finding.key, None)
         elif finding.key not in self._flags_on:
             self._flags_on.add(finding.key)
@@ -956,6 +985,7 @@ class Healer:
         if code is None or code == self._recovery.get(d.uuid):
             return  # (a reading that failed changes nothing: the last one stands)
         self._recovery[d.uuid] = code
+        self._lift_ends(d.uuid, "recovery_action")
         self._pending.pop(("recovery_action", d.uuid), None)
         name = recovery_action_name(code)
         if code == 0 or name is None:
@@ -1239,6 +1269,7 @@ class Healer:
             if act.gpu is None or act.gpu in self.state.quarantined:
                 return
             self.state.quarantined[act.gpu] = act.message
+            self.state.lifted.pop(act.gpu, None)
         self._record(act, now)
 
     def _record(self, act: Act, now: float) -> None:

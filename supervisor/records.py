@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -336,6 +336,9 @@ class KeptQuarantine:
     dropped: dict[str, str]
     #: why the file could not be read (None: read, or no such file)
     unreadable: str | None = None
+    #: GPU UUID -> the flags on when an operator lifted its quarantine in this boot
+    #: (``HealState.lifted``): the lift holds across the restart while they stay on
+    lifted: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def read_quarantine(state_dir: Path, boot: str) -> KeptQuarantine:
@@ -360,18 +363,36 @@ def read_quarantine(state_dir: Path, boot: str) -> KeptQuarantine:
     kept = {str(gpu): str(why) for gpu, why in gpus.items()}
     if saved_boot and boot and saved_boot != boot:
         return KeptQuarantine({}, kept)
-    return KeptQuarantine(kept, {})
+    lifted: dict[str, dict[str, int]] = {}
+    found = doc.get("lifted")
+    for gpu, flags in (found if isinstance(found, dict) else {}).items():
+        if isinstance(flags, dict):  # (what is not understood is not taken for a lift)
+            ok = {
+                str(k): v
+                for k, v in flags.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+            if ok:
+                lifted[str(gpu)] = ok
+    return KeptQuarantine(kept, {}, lifted=lifted)
 
 
-def write_quarantine(state_dir: Path, boot: str, gpus: Mapping[str, str]) -> None:
-    """Record the GPUs quarantined now (``read_quarantine``); none: the file is removed.
-    Raises OSError."""
+def write_quarantine(
+    state_dir: Path,
+    boot: str,
+    gpus: Mapping[str, str],
+    lifted: Mapping[str, Mapping[str, int]] | None = None,
+) -> None:
+    """Record the GPUs quarantined now, and the lifts that hold while a flag stays on
+    (``read_quarantine``); neither: the file is removed. Raises OSError."""
     path = state_dir / QUARANTINE_FILE
-    if not gpus:
+    if not gpus and not lifted:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    doc = {"boot_id": boot, "gpus": dict(sorted(gpus.items()))}
+    doc: dict[str, Any] = {"boot_id": boot, "gpus": dict(sorted(gpus.items()))}
+    if lifted:
+        doc["lifted"] = {gpu: dict(sorted(f.items())) for gpu, f in sorted(lifted.items())}
     atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 

@@ -161,6 +161,11 @@ from supervisor.views import (
 )
 from supervisor.worker import HttpProbes, WorkerRunner, is_idle
 
+#: What ``state_dir/quarantine`` holds: GPU UUID -> why it is quarantined, and GPU UUID -> the
+#: flags on when an operator lifted its quarantine (``HealState.lifted``).
+QuarantineDoc = tuple[dict[str, str], dict[str, dict[str, int]]]
+
+
 #: After SIGKILL, how long to wait for the kernel to hand back the last children.
 KILL_WAIT_S = 5.0
 #: How long past a port holder's drain and stop timeouts a start waits for the port.
@@ -325,10 +330,10 @@ class Runtime:
         self._cordons_guard = threading.Lock()  # one writer of state_dir/cordons at a time
         #: the quarantines state_dir/quarantine holds (None: not known to hold the ones now,
         #: a write failed or the directory was recreated): written again when they differ
-        self._quarantine_saved: dict[str, str] | None = {}
+        self._quarantine_saved: QuarantineDoc | None = ({}, {})
         #: the quarantines state_dir/quarantine could not take (a full disk): written after
         #: the next state write that works, as the cordons are; held with the guard
-        self._quarantine_unsaved: dict[str, str] | None = None
+        self._quarantine_unsaved: QuarantineDoc | None = None
         self._quarantine_guard = threading.Lock()
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
@@ -1048,6 +1053,7 @@ class Runtime:
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
         self.healer.on_sample(sample)
+        self._save_quarantine()  # (a lift that ends with its flag changes no action)
         self._sweep_cgroups()
         for listener in self.sample_listeners:
             listener(sample)
@@ -2157,10 +2163,11 @@ class Runtime:
                 gpus=kept.dropped,
                 reason="the machine rebooted since they were quarantined (their GPUs reset)",
             )
-            self._quarantine_saved = None  # the file is rewritten without them
+        self.healer.keep_lifts(kept.lifted)  # (an operator's lift, while a flag stays on)
+        self._quarantine_saved = (dict(kept.gpus), kept.lifted) if not kept.dropped else None
+        self._quarantine_unsaved = None
         if kept.gpus:
             self.healer.state.quarantined.update(kept.gpus)
-            self._quarantine_saved = dict(kept.gpus)
             self.log.warning(
                 "gpu.quarantines_kept",
                 gpus=kept.gpus,
@@ -2169,19 +2176,22 @@ class Runtime:
             )
         self._save_quarantine()
 
-    def _save_quarantine(self) -> None:
+    def _save_quarantine(self, *, again: bool = False) -> None:
         """Write ``state_dir/quarantine`` when the quarantines differ from what it holds (at
-        a quarantine or a lift). One the disk did not take is written after the next state
-        write that works (``_save_unsaved_ids``), not tried again at each change (regression:
-        a file that could not be written while state.json could said write_failed and
-        write_recovered in turn at every sample)."""
-        now = self.healer.state.quarantined
-        if now == self._quarantine_saved or now == self._quarantine_unsaved:
+        a quarantine or a lift, and the lifts that hold while a GPU's flag stays on). One the
+        disk did not take is written after the next state write that works
+        (``_save_unsaved_ids``), not tried again at each change (regression: a file that could
+        not be written while state.json could said write_failed and write_recovered in turn at
+        every sample); ``again``: tried all the same (the last try at the stop)."""
+        state = self.healer.state
+        snapshot = (dict(state.quarantined), {g: dict(f) for g, f in state.lifted.items()})
+        if snapshot == self._quarantine_saved or (
+            snapshot == self._quarantine_unsaved and not again
+        ):
             return
-        snapshot = dict(now)
         with self._quarantine_guard:
             try:
-                write_quarantine(self.settings.supervisor.state_dir, procfs.boot_id(), snapshot)
+                write_quarantine(self.settings.supervisor.state_dir, procfs.boot_id(), *snapshot)
             except OSError as exc:
                 self._quarantine_saved, self._quarantine_unsaved = None, snapshot
                 self.write_health.failed("state", exc)
@@ -2238,7 +2248,7 @@ class Runtime:
             quarantine = self._quarantine_unsaved
             if quarantine is not None:
                 with contextlib.suppress(OSError):  # still failing: after the next state write
-                    write_quarantine(state_dir, procfs.boot_id(), quarantine)
+                    write_quarantine(state_dir, procfs.boot_id(), *quarantine)
                     self._quarantine_saved, self._quarantine_unsaved = quarantine, None
                     self.log.info(
                         "records.quarantine_saved", path=os.fspath(state_dir / QUARANTINE_FILE)
@@ -3136,6 +3146,16 @@ class Runtime:
         with anyio.move_on_after(KILL_WAIT_S):
             await self.recorder.flush()
         self.recorder.report_unwritten()
+        self._save_quarantine(again=True)  # a last try
+        if self._quarantine_unsaved is not None:  # regression: lost without a word
+            self.log.error(
+                "records.quarantine_unsaved",
+                path=os.fspath(self.settings.supervisor.state_dir / QUARANTINE_FILE),
+                gpus=dict(self.healer.state.quarantined),
+                reason="state_dir did not take the quarantines as they are now: the next "
+                "supervisor of this boot goes by what the file held before (cordon these GPUs, "
+                "or lift a quarantine, by hand then)",
+            )
         with anyio.move_on_after(KILL_WAIT_S):
             await self.http_probes.aclose()
         self._done.set()

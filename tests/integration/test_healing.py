@@ -1311,3 +1311,43 @@ def test_a_reload_listing_a_quarantined_gpu_is_rejected_and_keeps_the_group_serv
     assert (g0["state"], g0["pid"], g0["gpus"]) == ("ready", pid, [UUID1]), g0
     assert events[-1]["type"] == "reload.rejected", events[-1]
     assert sup.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "flag", [{"recovery_action": 1}, {"remapped_rows_failure": 1}], ids=["recovery", "row_remap"]
+)
+def test_a_lift_of_a_quarantine_outlives_a_restart_while_the_gpus_flag_stays_on(
+    supervisor: SupervisorFactory, tmp_path: Path, flag: dict[str, int]
+) -> None:
+    """GPU 0 is quarantined for a flag that stays on (the driver's recovery action, a failed
+    row remap); the operator lifts the quarantine to use it anyway (the lift holds while
+    the flag stays on), then the supervisor is restarted. Regression: the next supervisor
+    found the flag on at its first sample and quarantined GPU 0 again, its workers drained
+    off it: an operator's lift was undone by every restart."""
+    cfg = config(tmp_path, {"name": "g", "command": sim("100")})
+    sup = supervisor(cfg)
+    sup.ready("g-0")
+    mark = sup.mark()
+    set_gpu(tmp_path, 0, **flag)
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, after=mark)
+    with sup.api() as api:
+        lifted = api.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "true"})
+        assert lifted.json()["quarantined"] is False, lifted.text
+    assert sup.stop() == 0
+
+    again = supervisor(cfg)
+    again.ready("g-0")
+    first = again.wait_api("/api/v1/gpu/status", lambda doc: doc["nvml_available"])
+    # samples after the one g-0 became ready with (a quarantine would be acted on there)
+    gpu0 = again.wait_api("/api/v1/gpu/status", lambda doc: doc["timestamp"] > first["timestamp"])[
+        "devices"
+    ][0]
+    assert not again.find(event="heal.action", action="quarantine"), gpu0
+    assert gpu0["quarantined"] is False and gpu0["healthy"] is True, gpu0
+    with again.api() as api:
+        assert api.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
+    saved = json.loads((again.state_dir / "quarantine").read_text())
+    assert (saved["gpus"], list(saved["lifted"])) == ({}, [UUID0]), saved
+    set_gpu(tmp_path, 0, **dict.fromkeys(flag, 0))  # reset: the lift is over, and so the file
+    again.wait_until(lambda: not (again.state_dir / "quarantine").exists(), "the file removed")
+    assert again.stop() == 0

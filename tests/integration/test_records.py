@@ -1116,6 +1116,31 @@ def test_a_quarantine_made_while_state_dir_is_full_is_saved_once_it_takes_writes
     assert sup.stop() == 0
 
 
+def test_a_quarantine_state_dir_never_took_is_said_at_stop(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """XID 79 quarantines GPU 1 while state_dir is full, and the supervisor is stopped (an
+    upgrade, a restart) before the disk takes writes again. Regression: nothing was said,
+    and the next supervisor of this boot put workers back on the GPU that had failed; now
+    the stop names the quarantines the file does not hold (an operator can cordon them)."""
+    config = {
+        "supervisor": {"sample_interval_s": 0.05},
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [group("w", "ready_then_sleep", gpus="none")],
+    }
+    _fill(small_fs)
+    sup = supervisor(config)
+    sup.ready("w-0")
+    mark = sup.mark()
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("1 79\n")
+    sup.wait_event(event="heal.action", action="quarantine", after=mark, timeout=20)
+    assert sup.stop() == 0
+    said = sup.wait_event(event="records.quarantine_unsaved", after=mark)
+    assert list(said["gpus"]) == ["GPU-00000000-0000-0000-0000-000000000001"], said
+    assert not (small_fs / "quarantine").exists()
+
+
 def test_read_only_state_dir_does_not_stop_supervision(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:

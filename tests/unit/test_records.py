@@ -1121,3 +1121,27 @@ def test_a_quarantine_file_that_is_a_link_is_not_followed(tmp_path: Path) -> Non
     (tmp_path / "quarantine").symlink_to(planted)
     got = read_quarantine(tmp_path, "b")
     assert not got.gpus and got.unreadable is not None and "symbolic link" in got.unreadable
+
+
+def test_lifts_kept_while_a_flag_stays_on_are_read_back(tmp_path: Path) -> None:
+    """Regression: an operator's lift while a GPU's flag stayed on (a failed row remap, the
+    driver's recovery action) was not recorded, so the next supervisor quarantined the GPU
+    again. It is kept in the file (with no quarantine left, the file stays for it); what a
+    newer version wrote there that this one does not understand is not taken for a lift."""
+    write_quarantine(tmp_path, "b", {}, {GPU_A: {"row_remap_failure": 1, "recovery_action": 2}})
+    got = read_quarantine(tmp_path, "b")
+    assert (got.gpus, got.unreadable) == ({}, None)
+    assert got.lifted == {GPU_A: {"recovery_action": 2, "row_remap_failure": 1}}
+    assert read_quarantine(tmp_path, "another-boot").lifted == {}
+    (tmp_path / "quarantine").write_text(
+        json.dumps(
+            {
+                "boot_id": "b",
+                "gpus": {GPU_A: "XID 79"},
+                "lifted": {"GPU-x": ["row_remap_failure"], "GPU-y": {"flag": "on", "n": True}},
+                "schema_version": 2,
+            }
+        )
+    )
+    got = read_quarantine(tmp_path, "b")
+    assert (got.gpus, got.lifted, got.unreadable) == ({GPU_A: "XID 79"}, {}, None)
