@@ -3517,11 +3517,23 @@ class Runtime:
             await self._hand_ports_on(diff.changed, plan)
             # each group rolls out on its own, all at once, each one worker at a time (as
             # several Deployments do): 4 changed groups of 16 workers took minutes one group
-            # after another, the last waiting for all the others
+            # after another, the last waiting for all the others; but for a group whose new
+            # ports another changed group's workers move off: it waits for that roll-out
+            after = self._port_order(diff.changed, plan)
+            ended = {name: anyio.Event() for name in diff.changed}
             async with anyio.create_task_group() as tg:
                 for name in diff.changed:
                     tg.start_soon(
-                        self._reload_group, name, old, plan, diff, resumed, not_rolled, left
+                        self._reload_group,
+                        name,
+                        old,
+                        plan,
+                        diff,
+                        resumed,
+                        not_rolled,
+                        left,
+                        {n: ended[n] for n in after.get(name, ())},
+                        ended[name],
                     )
         halted = [not_rolled[n] for n in diff.changed if n in not_rolled]
         superseded = [n for n in diff.changed if n in left]
@@ -3577,6 +3589,49 @@ class Runtime:
                 for runner in handed:
                     tg.start_soon(self._remove_runner, runner, ExitReason.RELOAD)
 
+    def _port_order(self, changed: Sequence[str], plan: Plan) -> dict[str, list[str]]:
+        """Changed group -> the other changed groups whose roll-out it waits for: one of their
+        workers that stays (its port moved) still holds a port this group's new workers
+        take, and leaves it only when its own roll-out reaches it. Regression: rolled out at
+        the same time, the new worker started beside the server still on its port (a bind
+        refused, or the old server answering its readiness probe), and the roll-out halted
+        (one after another, in config order, the port was left first). Never both ways (a
+        swap of ports waits for neither, as before)."""
+        claimed: dict[int, str] = {}  # port -> the changed group whose new worker takes it
+        for planned in plan.groups:
+            if planned.group.name in changed:
+                for spec in planned.workers:
+                    if spec.port is not None:
+                        claimed[spec.port] = planned.group.name
+        after: dict[str, list[str]] = {}
+
+        def waits_for(first: str, then: str) -> bool:
+            seen, todo = set(), [first]
+            while todo:
+                name = todo.pop()
+                if name == then:
+                    return True
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend(after.get(name, ()))
+            return False
+
+        for name in changed:
+            group = self.settings.group(name)
+            for runner in self._targets(name):
+                taker = claimed.get(runner.held_port() or -1)
+                if (
+                    group is None
+                    or runner.spec.index >= group.replicas  # removed first: _hand_ports_on
+                    or taker is None
+                    or taker == name
+                    or name in after.get(taker, ())
+                    or waits_for(name, taker)
+                ):
+                    continue
+                after.setdefault(taker, []).append(name)
+        return after
+
     async def _reload_group(
         self,
         name: str,
@@ -3586,11 +3641,39 @@ class Runtime:
         resumed: set[str],
         not_rolled: dict[str, WorkerGroup],
         left: set[str],
+        first: Mapping[str, anyio.Event],
+        ended: anyio.Event,
     ) -> None:
         """One changed group's roll-out of a reload (the reload's others run at the same
-        time); its ``rollout.done`` / ``rollout.halted`` is journaled as it ends. A group not
-        rolled out is put in ``not_rolled`` (its old definition), and in ``left`` too where a
-        later reload superseded it."""
+        time, but for those in ``first``: it begins once they have ended); its
+        ``rollout.done`` / ``rollout.halted`` is journaled as it ends, and ``ended`` set. A
+        group not rolled out is put in ``not_rolled`` (its old definition), and in ``left``
+        too where a later reload superseded it."""
+        try:
+            if first:
+                self.log.info(
+                    "supervisor.rollout_waits",
+                    group=name,
+                    reason=f"the roll-out of {', '.join(first)} moves workers off ports "
+                    "this group's new workers take",
+                )
+                for event in first.values():
+                    await event.wait()
+            await self._reload_group_now(name, old, plan, diff, resumed, not_rolled, left)
+        finally:
+            ended.set()
+
+    async def _reload_group_now(
+        self,
+        name: str,
+        old: Settings,
+        plan: Plan,
+        diff: ReloadDiff,
+        resumed: set[str],
+        not_rolled: dict[str, WorkerGroup],
+        left: set[str],
+    ) -> None:
+        """:meth:`_reload_group`'s roll-out."""
         group = self.settings.group(name)
         assert group is not None
         before = old.group(name)

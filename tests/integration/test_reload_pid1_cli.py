@@ -411,6 +411,41 @@ def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
     assert sup.stop() == 0
 
 
+def test_a_group_taking_a_port_another_changed_group_moves_off_waits_for_its_roll_out(
+    supervisor: SupervisorFactory,
+) -> None:
+    """One reload moves ``a``'s ports up (19201-19202 -> 19211-19212) and ``b`` onto a-1's old
+    port. Regression: the groups rolled out at the same time, so b-0 started while a-1 (which
+    a's roll-out reaches only after a-0) still served on the port: a-1 answered b-0's
+    readiness probe, b-0's bind failed and b's roll-out halted (one after another, in config
+    order, a's workers had left the port first). b's roll-out now waits for a's."""
+    ready = "http://127.0.0.1:{port}/health"
+    a = g("a", "http_ready", "0", ready=ready, port_base=19201, replicas=2)
+    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
+    b = g("b", "http_ready", "0", ready=ready, port_base=19231)
+    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
+    sup = supervisor({"workers": [a, b]})
+    for name in ("a-0", "a-1", "b-0"):
+        sup.ready(name)
+    mark = sup.mark()
+    sup.write_config({"workers": [{**a, "port_base": 19211}, {**b, "port_base": 19202}]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert (done["halted"], done["superseded"]) == ([], []), done
+    waits = sup.wait_event(event="supervisor.rollout_waits", group="b", after=mark)
+    assert "a" in waits["reason"], waits
+    moved = sup.wait_event(event="worker.exited", worker="a-1", after=mark)
+    (spawned,) = sup.find(event="worker.spawned", worker="b-0", after=mark)
+    assert sup.events.index(moved) < sup.events.index(spawned)
+    with sup.api() as http:
+        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
+            ("a-0", 19211),
+            ("a-1", 19212),
+            ("b-0", 19202),
+        ]
+    assert sup.stop() == 0
+
+
 def test_a_port_held_by_a_worker_the_roll_out_removes_last_is_waited_for_a_while_only(
     supervisor: SupervisorFactory,
 ) -> None:
