@@ -1023,6 +1023,14 @@ def format_validation_error(
     env_name = _env_name_for(loc, environ) if loc else None
     if env_name:
         line += f" [from {env_name}]"
+    elif whole_section and len(loc) == 1 and isinstance(loc[0], str):
+        # a check of several keys of a section: those the environment sets are named
+        # (regression: "xid_worker_fatal and xid_device_fatal both list 46" sent the user to a
+        # file whose lists did not overlap: one came from GPU_SUPERVISOR_GPU__XID_...)
+        prefix = f"{ENV_PREFIX}{loc[0]}{ENV_DELIMITER}".upper()
+        names = sorted(k for k in environ if k.upper().startswith(prefix))
+        if names:
+            line += f" [the environment sets {', '.join(names)}]"
     if len(errors) > 1:
         line += f" (and {len(errors) - 1} more)"
     return line

@@ -567,3 +567,18 @@ def test_an_override_nested_too_deep_names_its_variable(
     monkeypatch.delenv(name)
     monkeypatch.setenv("GPU_SUPERVISOR_GPU__RESERVE_MB", "100")  # not the one at fault
     assert "[from" not in bad({"gpu": {"backend": "x"}})
+
+
+def test_a_check_of_several_keys_names_the_sections_environment_overrides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``xid_worker_fatal`` from the environment overlapping the file's
+    ``xid_device_fatal`` was reported as ``c.toml: gpu: ... both list 46``, naming no
+    variable: the user looked for the overlap in a file that did not have it."""
+    monkeypatch.setenv("GPU_SUPERVISOR_GPU__XID_WORKER_FATAL", "[46]")
+    line = bad({"gpu": {"xid_device_fatal": [46, 79]}})
+    assert "both list 46" in line, line
+    assert line.endswith("[the environment sets GPU_SUPERVISOR_GPU__XID_WORKER_FATAL]"), line
+    monkeypatch.delenv("GPU_SUPERVISOR_GPU__XID_WORKER_FATAL")
+    line = bad({"gpu": {"xid_device_fatal": [46], "xid_worker_fatal": [46]}})
+    assert "environment" not in line, line  # all from the file: nothing more said
