@@ -3576,7 +3576,9 @@ class Runtime:
         for name in changed:
             group = self.settings.group(name)
             for runner in self._targets(name):
-                port = runner.held_port()
+                # one without a process (in backoff, waiting for a GPU) starts on its port
+                # again when its wait ends (regression: in the middle of the roll-outs)
+                port = runner.held_port() or runner.spec.port
                 if (
                     group is not None
                     and runner.spec.index >= group.replicas
@@ -3603,19 +3605,11 @@ class Runtime:
                 for spec in planned.workers:
                     if spec.port is not None:
                         claimed[spec.port] = planned.group.name
-        after: dict[str, list[str]] = {}
-
-        def waits_for(first: str, then: str) -> bool:
-            seen, todo = set(), [first]
-            while todo:
-                name = todo.pop()
-                if name == then:
-                    return True
-                if name not in seen:
-                    seen.add(name)
-                    todo.extend(after.get(name, ()))
-            return False
-
+        # taker -> the groups it would wait for, all of them first: an edge that is part of
+        # a cycle (a swap of ports) is dropped then, both ways (regression: the first one
+        # found was kept, so one group of a swap waited and its new worker always started
+        # beside the other's old server)
+        edges: dict[str, set[str]] = {}
         for name in changed:
             group = self.settings.group(name)
             for runner in self._targets(name):
@@ -3625,11 +3619,26 @@ class Runtime:
                     or runner.spec.index >= group.replicas  # removed first: _hand_ports_on
                     or taker is None
                     or taker == name
-                    or name in after.get(taker, ())
-                    or waits_for(name, taker)
                 ):
                     continue
-                after.setdefault(taker, []).append(name)
+                edges.setdefault(taker, set()).add(name)
+
+        def waits_for(first: str, then: str) -> bool:
+            seen, todo = set(), [first]
+            while todo:
+                name = todo.pop()
+                if name == then:
+                    return True
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend(edges.get(name, ()))
+            return False
+
+        after: dict[str, list[str]] = {}
+        for taker, holders in edges.items():
+            first = [n for n in changed if n in holders and not waits_for(n, taker)]
+            if first:
+                after[taker] = first
         return after
 
     async def _reload_group(

@@ -446,6 +446,71 @@ def test_a_group_taking_a_port_another_changed_group_moves_off_waits_for_its_rol
     assert sup.stop() == 0
 
 
+def test_a_dropped_worker_in_backoff_whose_port_another_group_takes_is_removed_first(
+    supervisor: SupervisorFactory,
+) -> None:
+    """As above, but a-1 (dropped, its port given to ``b``) has crashed and waits in backoff
+    when the reload comes. Regression: only a worker with a process was removed first, so
+    a-1 was started again on its old port when its backoff ran out, in the middle of a's
+    roll-out: next to b-0's new server (a bind refused, a crash loop), or before it (b-0
+    started beside it, `worker.port_still_held`)."""
+    ready = "http://127.0.0.1:{port}/health"
+    restart = {"stable_s": 0.2, "backoff_initial_s": 0.6}
+    a = g("a", "http_ready", "0", ready=ready, port_base=19321, replicas=2, restart=restart)
+    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
+    b = g("b", "http_ready", "0", ready=ready, port_base=19325)
+    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
+    sup = supervisor({"workers": [a, b]})
+    for name in ("a-0", "a-1", "b-0"):
+        sup.ready(name)
+    (spawned,) = sup.find(event="worker.spawned", worker="a-1")
+    os.kill(spawned["pid"], signal.SIGKILL)
+    sup.wait_event(event="worker.state", worker="a-1", new="backoff")
+    mark = sup.mark()
+    slow_a = {**a, "command": worker_cmd("http_ready", "1.5"), "replicas": 1}
+    sup.write_config({"workers": [slow_a, {**b, "port_base": 19322}]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=20)
+    assert not sup.find(event="worker.spawned", worker="a-1", after=mark)
+    assert not sup.find(event="worker.port_still_held", after=mark)
+    with sup.api() as http:
+        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
+            ("a-0", 19321),
+            ("b-0", 19322),
+        ]
+    assert sup.stop() == 0
+
+
+def test_two_changed_groups_swapping_ports_wait_for_neither(
+    supervisor: SupervisorFactory,
+) -> None:
+    """One reload swaps the ports of ``a`` and ``b``. Regression: ``b`` was made to wait for
+    ``a``'s roll-out (the check that keeps two groups from waiting for each other kept one
+    of the two ways), so a-0's replacement always started while b-0 still served on its new
+    port: b-0 answered its readiness probe and its bind failed. As documented, a swap waits
+    for neither: the two old servers stop at the same time, then both start."""
+    ready = "http://127.0.0.1:{port}/health"
+    a = g("a", "http_ready", "0", ready=ready, port_base=19301)
+    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
+    b = g("b", "http_ready", "0", ready=ready, port_base=19311)
+    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
+    sup = supervisor({"workers": [a, b]})
+    for name in ("a-0", "b-0"):
+        sup.ready(name)
+    mark = sup.mark()
+    sup.write_config({"workers": [{**a, "port_base": 19311}, {**b, "port_base": 19301}]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert (done["halted"], done["superseded"]) == ([], []), done
+    assert not sup.find(event="supervisor.rollout_waits", after=mark)
+    with sup.api() as http:
+        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
+            ("a-0", 19311),
+            ("b-0", 19301),
+        ]
+    assert sup.stop() == 0
+
+
 def test_a_port_held_by_a_worker_the_roll_out_removes_last_is_waited_for_a_while_only(
     supervisor: SupervisorFactory,
 ) -> None:
