@@ -339,6 +339,8 @@ class KeptQuarantine:
     #: GPU UUID -> the flags on when an operator lifted its quarantine in this boot
     #: (``HealState.lifted``): the lift holds across the restart while they stay on
     lifted: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the file is an earlier boot's: nothing in it holds (it is written anew, or removed)
+    earlier_boot: bool = False
 
 
 def read_quarantine(state_dir: Path, boot: str) -> KeptQuarantine:
@@ -362,7 +364,7 @@ def read_quarantine(state_dir: Path, boot: str) -> KeptQuarantine:
         return KeptQuarantine({}, {}, 'not {"boot_id": ..., "gpus": {...}}')
     kept = {str(gpu): str(why) for gpu, why in gpus.items()}
     if saved_boot and boot and saved_boot != boot:
-        return KeptQuarantine({}, kept)
+        return KeptQuarantine({}, kept, earlier_boot=True)
     lifted: dict[str, dict[str, int]] = {}
     found = doc.get("lifted")
     for gpu, flags in (found if isinstance(found, dict) else {}).items():

@@ -335,6 +335,8 @@ class Runtime:
         #: the next state write that works, as the cordons are; held with the guard
         self._quarantine_unsaved: QuarantineDoc | None = None
         self._quarantine_guard = threading.Lock()
+        #: the file on disk holds only an earlier boot's entries (the next start drops them)
+        self._quarantine_stale_only = False
         self._reclaim_done = anyio.Event()  # the start-up reclaim of a predecessor's orphans
         self.reaper = Reaper(on_orphan=self._on_orphan)
         self.systemd = SystemdNotifier(self.environ)
@@ -2164,7 +2166,10 @@ class Runtime:
                 reason="the machine rebooted since they were quarantined (their GPUs reset)",
             )
         self.healer.keep_lifts(kept.lifted)  # (an operator's lift, while a flag stays on)
-        self._quarantine_saved = (dict(kept.gpus), kept.lifted) if not kept.dropped else None
+        # (an earlier boot's file, lifts alone included, is rewritten without what it held:
+        # regression, one with lifts alone was kept as it was)
+        self._quarantine_saved = None if kept.earlier_boot else (dict(kept.gpus), kept.lifted)
+        self._quarantine_stale_only = kept.earlier_boot
         self._quarantine_unsaved = None
         if kept.gpus:
             self.healer.state.quarantined.update(kept.gpus)
@@ -2197,6 +2202,7 @@ class Runtime:
                 self.write_health.failed("state", exc)
             else:
                 self._quarantine_saved, self._quarantine_unsaved = snapshot, None
+                self._quarantine_stale_only = False
 
     def _on_state_dir_recreated(self) -> None:
         """``state_dir`` was removed: lock it again (the lock file went with it), bind the
@@ -2250,6 +2256,7 @@ class Runtime:
                 with contextlib.suppress(OSError):  # still failing: after the next state write
                     write_quarantine(state_dir, procfs.boot_id(), *quarantine)
                     self._quarantine_saved, self._quarantine_unsaved = quarantine, None
+                    self._quarantine_stale_only = False
                     self.log.info(
                         "records.quarantine_saved", path=os.fspath(state_dir / QUARANTINE_FILE)
                     )
@@ -3147,7 +3154,9 @@ class Runtime:
             await self.recorder.flush()
         self.recorder.report_unwritten()
         self._save_quarantine(again=True)  # a last try
-        if self._quarantine_unsaved is not None:  # regression: lost without a word
+        if self._quarantine_unsaved is not None and not (
+            self._quarantine_stale_only and self._quarantine_unsaved == ({}, {})
+        ):  # regression: lost without a word (but an earlier boot's file: dropped anyway)
             self.log.error(
                 "records.quarantine_unsaved",
                 path=os.fspath(self.settings.supervisor.state_dir / QUARANTINE_FILE),

@@ -724,6 +724,23 @@ def test_a_quarantine_of_an_earlier_boot_is_dropped(
     assert sup.stop() == 0
 
 
+def test_lifts_alone_of_an_earlier_boot_are_dropped_with_the_file(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """state_dir/quarantine of an earlier boot holding lifts only (no GPU quarantined): the
+    file goes at the start. Regression: it was kept as it was (nothing quarantined, nothing
+    to write), so a later start that cannot read the boot id honoured a lift from before
+    the reboot."""
+    state = tmp_path / "state"
+    state.mkdir()
+    doc = {"boot_id": "an-earlier-boot", "gpus": {}, "lifted": {UUID0: {"recovery_action": 1}}}
+    (state / "quarantine").write_text(json.dumps(doc))
+    sup = supervisor(config(tmp_path, {"name": "g", "command": sim("100")}))
+    sup.ready("g-0")
+    sup.wait_until(lambda: not (state / "quarantine").exists(), "the file removed")
+    assert sup.stop() == 0
+
+
 def test_a_row_remap_failure_while_running_moves_the_worker_with_a_postmortem(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

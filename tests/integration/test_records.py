@@ -1141,6 +1141,26 @@ def test_a_quarantine_state_dir_never_took_is_said_at_stop(
     assert not (small_fs / "quarantine").exists()
 
 
+def test_an_earlier_boots_quarantine_on_a_read_only_state_dir_is_no_error_at_stop(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """A read-only state_dir holding an earlier boot's quarantine file: it cannot be written
+    without those entries, which the next start drops anyway (another boot). Regression: the
+    stop logged records.quarantine_unsaved, an error naming no GPU, at every stop."""
+    doc = {"boot_id": "an-earlier-boot", "gpus": {"GPU-00000000-0000-0000-0000-000000000001": "x"}}
+    (small_fs / "quarantine").write_text(json.dumps(doc))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    config = {
+        "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim"), "sim_devices": 2},
+        "workers": [group("w", "ready_then_sleep", gpus="none")],
+    }
+    sup = supervisor(config)
+    sup.wait_event(event="gpu.quarantines_dropped")
+    sup.ready("w-0")
+    assert sup.stop() == 0
+    assert not sup.find(event="records.quarantine_unsaved")
+
+
 def test_read_only_state_dir_does_not_stop_supervision(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:
