@@ -104,6 +104,7 @@ from supervisor.policy.reload import (
     ReloadDiff,
     applied_by_reload,
     diff_groups,
+    port_waits,
     start_only_changes,
 )
 from supervisor.processes import (
@@ -160,6 +161,18 @@ from supervisor.views import (
     state_doc,
 )
 from supervisor.worker import HttpProbes, WorkerRunner, is_idle
+
+
+def _claimed_ports(changed: Collection[str], plan: Plan) -> dict[int, str]:
+    """Port -> the changed group whose new worker (in ``plan``) takes it."""
+    return {
+        spec.port: planned.group.name
+        for planned in plan.groups
+        if planned.group.name in changed
+        for spec in planned.workers
+        if spec.port is not None
+    }
+
 
 #: What ``state_dir/quarantine`` holds: GPU UUID -> why it is quarantined, and GPU UUID -> the
 #: flags on when an operator lifted its quarantine (``HealState.lifted``).
@@ -3575,12 +3588,7 @@ class Runtime:
         group's start would wait for the port only the holder's drain and stop timeouts,
         then start beside the server still on it (regression: a bind refused, or the old
         server answering the new worker's readiness probe)."""
-        claimed: dict[int, str] = {}  # port -> the changed group whose new worker takes it
-        for planned in plan.groups:
-            if planned.group.name in changed:
-                for spec in planned.workers:
-                    if spec.port is not None:
-                        claimed[spec.port] = planned.group.name
+        claimed = _claimed_ports(changed, plan)
         handed: list[WorkerRunner] = []
         for name in changed:
             group = self.settings.group(name)
@@ -3608,17 +3616,8 @@ class Runtime:
         refused, or the old server answering its readiness probe), and the roll-out halted
         (one after another, in config order, the port was left first). Never both ways (a
         swap of ports waits for neither, as before)."""
-        claimed: dict[int, str] = {}  # port -> the changed group whose new worker takes it
-        for planned in plan.groups:
-            if planned.group.name in changed:
-                for spec in planned.workers:
-                    if spec.port is not None:
-                        claimed[spec.port] = planned.group.name
-        # taker -> the groups it would wait for, all of them first: an edge that is part of
-        # a cycle (a swap of ports) is dropped then, both ways (regression: the first one
-        # found was kept, so one group of a swap waited and its new worker always started
-        # beside the other's old server)
-        edges: dict[str, set[str]] = {}
+        claimed = _claimed_ports(changed, plan)
+        holders: dict[str, set[str]] = {}  # taker -> the groups whose kept workers hold
         for name in changed:
             group = self.settings.group(name)
             for runner in self._targets(name):
@@ -3630,25 +3629,8 @@ class Runtime:
                     or taker == name
                 ):
                     continue
-                edges.setdefault(taker, set()).add(name)
-
-        def waits_for(first: str, then: str) -> bool:
-            seen, todo = set(), [first]
-            while todo:
-                name = todo.pop()
-                if name == then:
-                    return True
-                if name not in seen:
-                    seen.add(name)
-                    todo.extend(edges.get(name, ()))
-            return False
-
-        after: dict[str, list[str]] = {}
-        for taker, holders in edges.items():
-            first = [n for n in changed if n in holders and not waits_for(n, taker)]
-            if first:
-                after[taker] = first
-        return after
+                holders.setdefault(taker, set()).add(name)
+        return port_waits(holders, changed)
 
     async def _reload_group(
         self,

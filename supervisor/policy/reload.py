@@ -115,3 +115,33 @@ def applied_by_reload(old: Settings, new: Settings) -> Settings:
     )
     gpu = new.gpu.model_copy(update={k: getattr(old.gpu, k) for k in GPU_AT_START})
     return new.model_copy(update={"supervisor": supervisor, "api": old.api, "gpu": gpu})
+
+
+def port_waits(
+    holders: Mapping[str, Collection[str]], order: Sequence[str]
+) -> dict[str, list[str]]:
+    """Changed group -> the changed groups whose roll-out it waits for, in ``order``, from
+    ``holders`` (group -> the other groups one of whose kept workers still holds a port its
+    new workers take). A wait that is part of a cycle (two groups swapping ports, or three
+    passing them round) is dropped, both ways: nobody waits for good, and a swap waits for
+    neither (regression: the first way found was kept, so one group of a swap always
+    started beside the other's old server). Chains stay: a waits for b, which waits for c."""
+
+    def reaches(start: str, goal: str) -> bool:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            name = todo.pop()
+            if name == goal:
+                return True
+            if name not in seen:
+                seen.add(name)
+                todo.extend(holders.get(name, ()))
+        return False
+
+    waits: dict[str, list[str]] = {}
+    for taker, held_by in holders.items():
+        first = [n for n in order if n in held_by and n != taker and not reaches(n, taker)]
+        if first:
+            waits[taker] = first
+    return waits

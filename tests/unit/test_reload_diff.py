@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from supervisor.config import parse_settings
-from supervisor.policy.reload import diff_groups
+from supervisor.policy.reload import diff_groups, port_waits
 
 
 def groups(*specs: dict[str, object]) -> tuple:  # type: ignore[type-arg]
@@ -192,3 +194,23 @@ def test_ports_held_outside_a_groups_range_go_to_no_other_group() -> None:
     # a group that kept its range and grows does not grow into another's held ports either
     data["workers"][1]["replicas"] = 2
     assert bases(keep_port_bases(data, {"b": range(8003, 8004)}, held))["b"] != 8003
+
+
+@pytest.mark.parametrize(
+    ("holders", "waits"),
+    [
+        ({}, {}),
+        ({"b": {"a"}}, {"b": ["a"]}),  # b takes a port a's kept worker leaves: b waits for a
+        ({"a": {"b"}, "b": {"a"}}, {}),  # a swap: neither waits (both ways dropped)
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, {}),  # passed round: none waits
+        ({"a": {"b"}, "b": {"c"}}, {"a": ["b"], "b": ["c"]}),  # a chain stays
+        ({"c": {"b", "a"}, "a": {"b"}, "b": {"a"}}, {"c": ["a", "b"]}),  # swap, and c after it
+    ],
+)
+def test_port_hand_overs_between_changed_groups_order_them_without_a_cycle(
+    holders: dict[str, set[str]], waits: dict[str, list[str]]
+) -> None:
+    """A group whose new workers take a port another changed group's kept worker leaves only
+    when its own roll-out reaches it waits for that roll-out; waits that would go round (a
+    swap of ports) are dropped both ways, so no roll-out waits for good."""
+    assert port_waits(holders, ["a", "b", "c"]) == waits
