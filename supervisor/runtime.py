@@ -4025,10 +4025,15 @@ def _ignore_held_signals() -> None:
             return
 
 
-def _running_inner_pids(pids: frozenset[int]) -> dict[int, int]:
-    """Inner pid -> pid here, for those of ``pids`` in a PID namespace of their own that
-    still run (``procfs.inner_pids``)."""
-    return {i: p for i, p in procfs.inner_pids(pids).items() if procfs.running(p)}
+def _running_inner_pids(pids: frozenset[int]) -> dict[int, set[int]]:
+    """Inner pid -> the pids here, for those of ``pids`` in a PID namespace of their own that
+    still run; several where they share it (``listed_for_suspects``)."""
+    out: dict[int, set[int]] = {}
+    for pid in pids:
+        ns = procfs.nspids(pid)
+        if len(ns) >= 2 and ns[0] == pid and procfs.running(pid):
+            out.setdefault(ns[-1], set()).add(pid)
+    return out
 
 
 def _runs_unplaced(runner: WorkerRunner) -> bool:

@@ -10,7 +10,7 @@ otherwise ``unavailable``, never 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from supervisor.model import DeviceSample, GpuProcess
@@ -179,14 +179,16 @@ def still_held(
 def listed_for_suspects(
     devices: Iterable[DeviceSample],
     suspect: Mapping[str, frozenset[int]],
-    inner_of: Callable[[frozenset[int]], Mapping[int, int]],
+    inner_of: Callable[[frozenset[int]], Mapping[int, Collection[int]]],
 ) -> dict[str, frozenset[int] | None]:
     """The pids NVML lists now on each suspect GPU (``still_held``'s ``listed``), each old
     pid also found under its pid in a PID namespace of its own: ``inner_of(pids)`` maps
-    such inner pids of ``pids`` (still running) to theirs. Asked GPU by GPU (regression: two
-    stuck namespace inits on two GPUs share inner pid 1, which a lookup over both drops as
-    ambiguous: both GPUs were released while their memory was held). A GPU whose process
-    list is not known is left out (kept suspect)."""
+    such inner pids of ``pids`` (still running) to theirs, all of them where several share
+    one (each namespace's init is pid 1 there: which one holds the memory cannot be told, so
+    each is taken to, while it runs; regression: an ambiguous pid was dropped, and the GPU
+    released while their memory was held). Asked GPU by GPU (regression: two stuck namespace
+    inits on two GPUs were one lookup, ambiguous). A GPU whose process list is not known is
+    left out (kept suspect)."""
     listed: dict[str, frozenset[int] | None] = {}
     for d in devices:
         pids = suspect.get(d.uuid)
@@ -194,6 +196,6 @@ def listed_for_suspects(
             continue
         there = {p.pid for p in d.processes}
         inner = inner_of(pids)
-        there |= {inner[p] for p in there if p in inner}
+        there |= {host for p in there for host in inner.get(p, ())}
         listed[d.uuid] = frozenset(there)
     return listed

@@ -194,8 +194,8 @@ def test_two_stuck_namespace_inits_on_two_gpus_keep_both_suspect() -> None:
     (``procfs.inner_pids``); GPU by GPU, each is found. Regression: both GPUs were released
     while their memory was still held. A GPU whose list is unknown is left out (kept)."""
 
-    def inner_of(pids: frozenset[int]) -> dict[int, int]:
-        return {1: next(iter(pids))} if len(pids) == 1 else {}  # (1 shared: ambiguous)
+    def inner_of(pids: frozenset[int]) -> dict[int, set[int]]:
+        return {1: set(pids)}  # each is pid 1 in its namespace
 
     suspect = {A: frozenset({7}), B: frozenset({9})}
     devices = [dev(A, (1, 500.0)), dev(B, (1, 300.0)), DeviceSample(2, "C", "g", processes=None)]
@@ -203,3 +203,16 @@ def test_two_stuck_namespace_inits_on_two_gpus_keep_both_suspect() -> None:
     assert listed == {A: frozenset({1, 7}), B: frozenset({1, 9})}
     assert still_held(suspect, listed) == suspect
     assert still_held({"C": frozenset({4})}, listed) == {"C": frozenset({4})}
+
+
+def test_two_stuck_namespace_inits_on_one_gpu_keep_it_suspect_while_either_runs() -> None:
+    """Old processes 7 and 9 on GPU A, each pid 1 of a PID namespace of its own: NVML lists
+    pid 1 there, whose it cannot say. Regression: the ambiguous pid was dropped, and GPU A was
+    released while their memory was still held. Both count as held while they run; once 9
+    is gone (not among the running ones), 7 alone."""
+    suspect = {A: frozenset({7, 9})}
+    devices = [dev(A, (1, 800.0))]
+    listed = listed_for_suspects(devices, suspect, lambda pids: {1: set(pids)})
+    assert still_held(suspect, listed) == suspect
+    listed = listed_for_suspects(devices, suspect, lambda pids: {1: {7}})  # 9 gone
+    assert still_held(suspect, listed) == {A: frozenset({7})}
