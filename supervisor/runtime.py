@@ -3659,44 +3659,31 @@ class Runtime:
                 )
                 for event in first.values():
                     await event.wait()
-            await self._reload_group_now(name, old, plan, diff, resumed, not_rolled, left)
+            group = self.settings.group(name)
+            assert group is not None
+            before = old.group(name)
+            assert before is not None
+            # memory.max is written at a spawn: a new host budget needs new processes
+            in_place = before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
+            rolled = await self._roll_group(
+                group, plan, resume=name in resumed, scaled=name in diff.scaled, in_place=in_place
+            )
+            if not rolled and self._halted_at.get(name, {}).get("superseded"):
+                left.add(name)
+            if not self._shutting_down:
+                self._journal_rollout(name, "reload", rolled)
+            if rolled:
+                self._halted.discard(name)
+                self._halted_defs.pop(name, None)
+            else:
+                not_rolled[name] = before
+                # dirty: the next reload rolls it out even where its file is this one's
+                self._halted.add(name)
+                # and the workers this one reached run this definition (its placement), which
+                # the next reload cannot tell from the files
+                self._halted_defs.setdefault(name, []).append(group)
         finally:
             ended.set()
-
-    async def _reload_group_now(
-        self,
-        name: str,
-        old: Settings,
-        plan: Plan,
-        diff: ReloadDiff,
-        resumed: set[str],
-        not_rolled: dict[str, WorkerGroup],
-        left: set[str],
-    ) -> None:
-        """:meth:`_reload_group`'s roll-out."""
-        group = self.settings.group(name)
-        assert group is not None
-        before = old.group(name)
-        assert before is not None
-        # memory.max is written at a spawn: a new host budget needs new processes
-        in_place = before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
-        rolled = await self._roll_group(
-            group, plan, resume=name in resumed, scaled=name in diff.scaled, in_place=in_place
-        )
-        if not rolled and self._halted_at.get(name, {}).get("superseded"):
-            left.add(name)
-        if not self._shutting_down:
-            self._journal_rollout(name, "reload", rolled)
-        if rolled:
-            self._halted.discard(name)
-            self._halted_defs.pop(name, None)
-        else:
-            not_rolled[name] = before
-            # dirty: the next reload rolls it out even where its file is this one's
-            self._halted.add(name)
-            # and the workers this one reached run this definition (its placement), which
-            # the next reload cannot tell from the files
-            self._halted_defs.setdefault(name, []).append(group)
 
     async def _stop_group(self, name: str) -> None:
         runners = self._targets(name)

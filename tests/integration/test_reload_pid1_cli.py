@@ -38,6 +38,26 @@ def g(name: str, script: str = "ready_then_sleep", *args: str, **extra: Any) -> 
     }
 
 
+def served(name: str, port_base: int, **extra: Any) -> dict[str, Any]:
+    """A group of HTTP servers (ready at once) on ``port_base``, quick to drain and stop."""
+    group = g(name, "http_ready", "0", ready="http://127.0.0.1:{port}/health", **extra)
+    return {**group, "port_base": port_base, "drain_timeout_s": 0, "stop_timeout_s": 0.5}
+
+
+def started(factory: SupervisorFactory, groups: list[dict[str, Any]], *ready: str) -> Supervisor:
+    """A supervisor of ``groups``, once the workers ``ready`` are ready."""
+    sup = factory({"workers": groups})
+    for name in ready:
+        sup.ready(name)
+    return sup
+
+
+def ports(sup: Supervisor) -> list[tuple[str, int]]:
+    """Every worker's name and port, from the API."""
+    with sup.api() as http:
+        return [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()]
+
+
 def test_sighup_reload_applies_the_diff(supervisor: SupervisorFactory) -> None:
     """Unchanged untouched; changed rolled one at a time; removed stopped; added started."""
     config = {
@@ -385,14 +405,9 @@ def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
     holding its port (`worker.port_still_held`: a bind refused, or a-1 answering b-0's
     readiness probe). A worker the reload drops whose port another changed group takes is
     now removed first."""
-    ready = "http://127.0.0.1:{port}/health"
-    a = g("a", "http_ready", "0", ready=ready, port_base=18961, replicas=2)
-    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
-    b = g("b", "http_ready", "0", ready=ready, port_base=18965)
-    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
-    sup = supervisor({"workers": [a, b]})
-    for name in ("a-0", "a-1", "b-0"):
-        sup.ready(name)
+    a = served("a", 18961, replicas=2)
+    b = served("b", 18965)
+    sup = started(supervisor, [a, b], "a-0", "a-1", "b-0")
     mark = sup.mark()
     slow_a = {**a, "command": worker_cmd("http_ready", "4"), "replicas": 1}
     sup.write_config({"workers": [slow_a, {**b, "port_base": 18962}]})
@@ -403,11 +418,7 @@ def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
     sup.ready("b-0", after=mark)
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=20)
     assert not sup.find(event="worker.port_still_held", after=mark)
-    with sup.api() as http:
-        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
-            ("a-0", 18961),
-            ("b-0", 18962),
-        ]
+    assert ports(sup) == [("a-0", 18961), ("b-0", 18962)]
     assert sup.stop() == 0
 
 
@@ -419,14 +430,9 @@ def test_a_group_taking_a_port_another_changed_group_moves_off_waits_for_its_rol
     a's roll-out reaches only after a-0) still served on the port: a-1 answered b-0's
     readiness probe, b-0's bind failed and b's roll-out halted (one after another, in config
     order, a's workers had left the port first). b's roll-out now waits for a's."""
-    ready = "http://127.0.0.1:{port}/health"
-    a = g("a", "http_ready", "0", ready=ready, port_base=19201, replicas=2)
-    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
-    b = g("b", "http_ready", "0", ready=ready, port_base=19231)
-    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
-    sup = supervisor({"workers": [a, b]})
-    for name in ("a-0", "a-1", "b-0"):
-        sup.ready(name)
+    a = served("a", 19201, replicas=2)
+    b = served("b", 19231)
+    sup = started(supervisor, [a, b], "a-0", "a-1", "b-0")
     mark = sup.mark()
     sup.write_config({"workers": [{**a, "port_base": 19211}, {**b, "port_base": 19202}]})
     sup.signal(signal.SIGHUP)
@@ -437,12 +443,7 @@ def test_a_group_taking_a_port_another_changed_group_moves_off_waits_for_its_rol
     moved = sup.wait_event(event="worker.exited", worker="a-1", after=mark)
     (spawned,) = sup.find(event="worker.spawned", worker="b-0", after=mark)
     assert sup.events.index(moved) < sup.events.index(spawned)
-    with sup.api() as http:
-        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
-            ("a-0", 19211),
-            ("a-1", 19212),
-            ("b-0", 19202),
-        ]
+    assert ports(sup) == [("a-0", 19211), ("a-1", 19212), ("b-0", 19202)]
     assert sup.stop() == 0
 
 
@@ -454,15 +455,10 @@ def test_a_dropped_worker_in_backoff_whose_port_another_group_takes_is_removed_f
     a-1 was started again on its old port when its backoff ran out, in the middle of a's
     roll-out: next to b-0's new server (a bind refused, a crash loop), or before it (b-0
     started beside it, `worker.port_still_held`)."""
-    ready = "http://127.0.0.1:{port}/health"
     restart = {"stable_s": 0.2, "backoff_initial_s": 0.6}
-    a = g("a", "http_ready", "0", ready=ready, port_base=19321, replicas=2, restart=restart)
-    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
-    b = g("b", "http_ready", "0", ready=ready, port_base=19325)
-    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
-    sup = supervisor({"workers": [a, b]})
-    for name in ("a-0", "a-1", "b-0"):
-        sup.ready(name)
+    a = served("a", 19321, replicas=2, restart=restart)
+    b = served("b", 19325)
+    sup = started(supervisor, [a, b], "a-0", "a-1", "b-0")
     (spawned,) = sup.find(event="worker.spawned", worker="a-1")
     os.kill(spawned["pid"], signal.SIGKILL)
     sup.wait_event(event="worker.state", worker="a-1", new="backoff")
@@ -473,11 +469,7 @@ def test_a_dropped_worker_in_backoff_whose_port_another_group_takes_is_removed_f
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=20)
     assert not sup.find(event="worker.spawned", worker="a-1", after=mark)
     assert not sup.find(event="worker.port_still_held", after=mark)
-    with sup.api() as http:
-        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
-            ("a-0", 19321),
-            ("b-0", 19322),
-        ]
+    assert ports(sup) == [("a-0", 19321), ("b-0", 19322)]
     assert sup.stop() == 0
 
 
@@ -489,25 +481,16 @@ def test_two_changed_groups_swapping_ports_wait_for_neither(
     of the two ways), so a-0's replacement always started while b-0 still served on its new
     port: b-0 answered its readiness probe and its bind failed. As documented, a swap waits
     for neither: the two old servers stop at the same time, then both start."""
-    ready = "http://127.0.0.1:{port}/health"
-    a = g("a", "http_ready", "0", ready=ready, port_base=19301)
-    a["drain_timeout_s"], a["stop_timeout_s"] = 0, 0.5
-    b = g("b", "http_ready", "0", ready=ready, port_base=19311)
-    b["drain_timeout_s"], b["stop_timeout_s"] = 0, 0.5
-    sup = supervisor({"workers": [a, b]})
-    for name in ("a-0", "b-0"):
-        sup.ready(name)
+    a = served("a", 19301)
+    b = served("b", 19311)
+    sup = started(supervisor, [a, b], "a-0", "b-0")
     mark = sup.mark()
     sup.write_config({"workers": [{**a, "port_base": 19311}, {**b, "port_base": 19301}]})
     sup.signal(signal.SIGHUP)
     done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
     assert (done["halted"], done["superseded"]) == ([], []), done
     assert not sup.find(event="supervisor.rollout_waits", after=mark)
-    with sup.api() as http:
-        assert [(w["name"], w["port"]) for w in http.get("/api/v1/workers").json()] == [
-            ("a-0", 19311),
-            ("b-0", 19301),
-        ]
+    assert ports(sup) == [("a-0", 19311), ("b-0", 19301)]
     assert sup.stop() == 0
 
 
