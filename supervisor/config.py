@@ -1135,10 +1135,10 @@ def load_settings(
     ``data``: the file's TOML as :func:`read_config` read it before (then it is not read
     again: what was checked then is what is applied). ``refuse_empty``: a file with nothing in
     it is refused (a reload: it would remove every group, and is rather a write cut short;
-    ``workers = []`` says it on purpose)."""
+    ``workers = []`` says it on purpose), unless the environment names the workers."""
     source = str(path)
     data = read_config(path) if data is None else dict(data)
-    if refuse_empty and not data:
+    if refuse_empty and not data and not _env_names("workers"):
         raise ConfigError(
             f"{source}: the config file is empty (a write cut short?): a reload to it would "
             "stop every worker; to remove every group on purpose, write workers = []"
@@ -1147,6 +1147,14 @@ def load_settings(
     if keep_ports:
         data = keep_port_bases(data, keep_ports, held_ports, listen=_env_listen())
     return parse_settings(data, source)
+
+
+def _env_names(key: str) -> bool:
+    """Whether the environment sets the top-level key ``key`` (``GPU_SUPERVISOR_WORKERS``...)."""
+    try:
+        return key in EnvSettingsSource(Settings)()
+    except (SettingsError, ValueError):
+        return True  # set, but not readably: the validation says so
 
 
 def _env_listen() -> str | None:

@@ -582,3 +582,18 @@ def test_a_check_of_several_keys_names_the_sections_environment_overrides(
     monkeypatch.delenv("GPU_SUPERVISOR_GPU__XID_WORKER_FATAL")
     line = bad({"gpu": {"xid_device_fatal": [46], "xid_worker_fatal": [46]}})
     assert "environment" not in line, line  # all from the file: nothing more said
+
+
+def test_a_reload_of_an_empty_file_is_taken_when_the_environment_names_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: an empty file is refused on a reload (a write cut short would stop every
+    worker), but where ``GPU_SUPERVISOR_WORKERS`` names the workers the file may well have
+    nothing in it (a container configured through its environment): every reload there was
+    refused, saying it would stop every worker, which it would not."""
+    p = tmp_path / "c.toml"
+    p.write_text("\n")
+    with pytest.raises(ConfigError, match="the config file is empty"):
+        load_settings(p, refuse_empty=True)
+    monkeypatch.setenv("GPU_SUPERVISOR_WORKERS", '[{"name": "a", "command": ["x"]}]')
+    assert [g.name for g in load_settings(p, refuse_empty=True).workers] == ["a"]
