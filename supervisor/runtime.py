@@ -527,7 +527,11 @@ class Runtime:
         runners = self.workers()
         ready = sum(r.state is WorkerState.READY for r in runners)
         fatal = sum(r.state is WorkerState.FATAL for r in runners)
-        gpus = len(self.sampler.identities)
+        # the GPUs once seen are not counted while NVML does not answer (down, or a call that
+        # hangs): as nvml_up and the API say (regression: "2 GPUs" for as long as it was down)
+        sample = self.sampler.last
+        up = sample is not None and sample.nvml_available and self.sampler.stuck() is None
+        gpus = len(self.sampler.identities) if up else 0
         tail = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU telemetry"
         return f"{ready}/{len(runners)} ready, {fatal} fatal, {tail}"
 

@@ -415,3 +415,33 @@ def test_status_says_the_gpus_once_nvml_answers_after_the_start(
         sup.wait_event(event="gpu.backend", timeout=15)
         assert manager.wait_for("STATUS=1/1 ready, 0 fatal, 2 GPUs", timeout=5)
         assert sup.stop() == 0
+
+
+def test_status_says_no_gpu_telemetry_while_nvml_is_down(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML answers at the start, then stops answering (a driver reload: UNINITIALIZED).
+    Regression: ``STATUS=`` went on saying "2 GPUs" for as long as NVML was down (the GPUs
+    once seen were counted), while ``nvml_up`` was 0 and the API said no telemetry; only a
+    supervisor that started without NVML said "no GPU telemetry"."""
+    path = tmp_path / "systemd.sock"
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    cfg = {
+        "supervisor": {"sample_interval_s": 0.1},
+        "gpu": {"backend": "nvml"},
+        "workers": [{"name": "g", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    env = {
+        "NOTIFY_SOCKET": str(path),
+        "LD_LIBRARY_PATH": str(fake_nvml_libdir),
+        "GPU_SUPERVISOR_SIM_DIR": str(world),
+    }
+    gpu0 = (world / "gpus" / "0").read_text()
+    with service_manager(path) as manager:
+        sup = supervisor(cfg, env=env)
+        assert "STATUS=1/1 ready, 0 fatal, 2 GPUs" in manager.wait_for("READY=1")
+        (world / "gpus" / "0").write_text(gpu0 + "rc_nvmlDeviceGetMemoryInfo 1\n")
+        sup.wait_event(event="gpu.unavailable")
+        assert manager.wait_for("STATUS=1/1 ready, 0 fatal, no GPU telemetry", timeout=5)
+        assert sup.stop() == 0
