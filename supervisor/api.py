@@ -1188,10 +1188,20 @@ def _readiness(rt: Runtime) -> dict[str, Any]:
         reasons.append("supervisor has stopped")
     sample = rt.sampler.last
     quarantined = rt.healer.state.quarantined
+    listed = sample.devices if sample is not None else ()
     unhealthy = [
         {"id": d.index, "uuid": d.uuid, "error": d.error or f"quarantined: {quarantined[d.uuid]}"}
-        for d in (sample.devices if sample is not None else ())
+        for d in listed
         if not d.healthy or d.uuid in quarantined
+    ]
+    # a quarantine holds while NVML does not answer (no devices sampled): still listed
+    # (regression: [] for as long as NVML was down, as if the GPU had recovered)
+    seen = {d.uuid for d in listed}
+    index = {i.uuid: i.index for i in rt.sampler.identities}
+    unhealthy += [
+        {"id": index.get(u), "uuid": u, "error": f"quarantined: {why}"}
+        for u, why in quarantined.items()
+        if u not in seen
     ]
     return {
         "ready": not reasons,

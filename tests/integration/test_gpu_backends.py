@@ -1752,3 +1752,25 @@ def test_versioned_calls_are_chosen_gpu_by_gpu(tmp_path: Path, fake_nvml_libdir:
     assert first["temperature_celsius"] == 40, first
     assert second["temperature_celsius"] == 66, second
     assert second["recovery_action"] == "gpu_reset", second
+
+
+def test_a_quarantined_gpu_stays_listed_unhealthy_while_nvml_is_down(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """XID 79 quarantines GPU 1, then NVML stops answering (a driver reload). The quarantine
+    holds (only an operator's lift or a reboot ends it). Regression: ``/readyz``
+    ``gpus_unhealthy`` was built from the last sample's devices only, so it read ``[]`` for as
+    long as NVML was down, as if the GPU had recovered."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    with open(world / "events", "a") as fh:
+        fh.write("1 79\n")
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID1, timeout=20)
+    nvml_down(sup, world)
+    with sup.api() as api:
+        unhealthy = api.get("/readyz").json()["gpus_unhealthy"]
+    assert [(g["id"], g["uuid"]) for g in unhealthy] == [(1, UUID1)], unhealthy
+    assert "quarantined" in unhealthy[0]["error"]
+    assert sup.stop() == 0
