@@ -3059,7 +3059,17 @@ class Runtime:
         worker it replaced before is still ready. False (halted, logged) if one is not."""
 
         def broken() -> WorkerRunner | None:
-            return next((r for r in replaced if r.state is not WorkerState.READY), None)
+            for r in list(replaced):
+                if r.state is WorkerState.READY:
+                    continue
+                if _stopped_for_good(r) and not self._shutting_down:
+                    # an operator's stop or drain: it stays stopped, no fault of the new
+                    # process; passed over (regression: halted, "did not stay ready")
+                    replaced.remove(r)
+                    self._rollout_passes_over(group, r, _STOPPED_MEANWHILE)
+                    continue
+                return r
+            return None
 
         on = {r.name: frozenset(r.spec.gpus or ()) for r in replaced}
         if wait_s > 0:
@@ -4035,6 +4045,15 @@ def _runs_unplaced(runner: WorkerRunner) -> bool:
         runner.spec.gpus is None
         and rec.pid is not None
         and rec.state in (WorkerState.STARTING, WorkerState.READY)
+    )
+
+
+def _stopped_for_good(runner: WorkerRunner) -> bool:
+    """``runner`` is stopped, or draining or stopping toward ``stopped`` (an operator's stop
+    or drain stays in force)."""
+    return runner.state is WorkerState.STOPPED or (
+        runner.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+        and runner.record.after_exit is lc.AfterExit.STOP
     )
 
 

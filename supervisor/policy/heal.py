@@ -157,6 +157,11 @@ class Finding:
     gpu: str | None = None
     evidence: Mapping[str, Any] = field(default_factory=dict)
     at: float | None = None  # when it was raised (None: unknown): its acts are taken once
+    #: a worker-fatal XID: exactly one worker with a process was on its GPU when it was first
+    #: decided (raised): the XID is that worker's own. Fixed then (None: not decided yet), not
+    #: looked at again each round: a sibling between processes later does not make the next
+    #: one the only worker there (regression: the second went too, past max_unavailable)
+    sole: bool | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -368,6 +373,12 @@ def decide(
     # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
     # GPU, or by a derate of this round) as down: it never takes a group's serving below
     # replicas - max_unavailable
+    findings = [
+        replace(f, sole=_sole_on(f.gpu, workers))
+        if f.kind == "xid_worker" and f.sole is None
+        else f
+        for f in findings
+    ]
     derated: set[str] = set()
     for name, view in workers.items():
         if view.state is not WorkerState.READY:
@@ -420,9 +431,7 @@ def decide(
             policy = policies.get(view.group, GroupPolicy())
             if view.state is WorkerState.READY and act.worker not in taken:
                 broken = (
-                    f.kind in BROKEN
-                    or (f.kind == "xid_worker" and _sole_on(f.gpu, workers))
-                    or _imminent(f)
+                    f.kind in BROKEN or (f.kind == "xid_worker" and f.sole is True) or _imminent(f)
                 )
                 # (the worker itself is no more out of routing for its own recycle)
                 unrouted = sum(

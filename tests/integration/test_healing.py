@@ -601,6 +601,27 @@ def test_xid_13_restarts_only_the_worker_on_that_gpu(
     assert sup.stop() == 0
 
 
+def test_a_worker_fatal_xid_on_a_shared_gpu_never_takes_the_whole_group_down(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: XID 13 on a GPU shared by both workers of a group (max_unavailable 1):
+    the first was restarted, and at the next sample, while it waited out its backoff with no
+    process, the second counted as the only worker on the GPU (the XID "its own") and was
+    restarted too: the whole group down at once. Now the second waits for the first."""
+    restart = {"delay_s": 0, "stable_s": 30, "backoff_initial_s": 0.5, "backoff_max_s": 0.5}
+    group = {"name": "g", "replicas": 2, "command": sim("100"), "restart": restart}
+    sup = supervisor(config(tmp_path, group, sim_devices=1))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    xid(tmp_path, 0, 13)
+    first = sup.wait_event(event="heal.action", reason="xid", after=mark, timeout=20)
+    other = "g-1" if first["worker"] == "g-0" else "g-0"
+    sup.wait_event(event="worker.state", worker=other, new="stopping", reason="xid", after=mark)
+    assert most_not_ready(sup.find(event="worker.state", after=mark)) == 1
+    assert sup.stop() == 0
+
+
 def test_a_worker_fatal_xid_cuts_an_operators_drain_short(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

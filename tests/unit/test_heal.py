@@ -348,7 +348,7 @@ def test_a_deferred_xid_is_not_taken_out_on_a_worker_placed_on_the_gpu_since() -
     policies = {"w": GroupPolicy()}
     assert [a.worker for a in candidate_acts(xid, workers, policies)] == ["w-0"]
     d = decide([xid], workers, policies, 30.0, {})
-    assert d.acts == () and d.deferred == (xid,)  # w-0 still waits for w-1
+    assert d.acts == () and [f.key for f in d.deferred] == [xid.key]  # w-0 waits for w-1
     workers["w-1"] = WorkerView("w", R, (G1,), started_at=25.0)
     d = decide([xid], workers, policies, 31.0, {})
     assert acts_of(d) == [("restart", "w-0", G0, "xid")] and d.deferred == ()
@@ -636,4 +636,29 @@ def test_a_worker_fatal_xid_is_its_own_beside_a_sibling_in_backoff_on_the_gpu() 
         "w-2": WorkerView("w", WorkerState.STARTING, (G0,), started_at=2.0),
     }
     d = decide([xid], workers, policies, 30.0, {})
-    assert acts_of(d) == [("restart", "w-2", G0, "xid")] and d.deferred == (xid,)
+    assert acts_of(d) == [("restart", "w-2", G0, "xid")]
+    assert [f.key for f in d.deferred] == [xid.key]
+
+
+def test_a_worker_fatal_xid_on_a_shared_gpu_stays_shared_after_the_first_restart() -> None:
+    """Regression: XID 13 on a GPU with two workers of a group: the first is restarted, and
+    while it was between processes (in backoff, at the GPU-release barrier, or its new process
+    crashed) the second counted as the only worker on the GPU, so the XID passed for its own
+    and it was restarted too, past max_unavailable (the whole group down at once). Whether it
+    is one worker's own is fixed when the XID is first decided, as the runtime does it (at
+    once, and with the deferred finding after)."""
+    xid = Finding("xid_worker", "XID 13", gpu=G0, at=10.0)
+    policies = {"w": GroupPolicy()}
+    workers = {
+        "w-0": WorkerView("w", R, (G0,), started_at=1.0),
+        "w-2": WorkerView("w", R, (G0,), started_at=1.0),
+    }
+    d = decide([xid], workers, policies, 10.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")]
+    assert [f.sole for f in d.deferred] == [False]
+    workers["w-0"] = WorkerView("w", WorkerState.BACKOFF, (G0,), has_process=False)
+    d = decide(d.deferred, workers, policies, 10.5, {})
+    assert d.acts == () and len(d.deferred) == 1
+    workers["w-0"] = WorkerView("w", R, (G0,), started_at=11.0)
+    d = decide(d.deferred, workers, policies, 12.0, {})
+    assert acts_of(d) == [("restart", "w-2", G0, "xid")] and d.deferred == ()

@@ -22,7 +22,7 @@ class Worker:
     def __init__(self, name: str) -> None:
         self.name = name
         self.record = SimpleNamespace(
-            state=WorkerState.READY, gpu_waits=0, waiting_for_gpu=False, pid=100
+            state=WorkerState.READY, gpu_waits=0, waiting_for_gpu=False, pid=100, after_exit=None
         )
         self.timing = lc.Timing()
         self.spawn_attempts = 0
