@@ -3078,10 +3078,15 @@ class Runtime:
         # one that healing moves off its GPU (failed, lost, hot) is not the definition's
         # fault: waited for on its new GPU and proven there, or passed over if none has room
         # (regression: the roll-out halted, blaming the definition for its GPU)
+        # nor is an operator's restart of it: waited for and proven the same way
+        # (regression: the roll-out halted, blaming the definition for the restart)
         while (
             failed is not None
             and not self._shutting_down
-            and self._moved_off(failed, on.get(failed.name, frozenset()))
+            and (
+                self._moved_off(failed, on.get(failed.name, frozenset()))
+                or _restarted_by_operator(failed)
+            )
         ):
             if not await self._back_after_move(group, failed):
                 if self._superseded(group):  # a later reload takes over while it loads: no
@@ -4054,6 +4059,19 @@ def _stopped_for_good(runner: WorkerRunner) -> bool:
     return runner.state is WorkerState.STOPPED or (
         runner.state in (WorkerState.DRAINING, WorkerState.STOPPING)
         and runner.record.after_exit is lc.AfterExit.STOP
+    )
+
+
+def _restarted_by_operator(runner: WorkerRunner) -> bool:
+    """``runner`` is on its way back from an operator's restart (``POST .../restart``,
+    ``gpu-supervisor restart``): down, but not its definition's doing."""
+    rec = runner.record
+    if rec.state in (WorkerState.DRAINING, WorkerState.STOPPING):
+        return rec.after_exit is lc.AfterExit.RESTART and rec.stop_reason is ExitReason.RESTART
+    return (
+        rec.state is WorkerState.STARTING
+        and rec.last_exit is not None
+        and rec.last_exit.reason is ExitReason.RESTART
     )
 
 

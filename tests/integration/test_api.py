@@ -405,6 +405,48 @@ def test_a_worker_stopped_while_a_roll_out_proves_it_is_passed_over(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_worker_restarted_while_a_roll_out_proves_it_is_waited_for(
+    supervisor: SupervisorFactory, how: str
+) -> None:
+    """Regression: the operator restarts the worker a roll-out has just replaced while the
+    roll-out waits for it to stay ready for stable_s: the roll-out halted ("did not stay ready
+    for stable_s"), blaming the new process for the operator's restart, and the rest kept the
+    old config. It waits for the worker to be ready again, proves it, and goes on."""
+    group = {
+        "name": "g",
+        "replicas": 2,
+        "command": worker_cmd("ready_then_sleep"),
+        "stop_timeout_s": 2,
+        "restart": {"stable_s": 1},
+    }
+    sup = supervisor({"gpu": {"backend": "none"}, "workers": [group]})
+    sup.ready("g-0")
+    sup.ready("g-1")
+    with sup.api() as http:
+        mark = sup.mark()
+        if how == "reload":
+            sup.write_config(
+                {"gpu": {"backend": "none"}, "workers": [{**group, "env": {"V": "2"}}]}
+            )
+            assert http.post("/api/v1/reload").status_code == 202
+        else:
+            assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
+        first = sup.wait_event(event="worker.spawned", after=mark)["worker"]
+        other = "g-1" if first == "g-0" else "g-0"
+        sup.ready(first, after=mark)
+        again = sup.mark()
+        assert http.post(f"/api/v1/workers/{first}/restart").status_code == 202
+        sup.wait_event(event="worker.spawned", worker=first, after=again)
+        end = ("supervisor.rolling_restart_done", "supervisor.reload_done")
+        done = sup.wait_event(event=lambda e: e in end, after=mark, timeout=20)
+        assert done.get("halted", []) == []
+        assert not sup.find(event="supervisor.rollout_halted", after=mark)
+        assert sup.find(event="worker.spawned", worker=other, after=again)
+        assert http.get(f"/api/v1/workers/{first}").json()["state"] == "ready"
+    assert sup.stop() == 0
+
+
 def test_a_cordon_during_the_stop_is_refused(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     """A cordon (or uncordon) asked for while the supervisor stops is a 409, as every other
     command is then. Regression: it was dropped, and answered 200 after 2 s with
