@@ -12,9 +12,11 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import FrameType
@@ -100,6 +102,39 @@ class Tracker:
 def interrupt(signum: int, frame: FrameType | None) -> None:
     """A signal handler (SIGTERM, SIGHUP) that ends the run as Ctrl-C does: its cleanup runs."""
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def run_guarded(
+    tracker: Tracker, body: Callable[[dict[str, Any]], None]
+) -> tuple[dict[str, Any], int, list[str]]:
+    """Run ``body(results)`` with SIGTERM ending it as Ctrl-C does, then kill every process of
+    the run. Returns the results, the exit code so far (0; 1 after an error, which is printed
+    and put in ``results["error"]``; 130 when interrupted) and what was left running (said on
+    stderr; a reason to exit 1)."""
+    signal.signal(signal.SIGTERM, interrupt)
+    results: dict[str, Any] = {}
+    code = 0
+    try:
+        try:
+            body(results)
+        finally:
+            tracker.kill_all()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except Exception as e:  # report it, clean up, exit 1
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        results["error"] = f"{type(e).__name__}: {e}"
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        left = tracker.kill_all()
+    if left:
+        print(f"LEFT RUNNING: {left}", file=sys.stderr)
+        code = code or 1
+    if code == 130:
+        print("leftover processes: " + (", ".join(left) if left else "none"))
+    return results, code, left
 
 
 # --------------------------------------------------------------------------- the supervisor's log

@@ -65,7 +65,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
-from benchkit import Log, Tracker, interrupt, ts
+from benchkit import Log, Tracker, run_guarded, ts
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The checkout whose supervisor runs (``--tree``: another, for a before/after comparison).
@@ -607,11 +607,9 @@ def main() -> int:
     if plan.total > GPUS * PER_GPU:
         parser.error(f"at most {GPUS * PER_GPU} workers ({GPUS} sim GPUs x {PER_GPU})")
     tracker = Tracker()
-    signal.signal(signal.SIGTERM, interrupt)
     t_start = time.monotonic()
-    results: dict[str, Any] = {}
-    code = 0
-    try:
+
+    def run(results: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="gpu-big-node-") as tmp:
             for name in phases:
                 phase = PHASES[name]
@@ -622,21 +620,9 @@ def main() -> int:
                     results[name] = phase(plan, base, tracker)
                 finally:
                     tracker.kill_all()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    except Exception as e:  # report it, clean up, exit 1
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        results["error"] = f"{type(e).__name__}: {e}"
-        code = 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        left = tracker.kill_all()
-    if left:
-        print(f"LEFT RUNNING: {left}", file=sys.stderr)
-        code = code or 1
+
+    results, code, left = run_guarded(tracker, run)
     if code == 130:
-        print("leftover processes: " + (", ".join(left) if left else "none"))
         return code
     elapsed = time.monotonic() - t_start
     doc = {

@@ -80,7 +80,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import psutil
-from benchkit import Tracker, interrupt
+from benchkit import Tracker, run_guarded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
@@ -1159,31 +1159,14 @@ def main() -> int:
     if plan.seconds < plan.warmup_s + 2 * WINDOW * plan.sample_s:
         parser.error("the run is too short for its warm-up and two windows of samples")
     tracker = Tracker()
-    signal.signal(signal.SIGTERM, interrupt)
     t_start = time.monotonic()
-    results: dict[str, Any] = {}
-    code = 0
-    try:
+
+    def run(results: dict[str, Any]) -> None:
         with tempfile.TemporaryDirectory(prefix="gpu-soak-") as tmp:
-            try:
-                results = soak(plan, Path(tmp), tracker)
-            finally:
-                tracker.kill_all()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    except Exception as e:  # report it, clean up, exit 1
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        results["error"] = f"{type(e).__name__}: {e}"
-        code = 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        left = tracker.kill_all()
-    if left:
-        print(f"LEFT RUNNING: {left}", file=sys.stderr)
-        code = code or 1
+            results.update(soak(plan, Path(tmp), tracker))
+
+    results, code, left = run_guarded(tracker, run)
     if code == 130:
-        print("leftover processes: " + (", ".join(left) if left else "none"))
         return code
     passed = code == 0 and all(c["verdict"] != "FAIL" for c in results.get("checks", []))
     doc = {
