@@ -360,59 +360,17 @@ def test_a_worker_stopped_while_a_rolling_restart_replaces_it_is_passed_over(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("command", ["stop", "restart"])
 @pytest.mark.parametrize("how", ["rolling-restart", "reload"])
-def test_a_worker_stopped_while_a_roll_out_proves_it_is_passed_over(
-    supervisor: SupervisorFactory, how: str
+def test_an_operator_command_on_a_worker_a_roll_out_is_proving_halts_nothing(
+    supervisor: SupervisorFactory, how: str, command: str
 ) -> None:
-    """Regression: the operator stops the worker a roll-out (a rolling restart, a reload's)
-    has just replaced while the roll-out waits for it to stay ready for stable_s: the roll-out
-    halted there ("did not stay ready for stable_s"), blaming the new process, and the rest
-    were never restarted (a reload's kept the old config). It is passed over as one stopped
-    while it loads is; the roll-out goes on with the rest."""
-    group = {
-        "name": "g",
-        "replicas": 2,
-        "command": worker_cmd("ready_then_sleep"),
-        "stop_timeout_s": 2,
-        "restart": {"stable_s": 1},
-    }
-    sup = supervisor({"gpu": {"backend": "none"}, "workers": [group]})
-    sup.ready("g-0")
-    sup.ready("g-1")
-    with sup.api() as http:
-        mark = sup.mark()
-        if how == "reload":
-            sup.write_config(
-                {"gpu": {"backend": "none"}, "workers": [{**group, "env": {"V": "2"}}]}
-            )
-            assert http.post("/api/v1/reload").status_code == 202
-        else:
-            assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
-        first = sup.wait_event(event="worker.spawned", after=mark)["worker"]
-        other = "g-1" if first == "g-0" else "g-0"
-        sup.ready(first, after=mark)
-        assert http.post(f"/api/v1/workers/{first}/stop").status_code == 202
-        end = ("supervisor.rolling_restart_done", "supervisor.reload_done")
-        done = sup.wait_event(event=lambda e: e in end, after=mark)
-        assert done.get("halted", []) == []
-        assert not sup.find(event="supervisor.rollout_halted", after=mark)
-        passed = sup.find(event="supervisor.rollout_passed_over", worker=first, after=mark)
-        assert passed and "stopped" in passed[0]["reason"]
-        assert sup.find(event="worker.spawned", worker=other, after=mark)
-        assert http.get(f"/api/v1/workers/{first}").json()["state"] == "stopped"
-        events = http.get("/api/v1/events").json()
-        assert [e["group"] for e in events if e["type"] == "rollout.done"] == ["g"], events
-    assert sup.stop() == 0
-
-
-@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
-def test_a_worker_restarted_while_a_roll_out_proves_it_is_waited_for(
-    supervisor: SupervisorFactory, how: str
-) -> None:
-    """Regression: the operator restarts the worker a roll-out has just replaced while the
-    roll-out waits for it to stay ready for stable_s: the roll-out halted ("did not stay ready
-    for stable_s"), blaming the new process for the operator's restart, and the rest kept the
-    old config. It waits for the worker to be ready again, proves it, and goes on."""
+    """Regression: the operator stops or restarts the worker a roll-out (a rolling restart, a
+    reload's) has just replaced while the roll-out waits for it to stay ready for stable_s:
+    the roll-out halted there ("did not stay ready for stable_s"), blaming the new process,
+    and the rest were never restarted (a reload's kept the old config). A stopped one is
+    passed over, as one stopped while it loads is; a restarted one is waited for and proven
+    again; either way the roll-out goes on with the rest."""
     group = {
         "name": "g",
         "replicas": 2,
@@ -436,14 +394,22 @@ def test_a_worker_restarted_while_a_roll_out_proves_it_is_waited_for(
         other = "g-1" if first == "g-0" else "g-0"
         sup.ready(first, after=mark)
         again = sup.mark()
-        assert http.post(f"/api/v1/workers/{first}/restart").status_code == 202
-        sup.wait_event(event="worker.spawned", worker=first, after=again)
+        assert http.post(f"/api/v1/workers/{first}/{command}").status_code == 202
         end = ("supervisor.rolling_restart_done", "supervisor.reload_done")
         done = sup.wait_event(event=lambda e: e in end, after=mark, timeout=20)
         assert done.get("halted", []) == []
         assert not sup.find(event="supervisor.rollout_halted", after=mark)
         assert sup.find(event="worker.spawned", worker=other, after=again)
-        assert http.get(f"/api/v1/workers/{first}").json()["state"] == "ready"
+        passed = sup.find(event="supervisor.rollout_passed_over", worker=first, after=mark)
+        if command == "stop":
+            assert passed and "stopped" in passed[0]["reason"]
+            assert http.get(f"/api/v1/workers/{first}").json()["state"] == "stopped"
+        else:
+            assert not passed
+            assert sup.find(event="worker.spawned", worker=first, after=again)
+            assert http.get(f"/api/v1/workers/{first}").json()["state"] == "ready"
+        events = http.get("/api/v1/events").json()
+        assert [e["group"] for e in events if e["type"] == "rollout.done"] == ["g"], events
     assert sup.stop() == 0
 
 
