@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -97,6 +99,28 @@ class Tracker:
             with contextlib.suppress(psutil.Error):
                 left.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
         return left
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` free ports from it, below the ephemeral range (so that no
+    outgoing connection takes one meanwhile)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        else:
+            return base
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports in a row")
 
 
 def interrupt(signum: int, frame: FrameType | None) -> None:

@@ -48,9 +48,7 @@ import http.client
 import json
 import math
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,7 +63,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
-from benchkit import Log, Tracker, run_guarded, ts
+from benchkit import Log, Tracker, free_port_range, run_guarded, ts
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The checkout whose supervisor runs (``--tree``: another, for a before/after comparison).
@@ -266,28 +264,6 @@ def start_times(path: Path) -> list[float]:
     with contextlib.suppress(FileNotFoundError):
         return [int(line.split()[1]) / 1e9 for line in path.read_text().splitlines() if line]
     return []
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free ports from it, below the ephemeral range (so that no
-    outgoing connection takes one meanwhile)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        else:
-            return base
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} free ports in a row")
 
 
 # --------------------------------------------------------------------------- the phases

@@ -64,7 +64,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -80,7 +79,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import psutil
-from benchkit import Tracker, run_guarded
+from benchkit import Tracker, free_port_range, run_guarded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
@@ -255,27 +254,6 @@ def write_config(
     tmp.write_text(text)
     tmp.replace(path)
     return path
-
-
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free ports from it, below the ephemeral range."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        else:
-            return base
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} free ports in a row")
 
 
 # --------------------------------------------------------------------------- the supervisor
