@@ -1135,10 +1135,17 @@ def load_settings(
     ``data``: the file's TOML as :func:`read_config` read it before (then it is not read
     again: what was checked then is what is applied). ``refuse_empty``: a file with nothing in
     it is refused (a reload: it would remove every group, and is rather a write cut short;
-    ``workers = []`` says it on purpose), unless the environment names the workers."""
+    ``workers = []`` says it on purpose; where the environment names the workers, it would
+    still set every key the file sets to its default)."""
     source = str(path)
     data = read_config(path) if data is None else dict(data)
-    if refuse_empty and not data and not _env_names("workers"):
+    if refuse_empty and not data:
+        if _env_names("workers"):  # the workers stay: what the file set would not
+            raise ConfigError(
+                f"{source}: the config file is empty (a write cut short?): a reload to it "
+                "would set every key the file sets to its default; the workers come from "
+                "GPU_SUPERVISOR_WORKERS, which a reload does not change"
+            )
         raise ConfigError(
             f"{source}: the config file is empty (a write cut short?): a reload to it would "
             "stop every worker; to remove every group on purpose, write workers = []"

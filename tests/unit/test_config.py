@@ -584,16 +584,19 @@ def test_a_check_of_several_keys_names_the_sections_environment_overrides(
     assert "environment" not in line, line  # all from the file: nothing more said
 
 
-def test_a_reload_of_an_empty_file_is_taken_when_the_environment_names_the_workers(
+def test_a_reload_of_an_empty_file_says_why_where_the_environment_names_the_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Regression: an empty file is refused on a reload (a write cut short would stop every
-    worker), but where ``GPU_SUPERVISOR_WORKERS`` names the workers the file may well have
-    nothing in it (a container configured through its environment): every reload there was
-    refused, saying it would stop every worker, which it would not."""
+    """An empty file is refused on a reload (a write cut short). Where
+    ``GPU_SUPERVISOR_WORKERS`` names the workers, it would not stop them, and the refusal
+    said it would (regression); it says what it would do: reset what the file sets."""
     p = tmp_path / "c.toml"
     p.write_text("\n")
-    with pytest.raises(ConfigError, match="the config file is empty"):
+    with pytest.raises(ConfigError, match="would stop every worker"):
         load_settings(p, refuse_empty=True)
     monkeypatch.setenv("GPU_SUPERVISOR_WORKERS", '[{"name": "a", "command": ["x"]}]')
-    assert [g.name for g in load_settings(p, refuse_empty=True).workers] == ["a"]
+    with pytest.raises(ConfigError) as err:
+        load_settings(p, refuse_empty=True)
+    assert "would set every key the file sets to its default" in str(err.value)
+    assert "stop every worker" not in str(err.value)
+    assert [g.name for g in load_settings(p).workers] == ["a"]  # at the start: taken
