@@ -379,6 +379,9 @@ class DeviceSample:
     retired_pages_pending: bool | None = None
     processes: tuple[GpuProcess, ...] | None = None  # None: the process list is unavailable
     cpus: tuple[int, ...] | None = None  # the CPUs close to it (DeviceIdentity.cpus)
+    #: unhealthy only because its handle or UUID answered a passing error (UNKNOWN, TIMEOUT:
+    #: not a lost GPU) when the backend opened: a GPU seen before is not lost for it
+    unidentified: bool = False
 
     @property
     def throttle_reasons(self) -> tuple[str, ...] | None:

@@ -469,7 +469,16 @@ class Sampler:
         named = []
         for d in devices:
             known = self._known(d.index, d.uuid, listed_now)
-            named.append(d if known is None else replace(d, uuid=known.uuid, name=known.name))
+            # a GPU seen before whose handle or UUID answers a passing error after a re-init
+            # is not lost: its readings are unknown, as for a GPU open all along. Regression:
+            # quarantined (until an operator lifted it) and its workers drained
+            named.append(
+                d
+                if known is None
+                else replace(
+                    d, uuid=known.uuid, name=known.name, healthy=d.healthy or d.unidentified
+                )
+            )
         devices = tuple(named)
         self._remember(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
         listed = {d.uuid for d in devices}

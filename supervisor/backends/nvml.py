@@ -127,6 +127,12 @@ def _code(exc: BaseException) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _passing(exc: BaseException) -> bool:
+    """A handle or UUID that failed with an error that is not a lost GPU nor NVML gone
+    (UNKNOWN, TIMEOUT: NVML.md section 2, "transient")."""
+    return _code(exc) not in DEVICE_LOST_CODES | BACKEND_GONE_CODES
+
+
 def _describe(exc: BaseException) -> str:
     try:
         return str(exc)
@@ -249,6 +255,8 @@ class NvmlBackend:
         self._initialized = False
         self._lock = threading.Lock()
         self._handle_retry_at: dict[int, float] = {}  # position -> when to ask again
+        #: positions whose handle or UUID failed with a passing error (not a lost GPU)
+        self._passing: set[int] = set()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -279,6 +287,7 @@ class NvmlBackend:
         handles: list[Any] = []
         identities: list[DeviceIdentity] = []
         retry_at = self._clock() + HANDLE_RETRY_S
+        self._passing = set()  # of this open's positions (a GPU lost since is not passing)
         for index in range(count):
             try:
                 handle, ident = self._identify(index)
@@ -287,7 +296,16 @@ class NvmlBackend:
                     # counted, but not this user's or cgroup's to open (nvml.h): not one of
                     # its GPUs. Regression: listed as lost (a false alarm for good).
                     continue
+                if _code(exc) in BACKEND_GONE_CODES:
+                    # NVML itself is gone (the driver unloading under the open): not this
+                    # GPU's failure. Regression: the GPU was taken for lost and quarantined.
+                    self.close()
+                    raise BackendUnavailable(
+                        f"NVML device handle failed: {_describe(exc)}", _code(exc)
+                    ) from exc
                 self._handle_retry_at[len(handles)] = retry_at  # by position
+                if _passing(exc):
+                    self._passing.add(len(handles))
                 handles.append(None)
                 identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
                 continue
@@ -332,10 +350,17 @@ class NvmlBackend:
         try:
             handle, ident = self._identify(old.index)
         except pynvml.NVMLError as exc:
+            if _code(exc) in BACKEND_GONE_CODES:  # NVML is gone, not this GPU (as _query)
+                raise BackendUnavailable(f"NVML: {_describe(exc)}", _code(exc)) from exc
             failed = replace(old, name=_describe(exc))  # the sample says why it is unhealthy
             self._identities = _replaced(self._identities, position, failed)
+            if _passing(exc):
+                self._passing.add(position)
+            else:
+                self._passing.discard(position)
             return None
         del self._handle_retry_at[position]
+        self._passing.discard(position)
         self._handles[position] = handle
         self._identities = _replaced(self._identities, position, ident)
         self._watch(position, handle)
@@ -537,7 +562,12 @@ class NvmlBackend:
             if handle is None:
                 out.append(
                     DeviceSample(
-                        ident.index, ident.uuid, ident.name, healthy=False, error=ident.name
+                        ident.index,
+                        ident.uuid,
+                        ident.name,
+                        healthy=False,
+                        error=ident.name,
+                        unidentified=position in self._passing,
                     )
                 )
                 continue

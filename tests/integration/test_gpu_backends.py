@@ -907,6 +907,76 @@ def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
     assert sup.stop() == 0
 
 
+def test_a_gpu_that_answers_unknown_at_a_reinit_is_not_quarantined(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML is initialised again (after UNINITIALIZED) while GPU 1's UUID answers UNKNOWN (a
+    passing error, as while the driver brings a GPU up: asked again every HANDLE_RETRY_S).
+    Regression: the GPU was taken for lost, quarantined until an operator lifted it, and its
+    workers drained, for an error that a GPU already open only leaves a reading unknown for."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    first = sup.wait_event(event="gpu.backend")
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("rc_nvmlDeviceGetUUID 999\n")  # NVML_ERROR_UNKNOWN
+    gpu0 = nvml_down(sup, world)
+    (world / "gpus" / "0").write_text(gpu0)
+    again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+    assert again["uuids"] == [UUID0, UUID1]
+    sampled = sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(again))
+    sup.wait_event(event="gpu.sample", after=sup.events.index(sampled) + 1)
+    with sup.api() as http:
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+    assert [(d["uuid"], d["healthy"], d["quarantined"]) for d in devices] == [
+        (UUID0, True, False),
+        (UUID1, True, False),
+    ]
+    assert not sup.find(event="heal.action")
+    assert sup.stop() == 0
+
+
+def test_a_handle_that_says_the_driver_is_gone_is_nvml_down_not_a_lost_gpu(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 1's handle answers DRIVER_NOT_LOADED (the driver going away under NVML's open, or
+    under the handle asked again every HANDLE_RETRY_S). Regression: GPU 1 was taken for lost
+    (quarantined until an operator lifted it, its workers drained) instead of NVML counting as
+    down and being initialised again with backoff, as when any other call says so."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    gpu1 = world / "gpus" / "1"
+    listed = gpu1.read_text()
+    script = f"""
+import pathlib
+import supervisor.backends.nvml as n
+from supervisor.errors import BackendUnavailable
+
+gpu1 = pathlib.Path({str(gpu1)!r})
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 9\\n")
+try:
+    n.NvmlBackend().open()
+    print("open: opened")
+except BackendUnavailable as exc:
+    print("open: unavailable", exc.code)
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 999\\n")
+now = [0.0]
+b = n.NvmlBackend(clock=lambda: now[0])
+b.open()
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 9\\n")
+now[0] += n.HANDLE_RETRY_S
+try:
+    print("retry:", [d.healthy for d in b.sample()])
+except BackendUnavailable as exc:
+    print("retry: unavailable", exc.code)
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "open: unavailable 9" in out.stdout, out.stdout
+    assert "retry: unavailable 9" in out.stdout, out.stdout
+
+
 def test_a_backend_that_opens_but_never_samples_backs_off(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
@@ -1774,3 +1844,33 @@ def test_a_quarantined_gpu_stays_listed_unhealthy_while_nvml_is_down(
     assert [(g["id"], g["uuid"]) for g in unhealthy] == [(1, UUID1)], unhealthy
     assert "quarantined" in unhealthy[0]["error"]
     assert sup.stop() == 0
+
+
+def test_a_gpu_lost_at_a_reopen_is_lost_though_it_was_passing_before(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 1's UUID answers UNKNOWN (passing) at one open, then GPU_IS_LOST at the next one.
+    Regression (of the passing-error rule): the first open's verdict was kept for the
+    position, so the lost GPU was reported healthy."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    gpu1 = world / "gpus" / "1"
+    listed = gpu1.read_text()
+    script = f"""
+import pathlib
+import supervisor.backends.nvml as n
+
+gpu1 = pathlib.Path({str(gpu1)!r})
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetUUID 999\\n")
+b = n.NvmlBackend()
+b.open()
+print("first:", [d.unidentified for d in b.sample()])
+b.close()
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 15\\n")
+b.open()
+print("second:", [(d.healthy, d.unidentified) for d in b.sample()])
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    assert "first: [False, True]" in out.stdout, out.stdout
+    assert "second: [(True, False), (False, False)]" in out.stdout, out.stdout
