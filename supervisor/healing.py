@@ -638,6 +638,18 @@ class Healer:
         pid = runner.record.pid
         if w is None or w.pid != pid:
             w = self._reset(runner, pid)
+        if w.gpu_floor.keep_s != health.leak_window_s:
+            # a reload changed the window: the running process's series keep the new one
+            # (regression: they kept the window it started with until it was restarted)
+            for series in (
+                w.gpu_floor,
+                w.host_floor,
+                w.in_use_floor,
+                *w.gpu_floors.values(),
+                *w.in_use_floors.values(),
+            ):
+                series.keep_s = health.leak_window_s
+                series.bucket_s = floor_bucket_s(health.leak_window_s)
         ready_at = runner.record.ready_at
         if pid is not None and not w.aged:
             self._judge_age(runner, w, health, ready_at, now)
@@ -658,6 +670,20 @@ class Healer:
                     u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
                 }
                 for series in (*w.gpu_floors.values(), *w.in_use_floors.values()):
+                    series.reset(since)
+        elif ready_at is not None and w.gpu_floor.since is not None:
+            since = ready_at + health.leak_warmup_s
+            if since != w.gpu_floor.since and now < max(since, w.gpu_floor.since):
+                # a reload changed the warm-up of a process still in it (the old or the new
+                # one): judged from the new end on (regression: the one it was ready with
+                # held, and a lengthened warm-up's growth was drained as a leak)
+                for series in (
+                    w.gpu_floor,
+                    w.host_floor,
+                    w.in_use_floor,
+                    *w.gpu_floors.values(),
+                    *w.in_use_floors.values(),
+                ):
                     series.reset(since)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         known = usage.gpu_memory_mb is not None

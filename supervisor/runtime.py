@@ -3682,8 +3682,12 @@ class Runtime:
             assert group is not None
             before = old.group(name)
             assert before is not None
-            # memory.max is written at a spawn: a new host budget needs new processes
-            in_place = before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
+            # memory.max is written at a spawn: a new host budget needs new processes, where
+            # memory.max is used (rss_watch: the budget is judged on the running processes)
+            in_place = (
+                before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
+                or not self.cgroups.support.memory
+            )
             rolled = await self._roll_group(
                 group, plan, resume=name in resumed, scaled=name in diff.scaled, in_place=in_place
             )

@@ -1323,3 +1323,62 @@ def test_a_worker_on_two_gpus_stays_derated_for_the_one_still_hot() -> None:
         _tp_tick(host, healer)
     assert healer.hot_gpus() == {GPUS[1]}
     assert healer.state.derated["t-0"].startswith("GPU 1 is hot")
+
+
+def test_a_reload_that_widens_the_leak_window_applies_to_the_running_workers() -> None:
+    """A leak of 12 MiB/min grows too little in a 60 s window to be told from noise, and is
+    found in a 600 s one. Regression: the floor series of a running process kept the window
+    it was started with (they held 60 s of samples), so a reload to ``leak_window_s = 600``
+    never found the leak until the worker was restarted, while the reload said it applied."""
+
+    def settings(window_s: float) -> Settings:
+        health = {"leak_warmup_s": 1, "leak_window_s": window_s, "oom_horizon_s": 1e6}
+        return parse_settings(
+            {
+                "gpu": {"backend": "sim"},
+                "workers": [{"name": "t", "command": ["x"], "health": health}],
+            }
+        )
+
+    t0 = Runner("t-0", GPUS[0])
+    host = Host(settings(60), {"t-0": t0})
+    healer = Healer(host)  # type: ignore[arg-type]
+    for second in range(660):
+        if second == 60:
+            host.settings = settings(600)  # the reload
+        host.clock.advance(1.0)
+        now = host.clock.now()
+        mb = 5000 + 12 * now / 60
+        usage = WorkerUsage("t-0", (100,), mb, {GPUS[0]: mb}, "pid", 100.0, 0.0)
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    assert healer.annotate("t-0", {})["leak"]["suspected"]
+    assert lc.Drain(restart=True, reason=ExitReason.LEAK) in t0.posted
+
+
+def test_a_reload_that_lengthens_the_leak_warm_up_applies_to_a_worker_warming_up() -> None:
+    """t-0 grows 60 MiB/min for 500 s after ready (a model warming up), then stays flat; 10 s
+    after its ready, a reload raises ``leak_warmup_s`` from 60 to 600 s. Regression: the warm-up
+    of a running process was fixed when it became ready, so the reload did not apply to it:
+    its warm-up growth was judged a leak and it was drained, while the reload said it applied."""
+
+    def settings(warmup_s: float) -> Settings:
+        health = {"leak_warmup_s": warmup_s, "oom_horizon_s": 1e6}
+        return parse_settings(
+            {
+                "gpu": {"backend": "sim"},
+                "workers": [{"name": "t", "command": ["x"], "health": health}],
+            }
+        )
+
+    t0 = Runner("t-0", GPUS[0])
+    host = Host(settings(60), {"t-0": t0})
+    healer = Healer(host)  # type: ignore[arg-type]
+    for second in range(700):
+        if second == 10:
+            host.settings = settings(600)  # the reload
+        host.clock.advance(1.0)
+        now = host.clock.now()
+        mb = 5000 + min(now, 500.0)
+        usage = WorkerUsage("t-0", (100,), mb, {GPUS[0]: mb}, "pid", 100.0, 0.0)
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    assert t0.posted == []
