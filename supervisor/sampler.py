@@ -332,6 +332,9 @@ class Sampler:
         self.xid_wait_errors = 0  # XID waits that found no thread (the events wait in NVML)
         #: GPU UUID -> why its XIDs are not watched now (GPU object, metrics, log)
         self.xids_unwatched: dict[str, str] = {}
+        #: GPU UUID -> why: GPUs kept healthy at the last sample without a handle (a passing
+        #: error after a re-init), so not registered for XID events (``_with_missing``)
+        self._unopened: dict[str, str] = {}
         self._logged_at: dict[str, float] = {}
 
     @property
@@ -480,6 +483,13 @@ class Sampler:
                 )
             )
         devices = tuple(named)
+        # nor are its XIDs watched (no handle to register): said as for any unwatched GPU
+        # (regression: its GPU object and gpu_xids_watched said they were)
+        self._unopened = {
+            d.uuid: f"its handle cannot be read ({d.error}): no XID events registered"
+            for d in devices
+            if d.unidentified and d.healthy
+        }
         self._remember(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
         listed = {d.uuid for d in devices}
         lost = tuple(
@@ -815,7 +825,7 @@ class Sampler:
         if failed is not None:
             now = {i.uuid: failed for i in self.identities if not i.uuid.startswith(PLACEHOLDER)}
         else:
-            listed = backend.xids_unwatched()
+            listed = {**self._unopened, **backend.xids_unwatched()}
             now = {i.uuid: listed[i.uuid] for i in self.identities if i.uuid in listed}
         if now == self.xids_unwatched:
             return

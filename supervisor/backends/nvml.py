@@ -85,6 +85,9 @@ XIDS_NOT_SUPPORTED = "the GPU reports no XID events to NVML (not supported)"
 UNKNOWN_NAME = "unknown"
 #: A GPU whose handle or UUID could not be read is asked again this often (``sample``).
 HANDLE_RETRY_S = 30.0
+#: How long a GPU seen before a re-init may answer its handle or UUID with a passing error
+#: (UNKNOWN, TIMEOUT) and still count as healthy with its readings unknown; then it is lost.
+PASSING_FOR_S = 300.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
 #: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h, R550 and later)
@@ -255,8 +258,9 @@ class NvmlBackend:
         self._initialized = False
         self._lock = threading.Lock()
         self._handle_retry_at: dict[int, float] = {}  # position -> when to ask again
-        #: positions whose handle or UUID failed with a passing error (not a lost GPU)
-        self._passing: set[int] = set()
+        #: position -> since when its handle or UUID fails with a passing error (not a lost
+        #: GPU): for ``PASSING_FOR_S`` at most
+        self._passing: dict[int, float] = {}
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -287,7 +291,7 @@ class NvmlBackend:
         handles: list[Any] = []
         identities: list[DeviceIdentity] = []
         retry_at = self._clock() + HANDLE_RETRY_S
-        self._passing = set()  # of this open's positions (a GPU lost since is not passing)
+        self._passing = {}  # of this open's positions (a GPU lost since is not passing)
         for index in range(count):
             try:
                 handle, ident = self._identify(index)
@@ -305,7 +309,7 @@ class NvmlBackend:
                     ) from exc
                 self._handle_retry_at[len(handles)] = retry_at  # by position
                 if _passing(exc):
-                    self._passing.add(len(handles))
+                    self._passing[len(handles)] = retry_at - HANDLE_RETRY_S
                 handles.append(None)
                 identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
                 continue
@@ -355,16 +359,22 @@ class NvmlBackend:
             failed = replace(old, name=_describe(exc))  # the sample says why it is unhealthy
             self._identities = _replaced(self._identities, position, failed)
             if _passing(exc):
-                self._passing.add(position)
+                self._passing.setdefault(position, now)
             else:
-                self._passing.discard(position)
+                self._passing.pop(position, None)
             return None
         del self._handle_retry_at[position]
-        self._passing.discard(position)
+        self._passing.pop(position, None)
         self._handles[position] = handle
         self._identities = _replaced(self._identities, position, ident)
         self._watch(position, handle)
         return handle
+
+    def _still_passing(self, position: int) -> bool:
+        """Its handle or UUID fails with a passing error, for less than ``PASSING_FOR_S``: a
+        GPU that has not answered for longer is taken for lost (NVML.md: escalate)."""
+        since = self._passing.get(position)
+        return since is not None and self._clock() - since < PASSING_FOR_S
 
     def _watch(self, position: int, handle: Any) -> None:
         """Register a GPU that answers only now for XID events."""
@@ -567,7 +577,7 @@ class NvmlBackend:
                         ident.name,
                         healthy=False,
                         error=ident.name,
-                        unidentified=position in self._passing,
+                        unidentified=self._still_passing(position),
                     )
                 )
                 continue

@@ -1874,3 +1874,39 @@ b.close()
     out = on_fake_nvml(script, world, fake_nvml_libdir)
     assert "first: [False, True]" in out.stdout, out.stdout
     assert "second: [(True, False), (False, False)]" in out.stdout, out.stdout
+
+
+def test_a_gpu_whose_handle_keeps_answering_unknown_is_taken_for_lost_in_the_end(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """GPU 1's UUID answers UNKNOWN (a passing error) at an open and at every retry of its
+    handle. Regression (of the passing-error rule): it stayed healthy, with no readings, for
+    good, though UNKNOWN on a handle is also how a GPU that fell off the bus answers (NVML.md:
+    escalate after a while). After ``PASSING_FOR_S`` it is lost; one that answers is back."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    gpu1 = world / "gpus" / "1"
+    listed = gpu1.read_text()
+    script = f"""
+import pathlib
+import supervisor.backends.nvml as n
+
+gpu1 = pathlib.Path({str(gpu1)!r})
+gpu1.write_text({listed!r} + "rc_nvmlDeviceGetUUID 999\\n")
+now = [0.0]
+b = n.NvmlBackend(clock=lambda: now[0])
+b.open()
+seen = []
+for _ in range(12):
+    seen.append(b.sample()[1].unidentified)
+    now[0] += n.HANDLE_RETRY_S
+print("unidentified:", seen)
+gpu1.write_text({listed!r})
+now[0] += n.HANDLE_RETRY_S
+print("back:", [(d.healthy, d.unidentified) for d in b.sample()])
+b.close()
+"""
+    out = on_fake_nvml(script, world, fake_nvml_libdir)
+    # 300 s of passing errors at a retry every 30 s: the first 10 samples, then lost
+    assert "unidentified: " + str([True] * 10 + [False] * 2) in out.stdout, out.stdout
+    assert "back: [(True, False), (True, False)]" in out.stdout, out.stdout

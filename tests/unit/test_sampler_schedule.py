@@ -232,3 +232,33 @@ async def test_auto_kept_on_a_library_that_does_not_initialise_says_it_once() ->
         "NVML init failed: Driver Not Loaded",
         "NVML init failed: RM Version Mismatch",
     ], said
+
+
+async def test_a_gpu_kept_healthy_without_a_handle_after_a_reinit_says_its_xids_are_unwatched() -> (
+    None
+):
+    """NVML is initialised again and GPU 1's UUID answers a passing error (UNKNOWN): it is kept
+    healthy (workers may run there) with its readings unknown, but without a handle it is not
+    registered for XID events. Regression: it was not in ``xids_unwatched``, so its GPU object
+    and ``gpu_xids_watched`` said its XIDs were watched, and no ``gpu.xids_unwatched`` was
+    logged, while an XID 79 or 48 on it reached nothing."""
+    a, b = "GPU-A", "GPU-B"
+
+    class Reopened(_Enumerations):
+        def sample(self) -> tuple[DeviceSample, ...]:
+            if self.at == 0:
+                return super().sample()
+            error = "Unknown Error"  # as NvmlBackend.sample() says a passing handle failure
+            return (
+                DeviceSample(0, a, "n"),
+                DeviceSample(1, "unknown-1", error, False, error=error, unidentified=True),
+            )
+
+    stub = Reopened([[(0, a), (1, b)], [(0, a), (1, "unknown-1")]])
+    sampler = Sampler(lambda: stub, 1.0, dict, lambda s: None, lambda e: None)
+    for _ in range(2):
+        assert await sampler.open()
+        sample = await sampler.tick()
+    assert sorted((d.uuid, d.healthy) for d in sample.devices) == [(a, True), (b, True)]
+    sampler._xids_watched(stub)  # what the XID loop does after each wait
+    assert list(sampler.xids_unwatched) == [b], sampler.xids_unwatched
