@@ -1,6 +1,7 @@
 """Chaos: random operations against a real gpu-supervisor on simulated GPUs, with invariants.
 
-    .venv/bin/python bench/chaos.py [--seed N] [--seconds 90] [--mix default|healing] [--keep]
+    .venv/bin/python bench/chaos.py [--seed N] [--seconds 90] [--mix default|healing|nvml]
+                                    [--keep]
 
 One ``gpu-supervisor run`` of this checkout (``tests/harness.py``'s ``Supervisor``: JSON log,
 API on a free port) with ``[gpu] backend = "sim"`` and ``tests/workers/sim_worker.py`` workers.
@@ -20,6 +21,18 @@ restart), a group whose workers' sim GPU memory the run raises over ``gpu_memory
 quarantines lifted through the API, and a group of 3 leaking replicas with
 ``max_unavailable = 1``; plus kills, API commands and reloads.
 
+``--mix nvml``: ``[gpu] backend = "nvml"`` through the real pynvml and the fake
+``libnvidia-ml.so.1`` (``tests/fakenvml``, built with gcc into the run's directory: exit 2
+without gcc), the default mix's operations and groups (with leak detection and a
+``gpu_memory_limit_mb`` that no worker reaches) interleaved with NVML faults: ``rc_<symbol>``
+per device (memory info, process lists, temperature, clock reasons, handle, UUID,
+utilisation, power, field values, remapped rows) and system-wide (device count, event set
+create and wait), with the codes drivers give (passing: UNKNOWN, TIMEOUT, INSUFFICIENT_SIZE,
+INVALID_ARGUMENT; gone: UNINITIALIZED, DRIVER_NOT_LOADED, LIB_RM_VERSION_MISMATCH; lost:
+GPU_IS_LOST, RESET_REQUIRED; for good, on optional readings only: NOT_SUPPORTED,
+NO_PERMISSION), hanging calls (``hang_ms``), process lists that grow between NVML's two calls
+(``procs_race``), faults cleared, GPUs lost and back, XIDs.
+
 Invariants: the API's workers are the configured ones, live, descendants of the supervisor,
 on distinct ports; ``state.json`` agrees with the API; ``/metrics`` has no series of removed
 workers or groups; workers a reload removed are gone; no traceback or ``api.error`` in the
@@ -27,7 +40,13 @@ log; healing never takes a *ready* worker down while its group already has
 ``max_unavailable`` workers not ready (but for the exceptions docs/healing.md lists); no
 disruptive action or alert repeated on the same process within the 60 s cooldown; every death
 has a post-mortem file; derated workers are restored once their GPU cools; after the quiet
-period every worker is ready; exit code 0 on SIGTERM, no process left, no zombie.
+period every worker is ready; ``nvml_up`` agrees with ``/api/v1/gpu/status``; exit code 0 on
+SIGTERM, no process left, no zombie. ``--mix nvml`` adds: no leak or budget action (nor its
+post-mortem), since no worker leaks or reaches its budget: a fault made it; no ``gpu_lost`` and
+no quarantine of a GPU without a lost fault, a lost GPU or a device-fatal XID on it; once the
+faults are cleared, telemetry is back within 70 s (the reopen backoff reaches 60 s): every GPU
+answering with its memory, temperature and processes, XIDs are watched and delivered again, and each
+worker's GPU memory is what it holds.
 
 Exit 0 when every invariant held; 1 (with the seed and the tail of the operation log) when one
 broke; 130 when interrupted. Every process of the run carries ``BENCH_RUN_ID`` and is SIGKILLed
@@ -50,6 +69,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -62,6 +82,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchkit import Tracker, interrupt  # noqa: E402
 
+from supervisor.backends.sim import SimBackend  # noqa: E402
+from tests.fakenvml.build import FakeNvmlBuildError, build_fake_nvml, find_compiler  # noqa: E402
 from tests.harness import Supervisor, alive, worker_cmd  # noqa: E402
 
 Group = dict[str, Any]
@@ -80,9 +102,59 @@ DEVICE_XIDS = (48, 79, 95)
 WORKER_XIDS = (13, 31, 43, 94)
 HOT_REASONS = (0x20, 0x40, 0x8)  # sw thermal, hw thermal, hw slowdown
 
+# --mix nvml: NVML return codes (/work/shared/NVML.md section 2), by what a driver means by them
+NVML_PASSING = (999, 10, 7, 2)  # UNKNOWN, TIMEOUT, INSUFFICIENT_SIZE, INVALID_ARGUMENT
+NVML_GONE = (1, 9, 18)  # UNINITIALIZED, DRIVER_NOT_LOADED, LIB_RM_VERSION_MISMATCH
+NVML_LOST = (15, 16)  # GPU_IS_LOST, RESET_REQUIRED
+NVML_FOR_GOOD = (3, 4)  # NOT_SUPPORTED, NO_PERMISSION: that reading is not asked again
+DEVICE_SYMBOLS = (
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetGraphicsRunningProcesses",
+    "nvmlDeviceGetTemperatureV",
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    "nvmlDeviceGetHandleByIndex",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetPowerUsage",
+    "nvmlDeviceGetFieldValues",
+    "nvmlDeviceGetRemappedRows",
+)
+#: readings a GPU may lack for good (NOT_SUPPORTED, NO_PERMISSION): where it does, the run
+#: expects none after the faults clear
+OPTIONAL_SYMBOLS = frozenset(
+    {
+        "nvmlDeviceGetTemperatureV",
+        "nvmlDeviceGetCurrentClocksEventReasons",
+        "nvmlDeviceGetUtilizationRates",
+        "nvmlDeviceGetPowerUsage",
+    }
+)
+SYSTEM_SYMBOLS = ("nvmlDeviceGetCount_v2", "nvmlEventSetWait_v2", "nvmlEventSetCreate")
+#: what each group's workers hold on each of their GPUs (MiB), far under the budget
+NVML_MB = {"alpha": 500, "beta": 800, "gamma": 300}
+NVML_BUDGET_MB = 1500
+#: docs/deployment.md: NVML is opened again with backoff, 1 s doubling to 60 s
+REOPEN_MAX_S = 60.0
+LEAK_OR_BUDGET = frozenset({"leak", "gpu_memory_limit"})
+
+
+def fault_key(key: str) -> bool:
+    """A ``gpus/<i>`` key of the fake library's fault injection."""
+    return key.startswith("rc_") or key in ("hang_ms", "procs_race")
+
 
 class Chaos:
-    def __init__(self, seed: int, seconds: float, mix: str, tmp: Path, tracker: Tracker) -> None:
+    def __init__(
+        self,
+        seed: int,
+        seconds: float,
+        mix: str,
+        tmp: Path,
+        tracker: Tracker,
+        libdir: Path | None = None,
+    ) -> None:
         self.seed = seed
         self.seconds = seconds
         self.mix = mix
@@ -96,7 +168,18 @@ class Chaos:
         self.removed_pids: dict[int, str] = {}
         self.ngpu = 3 if mix == "healing" else self.rng.choice([2, 3])
         self.groups: list[Group] = self.initial_groups()
-        self.sup = Supervisor(tmp, self.config(), env={"BENCH_RUN_ID": tracker.run_id})
+        env = {"BENCH_RUN_ID": tracker.run_id}
+        # --mix nvml: the faults in force, and what they excuse
+        self.sys_faults: dict[str, int] = {}
+        self.lost_ok: set[int] = set()  # GPUs that may be reported lost and quarantined
+        self.for_good: set[tuple[int, str]] = set()  # (GPU, symbol) answered 3 or 4
+        self.uuid_index: dict[str, int] = {}
+        if mix == "nvml":
+            assert libdir is not None
+            # the world the fake library reads
+            self.uuid_index = {d.uuid: d.index for d in SimBackend(self.sim, self.ngpu).open()}
+            env.update(GPU_SUPERVISOR_SIM_DIR=str(self.sim), LD_LIBRARY_PATH=str(libdir))
+        self.sup = Supervisor(tmp, self.config(), env=env)
         self.http: httpx.Client | None = None
         # log-based invariants: how far the log has been judged, and what it said so far
         self.seen = 0
@@ -141,6 +224,19 @@ class Chaos:
     def template(self, name: str) -> Group:
         """The group ``name`` as the mix first configures it (a reload may add it again)."""
         rng = self.rng
+        if self.mix == "nvml":
+            return self.group(
+                name,
+                rng.choice([1, 2]),
+                command=worker_cmd("sim_worker", str(NVML_MB[name])),
+                health={
+                    "watchdog_s": 1.5,
+                    **self.leak_health(),
+                    "gpu_memory_limit_mb": NVML_BUDGET_MB,
+                    "on_leak": "restart",
+                    "on_over_budget": "restart",
+                },
+            )
         if self.mix == "default":
             return self.group(name, rng.choice([1, 2]), health={"watchdog_s": 1.5})
         sim = "sim_worker"
@@ -188,7 +284,7 @@ class Chaos:
         )
 
     def initial_groups(self) -> list[Group]:
-        if self.mix == "default":
+        if self.mix != "healing":
             alpha = self.template("alpha")
             beta = self.template("beta")
             beta["health"].pop("watchdog_s")
@@ -200,13 +296,15 @@ class Chaos:
         return [self.template(n) for n in ("leaky", "budget", "hot", "cool", "trio")]
 
     def names(self) -> list[str]:
-        if self.mix == "default":
+        if self.mix != "healing":
             return ["alpha", "beta", "gamma"]
         return ["leaky", "budget", "hot", "cool", "trio"]
 
     def config(self) -> dict[str, Any]:
         gpu: dict[str, Any] = {"backend": "sim", "sim_dir": str(self.sim)}
         gpu["sim_devices"] = self.ngpu
+        if self.mix == "nvml":
+            gpu = {"backend": "nvml", "sim_dir": str(self.sim), "release_timeout_s": 1.0}
         if self.mix == "healing":
             gpu.update(thermal_sustain_s=0.5, thermal_clear_s=0.5, release_timeout_s=2)
         return {
@@ -290,12 +388,19 @@ class Chaos:
         an = {w["name"]: (w["state"], w["pid"]) for w in ws}
         if sn != an:
             return f"state.json {sn} != api {an}"
-        devices = self.api.get("/api/v1/gpu/status").json()["devices"]
+        status = self.api.get("/api/v1/gpu/status").json()
+        devices = status["devices"]
         cool = {d.get("uuid") for d in devices if d.get("hot") is False}
         for w in ws:
             if w.get("derated") and w["gpus"] and all(g in cool for g in w["gpus"]):
                 return f"{w['name']} derated ({w.get('derated_reason')}) on cool GPUs {w['gpus']}"
         text = self.api.get("/metrics").text
+        up = re.search(r"^gpu_supervisor_nvml_up (\S+)$", text, re.M)
+        again = self.api.get("/api/v1/gpu/status").json()["nvml_available"]
+        if up is None:
+            return "/metrics has no gpu_supervisor_nvml_up"
+        if again == status["nvml_available"] and float(up.group(1)) != float(again):
+            return f"gpu_supervisor_nvml_up {up.group(1)} but gpu/status nvml_available {again}"
         extra = set(re.findall(r'worker="([^"]+)"', text)) - self.desired() - kept
         if extra:
             return f"/metrics has series for workers {sorted(extra)}"
@@ -304,19 +409,23 @@ class Chaos:
             return f"/metrics has series for groups {sorted(gextra)}"
         return None
 
-    def check(self, what: str, timeout: float = 15.0) -> None:
+    def hold(self, what: str, broken: Callable[[], str | None], timeout: float) -> bool:
+        """Wait up to ``timeout`` for ``broken()`` to say nothing; a violation if it still does."""
         deadline = time.monotonic() + timeout
         last: str | None = None
         while time.monotonic() < deadline:
             try:
-                last = self.check_once()
+                last = broken()
             except (httpx.HTTPError, KeyError) as e:
                 last = f"check error {e!r}"
             if last is None:
-                break
+                return True
             time.sleep(0.1)
-        if last is not None:
-            self.violate(f"after {what}: {last}")
+        self.violate(f"{what}: {last}")
+        return False
+
+    def check(self, what: str, timeout: float = 15.0) -> None:
+        self.hold(f"after {what}", self.check_once, timeout)
         self.judge_log()
 
     def violate(self, what: str) -> None:
@@ -351,6 +460,8 @@ class Chaos:
             "loop.crashed",
         ):
             self.violate(f"error event {json.dumps(e)[:1500]}")
+        if self.mix == "nvml":
+            self.judge_fault_effects(e)
         if not isinstance(worker, str):
             return
         if kind == "worker.state":
@@ -373,6 +484,24 @@ class Chaos:
                 self.violate(f"post-mortem {e['id']} logged but no file {path}")
         elif kind == "heal.action":
             self.judge_action(e, worker, at)
+
+    def judge_fault_effects(self, e: dict[str, Any]) -> None:
+        """--mix nvml: no worker leaks or reaches its budget, and no GPU is lost or quarantined
+        but those the run made lost (a lost fault or GPU, a device-fatal XID)."""
+        kind, reason = e.get("event"), e.get("reason")
+        if kind in ("heal.action", "records.postmortem") and reason in LEAK_OR_BUDGET:
+            self.violate(
+                f"{kind} {reason} (no worker leaks or reaches its budget): {json.dumps(e)}"
+            )
+        if kind != "heal.action" or (reason != "gpu_lost" and e.get("action") != "quarantine"):
+            return
+        self.judged["GPUs lost or quarantined judged against the faults"] += 1
+        index = (e.get("evidence") or {}).get("gpu_index", self.uuid_index.get(e.get("gpu") or ""))
+        if index not in self.lost_ok:
+            self.violate(
+                f"{e['action']} ({reason}) of GPU {index}, not lost nor made lost by a fault or "
+                f"an XID: {json.dumps(e)[:800]}"
+            )
 
     def judge_action(self, e: dict[str, Any], worker: str, at: float) -> None:
         action, reason = e["action"], e["reason"]
@@ -439,11 +568,19 @@ class Chaos:
     def rand_group(self) -> str:
         return str(self.rng.choice([g["name"] for g in self.groups] + [self.names()[0]]))
 
-    def world_gpu(self, i: int, **changes: Any) -> None:
+    def world_gpu(self, i: int, *, faults_cleared: bool = False, **changes: Any) -> None:
+        """Change GPU ``i``'s world file: a key set to None is removed; ``faults_cleared``
+        removes every fault the fake NVML library reads."""
         f = self.sim / "gpus" / str(i)
         lines = f.read_text().splitlines() if f.exists() else []
         kv = dict(line.split(None, 1) for line in lines if line.strip())
-        kv.update({k: str(v) for k, v in changes.items()})
+        if faults_cleared:
+            kv = {k: v for k, v in kv.items() if not fault_key(k)}
+        for k, v in changes.items():
+            if v is None:
+                kv.pop(k, None)
+            else:
+                kv[k] = str(v)
         t = f.with_name(f".{i}.tmp")
         t.write_text("".join(f"{k} {v}\n" for k, v in kv.items()))
         os.replace(t, f)
@@ -565,6 +702,8 @@ class Chaos:
             xid = self.rng.choice([*DEVICE_XIDS, *WORKER_XIDS, *WORKER_XIDS])
         else:
             xid = self.rng.choice([13, 31, 43, 48, 63, 92, 94, 13, 43])
+        if xid in DEVICE_XIDS:
+            self.lost_ok.add(i)
         with open(self.sim / "events", "a") as f:
             f.write(f"{i} {xid}\n")
         return f"XID {xid} on gpu {i}"
@@ -579,6 +718,8 @@ class Chaos:
     def op_lost(self) -> str:
         i = self.rng.randrange(self.ngpu)
         v = self.rng.choice([0, 0, 1])
+        if v:
+            self.lost_ok.add(i)
         self.world_gpu(i, lost=v)
         return f"gpu {i} lost={v}"
 
@@ -608,36 +749,159 @@ class Chaos:
         r = self.api.post(f"/api/v1/gpus/{i}/uncordon", params={"lift_quarantine": "true"})
         return f"lift gpu {i} -> {r.status_code}"
 
+    def set_sys_faults(self) -> None:
+        t = self.sim / ".nvml.tmp"
+        t.write_text("".join(f"rc_{sym} {code}\n" for sym, code in self.sys_faults.items()))
+        os.replace(t, self.sim / "nvml")
+
+    def op_fault(self) -> str:
+        i = self.rng.randrange(self.ngpu)
+        sym = self.rng.choice(DEVICE_SYMBOLS)
+        kind = self.rng.choices(["passing", "gone", "lost", "for good"], [5, 3, 1, 1])[0]
+        if kind == "for good" and sym not in OPTIONAL_SYMBOLS:
+            kind = "passing"
+        codes = {"passing": NVML_PASSING, "gone": NVML_GONE, "lost": NVML_LOST}
+        code = self.rng.choice(codes.get(kind, NVML_FOR_GOOD))
+        if kind == "lost":
+            self.lost_ok.add(i)
+        elif kind == "for good":
+            self.for_good.add((i, sym))
+        fault: dict[str, Any] = {f"rc_{sym}": code}
+        self.world_gpu(i, **fault)
+        return f"fault gpu {i} rc_{sym} {code} ({kind})"
+
+    def op_sys_fault(self) -> str:
+        sym = self.rng.choice(SYSTEM_SYMBOLS)
+        self.sys_faults[sym] = code = self.rng.choice(NVML_PASSING + NVML_GONE)
+        self.set_sys_faults()
+        return f"fault system rc_{sym} {code}"
+
+    def op_clear(self) -> str:
+        what = self.rng.choice(["gpu", "gpu", "system", "all"])
+        gpus = [self.rng.randrange(self.ngpu)] if what == "gpu" else []
+        for i in range(self.ngpu) if what == "all" else gpus:
+            self.world_gpu(i, faults_cleared=True)
+        if what != "gpu":
+            self.sys_faults.clear()
+            self.set_sys_faults()
+        return f"faults cleared: {what} {gpus or ''}"
+
+    def op_hang(self) -> str:
+        i = self.rng.randrange(self.ngpu)
+        ms = self.rng.choice([300, 2000, 4000, 7000])
+        self.world_gpu(i, hang_ms=ms)
+        time.sleep(self.rng.uniform(0.5, 3.0))
+        if self.rng.random() < 0.6:
+            self.world_gpu(i, hang_ms=None)
+            return f"gpu {i} calls hang {ms} ms, cleared"
+        return f"gpu {i} calls hang {ms} ms (left)"
+
+    def op_race(self) -> str:
+        i = self.rng.randrange(self.ngpu)
+        n = self.rng.choice([1, 2, 3, 5, 10])
+        self.world_gpu(i, procs_race=n)
+        return f"gpu {i} procs_race {n}"
+
     def ops(self) -> list[tuple[Any, int]]:
-        if self.mix == "default":
+        if self.mix == "healing":
             return [
-                (self.op_api, 8),
-                (self.op_rolling, 2),
-                (self.op_cordon, 4),
-                (self.op_kill, 4),
-                (self.op_sigstop, 2),
-                (self.op_reload, 5),
+                (self.op_api, 2),
+                (self.op_kill, 2),
+                (self.op_reload, 2),
                 (self.op_xid, 2),
-                (self.op_temp, 2),
+                (self.op_temp, 5),
+                (self.op_breach, 3),
+                (self.op_lift, 3),
                 (self.op_lost, 1),
             ]
-        return [
-            (self.op_api, 2),
-            (self.op_kill, 2),
-            (self.op_reload, 2),
+        ops = [
+            (self.op_api, 8),
+            (self.op_rolling, 2),
+            (self.op_cordon, 4),
+            (self.op_kill, 4),
+            (self.op_sigstop, 2),
+            (self.op_reload, 5),
             (self.op_xid, 2),
-            (self.op_temp, 5),
-            (self.op_breach, 3),
-            (self.op_lift, 3),
+            (self.op_temp, 2),
             (self.op_lost, 1),
         ]
+        if self.mix == "nvml":
+            ops += [
+                (self.op_fault, 8),
+                (self.op_sys_fault, 3),
+                (self.op_clear, 6),
+                (self.op_hang, 2),
+                (self.op_race, 2),
+                (self.op_lift, 3),
+            ]
+        return ops
 
     # ------------------------------------------------------------------ the run
+
+    def telemetry_missing(self) -> str | None:
+        """--mix nvml: what GPU telemetry still lacks (None: every GPU answers again)."""
+        st = self.api.get("/api/v1/gpu/status").json()
+        if not st["nvml_available"]:
+            return f"NVML down: {st.get('error')}"
+        if len(st["devices"]) != self.ngpu:
+            return f"{len(st['devices'])} GPUs of {self.ngpu}"
+        missing = []
+        for d in st["devices"]:
+            i = d["id"]
+            if not d["healthy"] and not d["quarantined"]:
+                missing.append((i, f"unhealthy: {d.get('error')}"))
+            if d["memory"]["used_mb"] is None:
+                missing.append((i, "memory"))
+            temp_for_good = (i, "nvmlDeviceGetTemperatureV") in self.for_good
+            if d.get("temperature_celsius") is None and not temp_for_good:
+                missing.append((i, "temperature"))
+            if d.get("processes") is None:
+                missing.append((i, "processes"))
+        return f"readings missing: {missing}" if missing else None
+
+    def xids_unwatched(self) -> str | None:
+        devices = self.api.get("/api/v1/gpu/status").json()["devices"]
+        bad = [
+            (d["id"], d.get("xids_watched")) for d in devices if d.get("xids_watched") is not True
+        ]
+        return f"XIDs not watched on {bad}" if bad or not devices else None
+
+    def memory_wrong(self) -> str | None:
+        bad = []
+        for w in self.workers():
+            want = NVML_MB[w["group"]] * max(1, len(w["gpus"] or []))
+            got = w.get("gpu_memory_mb")
+            if got is None or abs(got - want) > 1:
+                bad.append((w["name"], w["gpus"], got, want))
+        return f"(worker, GPUs, gpu_memory_mb, held) {bad}" if bad else None
+
+    def nvml_back(self) -> None:
+        """--mix nvml, every worker ready after the faults cleared: XIDs watched and delivered
+        again, and each worker's GPU memory what it holds."""
+        self.hold("XIDs watched again after the faults cleared", self.xids_unwatched, 35)
+        mark = len(self.events())
+        with open(self.sim / "events", "a") as f:
+            f.write("0 92\n")
+
+        def undelivered() -> str | None:
+            xids = [e for e in self.events()[mark:] if e.get("event") == "gpu.xid"]
+            return None if any(e.get("xid") == 92 for e in xids) else "no gpu.xid 92 on GPU 0"
+
+        self.hold("an XID after the faults cleared", undelivered, 35)
+        self.hold("GPU memory per worker after the faults cleared", self.memory_wrong, 10)
 
     def quiet(self) -> None:
         self.log("quiet period")
         for i in range(self.ngpu):
-            self.world_gpu(i, lost=0, temperature_c=40, clocks_event_reasons=0)
+            self.world_gpu(i, faults_cleared=True, lost=0, temperature_c=40, clocks_event_reasons=0)
+        if self.mix == "nvml":
+            self.sys_faults.clear()
+            self.set_sys_faults()
+            t = time.monotonic()
+            if self.hold(
+                "telemetry after the faults cleared", self.telemetry_missing, REOPEN_MAX_S + 10
+            ):
+                self.log(f"telemetry back {time.monotonic() - t:.1f} s after the faults cleared")
         self.check("quiet", 30)
         # a lift is refused (409) until a sample has seen the GPU answer again
         lifting = set(range(self.ngpu))
@@ -677,6 +941,9 @@ class Chaos:
             }
         )
         self.check("all started", 20)
+        if self.mix == "nvml":
+            self.nvml_back()
+            self.judge_log()
 
     def run(self) -> None:
         self.log(f"SEED {self.seed} mix {self.mix} dir {self.tmp}")
@@ -730,16 +997,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=None, help="default: random (printed)")
     parser.add_argument("--seconds", type=float, default=90.0, help="operations for this long")
-    parser.add_argument("--mix", choices=("default", "healing"), default="default")
+    parser.add_argument("--mix", choices=("default", "healing", "nvml"), default="default")
     parser.add_argument("--keep", action="store_true", help="keep the run's directory")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     print(f"SEED {seed}", flush=True)
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGHUP, interrupt)
+    if args.mix == "nvml" and find_compiler() is None:
+        print("--mix nvml needs gcc to build the fake libnvidia-ml.so.1: gcc is not installed")
+        return 2
     tracker = Tracker()
     tmp = Path(tempfile.mkdtemp(prefix=f"chaos-{args.mix}-{seed}-"))
-    chaos = Chaos(seed, args.seconds, args.mix, tmp, tracker)
+    libdir = None
+    if args.mix == "nvml":
+        try:
+            libdir = build_fake_nvml(tmp / "fakenvml")
+        except FakeNvmlBuildError as exc:
+            print(f"--mix nvml: {exc}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            return 2
+    chaos = Chaos(seed, args.seconds, args.mix, tmp, tracker, libdir)
     interrupted = False
     try:
         chaos.run()
