@@ -907,6 +907,27 @@ def test_a_gpu_lost_before_a_reinit_is_still_one_gpu(
     assert sup.stop() == 0
 
 
+def on_gpu1_faults(script: str, tmp_path: Path, libdir: Path) -> str:
+    """Run ``script`` through the fake library over a 2-GPU world whose script sees
+    ``n`` (the nvml backend module) and ``fault(line)``: GPU 1's file as listed plus ``line``
+    (a fault key; ``""``: none). Returns its stdout."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    gpu1 = world / "gpus" / "1"
+    prelude = f"""
+import pathlib
+import supervisor.backends.nvml as n
+from supervisor.errors import BackendUnavailable
+
+_gpu1 = pathlib.Path({str(gpu1)!r})
+_listed = {gpu1.read_text()!r}
+
+def fault(line):
+    _gpu1.write_text(_listed + (line + "\\n" if line else ""))
+"""
+    return on_fake_nvml(prelude + script, world, libdir).stdout
+
+
 def test_a_gpu_that_answers_unknown_at_a_reinit_is_not_quarantined(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
@@ -944,37 +965,31 @@ def test_a_handle_that_says_the_driver_is_gone_is_nvml_down_not_a_lost_gpu(
     under the handle asked again every HANDLE_RETRY_S). Regression: GPU 1 was taken for lost
     (quarantined until an operator lifted it, its workers drained) instead of NVML counting as
     down and being initialised again with backoff, as when any other call says so."""
-    world = tmp_path / "sim"
-    SimBackend(world, 2).open()
-    gpu1 = world / "gpus" / "1"
-    listed = gpu1.read_text()
-    script = f"""
-import pathlib
-import supervisor.backends.nvml as n
-from supervisor.errors import BackendUnavailable
-
-gpu1 = pathlib.Path({str(gpu1)!r})
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 9\\n")
+    out = on_gpu1_faults(
+        """
+fault("rc_nvmlDeviceGetHandleByIndex 9")
 try:
     n.NvmlBackend().open()
     print("open: opened")
 except BackendUnavailable as exc:
     print("open: unavailable", exc.code)
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 999\\n")
+fault("rc_nvmlDeviceGetHandleByIndex 999")
 now = [0.0]
 b = n.NvmlBackend(clock=lambda: now[0])
 b.open()
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 9\\n")
+fault("rc_nvmlDeviceGetHandleByIndex 9")
 now[0] += n.HANDLE_RETRY_S
 try:
     print("retry:", [d.healthy for d in b.sample()])
 except BackendUnavailable as exc:
     print("retry: unavailable", exc.code)
 b.close()
-"""
-    out = on_fake_nvml(script, world, fake_nvml_libdir)
-    assert "open: unavailable 9" in out.stdout, out.stdout
-    assert "retry: unavailable 9" in out.stdout, out.stdout
+""",
+        tmp_path,
+        fake_nvml_libdir,
+    )
+    assert "open: unavailable 9" in out, out
+    assert "retry: unavailable 9" in out, out
 
 
 def test_a_backend_that_opens_but_never_samples_backs_off(
@@ -1852,28 +1867,23 @@ def test_a_gpu_lost_at_a_reopen_is_lost_though_it_was_passing_before(
     """GPU 1's UUID answers UNKNOWN (passing) at one open, then GPU_IS_LOST at the next one.
     Regression (of the passing-error rule): the first open's verdict was kept for the
     position, so the lost GPU was reported healthy."""
-    world = tmp_path / "sim"
-    SimBackend(world, 2).open()
-    gpu1 = world / "gpus" / "1"
-    listed = gpu1.read_text()
-    script = f"""
-import pathlib
-import supervisor.backends.nvml as n
-
-gpu1 = pathlib.Path({str(gpu1)!r})
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetUUID 999\\n")
+    out = on_gpu1_faults(
+        """
+fault("rc_nvmlDeviceGetUUID 999")
 b = n.NvmlBackend()
 b.open()
 print("first:", [d.unidentified for d in b.sample()])
 b.close()
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetHandleByIndex 15\\n")
+fault("rc_nvmlDeviceGetHandleByIndex 15")
 b.open()
 print("second:", [(d.healthy, d.unidentified) for d in b.sample()])
 b.close()
-"""
-    out = on_fake_nvml(script, world, fake_nvml_libdir)
-    assert "first: [False, True]" in out.stdout, out.stdout
-    assert "second: [(True, False), (False, False)]" in out.stdout, out.stdout
+""",
+        tmp_path,
+        fake_nvml_libdir,
+    )
+    assert "first: [False, True]" in out, out
+    assert "second: [(True, False), (False, False)]" in out, out
 
 
 def test_a_gpu_whose_handle_keeps_answering_unknown_is_taken_for_lost_in_the_end(
@@ -1883,16 +1893,9 @@ def test_a_gpu_whose_handle_keeps_answering_unknown_is_taken_for_lost_in_the_end
     handle. Regression (of the passing-error rule): it stayed healthy, with no readings, for
     good, though UNKNOWN on a handle is also how a GPU that fell off the bus answers (NVML.md:
     escalate after a while). After ``PASSING_FOR_S`` it is lost; one that answers is back."""
-    world = tmp_path / "sim"
-    SimBackend(world, 2).open()
-    gpu1 = world / "gpus" / "1"
-    listed = gpu1.read_text()
-    script = f"""
-import pathlib
-import supervisor.backends.nvml as n
-
-gpu1 = pathlib.Path({str(gpu1)!r})
-gpu1.write_text({listed!r} + "rc_nvmlDeviceGetUUID 999\\n")
+    out = on_gpu1_faults(
+        """
+fault("rc_nvmlDeviceGetUUID 999")
 now = [0.0]
 b = n.NvmlBackend(clock=lambda: now[0])
 b.open()
@@ -1901,12 +1904,14 @@ for _ in range(12):
     seen.append(b.sample()[1].unidentified)
     now[0] += n.HANDLE_RETRY_S
 print("unidentified:", seen)
-gpu1.write_text({listed!r})
+fault("")
 now[0] += n.HANDLE_RETRY_S
 print("back:", [(d.healthy, d.unidentified) for d in b.sample()])
 b.close()
-"""
-    out = on_fake_nvml(script, world, fake_nvml_libdir)
+""",
+        tmp_path,
+        fake_nvml_libdir,
+    )
     # 300 s of passing errors at a retry every 30 s: the first 10 samples, then lost
-    assert "unidentified: " + str([True] * 10 + [False] * 2) in out.stdout, out.stdout
-    assert "back: [(True, False), (True, False)]" in out.stdout, out.stdout
+    assert "unidentified: " + str([True] * 10 + [False] * 2) in out, out
+    assert "back: [(True, False), (True, False)]" in out, out

@@ -3,6 +3,7 @@ one-shot findings, migrations, derating across re-placements, per-process cooldo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -1325,32 +1326,49 @@ def test_a_worker_on_two_gpus_stays_derated_for_the_one_still_hot() -> None:
     assert healer.state.derated["t-0"].startswith("GPU 1 is hot")
 
 
+def _reloaded_mid_run(
+    health: Callable[[bool], dict[str, float]], at_s: int, run_s: int, mb: Callable[[float], float]
+) -> tuple[Healer, Runner]:
+    """One worker t-0 sampled every second for ``run_s`` s with ``mb(now)`` MiB, the settings'
+    ``[workers.health]`` being ``health(False)`` until a reload at ``at_s``, ``health(True)``
+    after."""
+
+    def settings(reloaded: bool) -> Settings:
+        return parse_settings(
+            {
+                "gpu": {"backend": "sim"},
+                "workers": [{"name": "t", "command": ["x"], "health": health(reloaded)}],
+            }
+        )
+
+    t0 = Runner("t-0", GPUS[0])
+    host = Host(settings(False), {"t-0": t0})
+    healer = Healer(host)  # type: ignore[arg-type]
+    for second in range(run_s):
+        if second == at_s:
+            host.settings = settings(True)  # the reload
+        host.clock.advance(1.0)
+        now = host.clock.now()
+        usage = WorkerUsage("t-0", (100,), mb(now), {GPUS[0]: mb(now)}, "pid", 100.0, 0.0)
+        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    return healer, t0
+
+
 def test_a_reload_that_widens_the_leak_window_applies_to_the_running_workers() -> None:
     """A leak of 12 MiB/min grows too little in a 60 s window to be told from noise, and is
     found in a 600 s one. Regression: the floor series of a running process kept the window
     it was started with (they held 60 s of samples), so a reload to ``leak_window_s = 600``
     never found the leak until the worker was restarted, while the reload said it applied."""
-
-    def settings(window_s: float) -> Settings:
-        health = {"leak_warmup_s": 1, "leak_window_s": window_s, "oom_horizon_s": 1e6}
-        return parse_settings(
-            {
-                "gpu": {"backend": "sim"},
-                "workers": [{"name": "t", "command": ["x"], "health": health}],
-            }
-        )
-
-    t0 = Runner("t-0", GPUS[0])
-    host = Host(settings(60), {"t-0": t0})
-    healer = Healer(host)  # type: ignore[arg-type]
-    for second in range(660):
-        if second == 60:
-            host.settings = settings(600)  # the reload
-        host.clock.advance(1.0)
-        now = host.clock.now()
-        mb = 5000 + 12 * now / 60
-        usage = WorkerUsage("t-0", (100,), mb, {GPUS[0]: mb}, "pid", 100.0, 0.0)
-        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    healer, t0 = _reloaded_mid_run(
+        lambda reloaded: {
+            "leak_warmup_s": 1,
+            "leak_window_s": 600 if reloaded else 60,
+            "oom_horizon_s": 1e6,
+        },
+        60,
+        660,
+        lambda now: 5000 + 12 * now / 60,
+    )
     assert healer.annotate("t-0", {})["leak"]["suspected"]
     assert lc.Drain(restart=True, reason=ExitReason.LEAK) in t0.posted
 
@@ -1360,25 +1378,10 @@ def test_a_reload_that_lengthens_the_leak_warm_up_applies_to_a_worker_warming_up
     after its ready, a reload raises ``leak_warmup_s`` from 60 to 600 s. Regression: the warm-up
     of a running process was fixed when it became ready, so the reload did not apply to it:
     its warm-up growth was judged a leak and it was drained, while the reload said it applied."""
-
-    def settings(warmup_s: float) -> Settings:
-        health = {"leak_warmup_s": warmup_s, "oom_horizon_s": 1e6}
-        return parse_settings(
-            {
-                "gpu": {"backend": "sim"},
-                "workers": [{"name": "t", "command": ["x"], "health": health}],
-            }
-        )
-
-    t0 = Runner("t-0", GPUS[0])
-    host = Host(settings(60), {"t-0": t0})
-    healer = Healer(host)  # type: ignore[arg-type]
-    for second in range(700):
-        if second == 10:
-            host.settings = settings(600)  # the reload
-        host.clock.advance(1.0)
-        now = host.clock.now()
-        mb = 5000 + min(now, 500.0)
-        usage = WorkerUsage("t-0", (100,), mb, {GPUS[0]: mb}, "pid", 100.0, 0.0)
-        healer.on_sample(Sample(now, tuple(host.devices.values()), {"t-0": usage}, True))
+    _, t0 = _reloaded_mid_run(
+        lambda reloaded: {"leak_warmup_s": 600 if reloaded else 60, "oom_horizon_s": 1e6},
+        10,
+        700,
+        lambda now: 5000 + min(now, 500.0),
+    )
     assert t0.posted == []
