@@ -370,15 +370,16 @@ def decide(
     its workers wait for it.
     """
     down: dict[str, int] = {}
-    # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
-    # GPU, or by a derate of this round) as down: it never takes a group's serving below
-    # replicas - max_unavailable
+    # whose a worker-fatal XID is, fixed at its first decision (Finding.sole)
     findings = [
         replace(f, sole=_sole_on(f.gpu, workers))
         if f.kind == "xid_worker" and f.sole is None
         else f
         for f in findings
     ]
+    # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
+    # GPU, or by a derate of this round) as down: it never takes a group's serving below
+    # replicas - max_unavailable
     derated: set[str] = set()
     for name, view in workers.items():
         if view.state is not WorkerState.READY:
