@@ -4057,13 +4057,18 @@ def _runs_unplaced(runner: WorkerRunner) -> bool:
     )
 
 
-def _stopped_for_good(runner: WorkerRunner) -> bool:
-    """``runner`` is stopped, or draining or stopping toward ``stopped`` (an operator's stop
-    or drain stays in force)."""
-    return runner.state is WorkerState.STOPPED or (
-        runner.state in (WorkerState.DRAINING, WorkerState.STOPPING)
-        and runner.record.after_exit is lc.AfterExit.STOP
+def _stopping_for_good(runner: WorkerRunner) -> bool:
+    """``runner`` is draining or stopping toward ``stopped`` (an operator's drain or stop
+    stays in force)."""
+    return runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
+        WorkerState.DRAINING,
+        WorkerState.STOPPING,
     )
+
+
+def _stopped_for_good(runner: WorkerRunner) -> bool:
+    """``runner`` is stopped, or on its way there (:func:`_stopping_for_good`)."""
+    return runner.state is WorkerState.STOPPED or _stopping_for_good(runner)
 
 
 def _restarted_by_operator(runner: WorkerRunner) -> bool:
@@ -4082,11 +4087,7 @@ def _restarted_by_operator(runner: WorkerRunner) -> bool:
 def passed_over(runner: WorkerRunner) -> bool:
     """A roll-out leaves it alone: draining or stopping toward ``stopped`` (an operator's drain
     or stop stays in force), or waiting for a GPU (no process to replace)."""
-    stopping_for_good = runner.record.after_exit is lc.AfterExit.STOP and runner.state in (
-        WorkerState.DRAINING,
-        WorkerState.STOPPING,
-    )
-    return stopping_for_good or runner.record.waiting_for_gpu
+    return _stopping_for_good(runner) or runner.record.waiting_for_gpu
 
 
 def _needs_shared(spec: LaunchSpec) -> bool:
