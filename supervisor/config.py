@@ -1156,22 +1156,26 @@ def load_settings(
     return parse_settings(data, source)
 
 
+def _env_overrides() -> dict[str, Any] | None:
+    """The top-level keys the environment sets (``GPU_SUPERVISOR_...``), None where they
+    cannot be read (the validation says why)."""
+    try:
+        return dict(EnvSettingsSource(Settings)())
+    except (SettingsError, ValueError):
+        return None
+
+
 def _env_names(key: str) -> bool:
     """Whether the environment sets the top-level key ``key`` (``GPU_SUPERVISOR_WORKERS``...)."""
-    try:
-        return key in EnvSettingsSource(Settings)()
-    except (SettingsError, ValueError):
-        return True  # set, but not readably: the validation says so
+    env = _env_overrides()
+    return env is None or key in env  # set, but not readably: the validation says so
 
 
 def _env_listen() -> str | None:
     """``api.listen`` as the environment overrides it (``GPU_SUPERVISOR_API__LISTEN``, or
     ``GPU_SUPERVISOR_API`` as JSON), None where it does not (or not readably: the validation
     says so): the port the API takes is not a group's to keep on a reload."""
-    try:
-        api = EnvSettingsSource(Settings)().get("api")
-    except (SettingsError, ValueError):
-        return None
+    api = (_env_overrides() or {}).get("api")
     listen = api.get("listen") if isinstance(api, dict) else None
     return listen if isinstance(listen, str) else None
 
