@@ -113,7 +113,6 @@ from supervisor.processes import (
     Reaper,
     allowed_cpus,
     descendants,
-    ignore_signal,
     open_files_needed,
     pass_on_ignored_signals,
     probe_spawn_helper,
@@ -4022,13 +4021,17 @@ class Runtime:
 
 
 def _ignore_held_signals() -> None:
-    """``HELD_SIGNALS`` do nothing from now on (the supervisor ends), even when one arrives
-    while this is done: a KeyboardInterrupt in between, and it is done again."""
+    """``HELD_SIGNALS`` do nothing from now on (the supervisor ends, no worker is spawned
+    any more), even when one arrives while this is done: a KeyboardInterrupt in between, and
+    it is done again. Ignored by the kernel, not by a Python handler: Python's C handler
+    writes each one to the event loop's wakeup socket, which may be closed by then
+    (regression: "Exception ignored when trying to write to the signal wakeup fd:
+    BrokenPipeError" on stderr under a stream of Ctrl-C at the exit)."""
     while True:
         try:
             for sig in HELD_SIGNALS:
                 with contextlib.suppress(ValueError, OSError):  # (not the main thread)
-                    signal.signal(sig, ignore_signal)
+                    signal.signal(sig, signal.SIG_IGN)
         except KeyboardInterrupt:
             continue
         else:
