@@ -245,6 +245,9 @@ class Healer:
         #: worker -> GPU memory it used when its migration was decided (the target must fit it)
         self.need_mb: dict[str, float] = {}
         self._migrating: set[str] = set()
+        #: workers whose last healing action was a restart for a worker-fatal XID on a GPU
+        #: that other workers shared: maybe not its own (a roll-out proves it again once)
+        self.xid_maybe_not_own: set[str] = set()
         self._lost: set[str] = set()
         #: (finding kind, GPU) of the memory-error flags that are on (acted on once)
         self._flags_on: set[tuple[str, str]] = set()
@@ -405,6 +408,7 @@ class Healer:
         for recent in [k for k in self._recent if k[1] == name]:
             del self._recent[recent]
         self._exit_evidence.pop(name, None)
+        self.xid_maybe_not_own.discard(name)
         self._posted.pop(name, None)
         self.avoid.pop(name, None)
         self.need_mb.pop(name, None)
@@ -1254,6 +1258,10 @@ class Healer:
                     "message": act.message,
                 }
                 record = runner.record
+                if reason is ExitReason.XID and act.evidence.get("only_worker_on_gpu") is False:
+                    self.xid_maybe_not_own.add(runner.name)
+                else:
+                    self.xid_maybe_not_own.discard(runner.name)
                 if act.action in ("restart", "stop"):
                     runner.post(lc.Restart(reason=reason))  # a stop when stopping for good
                     leaving = WorkerState.STOPPING

@@ -3071,6 +3071,7 @@ class Runtime:
             return None
 
         on = {r.name: frozenset(r.spec.gpus or ()) for r in replaced}
+        proved_again: set[str] = set()  # after a worker-fatal XID that may be another's
         if wait_s > 0:
             await self.wait_until(lambda: broken() is not None or self._superseded(group), wait_s)
         failed = broken()
@@ -3079,14 +3080,20 @@ class Runtime:
         # (regression: the roll-out halted, blaming the definition for its GPU)
         # nor is an operator's restart of it: waited for and proven the same way
         # (regression: the roll-out halted, blaming the definition for the restart)
+        # nor, once, a restart for a worker-fatal XID on a GPU it shared: NVML does not say
+        # whose it was (regression: the roll-out halted, blaming the definition for another
+        # process's XID); a second one, or one on a GPU it had alone, is the definition's
         while (
             failed is not None
             and not self._shutting_down
             and (
                 self._moved_off(failed, on.get(failed.name, frozenset()))
                 or _restarted_by_operator(failed)
+                or (failed.name not in proved_again and self._xid_maybe_not_own(failed))
             )
         ):
+            if self._xid_maybe_not_own(failed):
+                proved_again.add(failed.name)
             if not await self._back_after_move(group, failed):
                 if self._superseded(group):  # a later reload takes over while it loads: no
                     return self._roll_superseded(group)  # halt (regression: "did not stay")
@@ -3116,17 +3123,14 @@ class Runtime:
     def _moved_off(self, runner: WorkerRunner, gpus: Collection[str]) -> bool:
         """``runner``, on ``gpus`` a moment ago, is down because healing moves it off
         one of them that failed (quarantined, lost) or is hot."""
-        rec = runner.record
-        if rec.state is WorkerState.READY:
-            return False
-        if rec.state in (WorkerState.DRAINING, WorkerState.STOPPING):
-            reason = rec.stop_reason
-        else:
-            reason = None if rec.last_exit is None else rec.last_exit.reason
-        if reason not in lc.GPU_FAULTS:
+        if _down_for(runner) not in lc.GPU_FAULTS:
             return False
         bad = set(self._failed_gpus())
         return bool((bad | self.healer.hot_gpus()) & set(gpus))
+
+    def _xid_maybe_not_own(self, runner: WorkerRunner) -> bool:
+        """``runner`` is down for a worker-fatal XID on a GPU other workers shared."""
+        return _down_for(runner) == ExitReason.XID and runner.name in self.healer.xid_maybe_not_own
 
     async def _back_after_move(self, group: str, runner: WorkerRunner) -> bool:
         """Wait for ``runner``, moved off its GPU by healing, to be ready on another one (or
@@ -4072,6 +4076,16 @@ def _stopping_for_good(runner: WorkerRunner) -> bool:
 def _stopped_for_good(runner: WorkerRunner) -> bool:
     """``runner`` is stopped, or on its way there (:func:`_stopping_for_good`)."""
     return runner.state is WorkerState.STOPPED or _stopping_for_good(runner)
+
+
+def _down_for(runner: WorkerRunner) -> str | None:
+    """Why ``runner`` is down, or on its way down (None while it is ready)."""
+    rec = runner.record
+    if rec.state is WorkerState.READY:
+        return None
+    if rec.state in (WorkerState.DRAINING, WorkerState.STOPPING):
+        return rec.stop_reason
+    return None if rec.last_exit is None else rec.last_exit.reason
 
 
 def _restarted_by_operator(runner: WorkerRunner) -> bool:

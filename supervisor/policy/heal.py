@@ -350,6 +350,13 @@ def _sole_on(gpu: str | None, workers: Mapping[str, WorkerView]) -> bool:
     )
 
 
+def _with_sole(f: Finding, workers: Mapping[str, WorkerView]) -> Finding:
+    """``f``, a worker-fatal XID, with whether it is one worker's own fixed (``sole``) and
+    said in its evidence (``only_worker_on_gpu``)."""
+    sole = _sole_on(f.gpu, workers)
+    return replace(f, sole=sole, evidence={**f.evidence, "only_worker_on_gpu": sole})
+
+
 def decide(
     findings: Sequence[Finding],
     workers: Mapping[str, WorkerView],
@@ -371,11 +378,10 @@ def decide(
     """
     down: dict[str, int] = {}
     # whose a worker-fatal XID is, fixed at its first decision (Finding.sole)
+    # (said in its evidence, ``only_worker_on_gpu``: a roll-out blames a new replica for an
+    # XID that was its own, and proves it again once after one that may have been another's)
     findings = [
-        replace(f, sole=_sole_on(f.gpu, workers))
-        if f.kind == "xid_worker" and f.sole is None
-        else f
-        for f in findings
+        _with_sole(f, workers) if f.kind == "xid_worker" and f.sole is None else f for f in findings
     ]
     # a recycle (no fault) also counts the ready workers out of routing (derated: on a hot
     # GPU, or by a derate of this round) as down: it never takes a group's serving below

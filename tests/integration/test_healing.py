@@ -1284,6 +1284,53 @@ def test_a_roll_out_waits_for_a_replaced_worker_healing_moves_off_its_gpu(
     assert sup.stop() == 0
 
 
+@pytest.mark.parametrize("case", ["shared", "shared-twice", "alone"])
+def test_a_roll_out_blames_a_new_replica_only_for_a_worker_fatal_xid_that_was_its_own(
+    supervisor: SupervisorFactory, tmp_path: Path, case: str
+) -> None:
+    """A rolling restart has replaced g-0 and holds for its ``stable_s`` when XID 13 (worker-
+    fatal) comes from g-0's GPU. ``shared``: g-1 runs there too, NVML does not say whose the
+    XID is: healing restarts g-0, the roll-out waits for it, proves it again and completes.
+    Regression: it halted ("replaced worker did not stay ready for stable_s"), blaming the
+    new definition for what may have been the other process's XID. ``shared-twice``: a
+    second one in its new stable window: the definition's (halted). ``alone``: g-0 is the
+    only process on its GPU, the XID is its own: halted at once, as before."""
+    group: dict[str, Any] = {
+        "name": "g",
+        "replicas": 2,
+        "command": sim("100"),
+        "restart": {"delay_s": 0, "stable_s": 1.5},
+    }
+    if case == "alone":
+        group["max_workers_per_gpu"] = 1
+    sup = supervisor(config(tmp_path, group, sim_devices=1 if case != "alone" else 2))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    begin_roll_out(sup, tmp_path, "rolling-restart", group)
+    sup.ready("g-0", after=mark)
+    with sup.api() as api:
+        (gpu,) = api.get("/api/v1/workers/g-0").json()["gpus"]
+    again = sup.mark()
+    xid(tmp_path, int(gpu[-1]), 13)
+    action = sup.wait_event(event="heal.action", reason="xid", worker="g-0", after=again)
+    assert action["action"] == "restart", action
+    if case == "shared-twice":
+        back = sup.mark()
+        sup.ready("g-0", after=back)
+        xid(tmp_path, 0, 13)
+        sup.wait_event(event="heal.action", reason="xid", worker="g-0", after=back)
+    if case == "shared":
+        rolled_out(sup, "rolling-restart", mark, timeout=20)
+        assert sup.find(event="worker.state", worker="g-1", new="stopping", after=mark)
+    else:
+        halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=20)
+        assert halted["worker"] == "g-0" and "did not stay ready" in halted["reason"], halted
+    pm = postmortem(sup, "xid")
+    assert pm["evidence"]["only_worker_on_gpu"] is (case == "alone"), pm["evidence"]
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("how", ["rolling-restart", "reload"])
 def test_a_roll_out_passes_over_a_replaced_worker_whose_gpu_fails_while_it_loads(
     supervisor: SupervisorFactory, tmp_path: Path, how: str

@@ -629,6 +629,7 @@ def test_a_worker_fatal_xid_is_its_own_beside_a_sibling_in_backoff_on_the_gpu() 
         }
         d = decide([xid], workers, policies, 30.0, {})
         assert ("restart", "w-0", G0, "xid") in acts_of(d) and d.deferred == (), state
+        assert d.acts[0].evidence["only_worker_on_gpu"] is True
     # a sibling that has a process there (starting: it may hold a CUDA context) still counts:
     # it is restarted (not ready anyway), w-0 waits its turn
     workers = {
@@ -656,6 +657,9 @@ def test_a_worker_fatal_xid_on_a_shared_gpu_stays_shared_after_the_first_restart
     d = decide([xid], workers, policies, 10.0, {})
     assert acts_of(d) == [("restart", "w-0", G0, "xid")]
     assert [f.sole for f in d.deferred] == [False]
+    # said in the evidence (post-mortem, webhook): a roll-out proves a new replica again
+    # after an XID that may not be its own
+    assert [a.evidence["only_worker_on_gpu"] for a in d.acts] == [False]
     workers["w-0"] = WorkerView("w", WorkerState.BACKOFF, (G0,), has_process=False)
     d = decide(d.deferred, workers, policies, 10.5, {})
     assert d.acts == () and len(d.deferred) == 1

@@ -117,7 +117,9 @@ async def _superseded_while_moved() -> None:
     rt.slots = lambda: [SimpleNamespace(uuid="GPU-A", why_not="is quarantined (XID 79)")]
     rt.sampler = SimpleNamespace(last=None)  # (no sample: the quarantine says it failed)
     rt.healer = SimpleNamespace(
-        hot_gpus=lambda: set(), state=SimpleNamespace(quarantined={"GPU-A": "XID 79"})
+        hot_gpus=lambda: set(),
+        xid_maybe_not_own=set(),
+        state=SimpleNamespace(quarantined={"GPU-A": "XID 79"}),
     )
     newer = [False]
     rt._superseded = lambda group: newer[0]
