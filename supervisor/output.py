@@ -5,9 +5,10 @@ The worker's stdout and stderr share one pipe; ``pump()`` reads it without block
 A line longer than :data:`MAX_LINE` bytes is never held whole: the log file gets every byte as
 it comes, passthrough gets it in pieces of at most ``MAX_LINE`` bytes (each its own prefixed
 line, so that output from several workers never mixes within a line), and ``on_line`` gets its
-first ``MAX_LINE`` bytes, where the timestamp, level and error text are, then, when it ends, its
-last :data:`END_PIECE` bytes (a traceback's exception message, in a log record that holds the
-whole traceback); the in-memory tail gets both.
+first ``MAX_LINE`` bytes, where the timestamp, level and error text are, then its middle in
+windows of ``MAX_LINE`` bytes overlapping by :data:`MATCH_OVERLAP`, as it comes, and, when it
+ends, its last :data:`END_PIECE` bytes (a traceback's exception message, in a log record that
+holds the whole traceback); the in-memory tail gets the start and the end.
 
 The tail reads a carriage return inside a line (a progress bar redrawing itself) as a terminal
 shows it: back to the line's start, the text after it overwriting what was there; ``on_line``
@@ -57,6 +58,10 @@ CUT_MARK = " [... line cut: {total} bytes]"
 #: ``" ..."``: where a record that holds a whole traceback (a JSON log line) has the
 #: exception's message, which the death is judged by.
 END_PIECE = 4096
+#: The middle of a long line (past its first ``MAX_LINE`` bytes, before its last ``END_PIECE``)
+#: goes to ``on_line`` in windows of ``MAX_LINE`` bytes, each overlapping the last by this many:
+#: a sticky-error text up to this long is found wherever the windows cut the line.
+MATCH_OVERLAP = 1024
 #: What a log emptied on a full disk starts with (``RotatingFile.write``).
 TRIMMED_MARK = b"--- gpu-supervisor: disk full: the earlier content of this log was removed ---\n"
 #: A log capped after a full disk still rotates at this size at least.
@@ -488,7 +493,17 @@ class _Shown:
     are held.
     """
 
-    __slots__ = ("cr", "cur", "cur_end", "cur_len", "told", "under", "under_end", "under_len")
+    __slots__ = (
+        "cr",
+        "cur",
+        "cur_end",
+        "cur_len",
+        "mid",
+        "told",
+        "under",
+        "under_end",
+        "under_len",
+    )
 
     def __init__(self) -> None:
         self.under = b""  # the line as the segments before the current one left it
@@ -499,6 +514,7 @@ class _Shown:
         self.cur_end = b""  # its last END_PIECE bytes, once it is longer than what is held
         self.cr = False  # a carriage return held back
         self.told = False  # on_line has had the current segment (it grew too long)
+        self.mid = b""  # the current segment's bytes past those held, not yet told in full
 
     def empty(self) -> bool:
         return not self.cur_len and not self.under_len and not self.cr
@@ -530,7 +546,21 @@ class _Shown:
                 self.told = True
                 if on_line is not None:
                     on_line(_text(self.cur))
+            if on_line is not None and self.cur_len > _HELD:
+                self._tell_middle(part[max(room, 0) :], on_line)
         self.cr = held_back
+
+    def _tell_middle(self, spill: bytes, on_line: Callable[[str], None]) -> None:
+        """Bytes of the current segment past those held: ``on_line`` gets the middle of a long
+        line in windows of ``MAX_LINE`` bytes that overlap by ``MATCH_OVERLAP`` (regression: a
+        sticky error past the first 16 KiB of a record and more than 4 KiB before its end was
+        never matched); at most a window is held."""
+        if not self.mid:  # from the end of the start told, overlapping it
+            self.mid = self.cur[MAX_LINE - MATCH_OVERLAP :]
+        self.mid += spill
+        while len(self.mid) >= MAX_LINE:
+            on_line(self.mid[:MAX_LINE].decode("utf-8", errors="replace"))
+            self.mid = self.mid[MAX_LINE - MATCH_OVERLAP :]
 
     def carriage(self, on_line: Callable[[str], None] | None) -> None:
         """The current segment ends (a carriage return): told, then overwritten in part."""
@@ -541,6 +571,7 @@ class _Shown:
         self.under = (self.cur + self.under[len(self.cur) :])[:_HELD]
         self.under_len = max(self.under_len, self.cur_len)
         self.cur, self.cur_len, self.cur_end, self.told = b"", 0, b"", False
+        self.mid = b""
 
     def end(self, on_line: Callable[[str], None] | None) -> str:
         """The line ends: its last segment told; what the terminal shows, cut when too long."""
@@ -562,6 +593,10 @@ class _Shown:
             return
         if not self.told:
             on_line(_text(self.cur))
+        # the middle not told yet (a window's first MATCH_OVERLAP bytes were), but for the end
+        # piece's part
+        if len(self.mid) > END_PIECE + MATCH_OVERLAP:
+            on_line(self.mid[: len(self.mid) - END_PIECE + MATCH_OVERLAP].decode(errors="replace"))
         if self.cur_len > MAX_LINE:
             on_line(_end_text(self.cur if self.cur_len <= _HELD else self.cur_end, self.cur_len))
 
@@ -579,7 +614,7 @@ class _Shown:
 
     def reset(self) -> None:
         self.under, self.under_len, self.cur, self.cur_len = b"", 0, b"", 0
-        self.under_end = self.cur_end = b""
+        self.under_end = self.cur_end = self.mid = b""
         self.cr = self.told = False
 
 

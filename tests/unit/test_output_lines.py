@@ -111,11 +111,13 @@ def test_on_line_sees_the_start_of_a_long_line_once_and_early(make: Make) -> Non
     data = (error + " " + "z" * 100_000 + "\nnext\n").encode()
     first, *rest = chunks(data, _READ_SIZE)
     out.feed(first)
-    assert len(seen) == 1 and seen[0].startswith(error)
+    assert seen[0].startswith(error)  # then the middle read so far, in windows
     assert len(seen[0].encode()) == MAX_LINE
     for chunk in rest:
         out.feed(chunk)
-    assert seen[1:] == ["z" * END_PIECE, "next"]
+    assert seen[-2:] == ["z" * END_PIECE, "next"]
+    # and its middle in between, in overlapping windows
+    assert all(set(s) == {"z"} and len(s) <= MAX_LINE for s in seen[1:-2]), seen[1:-2]
 
 
 @pytest.mark.parametrize("size", [_READ_SIZE, 997])
@@ -132,7 +134,39 @@ def test_on_line_sees_the_end_of_a_long_line(make: Make, size: int) -> None:
     for chunk in chunks(data, size):
         out.feed(chunk)
     end = ("z" * 20_000 + " " + error)[-END_PIECE:]
-    assert seen == ["z" * MAX_LINE, end, "é" * (MAX_LINE // 2), "é" * (END_PIECE // 2), error]
+    assert seen[:3] == ["z" * MAX_LINE, end, "é" * (MAX_LINE // 2)]
+    assert seen[-2:] == ["é" * (END_PIECE // 2), error]
+    # the middle of the second (windows cut where they fall: a character cut is replaced)
+    assert all(set(s) <= {"é", "\ufffd"} for s in seen[3:-2]), seen[3:-2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    at=st.integers(min_value=0, max_value=100_000),
+    size=st.sampled_from([_READ_SIZE, 4096, 997, 100_060]),
+    cr=st.booleans(),
+)
+def test_on_line_sees_a_sticky_error_anywhere_in_a_long_line(at: int, size: int, cr: bool) -> None:
+    """Regression: ``on_line`` got a long line's first MAX_LINE bytes and its last END_PIECE
+    only, so a sticky CUDA error in the middle of a long record (a JSON log line whose message
+    comes after a long field and before another) never restarted the worker. Now the middle
+    is told too, in windows that overlap by MATCH_OVERLAP bytes: the error is seen wherever it
+    is, however the reads fall, in a line or in a segment before a carriage return."""
+    error = "CUDA error: an illegal memory access was encountered"
+    line = ("z" * at + error + "y" * (100_000 - at)).encode()
+    data = line + (b"\rprogress" if cr else b"") + b"\nnext\n"
+    seen: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = WorkerOutput("w-0", Path(tmp) / "w.log", 0, 0, passthrough=False)
+        out.on_line = seen.append
+        try:
+            for chunk in chunks(data, size):
+                out.feed(chunk)
+        finally:
+            out.close()
+    assert any(error in s for s in seen), (at, size)
+    assert all(len(s.encode()) <= MAX_LINE for s in seen)
+    assert seen[-1] == "next"
 
 
 @pytest.mark.parametrize("length", [MAX_LINE - 1, MAX_LINE, MAX_LINE + 1, 2 * MAX_LINE + 1])
