@@ -285,24 +285,9 @@ class Alerter:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Deliver queued alerts until cancelled; on cancellation the undelivered are dropped."""
-        import httpx  # imported when a webhook is configured, not at start-up (~30 ms)
-
         try:
             tls = await self._tls()
-            async with (
-                anyio.create_task_group() as tg,
-                httpx.AsyncClient(
-                    transport=self._transport,
-                    verify=tls,
-                    timeout=self.timeout_s,
-                    headers={
-                        "User-Agent": USER_AGENT,
-                        "Content-Type": "application/json",
-                        "Accept-Encoding": "identity",  # the answer's body is not read anyway
-                    },
-                    follow_redirects=False,
-                ) as client,
-            ):
+            async with anyio.create_task_group() as tg, self._client(tls) as client:
                 self._names = _NameGate(tg, time.monotonic)
                 task_status.started()
                 while True:
@@ -316,6 +301,38 @@ class Alerter:
         finally:
             self._names = None
             self._discard()
+
+    def _client(self, tls: ssl.SSLContext) -> httpx.AsyncClient:
+        """The client the alerts are posted with: through the proxy the environment names
+        (``HTTPS_PROXY``, ``ALL_PROXY``...), or, where httpx cannot use that one (a scheme it
+        does not know, ``socks5://`` without its extra installed, a malformed URL), without
+        one, said (regression: the error ended the supervisor, its workers with it)."""
+        import httpx  # imported when a webhook is configured, not at start-up (~30 ms)
+
+        def make(trust_env: bool) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                transport=self._transport,
+                verify=tls,
+                timeout=self.timeout_s,
+                headers={
+                    "User-Agent": USER_AGENT,
+                    "Content-Type": "application/json",
+                    "Accept-Encoding": "identity",  # the answer's body is not read anyway
+                },
+                follow_redirects=False,
+                trust_env=trust_env,
+            )
+
+        try:
+            return make(True)
+        except Exception as exc:  # ImportError, ValueError, httpx.InvalidURL
+            self._log.error(
+                "alerts.proxy_unusable",
+                url=self.log_url,
+                error=f"{type(exc).__name__}: {exc}",
+                reason="the proxy the environment names cannot be used: posting without one",
+            )
+            return make(False)
 
     async def _tls(self) -> ssl.SSLContext:
         """The TLS context, loaded off the loop; the system's CAs if the configured ones fail."""

@@ -1423,9 +1423,16 @@ class Runtime:
             if isinstance(resolved, str):
                 return resolved
             spec, gpus = resolved, resolved.gpus or ()
-        old = self._trees.pop(runner.name, frozenset())
+        # taken once the barrier is over, not before: a start made while this one waits (an
+        # operator's stop and start) waits for the same tree (regression: it had none to wait
+        # for, and started at once on the GPU still held)
+        old = self._trees.get(runner.name, frozenset())
         if old and runner.last_exit_at is not None:
-            held = await self._await_release(old, gpus, self.settings.gpu.release_timeout_s)
+            try:
+                held = await self._await_release(old, gpus, self.settings.gpu.release_timeout_s)
+            finally:
+                if self._trees.get(runner.name) is old:
+                    del self._trees[runner.name]
             for uuid, pids in held.items():
                 self._suspect(uuid, dict.fromkeys(pids, runner.name))
                 self.log.warning(
@@ -1435,6 +1442,8 @@ class Runtime:
                     pids=sorted(pids),
                     reason="memory of the previous process tree still held after release_timeout_s",
                 )
+        else:
+            self._trees.pop(runner.name, None)
         if not await self._start_slot(runner):
             return spec  # stopped while it waited: not placed, nor moved (nothing starts)
         # the group as in force now: a reload may have changed or removed it while this waited

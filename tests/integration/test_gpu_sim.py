@@ -996,3 +996,31 @@ def test_a_workers_double_forked_server_is_the_workers(
         assert worker_mb(sup, worker, mb)["attribution"] == "pid"
     assert sup.stop() == 0
     assert wait_dead(list(servers.values())) == []
+
+
+def test_a_stop_and_start_during_the_gpu_release_barrier_still_waits_for_the_release(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: an operator's stop, then start, of a worker whose restart waited at the
+    GPU-release barrier (a process of its old tree stuck in the kernel, holding its memory)
+    started the new process at once on that GPU: the abandoned wait had already taken the old
+    tree, so the new start had none to wait for, and its GPU was not judged suspect first."""
+    b = {
+        "name": "b",
+        "command": worker_cmd("gpu_user", "500", "--holder", "30"),
+        "restart": {"stable_s": 0.1},
+    }
+    sup = supervisor(config(tmp_path, b, release_timeout_s=0.5), log_level="debug")
+    leader = sup.ready("b-0")["pid"]
+    with stuck_holder(sup, "b-0", tmp_path):
+        mark = sup.mark()
+        crash_into_barrier(sup, "b-0", leader, mark)
+        with sup.api() as http:
+            assert http.post("/api/v1/workers/b-0/stop").status_code == 202
+            sup.wait_event(event="worker.state", worker="b-0", new="stopped", after=mark)
+            assert http.post("/api/v1/workers/b-0/start").status_code == 202
+        spawned = sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
+        # the start waited out the barrier: the GPU still held was judged first
+        suspect = sup.find(event="gpu.suspect", worker="b-0", after=mark)
+        assert suspect and sup.events.index(suspect[0]) < sup.events.index(spawned)
+    assert sup.stop() == 0

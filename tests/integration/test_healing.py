@@ -1149,6 +1149,26 @@ def test_a_webhook_url_set_by_a_reload_is_used(
     assert sup.stop() == 0
 
 
+def test_a_webhook_set_by_a_reload_with_an_unusable_proxy_in_the_environment_keeps_running(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: with a proxy in the environment that httpx cannot use (``ALL_PROXY`` of
+    a scheme it does not know, or ``socks5://`` without its extra installed), a reload that
+    set a webhook URL raised out of the alerter's start: the supervisor crashed and took
+    every worker down with it. Now it says so and delivers without the proxy."""
+    cfg = config(tmp_path, {"name": "a", "command": sim("100")})
+    sup = supervisor(cfg, env={"ALL_PROXY": "ftp://proxy.invalid:21"})
+    pid = sup.ready("a-0")["pid"]
+    mark = sup.mark()
+    cfg["alerts"] = {"webhook_url": "http://127.0.0.1:9/hook"}
+    sup.write_config(cfg)
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="alerts.proxy_unusable", after=mark)
+    sup.wait_event(event="supervisor.reload_done", after=mark)
+    assert sup.proc.poll() is None and psutil.Process(pid).is_running()
+    assert sup.stop() == 0
+
+
 def test_an_operator_cordon_outlives_the_heat_cordon(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
