@@ -3013,6 +3013,8 @@ class Runtime:
             if settled and self._moved_off(runner, runner.spec.gpus or ()):
                 await self._back_after_move(group, runner)
                 going_down = True  # what it comes back as is not the roll-out's doing
+            elif settled and self._xid_maybe_not_own(runner):
+                await self._back_after_move(group, runner)  # as in _roll_each: once
             if self._shutting_down:
                 return False
             if superseded():  # it goes on loading; the reload's roll-out waits for it first
@@ -3911,6 +3913,11 @@ class Runtime:
             if settled and self._moved_off(runner, runner.spec.gpus or ()):
                 await self._back_after_move(group.name, runner)
                 going_down = True  # what it comes back as is not the roll-out's doing
+            elif settled and self._xid_maybe_not_own(runner):
+                # restarted while it loaded for a worker-fatal XID on a GPU it shared, maybe
+                # another process's: waited for once more (regression: the roll-out halted,
+                # "did not become ready"); a second one, or its own, halts it
+                await self._back_after_move(group.name, runner)
             if superseded():
                 # the worker goes on loading this file; the next roll-out replaces it first
                 return self._roll_superseded(group.name)

@@ -1352,6 +1352,33 @@ def test_a_roll_out_blames_a_new_replica_only_for_a_worker_fatal_xid_that_was_it
 
 
 @pytest.mark.parametrize("how", ["rolling-restart", "reload"])
+def test_a_roll_out_waits_again_for_a_new_replica_restarted_for_a_shared_xid_while_it_loads(
+    supervisor: SupervisorFactory, tmp_path: Path, how: str
+) -> None:
+    """A roll-out replaces g-0 (loading for 1 s) on the GPU it shares with g-1 when XID 13
+    comes from that GPU: healing restarts g-0, whose XID it may not be. The roll-out waits for
+    it to load again, and completes. Regression: it halted ("did not become ready"; a reload's
+    g-1 kept the old config)."""
+    group: dict[str, Any] = {
+        "name": "g",
+        "replicas": 2,
+        "command": worker_cmd("notify_ready_late", "1"),
+        "restart": {"delay_s": 0, "stable_s": 0.3},
+    }
+    sup = supervisor(config(tmp_path, group, sim_devices=1))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    mark = sup.mark()
+    begin_roll_out(sup, tmp_path, how, group)
+    sup.wait_event(event="worker.spawned", worker="g-0", after=mark)
+    xid(tmp_path, 0, 13)
+    sup.wait_event(event="heal.action", reason="xid", worker="g-0", after=mark)
+    rolled_out(sup, how, mark, timeout=20)
+    assert sup.find(event="worker.state", worker="g-1", new="stopping", after=mark)
+    assert sup.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["rolling-restart", "reload"])
 def test_a_roll_out_passes_over_a_replaced_worker_whose_gpu_fails_while_it_loads(
     supervisor: SupervisorFactory, tmp_path: Path, how: str
 ) -> None:
