@@ -43,6 +43,7 @@ from supervisor.policy.detect import (
     BUDGET_SAMPLES,
     FLOOR_BUCKET_S,
     NO_VERDICT,
+    THERMAL_REASONS,
     FloorSeries,
     LeakSettings,
     LeakVerdict,
@@ -68,6 +69,9 @@ from supervisor.policy.heal import (
     GroupPolicy,
     WorkerView,
     decide,
+    heat_blocked,
+    heat_memory_s,
+    heat_move_wait,
 )
 
 if TYPE_CHECKING:
@@ -254,6 +258,13 @@ class Healer:
         #: GPU -> the recovery action code last read (acted on when it changes)
         self._recovery: dict[str, int] = {}
         self._migrate_again_at: dict[str, float] = {}  # GPU -> when to look at it again
+        #: GPU -> the last sample at which it was hot or read hot (moves for heat avoid it
+        #: for ``heat_memory_s``), and the GPUs slowing their clocks for heat at the last one
+        self._hot_at: dict[str, float] = {}
+        self._slowed: set[str] = set()
+        self._sampled_at: float | None = None
+        #: worker -> when its last move for heat was decided (not again within the window)
+        self._heat_moved: dict[str, float] = {}
         self._host_available_mb = host_available_mb or _host_available_mb
         self._host_free_at: float | None = None
         self._host_free_mb: float | None = None
@@ -413,6 +424,7 @@ class Healer:
         self.avoid.pop(name, None)
         self.need_mb.pop(name, None)
         self._migrating.discard(name)
+        self._heat_moved.pop(name, None)
         self.state.derated.pop(name, None)
 
     def on_migration_stayed(self, runner: WorkerRunner, gpus: Sequence[str], why: str) -> None:
@@ -561,6 +573,7 @@ class Healer:
         host_free = self._host_free(now) if judged else None
         for runner in runners:
             self._judge_worker(runner, sample, now, free_of, host_free, runner.name in judged)
+        self._sampled_at = now
         self._judge_devices(sample, now)
         self._restore_undeserved(now)
         self._run(now)
@@ -900,6 +913,12 @@ class Healer:
             track = self.state.thermal.get(d.uuid, ThermalTrack())
             track, change = thermal_step(track, d, now, settings)
             self.state.thermal[d.uuid] = track
+            if track.hot or track.hot_since is not None:
+                self._hot_at[d.uuid] = now
+            if THERMAL_REASONS.intersection(d.throttle_reasons or ()):
+                self._slowed.add(d.uuid)
+            else:
+                self._slowed.discard(d.uuid)
             if change is None:
                 if track.hot:
                     self._migrate_again(d, track, now)
@@ -1082,12 +1101,29 @@ class Healer:
         """The GPUs hot now (thermal)."""
         return {u for u, t in self.state.thermal.items() if t.hot}
 
+    def heating_gpus(self) -> set[str]:
+        """The GPUs hot now or reading hot at the last sample (not yet for
+        ``thermal_sustain_s``: after a restart of the supervisor, a GPU hot just before)."""
+        return {u for u, t in self.state.thermal.items() if t.hot or t.hot_since is not None}
+
+    def heat_window_s(self) -> float:
+        """How long moves for heat remember it (``policy.heal.heat_memory_s``)."""
+        gpu = self.host.settings.gpu
+        return heat_memory_s(gpu.thermal_sustain_s, gpu.thermal_clear_s)
+
+    def _heat_blocked(self) -> dict[str, float]:
+        """GPU -> seconds since it was hot, for those a move for heat must not go to."""
+        if self._sampled_at is None:
+            return {}
+        return heat_blocked(self._hot_at, self._sampled_at, self.heat_window_s())
+
     def migration_slots(self, name: str, slots: list[GpuSlot]) -> list[GpuSlot]:
         """``slots`` as a migration of ``name`` may use them: not the GPU it leaves, no hot
         GPU, none with less free memory than the worker used on one of its GPUs (when both
         are known)."""
         avoid = self.avoid.get(name, set())
         hot = self.hot_gpus()
+        blocked = self._heat_blocked()
         need = self.need_mb.get(name)
         w = self._watch.get(name)
         if need is None and w is not None:
@@ -1104,6 +1140,12 @@ class Healer:
                 s = replace(s, usable=False, why_not="is hot (migrating off it)")
             elif s.uuid in hot:
                 s = replace(s, usable=False, why_not="is hot")
+            elif s.uuid in blocked:
+                ago, window = blocked[s.uuid], self.heat_window_s()
+                why = (
+                    f"was hot {ago:.1f} s ago (no move for heat onto a GPU hot within {window:g} s)"
+                )
+                s = replace(s, usable=False, why_not=why)
             elif need and s.free_mb is not None and s.free_mb + held.get(s.uuid, 0.0) < need:
                 why = f"has {s.free_mb:.0f} MiB free, the worker used {need:.0f}"
                 s = replace(s, usable=False, why_not=why)
@@ -1152,7 +1194,7 @@ class Healer:
             policies,
             now,
             self._recent,
-            can_migrate=self._can_migrate(findings),
+            can_migrate=self._can_migrate(findings, now),
             migrating=len(self._migrating),
             rolling=self.host.rolling,
         )
@@ -1189,10 +1231,15 @@ class Healer:
                 return WorkerState.STOPPING
         return runner.state
 
-    def _can_migrate(self, findings: list[Finding]) -> dict[str, bool | str]:
+    def _can_migrate(
+        self, findings: list[Finding], now: float | None = None
+    ) -> dict[str, bool | str]:
         hot = {f.gpu for f in findings if f.kind == "thermal" and f.gpu}
         if not hot:
             return {}
+        now = self.host.clock.now() if now is None else now
+        window = self.heat_window_s()
+        blocked = self._heat_blocked()
         out: dict[str, bool | str] = {}
         slots = [
             replace(s, usable=False, why_not="is hot") if s.uuid in hot else s
@@ -1206,6 +1253,14 @@ class Healer:
             if group is None or group.gpus != "auto":
                 out[r.name] = 'its GPUs are listed (gpus = [...]): only gpus = "auto" workers move'
                 continue
+            moved_at = self._heat_moved.get(r.name)
+            slowed = bool(self._slowed & set(r.spec.gpus or ()))
+            if moved_at is not None and heat_move_wait(moved_at, now, window, slowed=slowed):
+                out[r.name] = (
+                    f"moved for heat {now - moved_at:.1f} s ago: not again within {window:g} s "
+                    "while its GPU does not slow its clocks"
+                )
+                continue
             try:
                 place(
                     covering(
@@ -1218,7 +1273,20 @@ class Healer:
                     only={r.name},
                 )
             except PlacementError:
-                out[r.name] = False
+                # a GPU that would do but for its recent heat: said (not "no room")
+                now_hot = hot | self.hot_gpus()
+                recent = [
+                    str(s.index)
+                    for s in slots
+                    if s.uuid in blocked and s.uuid not in now_hot and s.usable
+                ]
+                which = ", ".join(recent)
+                were = f"GPU {which} was" if len(recent) == 1 else f"GPUs {which} were"
+                out[r.name] = (
+                    f"no cooler GPU has room ({were} hot within the last {window:g} s)"
+                    if recent
+                    else False
+                )
             else:
                 out[r.name] = True
         return out
@@ -1242,6 +1310,7 @@ class Healer:
                     act, action="stop", message=f"{act.message} (being stopped: stopped now)"
                 )
             if act.action == "migrate" and act.gpu is not None:
+                self._heat_moved[runner.name] = now
                 self.avoid.setdefault(runner.name, set()).add(act.gpu)
                 self._migrating.add(runner.name)
                 w = self._watch.get(runner.name)

@@ -1462,8 +1462,10 @@ class Runtime:
         avoid = self.healer.avoid.get(runner.name, set())
         # a group that moves its workers off hot GPUs (on_thermal = "migrate") is not placed
         # onto one either, where another has room (regression: a worker scaled up or
-        # restarted went onto the hot GPU, and nothing moved it)
-        hot = self.healer.hot_gpus() & set(gpus)
+        # restarted went onto the hot GPU, and nothing moved it); nor onto one reading hot
+        # already, before thermal_sustain_s (regression: after a restart of the supervisor,
+        # which keeps no heat, a worker started there, to be moved as soon as it was sustained)
+        hot = self.healer.heating_gpus() & set(gpus)
         moving = group is not None and group.moves_off_heat
         cooler = bool(avoid) or (moving and bool(hot))
         # a migration: not back onto the GPU it leaves, nor any hot one, nor one too full

@@ -462,3 +462,33 @@ def decide(
         if held_back:
             deferred.append(f)
     return Decision(tuple(acts), tuple(deferred), why)
+
+
+# --- moves for heat over time --------------------------------------------------------------
+
+
+def heat_memory_s(sustain_s: float, clear_s: float) -> float:
+    """How long moves for heat remember it: ``2 x (thermal_sustain_s + thermal_clear_s)``
+    (80 s by default), two turns of the detector (hot for ``sustain_s``, cool for
+    ``clear_s``). A GPU hot within it takes no worker moved for heat, and a worker moved for
+    heat within it does not move for heat again unless its GPU slows its clocks."""
+    return 2.0 * (sustain_s + clear_s)
+
+
+def heat_blocked(hot_at: Mapping[str, float], now: float, window_s: float) -> dict[str, float]:
+    """The GPUs a move for heat must not go to, and how long ago each was hot: those hot (or
+    reading hot: a clock event of heat or power, within ``thermal_margin_c``) less than
+    ``window_s`` before ``now`` (``hot_at``: GPU -> when it last was)."""
+    return {gpu: now - at for gpu, at in hot_at.items() if now - at < window_s}
+
+
+def heat_move_wait(
+    moved_at: float | None, now: float, window_s: float, *, slowed: bool
+) -> float | None:
+    """How long a worker last moved for heat at ``moved_at`` waits before it moves for heat
+    again (None: it may now): until ``window_s`` after that move, unless its GPU got worse
+    than near its threshold: ``slowed``, a clock event of heat or power now."""
+    if moved_at is None or slowed:
+        return None
+    left = moved_at + window_s - now
+    return left if left > 0 else None

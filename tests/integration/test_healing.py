@@ -458,6 +458,50 @@ def test_migrate_moves_a_worker_to_the_cooler_gpu(
     assert sup.stop() == 0
 
 
+def test_migrate_does_not_move_a_worker_onto_a_gpu_that_was_hot_a_moment_ago(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """GPU 1 is hot, then cool again; GPU 0 turns hot at once: m-0 stays on GPU 0 (an alert
+    says why) and moves to GPU 1 only once GPU 1 has been cool for the window
+    (2 x (thermal_sustain_s + thermal_clear_s)). Regression: m-0 moved at once onto GPU 1,
+    which had been hot a moment before: with GPUs that heat in turn (a hot chassis) a worker
+    ping-ponged between them, bounded only by the 60 s cooldown of an action."""
+    group = {"name": "m", "command": sim("100"), "health": {"on_thermal": "migrate"}}
+    sup = supervisor(config(tmp_path, group, thermal_sustain_s=0.2))  # a window of 1 s
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
+    mark = sup.mark()
+    set_gpu(tmp_path, 1, temperature_c=86, temperature_slowdown_c=87)
+    sup.wait_api("/api/v1/gpu/status", lambda s: s["devices"][1]["hot"])
+    set_gpu(tmp_path, 1, temperature_c=40)
+    sup.wait_api("/api/v1/gpu/status", lambda s: not s["devices"][1]["hot"])
+    set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
+    first = sup.wait_event(event="heal.action", worker="m-0", after=mark)
+    assert first["action"] == "alert", first
+    assert "GPU 1 was hot" in first["evidence"]["migrate"], first
+    action = sup.wait_event(event="heal.action", action="migrate", after=mark, timeout=20)
+    assert action["worker"] == "m-0"
+    assert sup.wait_event(event="worker.moved", worker="m-0", after=mark)["new_gpus"] == [UUID1]
+    assert sup.stop() == 0
+
+
+def test_a_migrate_worker_is_not_started_on_a_gpu_already_near_its_slowdown_temperature(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """The supervisor (re)starts while GPU 0 is within the thermal margin (heat is not kept
+    across a restart, and thermal_sustain_s is not over yet): m-0 starts on GPU 1.
+    Regression: it started on GPU 0, to be drained and moved (a model load wasted) as soon
+    as GPU 0 had been hot for thermal_sustain_s."""
+    gpus = tmp_path / "sim" / "gpus"
+    gpus.mkdir(parents=True)
+    (gpus / "0").write_text(f"uuid {UUID0}\ntemperature_c 86\ntemperature_slowdown_c 87\n")
+    # GPU 0 has the most free memory: placement by memory alone prefers it
+    (gpus / "1").write_text(f"uuid {UUID1}\ntemperature_c 40\nmemory_base_mib 1000\n")
+    group = {"name": "m", "command": sim("100"), "health": {"on_thermal": "migrate"}}
+    sup = supervisor(config(tmp_path, group, thermal_sustain_s=60))
+    assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID1}")
+    assert sup.stop() == 0
+
+
 def test_migrate_waits_for_a_cooler_gpu_and_never_places_onto_a_hot_one(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -1385,3 +1385,37 @@ def test_a_reload_that_lengthens_the_leak_warm_up_applies_to_a_worker_warming_up
         lambda now: 5000 + min(now, 500.0),
     )
     assert t0.posted == []
+
+
+def test_a_worker_moved_for_heat_is_not_moved_again_for_heat_within_the_window() -> None:
+    """m-0 moved off hot GPU-0 to GPU-1 at 10 s; GPU-1 turns hot 20 s later, GPU-2 has been
+    cool all along: m-0 stays (an alert says why) until 80 s (2 x (sustain + clear)) after
+    its move, then moves. Regression: it moved again as soon as its new GPU turned hot, a
+    worker on GPUs that heat in turn ping-ponging, bounded only by the 60 s cooldown."""
+    m0 = Runner("m-0", GPUS[0])
+    host, healer = setup("migrate", m0)
+    host.temperature(GPUS[0], 89)
+    while not m0.posted:
+        host.tick(healer)
+    moved_at = host.clock.now()
+    # its process exits (the post-mortem takes the evidence); the next one runs on GPU-1
+    assert healer.exit_evidence("m-0") is not None
+    m0.posted.clear()
+    m0.spec.gpus = (GPUS[1],)
+    m0.record.pid, m0.record.started_at = 101, moved_at
+    healer.on_spawned(m0, 101)  # type: ignore[arg-type]
+    host.temperature(GPUS[0], 50)
+    for _ in range(20):
+        host.tick(healer)
+    host.temperature(GPUS[1], 89)
+    for _ in range(15):
+        host.tick(healer)
+    alerts = [f for kind, w, f in host.journal.items if kind == "heal.alert" and w == "m-0"]
+    assert [f["gpu"] for f in alerts] == [GPUS[1]] and not m0.posted
+    why = healer._can_migrate([Finding("thermal", "hot", gpu=GPUS[1])])["m-0"]
+    assert isinstance(why, str) and why.startswith("moved for heat"), why
+    while not m0.posted:
+        host.tick(healer)
+        assert host.clock.now() < moved_at + 200, "never moved"
+    assert host.clock.now() >= moved_at + 80
+    assert [type(e) for e in m0.posted] == [lc.Drain]
