@@ -3228,18 +3228,25 @@ class Runtime:
             self.log.warning("cgroup.not_removed", workers=left, reason="still populated")
 
     async def _kill_leftover_children(self) -> None:
-        """Adopted orphans (as PID 1 or child subreaper) must not outlive the supervisor."""
-        leftovers = _children()
-        if not leftovers:
-            return
-        for proc in leftovers:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        self.log.info("supervisor.killed_leftovers", pids=[p.pid for p in leftovers])
+        """Adopted orphans (as PID 1 or child subreaper) must not outlive the supervisor, nor
+        what they forked: killed, their children are re-parented to us, and killed in turn.
+        Regression: those were never killed, the stop waited ``KILL_WAIT_S`` for them (and
+        as a child subreaper they outlived it)."""
+        killed: dict[int, None] = {}  # (in the order killed)
         with anyio.move_on_after(KILL_WAIT_S):
-            while _children():
+            while True:
                 self.reaper.reap_now()
+                children = _children()
+                if not children:
+                    break
+                for proc in children:
+                    if proc.pid not in killed:
+                        with contextlib.suppress(psutil.Error):
+                            proc.kill()
+                        killed[proc.pid] = None
                 await anyio.sleep(0.01)
+        if killed:
+            self.log.info("supervisor.killed_leftovers", pids=list(killed))
 
     async def _serve_systemd(self) -> None:
         """``WATCHDOG=1`` every half of the manager's timeout; and what the manager must get

@@ -1422,6 +1422,53 @@ def test_as_pid1_a_sigterm_right_at_start_is_not_lost(supervisor: SupervisorFact
     assert sup.wait_event(event="supervisor.exit")["code"] == 0
 
 
+def _in_namespace(pid1: psutil.Process, script: str) -> None:
+    """Run ``sh -c script`` in the PID namespace of ``pid1`` as ``docker exec`` does: a
+    process of the namespace that is no child of its PID 1."""
+    nsenter = shutil.which("nsenter")
+    if nsenter is None:  # pragma: no cover
+        pytest.skip("nsenter (util-linux) is not installed")
+    cmd = [nsenter, "-t", str(pid1.pid), "-p", "-m", "--", "sh", "-c", script]
+    subprocess.run(cmd, check=True, timeout=5, capture_output=True)
+
+
+@pytest.mark.skipif(
+    not _pid1_works(), reason="unshare --pid --fork --mount-proc not permitted here"
+)
+def test_as_pid1_a_stop_kills_what_an_adopted_leftover_forked(
+    supervisor: SupervisorFactory,
+) -> None:
+    """A daemon re-parented to PID 1 that is no worker's (left by a ``docker exec``, or by a
+    worker in a way nothing ties to it) has a child of its own. Regression: the stop killed
+    the daemon, then waited 5 s (KILL_WAIT_S) for its child, re-parented to the supervisor
+    by that kill and never killed: every ``docker stop`` took 5 s more, closer to docker's
+    SIGKILL (and as a child subreaper, under ``--pid=host``, that child outlived the
+    supervisor). Now what turns up among its children while it ends is killed too."""
+    assert unshare is not None
+    sup = supervisor({"workers": [g("plain")]}, prefix=[unshare, "--pid", "--fork", "--mount-proc"])
+    sup.ready("plain-0")
+    inner = psutil.Process(sup.pid).children()[0]
+    _in_namespace(inner, "(sh -c 'sleep 1000 & exec sleep 1001' </dev/null >/dev/null 2>&1 &)")
+
+    def adopted() -> tuple[int, int] | None:
+        with contextlib.suppress(psutil.Error):
+            for child in inner.children():
+                if child.cmdline() == ["sleep", "1001"] and child.children():
+                    return child.pid, child.children()[0].pid
+        return None
+
+    daemon, below = sup.wait_until(adopted, what="a daemon adopted by PID 1, with its child")
+    sup.seen_pids.clear()  # pids inside the namespace mean nothing out here
+    ns_pids = {_ns_pid(psutil.Process(daemon)), _ns_pid(psutil.Process(below))}
+    t0 = time.monotonic()
+    inner.send_signal(signal.SIGTERM)
+    assert sup.wait_exit() == 0
+    elapsed = time.monotonic() - t0
+    assert elapsed < 2.0, elapsed
+    killed = {p for e in sup.find(event="supervisor.killed_leftovers") for p in e["pids"]}
+    assert ns_pids <= killed, (ns_pids, killed)
+
+
 def _blocked_signals(pid: int) -> int:
     """The signal mask of ``pid``'s main thread (``SigBlk:`` of /proc/<pid>/status)."""
     status = Path(f"/proc/{pid}/status").read_text()
