@@ -173,6 +173,19 @@ def running(pid: int) -> bool:
     return st is not None and not st.zombie
 
 
+def is_process(pid: int) -> bool:
+    """``pid`` names a process here (a thread group), not one of its threads: ``/proc/<tid>``
+    answers for a thread's id too, though ``/proc`` does not list it. False when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Tgid:"):
+                    return line.split()[1:2] == [str(pid).encode()]
+    except OSError:
+        pass
+    return False
+
+
 def nspids(pid: int) -> tuple[int, ...]:
     """``NSpid`` of ``/proc/<pid>/status``: the pid here, then in each nested PID namespace.
 

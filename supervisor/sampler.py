@@ -221,7 +221,11 @@ class HostSampler:
                 if st is not None and self.starts.get(pid, st.start_ticks) == st.start_ticks:
                     table[pid] = st
             self._trees = {n: frozenset(t & table.keys()) for n, t in self._trees.items()}
-        visible = frozenset(p for p in gpu_pids if p in table or procfs.read_stat(p) is not None)
+        # a pid NVML lists that exists here; not a thread's id: in a container without the
+        # host PID namespace NVML lists host pids, and one equal to a thread id of ours is no
+        # process of ours (regression: taken for one, the worker alone on that GPU read 0 MiB
+        # instead of the GPU's processes, attributed by device)
+        visible = frozenset(p for p in gpu_pids if p in table or procfs.is_process(p))
         elapsed = None if self._at is None else now - self._at
         cpu_now: dict[tuple[int, int], float] = {}
         trees: dict[str, frozenset[int]] = {}

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -309,3 +310,33 @@ def test_a_process_re_parented_to_us_is_its_workers() -> None:
         assert procfs.adopted_by(left.pid, before.start_ticks - 1, main, var) is None
         assert procfs.adopted_by(other.pid, st.start_ticks, main, var) is None
         assert procfs.adopted_by(left.pid, st.start_ticks, {}, var) is None
+
+
+def test_a_gpu_pid_equal_to_a_thread_id_here_is_not_visible() -> None:
+    """Regression: in a container without the host PID namespace NVML lists host pids; one
+    that equals the id of a thread here (``/proc/<tid>`` answers, though ``/proc`` does not
+    list it) was taken for a process here, so the GPU's processes were not attributed by
+    device and the worker alone on the GPU read 0 MiB. A thread's id is no process here; the
+    process itself is."""
+    started, stop = threading.Event(), threading.Event()
+
+    def run() -> None:
+        started.set()
+        stop.wait(30)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(5) and thread.native_id is not None
+        tid = thread.native_id
+        assert tid != os.getpid() and procfs.read_stat(tid) is not None  # /proc answers
+        with leader_with_child() as (leader, _child):
+            _, _, visible = HostSampler().sample(
+                {"w-0": leader.pid}, gpu_pids=frozenset({tid, os.getpid(), leader.pid})
+            )
+        assert visible == {os.getpid(), leader.pid}
+        assert not procfs.is_process(tid) and procfs.is_process(os.getpid())
+        assert not procfs.is_process(2**22 + 7)  # above pid_max: no such process
+    finally:
+        stop.set()
+        thread.join()
