@@ -31,6 +31,7 @@ from supervisor.config import environment_client_settings as env_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
+    ListenError,
     SupervisorError,
     UsageError,
 )
@@ -49,7 +50,7 @@ from supervisor.processes import (
     resolve_accounts,
     unrunnable,
 )
-from supervisor.records import POSTMORTEM_DIR, PostmortemStore, read_file
+from supervisor.records import POSTMORTEM_DIR, PostmortemStore, check_state_dir_free, read_file
 from supervisor.runtime import Runtime, Service
 from supervisor.views import device_object, redact_argv, redact_url
 
@@ -577,7 +578,13 @@ def _run(args: argparse.Namespace) -> int:
     )
     services: list[Service] = []
     # Bound before anything starts, so a port in use fails here; FastAPI is imported later.
-    bound = open_api(settings.api) if settings.api.listen else None
+    try:
+        bound = open_api(settings.api) if settings.api.listen else None
+    except ListenError:
+        # a second `run` on the same state_dir (a `docker exec`): that is the error to name
+        # (regression: "address already in use", which sent the operator after the port)
+        check_state_dir_free(settings.supervisor.state_dir)
+        raise
     if bound is not None:
         services.append(functools.partial(serve_api, bound))
     try:

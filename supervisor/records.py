@@ -221,20 +221,42 @@ def lock_state_dir(state_dir: Path) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        # the first line only, as it is when a pid (regression: a lock file of several lines,
-        # edited by hand or another tool's, made this error span several lines)
-        lines = os.pread(fd, 32, 0).decode(errors="replace").strip().splitlines()
-        first = lines[0].strip() if lines else ""
-        holder = first if first.isascii() and first.isdigit() else repr(first) if first else None
+        busy = _busy(state_dir, fd)
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             return None  # no locks on this filesystem
-        raise StateDirBusy(
-            f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor "
-            f"(pid {holder or 'unknown'}): give each supervisor a state_dir of its own"
-        ) from None
+        raise busy from None
     write_lock_pid(fd)
     return fd
+
+
+def _busy(state_dir: Path, fd: int) -> StateDirBusy:
+    """The error for ``state_dir`` locked by another supervisor (``fd``: its lock file)."""
+    # the first line only, as it is when a pid (regression: a lock file of several lines,
+    # edited by hand or another tool's, made this error span several lines)
+    lines = os.pread(fd, 32, 0).decode(errors="replace").strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    holder = first if first.isascii() and first.isdigit() else repr(first) if first else None
+    return StateDirBusy(
+        f"supervisor.state_dir {state_dir} is in use by another gpu-supervisor "
+        f"(pid {holder or 'unknown'}): give each supervisor a state_dir of its own"
+    )
+
+
+def check_state_dir_free(state_dir: Path) -> None:
+    """Raise ``StateDirBusy`` when another supervisor holds ``state_dir``'s lock (nothing is
+    locked, made or written: a look before reporting another error that it would cause)."""
+    try:
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise _busy(state_dir, fd) from None
+    finally:
+        os.close(fd)
 
 
 def write_lock_pid(fd: int) -> bool:

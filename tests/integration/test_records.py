@@ -506,6 +506,25 @@ def test_a_second_supervisor_on_the_same_state_dir_refuses_to_start(
     assert third.stop() == 0
 
 
+def test_a_second_supervisor_whose_api_address_the_first_holds_names_the_state_dir(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A second ``run`` of the same config (a ``docker exec``): its API address is the first
+    one's too. Regression: it said "api.listen ...: address already in use", which sent the
+    operator after the port; the cause is the state_dir another supervisor holds, named now."""
+    cfg = {
+        "api": {"listen": f"unix:{tmp_path}/api.sock"},
+        "workers": [group("w", "ready_then_sleep")],
+    }
+    first = supervisor(cfg)
+    first.ready("w-0")
+    second = supervisor(cfg)
+    assert second.wait_exit() == 1
+    busy = f"state_dir {first.state_dir} is in use by another gpu-supervisor (pid {first.pid})"
+    assert second.raw_stderr and busy in second.raw_stderr[-1], second.raw_stderr
+    assert first.stop() == 0
+
+
 def test_a_removed_lock_file_is_made_and_locked_again(supervisor: SupervisorFactory) -> None:
     """Regression: ``state_dir/lock`` removed alone (a temporary-file cleaner ages it out: it is
     written once, at start) was not made again, and a second supervisor started on the same
