@@ -41,6 +41,8 @@ from supervisor.errors import ApiClientError, ConfigError, UsageError, connectio
 if TYPE_CHECKING:
     import httpx
 
+    from supervisor.output import RotatingFile
+
 TOKEN_ENV = "GPU_SUPERVISOR_API_TOKEN"  # noqa: S105 - a variable name, not a secret
 DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 86400.0  # a day: past it the socket layer overflows
@@ -512,7 +514,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if args.command == "health":
         return health(client, args.ready)
     if args.command == "logs":
-        return logs(client, args.name, args.lines, args.follow)
+        local = _local_log(args, client.url) if args.follow else None
+        return logs(client, args.name, args.lines, args.follow, local=local)
     if args.command == "signal":
         return send_signal(client, args.signal, args.name)
     if args.command in ("cordon", "uncordon"):
@@ -548,6 +551,19 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if getattr(args, "wait", False):
         raise UsageError("gpu-supervisor restart: --wait goes with --rolling")
     return command(client, args.command, args.name)
+
+
+def _local_log(args: argparse.Namespace, url: str) -> RotatingFile | None:
+    """Worker ``args.name``'s log files in the ``state_dir`` of ``-c`` (or the environment's),
+    for a supervisor on this machine (None for one elsewhere)."""
+    if not is_local(url):
+        return None
+    from supervisor.output import RotatingFile  # (structlog, anyio: not at every command)
+
+    sup = (
+        client_settings(args.config, warn=False) if args.config else environment_client_settings()
+    ).supervisor
+    return RotatingFile(sup.state_dir / "logs" / f"{args.name}.log", 0, sup.log_backups)
 
 
 def _quote(segment: str) -> str:
@@ -676,9 +692,12 @@ def logs(
     lines: int,
     follow: bool,
     sleep: Callable[[float], object] = time.sleep,
+    local: RotatingFile | None = None,
 ) -> int:
     """``logs NAME [-n N] [-f]``: the last ``lines`` lines of the worker's log, then (``follow``)
-    what comes after them, every byte once across rotations (``GET .../workers/NAME/log``)."""
+    what comes after them, every byte once across rotations (``GET .../workers/NAME/log``).
+    ``local``: the log's files as this machine sees them, where what the worker wrote after
+    the last poll is read once the API no longer answers for it."""
     path = f"{API}/workers/{_quote(name)}/log"
     out = _LogOut(sys.stdout.isatty())
     limit = LOG_TAIL_FIRST if lines else 1  # -n 0: only where the log ends
@@ -709,7 +728,11 @@ def logs(
         except UsageError as exc:
             if "unknown worker" not in str(exc):
                 raise
+            _rest_of_log(local, file, offset, out)
             raise ApiClientError(f"{name} is gone (a reload removed it)") from None
+        except ApiClientError:
+            _rest_of_log(local, file, offset, out)  # its last words, written after our last poll
+            raise
         if answer.headers.get("X-Log-Lost"):
             print(
                 f"gpu-supervisor: some of {name}'s log was gone before it was read "
@@ -723,6 +746,22 @@ def logs(
         file, offset = answer.headers["X-Log-File"], int(answer.headers["X-Log-Offset"])
         if len(answer.content) < LOG_READ_MAX:
             sleep(LOG_POLL_S)
+
+
+def _rest_of_log(local: RotatingFile | None, file: str, offset: int, out: _LogOut) -> None:
+    """What the log files hold after ``file``/``offset`` (a follower's place), read from the
+    files themselves; nothing where they cannot be read or no longer hold that place."""
+    if local is None:
+        return
+    try:
+        while True:
+            chunk = local.read(LOG_READ_MAX, file, offset)
+            if chunk.lost or not chunk.data:  # not that place (nothing said twice), or all
+                return
+            out.write(chunk.data)
+            file, offset = chunk.file, chunk.offset
+    except OSError:  # not this user's to read
+        pass
 
 
 def status(client: Client, as_json: bool) -> int:
@@ -764,10 +803,13 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def _health(d: Mapping[str, Any]) -> str:
-    """A GPU's HEALTH cell: unhealthy (why), hot (healing acts on it: derate, migrate...) or
-    ok."""
+    """A GPU's HEALTH cell: unhealthy (why), suspect (an exited worker's processes still
+    hold memory there: nothing is placed on it), hot (healing acts on it: derate, migrate...)
+    or ok."""
     if not d.get("healthy"):
         return f"UNHEALTHY ({d.get('error') or 'lost'})"
+    if d.get("suspect"):
+        return "SUSPECT (memory still held by an exited worker)" + repair_notes(d)
     return ("HOT" if d.get("hot") else "ok") + repair_notes(d)
 
 

@@ -4,8 +4,10 @@ token), with their exit codes."""
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -694,4 +696,76 @@ def test_client_commands_without_a_config_follow_the_environment(
     bad = cli("status", env={**shell, "GPU_SUPERVISOR_API__LISTEN": "nowhere"})
     assert bad.returncode == 2 and "GPU_SUPERVISOR_API__LISTEN" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
+    assert sup.stop() == 0
+
+
+def test_logs_follow_prints_the_last_words_when_the_supervisor_stops(
+    supervisor: SupervisorFactory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``logs -f`` during a stop of the supervisor (``systemctl stop``, a deploy)
+    lost what the worker wrote after its last poll: its shutdown output and the
+    ``--- gpu-supervisor: exited ... ---`` line, the very lines an operator follows a log
+    for, since the API was gone at the next poll. What is left is read from the log files
+    (this machine's, where the client may read them) before exit 1."""
+    config = {
+        "workers": [{"name": "w", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    sup = supervisor(config)
+    sup.ready("w-0")
+    url = sup.api_url()
+    stopped: list[int] = []
+
+    def stop_between_polls(_: float) -> None:
+        if not stopped:
+            stopped.append(sup.stop())
+
+    monkeypatch.setattr(
+        client_module, "logs", functools.partial(client_module.logs, sleep=stop_between_polls)
+    )
+    argv = ("logs", "-f", "-n", "1", "w-0", "--url", url, "-c", str(sup.config_path))
+    code, out, err = run(capsys, *argv)
+    assert stopped == [0]
+    assert code == 1, (out, err)
+    assert out.startswith("w-0 ") and out.rstrip().endswith(
+        "--- gpu-supervisor: exited: killed by SIGTERM (reason shutdown) ---"
+    ), out
+    assert "Traceback" not in err
+
+
+def test_logs_follow_prints_the_last_words_of_a_worker_a_reload_removes(
+    supervisor: SupervisorFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``logs -f`` of a worker a reload removes (a scale-down) ended with "is gone"
+    without what the worker wrote after the last poll (its ``exited ... (reason reload)``
+    line): the API knows no such worker any more. It is read from the log files first."""
+    keep = {"name": "k", "gpus": "none", "command": worker_cmd("ready_then_sleep")}
+    gone = {**keep, "name": "w"}
+    sup = supervisor({"workers": [keep, gone]})
+    sup.ready("w-0")
+    url = sup.api_url()
+    removed: list[bool] = []
+
+    def reload_between_polls(_: float) -> None:
+        if not removed:
+            mark = sup.mark()
+            sup.write_config({"workers": [keep]})
+            sup.signal(signal.SIGHUP)
+            sup.wait_event(event="supervisor.reload_done", after=mark, timeout=30)
+            removed.append(True)
+
+    monkeypatch.setattr(
+        client_module, "logs", functools.partial(client_module.logs, sleep=reload_between_polls)
+    )
+    argv = ("logs", "-f", "-n", "1", "w-0", "--url", url, "-c", str(sup.config_path))
+    code, out, err = run(capsys, *argv)
+    assert removed and code == 1, (out, err)
+    assert out.startswith("w-0 ") and out.rstrip().endswith(
+        "--- gpu-supervisor: exited: killed by SIGTERM (reason reload) ---"
+    ), out
+    assert err.strip() == "gpu-supervisor: w-0 is gone (a reload removed it)", err
     assert sup.stop() == 0

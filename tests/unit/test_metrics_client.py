@@ -417,3 +417,14 @@ def test_a_wait_on_the_journal_says_when_the_supervisor_restarted(
     with Client("http://127.0.0.1:1", transport=httpx.MockTransport(handler)) as client:
         assert _wait_rollout(client, "g", 41) == 1
     assert "the supervisor restarted meanwhile" in capsys.readouterr().err
+
+
+def test_status_says_a_suspect_gpu_is_not_placed_on() -> None:
+    """Regression: a GPU marked suspect (an exited worker's processes still hold memory on it
+    after the GPU-release barrier: nothing is placed on it) showed HEALTH ``ok`` in
+    ``gpu-supervisor status``, the one place an operator looks when a worker does not start
+    again there."""
+    suspect = {"id": 0, "uuid": UUID0, "name": "Sim", "healthy": True, "suspect": True}
+    row = format_status({"devices": [suspect]}, []).splitlines()[1]
+    assert "ok" not in row.split(), row
+    assert "SUSPECT" in row, row
