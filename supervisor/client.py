@@ -306,9 +306,14 @@ class Client:
                 f"no answer from the supervisor at {self.url} (timed out)"
             ) from None
         except httpx.TransportError as exc:
+            reason = connection_reason(exc)
+            if reason == "permission denied":  # it runs; this user may not open its socket
+                raise ApiClientError(
+                    f"cannot reach the supervisor at {self.url}: permission denied (run as "
+                    "a user who may open its socket, e.g. the service's user or group)"
+                ) from None
             raise ApiClientError(
-                f"cannot reach the supervisor at {self.url}: is it running? "
-                f"({connection_reason(exc)})"
+                f"cannot reach the supervisor at {self.url}: is it running? ({reason})"
             ) from None
         except httpx.DecodingError as exc:  # no transport error: a body its encoding garbles
             raise ApiClientError(

@@ -102,4 +102,6 @@ def connection_reason(exc: BaseException) -> str:
         return "connection refused"
     if "No such file" in text or "Errno 2" in text:
         return "no such socket"
+    if "Permission denied" in text or "Errno 13" in text:
+        return "permission denied"
     return text

@@ -428,3 +428,30 @@ def test_status_says_a_suspect_gpu_is_not_placed_on() -> None:
     row = format_status({"devices": [suspect]}, []).splitlines()[1]
     assert "ok" not in row.split(), row
     assert "SUSPECT" in row, row
+
+
+def test_a_socket_this_user_may_not_open_is_not_said_to_be_down() -> None:
+    """Regression: a unix socket the user may not open (the supervisor runs; its socket is
+    the service user's, mode 0660) read "cannot reach ...: is it running? ([Errno 13]
+    Permission denied)", which sent the operator to look for a supervisor that runs. It says
+    permission denied and whose socket to use; a socket nobody listens on is still "is it
+    running?"."""
+    import httpx
+
+    from supervisor.client import Client
+    from supervisor.errors import ApiClientError
+
+    for errno_text, said in (
+        ("[Errno 13] Permission denied", "permission denied (run as a user who may open"),
+        ("[Errno 111] Connection refused", "is it running? (connection refused)"),
+    ):
+
+        def handler(request: httpx.Request, text: str = errno_text) -> httpx.Response:
+            raise httpx.ConnectError(text, request=request)
+
+        with (
+            Client("http://127.0.0.1:1", transport=httpx.MockTransport(handler)) as client,
+            pytest.raises(ApiClientError) as caught,
+        ):
+            client.json("/api/v1/workers")
+        assert said in str(caught.value), caught.value
