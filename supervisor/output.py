@@ -594,8 +594,10 @@ class _Shown:
         if not self.told:
             on_line(_text(self.cur))
         # the middle not told yet (a window's first MATCH_OVERLAP bytes were), but for the end
-        # piece's part
-        if len(self.mid) > END_PIECE + MATCH_OVERLAP:
+        # piece's part: whenever the end piece starts past the middle's start, told up to
+        # MATCH_OVERLAP into it (regression: not where it started less than MATCH_OVERLAP
+        # after what was told, and an error across that place was missed)
+        if len(self.mid) > END_PIECE:
             on_line(self.mid[: len(self.mid) - END_PIECE + MATCH_OVERLAP].decode(errors="replace"))
         if self.cur_len > MAX_LINE:
             on_line(_end_text(self.cur if self.cur_len <= _HELD else self.cur_end, self.cur_len))

@@ -247,7 +247,10 @@ def check_state_dir_free(state_dir: Path) -> None:
     """Raise ``StateDirBusy`` when another supervisor holds ``state_dir``'s lock (nothing is
     locked, made or written: a look before reporting another error that it would cause)."""
     try:
-        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # (O_NONBLOCK: a FIFO in its place would block the open)
+        fd = os.open(
+            state_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        )
     except OSError:
         return
     try:

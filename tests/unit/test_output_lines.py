@@ -16,7 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.output import _READ_SIZE, CUT_MARK, END_PIECE, MAX_LINE, WorkerOutput
+from supervisor.output import (
+    _READ_SIZE,
+    CUT_MARK,
+    END_PIECE,
+    MATCH_OVERLAP,
+    MAX_LINE,
+    WorkerOutput,
+)
 
 PREFIX = b"[w-0] "
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -134,10 +141,12 @@ def test_on_line_sees_the_end_of_a_long_line(make: Make, size: int) -> None:
     for chunk in chunks(data, size):
         out.feed(chunk)
     end = ("z" * 20_000 + " " + error)[-END_PIECE:]
-    assert seen[:3] == ["z" * MAX_LINE, end, "é" * (MAX_LINE // 2)]
+    at = seen.index(end)  # the first line's start, its middle (overlapping the end), its end
+    assert seen[0] == "z" * MAX_LINE and all(set(s) == {"z"} for s in seen[1:at]), seen[1:at]
+    assert seen[at + 1] == "é" * (MAX_LINE // 2)
     assert seen[-2:] == ["é" * (END_PIECE // 2), error]
     # the middle of the second (windows cut where they fall: a character cut is replaced)
-    assert all(set(s) <= {"é", "\ufffd"} for s in seen[3:-2]), seen[3:-2]
+    assert all(set(s) <= {"é", "\ufffd"} for s in seen[at + 2 : -2]), seen[at + 2 : -2]
 
 
 @settings(max_examples=60, deadline=None)
@@ -167,6 +176,33 @@ def test_on_line_sees_a_sticky_error_anywhere_in_a_long_line(at: int, size: int,
     assert any(error in s for s in seen), (at, size)
     assert all(len(s.encode()) <= MAX_LINE for s in seen)
     assert seen[-1] == "next"
+
+
+@pytest.mark.parametrize("windows", [0, 1, 3])
+@pytest.mark.parametrize("size", [_READ_SIZE, 997])
+def test_on_line_sees_a_sticky_error_where_the_end_piece_meets_what_was_told(
+    make: Make, windows: int, size: int
+) -> None:
+    """Regression: where the end piece (the last END_PIECE bytes) began less than MATCH_OVERLAP
+    bytes after what had been told of the line (its start, or the last window of its middle),
+    a sticky error across that place was in neither: the untold middle was told only when it
+    was longer than END_PIECE + MATCH_OVERLAP, though the end piece no longer overlapped it
+    from END_PIECE on."""
+    error = "CUDA error: an illegal memory access was encountered"
+    # the line ends a little less than END_PIECE bytes past the last byte told (its first
+    # MAX_LINE bytes, then ``windows`` windows of the middle), the error across that byte
+    told = MAX_LINE + windows * (MAX_LINE - MATCH_OVERLAP)
+    length = told + END_PIECE - 6
+    start = told - 20
+    line = ("z" * start + error).encode()
+    line += b"y" * (length - len(line))
+    seen: list[str] = []
+    out = make()
+    out.on_line = seen.append
+    for chunk in chunks(line + b"\nnext\n", size):
+        out.feed(chunk)
+    assert any(error in s for s in seen), [len(s) for s in seen]
+    assert all(len(s.encode()) <= MAX_LINE for s in seen)
 
 
 @pytest.mark.parametrize("length", [MAX_LINE - 1, MAX_LINE, MAX_LINE + 1, 2 * MAX_LINE + 1])
@@ -437,7 +473,9 @@ def test_a_too_long_segment_is_told_once_and_overwritten_as_a_terminal_does(make
     data = b"x" * 20_000 + b"\rshort\r\n"
     for chunk in chunks(data, 3000):
         out.feed(chunk)
-    assert told == ["x" * MAX_LINE, "x" * END_PIECE, "short"]
+    # its start, its middle up to where the end piece overlaps it, its end; then the next
+    assert told[0] == "x" * MAX_LINE and told[-2:] == ["x" * END_PIECE, "short"], told
+    assert all(set(t) == {"x"} for t in told[1:-2]) and len(told) <= 4, told
     assert out.lines() == [
         "short"
         + "x" * (MAX_LINE - 5)

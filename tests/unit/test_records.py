@@ -1145,3 +1145,25 @@ def test_lifts_kept_while_a_flag_stays_on_are_read_back(tmp_path: Path) -> None:
     )
     got = read_quarantine(tmp_path, "b")
     assert (got.gpus, got.lifted, got.unreadable) == ({GPU_A: "XID 79"}, {}, None)
+
+
+@pytest.mark.timeout(10)
+def test_the_state_dir_check_before_an_api_error_does_not_hang_on_a_fifo(tmp_path: Path) -> None:
+    """Regression: a FIFO at ``state_dir/lock`` made the look at the lock (a second ``run``
+    whose API address is taken) block in its read-only open, for ever. It opens without
+    blocking; a lock held by another process is still reported."""
+    from supervisor.errors import StateDirBusy
+    from supervisor.records import check_state_dir_free, lock_state_dir
+
+    os.mkfifo(tmp_path / "lock")
+    check_state_dir_free(tmp_path)  # returns: nothing holds it
+    held = tmp_path / "held"
+    held.mkdir()
+    fd = lock_state_dir(held)
+    assert fd is not None
+    try:
+        with pytest.raises(StateDirBusy, match=f"pid {os.getpid()}"):
+            check_state_dir_free(held)
+    finally:
+        os.close(fd)
+    check_state_dir_free(held)
