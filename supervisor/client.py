@@ -756,17 +756,16 @@ def logs(
 def _rest_of_log(local: RotatingFile | None, file: str, offset: int, out: _LogOut) -> None:
     """What the log files hold after ``file``/``offset`` (a follower's place), read from the
     files themselves; nothing where they cannot be read or no longer hold that place."""
-    if local is None:
-        return
     try:
-        while True:
+        while local is not None:
             chunk = local.read(LOG_READ_MAX, file, offset)
             if chunk.lost or not chunk.data:  # not that place (nothing said twice), or all
-                return
+                break
             out.write(chunk.data)
             file, offset = chunk.file, chunk.offset
     except OSError:  # not this user's to read
         pass
+    out.lost()  # nothing follows: a character or CRLF cut short is shown as it is
 
 
 def status(client: Client, as_json: bool) -> int:

@@ -455,3 +455,24 @@ def test_a_socket_this_user_may_not_open_is_not_said_to_be_down() -> None:
         ):
             client.json("/api/v1/workers")
         assert said in str(caught.value), caught.value
+
+
+def test_logs_follow_shows_what_was_held_back_when_the_follow_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: ``logs -f`` on a terminal holds back a carriage return at the end of a read
+    (a CRLF's, if a newline follows) and the bytes of a character cut by the read; when the
+    follow ended (the supervisor stopped, the worker was removed) they were never shown. They
+    are shown as they are once nothing follows."""
+    from supervisor import client as client_module
+    from supervisor.client import _LogOut, _rest_of_log
+
+    shown: list[bytes] = []
+    monkeypatch.setattr(client_module, "_out", shown.append)
+    for tail, expected in ((b"\r", "\\x0d"), ("é".encode()[:1], "\\xc3")):
+        shown.clear()
+        out = _LogOut(terminal=True)
+        out.write(b"done" + tail)
+        assert b"".join(shown).decode() == "done"
+        _rest_of_log(None, "", 0, out)
+        assert b"".join(shown).decode() == "done" + expected, shown
