@@ -329,6 +329,9 @@ class Runtime:
         #: group -> the definitions that roll-outs which halted (or were superseded) part-way
         #: rolled onto some of its workers, while it is dirty (in ``_halted``)
         self._halted_defs: dict[str, list[WorkerGroup]] = {}
+        #: worker -> the definition its spec was planned from (a reload's roll-out sets it
+        #: worker by worker): a worker planned again on other GPUs keeps it
+        self._defs: dict[str, WorkerGroup] = {}
         self._state_lock: int | None = None  # the fd holding state_dir's lock (records)
         self._lock_lost: str | None = None  # why state_dir could not be locked again
         #: held while the lock fd is written to (writer thread) or replaced (the loop)
@@ -1536,7 +1539,7 @@ class Runtime:
                     )
                 return spec
             return unplaced
-        new = self._spec_on(group, spec.index, chosen)
+        new = self._spec_on(self._defs.get(runner.name, group), spec.index, chosen)
         self.log.info(
             "worker.moved",
             worker=runner.name,
@@ -1603,7 +1606,7 @@ class Runtime:
         with ``event`` and ``fields``."""
         self._unplaced.pop(runner.name, None)
         self.log.info(event, worker=runner.name, **fields)
-        return self._spec_on(group, runner.spec.index, chosen)
+        return self._spec_on(self._defs.get(runner.name, group), runner.spec.index, chosen)
 
     def _place_one(self, runner: WorkerRunner, slots: list[GpuSlot]) -> tuple[str, ...] | None:
         """GPUs for ``runner`` alone on ``slots``, the others where they are (PlacementError).
@@ -1773,6 +1776,7 @@ class Runtime:
 
     def _make_runner(self, group: WorkerGroup, index: int, plan: Plan) -> WorkerRunner:
         spec = next(g for g in plan.groups if g.group.name == group.name).workers[index]
+        self._defs[spec.name] = group
         sup = self.settings.supervisor
         output = WorkerOutput(
             spec.name,
@@ -1856,6 +1860,7 @@ class Runtime:
         if names is not None and runner.name in names:
             names.remove(runner.name)
         self.runners.pop(runner.name, None)
+        self._defs.pop(runner.name, None)
         # its series leave /metrics; one of the same name added later starts from 0, as the
         # worker object's `restarts` does
         for key in [k for k in self.restarts_total if k[0] == runner.name]:
@@ -3711,9 +3716,18 @@ class Runtime:
                 before.health.host_memory_limit_mb == group.health.host_memory_limit_mb
                 or not self.cgroups.support.memory
             )
-            rolled = await self._roll_group(
-                group, plan, resume=name in resumed, scaled=name in diff.scaled, in_place=in_place
-            )
+            held = self._ports_left_held(name, plan, first)
+            if held and not self._reload_superseded():
+                self._halt_on_held_ports(name, plan, held, first)
+                rolled = False
+            else:
+                rolled = await self._roll_group(
+                    group,
+                    plan,
+                    resume=name in resumed,
+                    scaled=name in diff.scaled,
+                    in_place=in_place,
+                )
             if not rolled and self._halted_at.get(name, {}).get("superseded"):
                 left.add(name)
             if not self._shutting_down:
@@ -3730,6 +3744,47 @@ class Runtime:
                 self._halted_defs.setdefault(name, []).append(group)
         finally:
             ended.set()
+
+    def _ports_left_held(
+        self, name: str, plan: Plan, others: Collection[str]
+    ) -> list[tuple[int, WorkerRunner]]:
+        """Ports ``name``'s new workers take that a worker of ``others`` (changed groups whose
+        roll-out ``name`` waited for) still holds, or starts on next: that roll-out halted
+        before it moved the worker off (each such port with its holder)."""
+        specs = next(g for g in plan.groups if g.group.name == name).workers
+        taken = {s.port for s in specs if s.port is not None}
+        held = []
+        for other in others:
+            for runner in self._targets(other):
+                port = runner.held_port() or runner.spec.port
+                if port in taken:
+                    held.append((port, runner))
+        return sorted(held, key=lambda item: item[0])
+
+    def _halt_on_held_ports(
+        self,
+        name: str,
+        plan: Plan,
+        held: Sequence[tuple[int, WorkerRunner]],
+        others: Collection[str],
+    ) -> None:
+        """Halt ``name``'s roll-out before it begins: its new workers would start beside the
+        servers still on their ports (a bind refused, or the old server answering the new
+        worker's readiness probe). Regression: they did, and the good definition of ``name``
+        halted, blamed for it, with its replaced worker crash-looping."""
+        ports = ", ".join(f"{port} ({runner.name})" for port, runner in held)
+        why = (
+            f"the roll-out of {', '.join(others)} halted with its workers still on ports this "
+            f"group's new workers take: {ports}; not starting beside them"
+        )
+        specs = next(g for g in plan.groups if g.group.name == name).workers
+        on_port = next((self.runners.get(s.name) for s in specs if s.port == held[0][0]), None)
+        mine = on_port or next(iter(self._targets(name)), None)
+        if mine is not None:
+            self._rollout_halted(name, mine, why)
+        else:
+            self.log.error("supervisor.rollout_halted", group=name, reason=why)
+            self._halted_at[name] = {"reason": why}
 
     async def _stop_group(self, name: str) -> None:
         runners = self._targets(name)
@@ -3814,10 +3869,13 @@ class Runtime:
         launch) go back to the old one if the roll-out halts: "the rest keep the old config"
         (regression: they kept the new timing while the supervisor said the old one ran)."""
         kept: list[tuple[WorkerRunner, LaunchSpec, lc.Timing, bool]] = []
+        defs = {n: d for n, d in self._defs.items() if d.name == group.name}
         rolled = await self._roll_each(group, plan, resume, scaled, in_place, kept)
         if not rolled:
             for runner, spec, timing, passthrough in kept:
                 runner.reconfigure(spec, timing, passthrough)
+                if runner.name in defs:
+                    self._defs[runner.name] = defs[runner.name]
                 if runner.state is WorkerState.STARTING:
                     runner.post(lc.Retime())
         return rolled
@@ -3891,6 +3949,7 @@ class Runtime:
                     # start_timeout_s); one in backoff starts on it at its next start
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
+                    self._defs[runner.name] = group
                     runner.rolled_by = self._covered
                     if runner.state is WorkerState.STARTING:
                         runner.post(lc.Retime())
@@ -3902,6 +3961,7 @@ class Runtime:
                 if runner.state is WorkerState.STOPPED or passed_over(runner):
                     kept.append((runner, runner.spec, runner.timing, runner.output.passthrough))
                     runner.reconfigure(spec, timing, group.log_passthrough)
+                    self._defs[runner.name] = group
                     runner.rolled_by = self._covered
                     if runner.record.waiting_for_gpu:  # the new plan may have one for it now
                         runner.post(lc.GpuFreed())
@@ -3909,6 +3969,7 @@ class Runtime:
                 if not await self._others_back(group.name, runner, keep=new_names):
                     return False  # (not set to the new plan: it keeps the old config)
                 runner.reconfigure(spec, timing, group.log_passthrough)
+                self._defs[runner.name] = group
                 runner.rolled_by = self._covered
                 attempts = runner.spawn_attempts
                 going_down = _going_down(runner)

@@ -1527,3 +1527,43 @@ def test_a_lift_of_a_quarantine_outlives_a_restart_while_the_gpus_flag_stays_on(
     set_gpu(tmp_path, 0, **dict.fromkeys(flag, 0))  # reset: the lift is over, and so the file
     again.wait_until(lambda: not (again.state_dir / "quarantine").exists(), "the file removed")
     assert again.stop() == 0
+
+
+def test_a_worker_a_roll_out_has_not_reached_keeps_its_definition_when_healing_moves_it(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A reload rolls a failing definition (a worker that never becomes ready) onto ``m``;
+    while the new m-0 loads, XID 79 on m-1's GPU moves m-1 to another GPU. Regression
+    (bench/chaos.py --mix rollout): m-1 was planned again on its new GPU from the definition
+    in force, the one being rolled out: it started on the failing definition, outside the
+    roll-out (which then halted at m-0, "the rest keep the old config"), and the group had
+    no worker left serving. A worker healing moves keeps the definition it runs."""
+    group: dict[str, Any] = {
+        "name": "m",
+        "replicas": 2,
+        "max_workers_per_gpu": 1,
+        "command": sim("100"),
+        "start_timeout_s": 3,
+        "restart": {"delay_s": 0, "stable_s": 0.5},
+    }
+    sup = supervisor(config(tmp_path, group, sim_devices=3))
+    sup.ready("m-0")
+    sup.ready("m-1")
+    with sup.api() as api:
+        (gpu,) = api.get("/api/v1/workers/m-1").json()["gpus"]
+    mark = sup.mark()
+    failing = {**group, "command": worker_cmd("never_ready")}
+    sup.write_config(config(tmp_path, failing, sim_devices=3))
+    sup.signal(signal.SIGHUP)
+    new_m0 = sup.wait_event(event="worker.spawned", worker="m-0", after=mark)
+    assert new_m0["argv"][1].endswith("never_ready.py")
+    xid(tmp_path, int(gpu[-1]), 79)
+    moved = sup.wait_event(event="worker.moved", worker="m-1", after=mark, timeout=20)
+    assert gpu not in moved["new_gpus"], moved
+    spawned = sup.wait_event(event="worker.spawned", worker="m-1", after=mark)
+    assert spawned["argv"][1].endswith("sim_worker.py"), spawned["argv"]
+    sup.ready("m-1", after=mark)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert done["halted"] == ["m"], done
+    assert sup.find(event="worker.state", worker="m-1", new="ready", after=mark)
+    assert sup.stop() == 0

@@ -22,7 +22,7 @@ import pytest
 from supervisor import procfs
 from supervisor.cgroups import PREFIX
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT, Supervisor, most_not_ready, worker_cmd
+from tests.harness import ROOT, Supervisor, alive, most_not_ready, worker_cmd
 from tests.harness import client as cli_client
 
 
@@ -444,6 +444,34 @@ def test_a_group_taking_a_port_another_changed_group_moves_off_waits_for_its_rol
     (spawned,) = sup.find(event="worker.spawned", worker="b-0", after=mark)
     assert sup.events.index(moved) < sup.events.index(spawned)
     assert ports(sup) == [("a-0", 19211), ("a-1", 19212), ("b-0", 19202)]
+    assert sup.stop() == 0
+
+
+def test_a_group_taking_ports_a_halted_roll_out_left_held_does_not_roll_out(
+    supervisor: SupervisorFactory,
+) -> None:
+    """As above, but ``a``'s new definition fails: its roll-out halts at a-0, and a-1 keeps
+    the old config, on the port b-0's new definition takes. Regression (bench/chaos.py --mix
+    rollout): b's roll-out began once a's ended, and started b-0 beside a-1, still serving on
+    that port (a-1 answered b-0's readiness probe, b-0's bind failed; the good definition of
+    b halted, blamed for it). b's roll-out now halts before it begins, saying why, and b-0
+    keeps serving on its old port; the next reload rolls both groups again."""
+    a = served("a", 19401, replicas=2)
+    b = served("b", 19431)
+    sup = started(supervisor, [a, b], "a-0", "a-1", "b-0")
+    (b0,) = sup.find(event="worker.spawned", worker="b-0")
+    mark = sup.mark()
+    broken_a = {**a, "port_base": 19411, "command": worker_cmd("exit_with_code", "3")}
+    sup.write_config({"workers": [broken_a, {**b, "port_base": 19402}]})
+    sup.signal(signal.SIGHUP)
+    done = sup.wait_event(event="supervisor.reload_done", after=mark, timeout=20)
+    assert sorted(done["halted"]) == ["a", "b"], done
+    halted = sup.find(event="supervisor.rollout_halted", group="b", after=mark)
+    assert halted and "a-1" in halted[0]["reason"] and "19402" in halted[0]["reason"], halted
+    assert not sup.find(event="worker.spawned", worker="b-0", after=mark)
+    assert alive(b0["pid"])
+    assert dict(ports(sup))["a-1"] == 19402
+    assert dict(ports(sup))["b-0"] == 19431
     assert sup.stop() == 0
 
 
