@@ -138,7 +138,9 @@ class RuntimeCollector(Collector):
             ]
         for d in sample.devices if sample is not None else ():
             labels = [str(d.index), d.uuid, d.name]
-            labels_of.setdefault(d.uuid, labels)
+            # the GPU's index now (regression: the one it had when the backend opened, on
+            # GPUs renumbered since)
+            labels_of[d.uuid] = labels
             _put(util, labels, d.utilization_percent)
             _put(used, labels, None if d.memory_used_mb is None else d.memory_used_mb * MIB)
             _put(total, labels, None if d.memory_total_mb is None else d.memory_total_mb * MIB)
@@ -217,6 +219,9 @@ class RuntimeCollector(Collector):
             WORKER_LABELS,
         )
         index_of = {i.uuid: str(i.index) for i in rt.sampler.identities}
+        # each GPU's index now, also for one added or renumbered since the backend opened
+        # (regression: its UUID, or the index it had then)
+        index_of.update((d.uuid, str(d.index)) for d in (sample.devices if sample else ()))
         group_of: dict[str, str] = {}
         for runner in rt.workers():
             obj: dict[str, Any] = rt.worker_object(runner)

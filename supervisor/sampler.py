@@ -417,6 +417,13 @@ class Sampler:
         self.library_absent = False
         if self.identities:
             self._gpus_opened.set()
+        elif self._seen:
+            # it lists none of the GPUs seen before (re-initialised while the driver was still
+            # bringing them up): opened again with backoff until it does. Regression: it was
+            # never opened again, and the GPUs stayed lost (their quarantine not liftable)
+            # until the supervisor was restarted
+            self._reopen_at = time.monotonic() + self._reopen_delay
+            self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
         # the backoff starts over after a good sample, not here: a backend that opens but
         # fails every sample (UNINITIALIZED on every call) would otherwise reopen every 2 s
         self._remember(self.identities)
@@ -427,6 +434,10 @@ class Sampler:
             uuids=[i.uuid for i in self.identities],
         )
         return True
+
+    def _lists_none(self) -> bool:
+        """The backend opened but lists no GPU, though GPUs were seen before: opened again."""
+        return self.available and not self.identities and bool(self._seen)
 
     def _remember(self, identities: Iterable[DeviceIdentity]) -> None:
         for ident in identities:
@@ -613,7 +624,7 @@ class Sampler:
         """Take one sample now."""
         self._said_returned()
         if (
-            not self.available
+            (not self.available or self._lists_none())
             and self.backend is not None
             and time.monotonic() >= self._reopen_at
             and self.stuck_for_s() is None  # never a second call under one that hangs
@@ -674,7 +685,8 @@ class Sampler:
             )
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
         elif sample.nvml_available:
-            self._reopen_delay = REOPEN_INITIAL_S
+            if not self._lists_none():
+                self._reopen_delay = REOPEN_INITIAL_S
             self._identified(sample.devices)
         self.last = sample
         self._on_sample(sample)

@@ -471,15 +471,27 @@ class SimBackend:
         self._events_offset += len(data)
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
-        uuids = {i.index: i.uuid for i in self._identities}
+        uuids: dict[int, str | None] = {}
         out = []
         for raw in lines:
             parts = raw.split()
             if len(parts) != 2 or not all(p.isdigit() and len(p) <= MAX_DIGITS for p in parts):
                 continue  # an overlong number: int() refuses thousands of digits
             index = int(parts[0])
-            out.append(XidEvent(index, uuids.get(index), int(parts[1]), self._clock()))
+            if index not in uuids:
+                uuids[index] = self._uuid_at(index)
+            out.append(XidEvent(index, uuids[index], int(parts[1]), self._clock()))
         return out
+
+    def _uuid_at(self, index: int) -> str | None:
+        """The UUID of the GPU that has ``index`` now (None: no such device file). Regression:
+        the index was named from the devices at ``open()``, so after GPUs swapped indices an
+        XID went to the GPU that had the index then (its workers restarted, it quarantined)."""
+        try:
+            with open(self.world / "gpus" / str(index), encoding="utf-8") as fh:
+                return _Device(index, parse_kv(fh.read())).uuid
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def wait_xid(self, timeout_s: float) -> list[XidEvent]:
         """Wait up to ``timeout_s`` for new lines in ``events``."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.backends.sim import SimBackend
+from supervisor.backends.sim import SimBackend, default_device_text, write_atomic
 from tests.conftest import SupervisorFactory
 from tests.harness import (
     Supervisor,
@@ -1915,3 +1915,165 @@ b.close()
     # 300 s of passing errors at a retry every 30 s: the first 10 samples, then lost
     assert "unidentified: " + str([True] * 10 + [False] * 2) in out, out
     assert "back: [(True, False), (True, False)]" in out, out
+
+
+def swap_gpus(sup: Supervisor, world: Path, backend: str) -> None:
+    """``gpus/0`` and ``gpus/1`` trade places (a driver reload renumbering the GPUs; for NVML
+    across a re-init, where the index order may change); wait until the supervisor lists UUID1
+    as GPU 0."""
+    first = sup.wait_event(event="gpu.backend")
+    gpu0, gpu1 = ((world / "gpus" / str(i)).read_text() for i in (0, 1))
+    if backend == "nvml":
+        nvml_down(sup, world)
+    write_atomic(world / "gpus" / "1", gpu0)
+    write_atomic(world / "gpus" / "0", gpu1)
+    if backend == "nvml":
+        again = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+        assert again["uuids"] == [UUID1, UUID0]
+    sup.wait_api(
+        "/api/v1/gpu/status",
+        lambda s: [(d["id"], d["uuid"]) for d in s["devices"]] == [(0, UUID1), (1, UUID0)],
+    )
+
+
+def test_an_xid_by_index_goes_to_the_gpu_at_that_index_now(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """Regression: GPUs 0 and 1 swap their indices while the supervisor runs (the sim world
+    re-read, or NVML re-initialised after an outage); an XID on GPU 0 restarted the worker of
+    the GPU that had index 0 when the backend opened (the sim backend named the event's GPU
+    from that first enumeration), not the worker on the GPU that has index 0 now."""
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "10")},
+    )
+    assert sup.wait_line("[g-0] ", endswith=f"ready on {UUID0}")
+    assert sup.wait_line("[g-1] ", endswith=f"ready on {UUID1}")
+    sup.ready("g-0")
+    sup.ready("g-1")
+    swap_gpus(sup, tmp_path / "sim", backend[0])
+    mark = sup.mark()
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("0 13\n")
+    ev = sup.wait_event(event="gpu.xid", after=mark)
+    assert (ev["gpu"], ev["uuid"]) == (0, UUID1)
+    action = sup.wait_event(event="heal.action", reason="xid", after=mark, timeout=20)
+    assert (action["action"], action["worker"]) == ("restart", "g-1")
+    assert not sup.find(event="heal.action", worker="g-0", after=mark)
+    assert sup.stop() == 0
+
+
+def metric_labels(sup: Supervisor, family: str, **match: str) -> list[dict[str, str]]:
+    """The label sets of ``family``'s samples that have the ``match`` labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with sup.api() as http:
+        text = http.get("/metrics").text
+    return [
+        dict(s.labels)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == family and all(s.labels.get(k) == v for k, v in match.items())
+    ]
+
+
+def test_metrics_gpu_labels_follow_gpus_that_swap_indices(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """Regression: after GPUs 0 and 1 swapped indices while the supervisor ran (the sim world
+    re-read), `worker_gpu_memory_bytes` and `gpu_xid_errors_total` still labelled each GPU
+    with the index it had when the backend opened (`gpu="0"` on the GPU the device series
+    and the API call GPU 1)."""
+    sup = start(
+        supervisor, tmp_path, backend, {"name": "g", "command": worker_cmd("gpu_user", "10")}
+    )
+    assert sup.wait_line("[g-0] ", endswith=f"ready on {UUID0}")
+    swap_gpus(sup, tmp_path / "sim", backend[0])
+    mark = sup.mark()
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("0 63\n")  # informational: counted only
+    sup.wait_event(event="gpu.xid", after=mark)
+    sup.wait_event(event="gpu.sample", after=mark, workers=lambda w: w["g-0"]["gpu_mb"] == 10.0)
+
+    def labels() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        memory = metric_labels(sup, "gpu_supervisor_worker_gpu_memory_bytes", worker="g-0")
+        xids = metric_labels(sup, "gpu_supervisor_gpu_xid_errors_total", xid="63")
+        return [(m["gpu"], m["uuid"]) for m in memory], [(x["gpu"], x["uuid"]) for x in xids]
+
+    # (/metrics is rendered off the loop: a young rendering may be served first)
+    want = ([("1", UUID0)], [("0", UUID1)])
+    sup.wait_until(lambda: labels() == want, "the gpu labels of the indices now", timeout=5)
+    assert sup.stop() == 0
+
+
+def test_a_gpu_added_at_runtime_is_placed_on_and_labelled_by_its_index(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A GPU appears while the supervisor runs (`gpus/1` written after the start, one GPU
+    before): a worker scaled up is placed on it, the API lists it. Regression: the worker's
+    `worker_gpu_memory_bytes` series had the GPU's UUID as its `gpu` label, not its index
+    (the index was looked up among the GPUs of the backend's open only)."""
+    world = tmp_path / "sim"
+    SimBackend(world, 1).open()
+    group = {"name": "g", "max_workers_per_gpu": 1, "command": worker_cmd("gpu_user", "10")}
+    sup = start(supervisor, tmp_path, ("sim", {}), group)
+    sup.ready("g-0")
+    write_atomic(world / "gpus" / "1", default_device_text(1))
+    sup.wait_api("/api/v1/gpu/status", lambda s: [d["id"] for d in s["devices"]] == [0, 1])
+    mark = sup.mark()
+    sup.write_config(
+        {
+            "supervisor": {"sample_interval_s": 0.1},
+            "gpu": {"backend": "sim", "sim_dir": str(world)},
+            "workers": [{"log_passthrough": True, "stop_timeout_s": 2, **group, "replicas": 2}],
+        }
+    )
+    sup.signal(signal.SIGHUP)
+    assert sup.wait_line("[g-1] ", endswith=f"ready on {UUID1}")
+    sup.wait_event(
+        event="gpu.sample", after=mark, workers=lambda w: w.get("g-1", {}).get("gpu_mb") == 10.0
+    )
+
+    def labels() -> list[tuple[str, str]]:
+        found = metric_labels(sup, "gpu_supervisor_worker_gpu_memory_bytes", worker="g-1")
+        return [(m["gpu"], m["uuid"]) for m in found]
+
+    # (/metrics is rendered off the loop: a young rendering may be served first)
+    sup.wait_until(lambda: labels() == [("1", UUID1)], "the gpu label 1", timeout=5)
+    assert sup.stop() == 0
+
+
+def test_gpus_listed_again_after_a_reinit_that_found_none_are_seen(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML is initialised again while the driver lists no GPU yet (device count 0), then the
+    GPUs are back. Regression: NVML was never initialised again (it had opened, with no GPU),
+    so the GPUs stayed lost for good: their quarantine could not be lifted (409, "does not
+    answer") and no worker was placed on them until the supervisor was restarted."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    first = sup.wait_event(event="gpu.backend")
+    gpu0 = nvml_down(sup, world)
+    (world / "gpus").rename(world / "gpus.off")
+    (world / "gpus").mkdir()
+    empty = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+    assert empty["devices"] == 0
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID0, reason="gpu_lost")
+    (world / "gpus").rmdir()
+    (world / "gpus.off").rename(world / "gpus")
+    write_atomic(world / "gpus" / "0", gpu0)
+    again = sup.wait_event(event="gpu.backend", after=sup.events.index(empty) + 1, timeout=15)
+    assert again["uuids"] == [UUID0, UUID1]
+    sup.wait_event(
+        event="gpu.sample",
+        after=sup.events.index(again),
+        devices=lambda d: d[UUID0]["healthy"] is True,
+    )
+    with sup.api() as http:
+        lifted = http.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "true"})
+        assert lifted.status_code == 200, lifted.text
+    assert sup.stop() == 0
