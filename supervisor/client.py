@@ -210,11 +210,13 @@ def resolve(
     *,
     warn: bool = True,
     read_only: bool = False,
+    open_only: bool = False,
 ) -> tuple[str, str | None]:
     """``(url, token)`` from ``--url``, ``-c FILE`` and the environment. ``read_only``: the
     command only GETs (``status``, ``health``), which needs no token unless ``auth_read``: a
     token file this user cannot read is then no error (the service user's 0600 file, read by
-    an operator's shell or a probe)."""
+    an operator's shell or a probe). ``open_only``: the command asks only what never needs a
+    token (``health``: ``/healthz``): the token file is not read at all."""
     environ = os.environ if environ is None else environ
     api = client_settings(config, warn=warn).api if config else environment_client_settings().api
     if url is None:
@@ -239,7 +241,7 @@ def resolve(
     token = environ.get(TOKEN_ENV, "").strip() or None
     if token is not None and (problem := token_problem(token)) is not None:
         raise UsageError(f"gpu-supervisor: {TOKEN_ENV}: {problem}")
-    if token is None and api.token_file is not None:
+    if token is None and api.token_file is not None and not open_only:
         if read_only and not api.auth_read and not os.access(api.token_file, os.R_OK):
             return url, None
         token = read_token_file(api.token_file)
@@ -500,6 +502,9 @@ def main(args: argparse.Namespace) -> int:
         args.config,
         warn=args.command not in ("reload", "health"),
         read_only=args.command in ("status", "health", "logs"),
+        # (regression: with auth_read, a token file this user cannot read failed a liveness
+        # check that needs no token)
+        open_only=args.command == "health" and not args.ready,
     )
     with Client(url, token, args.timeout) as client:
         try:

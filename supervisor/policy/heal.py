@@ -275,7 +275,9 @@ def candidate_acts(
     on_gpu = sorted(n for n, v in workers.items() if f.gpu in v.gpus and not _came_after(f, v))
     acts: list[Act] = []
     if f.kind == "xid_worker":
-        acts += [act("restart", n) for n in on_gpu]
+        # a worker without a process (about to spawn, at the release barrier) holds no CUDA
+        # context the XID could have broken: its next process comes after it
+        acts += [act("restart", n) for n in on_gpu if workers[n].has_process]
     elif f.kind in ("xid_device", "gpu_lost", "row_remap_failure") or (
         f.kind == "recovery_action" and f.evidence.get("recovery_action") in RECOVERY_QUARANTINES
     ):

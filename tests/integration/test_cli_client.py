@@ -240,6 +240,36 @@ def test_health_follows_the_config_and_exits_1_for_every_failure(
     assert run(capsys, "status", "--url", "http://127.0.0.1:1", "--timeout", "0")[0] == 2
 
 
+def test_health_needs_no_token_file_with_auth_read(
+    supervisor: SupervisorFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``/healthz`` answers without a token, ``auth_read`` or not. Regression: with
+    ``auth_read = true`` and a token file this user could not read (the service user's 0600
+    file, read by a probe or an operator's shell; here: gone), ``health`` failed (exit 1) on
+    a supervisor that answered. ``health --ready`` (``/readyz``, behind ``auth_read``) and
+    ``status`` still need it."""
+    token = tmp_path / "token"
+    token.write_text("t" * 40 + "\n")
+    token.chmod(0o600)
+    cfg_doc: dict[str, Any] = {
+        "api": {
+            "listen": f"unix:{tmp_path}/api.sock",
+            "token_file": str(token),
+            "auth_read": True,
+        },
+        "workers": [{"name": "up", "gpus": "none", "command": worker_cmd("ready_then_sleep")}],
+    }
+    sup = supervisor(cfg_doc)
+    sup.ready("up-0")
+    cfg = str(sup.config_path)
+    token.unlink()
+    code, out, err = run(capsys, "health", "-c", cfg)
+    assert code == 0 and out.startswith("ok: gpu-supervisor "), (out, err)
+    code, _, err = run(capsys, "health", "-c", cfg, "--ready")
+    assert code == 1 and "api.token_file" in err, err
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

@@ -3,7 +3,10 @@ comments say, and stop cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -40,3 +43,27 @@ def test_the_demo_starts_breaks_its_flaky_workers_and_stops_on_ctrl_c(
     assert death["reason"] in ("exit", "log_pattern"), death
     sup.signal(signal.SIGINT)
     assert sup.wait_exit() == 0
+
+
+@pytest.mark.parametrize("config", sorted(ROOT.glob("examples/*.toml")), ids=lambda p: p.name)
+def test_every_example_config_passes_check_config_without_a_warning(
+    config: Path, tmp_path: Path
+) -> None:
+    """The README and each example's comments tell a new user to run it as it is
+    (`make demo`, `gpu-supervisor run -c examples/torch.toml`): each must pass
+    `check-config`, on simulated GPUs (the machine's own would vary), with nothing to warn
+    about: no unknown key, no program that cannot be run from the checkout, no plan warning."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_SUPERVISOR_")}
+    env |= {"GPU_SUPERVISOR_GPU__BACKEND": "sim", "GPU_SUPERVISOR_GPU__SIM_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "supervisor", "check-config", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=ROOT,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("config ok: "), result.stdout
+    assert "warning" not in result.stderr, result.stderr

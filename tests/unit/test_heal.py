@@ -666,3 +666,22 @@ def test_a_worker_fatal_xid_on_a_shared_gpu_stays_shared_after_the_first_restart
     workers["w-0"] = WorkerView("w", R, (G0,), started_at=11.0)
     d = decide(d.deferred, workers, policies, 12.0, {})
     assert acts_of(d) == [("restart", "w-2", G0, "xid")] and d.deferred == ()
+
+
+def test_a_deferred_xid_restarts_no_worker_that_has_no_process_yet() -> None:
+    """XID 13 on GPU-0 at t=10, deferred: w-2 (placed on GPU-0) was stopped by an operator,
+    holding the group at max_unavailable. At t=30 the operator starts w-2 again: it is
+    ``starting``, its process not spawned yet. It held no CUDA context when the XID happened
+    and holds none now, so the XID restarts w-0 only. Regression: w-2 got a healing "restart"
+    too: a `heal.action` warning, `actions_total{action="restart",reason="xid"}`, a journal
+    `heal.restart` and a webhook for a worker that was not running at the XID (and, where
+    its spawn came before the restart was taken, its brand-new process was killed)."""
+    xid = Finding("xid_worker", "XID 13", gpu=G0, at=10.0)
+    policies = {"w": GroupPolicy()}
+    workers = {
+        "w-0": WorkerView("w", R, (G0,), started_at=1.0),
+        "w-2": WorkerView("w", WorkerState.STARTING, (G0,), has_process=False),
+    }
+    assert [a.worker for a in candidate_acts(xid, workers, policies)] == ["w-0"]
+    d = decide([xid], workers, policies, 30.0, {})
+    assert acts_of(d) == [("restart", "w-0", G0, "xid")] and d.deferred == ()
