@@ -424,6 +424,9 @@ class Runtime:
         #: workers a placement roll-out left serving unplaced for want of room: tried again
         #: once one of them fits (``_no_room_fits``)
         self._no_room: set[str] = set()
+        #: worker -> the GPUs its start was placed on (prepared, not spawned yet): where it
+        #: counts for the placements made meanwhile (``_assignments``)
+        self._prepared_gpus: dict[str, tuple[str, ...] | None] = {}
         self.cordoned: set[str] = set()
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
@@ -911,7 +914,16 @@ class Runtime:
         return usable, held
 
     def _assignments(self) -> dict[str, tuple[str, ...] | None]:
-        return {r.name: r.spec.gpus for r in self.workers()}
+        """Each worker's GPUs: those its start was just placed on while it is spawned."""
+        out = {}
+        for r in self.workers():
+            out[r.name] = r.spec.gpus
+            if r.name in self._prepared_gpus:
+                if r.state is WorkerState.STARTING and r.record.pid is None:
+                    out[r.name] = self._prepared_gpus[r.name]
+                else:  # spawned (its spec says so now), or that start is over
+                    del self._prepared_gpus[r.name]
+        return out
 
     def _build_plan(
         self,
@@ -1308,10 +1320,14 @@ class Runtime:
         process's cgroup empties, the GPU-release barrier, its turn to start
         (``max_starting``), then re-place off unusable GPUs. A string: why there is no GPU to
         start on now (the worker waits for one)."""
+        self._prepared_gpus.pop(runner.name, None)
         await self._port_free(runner)
         prepared = await self._prepare_gpus(runner)
         if isinstance(prepared, str) or runner.state is not WorkerState.STARTING:
             return prepared  # (stopped meanwhile: not used, nothing to pin or say)
+        # counted on its new GPUs at once, not once its spawn is made (regression: two
+        # workers placed at the same sample both took the one GPU with room for one)
+        self._prepared_gpus[runner.name] = prepared.gpus
         return self._pinned_now(prepared, pinned=runner.spec.cpus is not None)
 
     def _loading(self) -> set[str]:
@@ -1861,6 +1877,7 @@ class Runtime:
             names.remove(runner.name)
         self.runners.pop(runner.name, None)
         self._defs.pop(runner.name, None)
+        self._prepared_gpus.pop(runner.name, None)
         # its series leave /metrics; one of the same name added later starts from 0, as the
         # worker object's `restarts` does
         for key in [k for k in self.restarts_total if k[0] == runner.name]:

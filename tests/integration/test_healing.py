@@ -1567,3 +1567,38 @@ def test_a_worker_a_roll_out_has_not_reached_keeps_its_definition_when_healing_m
     assert done["halted"] == ["m"], done
     assert sup.find(event="worker.state", worker="m-1", new="ready", after=mark)
     assert sup.stop() == 0
+
+
+def test_workers_moved_together_onto_a_gpu_with_room_for_one_take_it_one(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: XID 79 on GPU 0 and GPU 1 at once quarantines both; g-0 and g-1 (one
+    worker a GPU, max_workers_per_gpu 1) are drained off them and their restarts wait for
+    the same sample to see their old processes' memory let go. Each was then placed without
+    seeing the other's choice (made, not yet started): both started on GPU 2, two workers on
+    a GPU meant for one. One starts there; the other waits for a GPU."""
+    group: dict[str, Any] = {
+        "name": "g",
+        "replicas": 2,
+        "max_workers_per_gpu": 1,
+        "command": sim("100"),
+    }
+    sup = supervisor(config(tmp_path, group, sim_devices=3))
+    sup.ready("g-0")
+    sup.ready("g-1")
+    with sup.api() as api:
+        on = {w: api.get(f"/api/v1/workers/{w}").json()["gpus"] for w in ("g-0", "g-1")}
+    assert sorted(on.values()) == [[UUID0], [UUID1]], on
+    mark = sup.mark()
+    with open(tmp_path / "sim" / "events", "a") as fh:
+        fh.write("0 79\n1 79\n")
+
+    def settled() -> bool:
+        spawned = {e["worker"] for e in sup.find(event="worker.spawned", after=mark)}
+        waiting = {e["worker"] for e in sup.find(event="worker.waiting_gpu", after=mark)}
+        return len(spawned) == 2 or (len(spawned) == 1 and len(waiting) == 1)
+
+    sup.wait_until(settled, "one worker started on GPU 2, the other waiting", timeout=10)
+    spawned = sup.find(event="worker.spawned", after=mark)
+    assert len(spawned) == 1, spawned
+    assert sup.stop() == 0
