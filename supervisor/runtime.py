@@ -789,14 +789,19 @@ class Runtime:
         return out
 
     def _others_mb(self, sample: Sample, d: DeviceSample) -> float | None:
-        """The memory held on ``d`` by processes that are no worker of ours (another
-        supervisor's workers, the driver): its used memory less what our workers hold there;
-        None where that is not known (its use, or that of a worker of ours placed there)."""
+        """The memory held on ``d`` that no budget of ours accounts for: processes that are no
+        worker of ours (another supervisor's workers, the driver) and our workers without a
+        ``gpu_memory_limit_mb`` (regression: what those held was left out, so a budget was
+        placed on a GPU they had filled): its used memory less what our budgeted workers hold
+        there; None where that is not known (its use, or that of one of those workers)."""
         if d.memory_used_mb is None:
             return None
         ours = 0.0
         for name, usage in sample.workers.items():
             runner = self.runners.get(name)
+            group = None if runner is None else self.settings.group(runner.spec.group)
+            if group is not None and not group.health.gpu_memory_limit_mb:
+                continue  # its use is as much in the way of a budget as another's
             if usage.gpu_memory_mb is None:
                 if runner is not None and d.uuid in (runner.spec.gpus or ()):
                     return None

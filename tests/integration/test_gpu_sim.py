@@ -1024,3 +1024,29 @@ def test_a_stop_and_start_during_the_gpu_release_barrier_still_waits_for_the_rel
         suspect = sup.find(event="gpu.suspect", worker="b-0", after=mark)
         assert suspect and sup.events.index(suspect[0]) < sup.events.index(spawned)
     assert sup.stop() == 0
+
+
+def test_a_budget_is_not_placed_where_a_worker_of_ours_without_one_fills_the_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """One GPU of 81920 MiB; a-0 (no ``gpu_memory_limit_mb``) holds 70000 MiB of it. A reload
+    adds group b with a 20000 MiB budget: it does not fit there, and the reload is refused
+    (placement) with the room left. Regression: only budgets and memory of processes that are
+    no workers of ours counted, so a-0's 70000 MiB were left out and b was placed there, to run
+    out of memory beside it."""
+    a = {"name": "a", "command": worker_cmd("gpu_user", "70000")}
+    sup = supervisor(config(tmp_path, a, sim_devices=1), log_level="debug")
+    sup.ready("a-0")
+    worker_mb(sup, "a-0", 70000.0)
+    b = {
+        "name": "b",
+        "command": worker_cmd("ready_then_sleep"),
+        "health": {"gpu_memory_limit_mb": 20000},
+    }
+    mark = sup.mark()
+    sup.write_config(config(tmp_path, a, b, sim_devices=1))
+    sup.signal(signal.SIGHUP)
+    rejected = sup.wait_event(event="supervisor.reload_rejected", after=mark)
+    assert "MB left for budgets, needs 20000" in rejected["error"], rejected
+    assert not sup.find(event="worker.spawned", worker="b-0")
+    assert sup.stop() == 0
