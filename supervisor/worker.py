@@ -839,7 +839,9 @@ async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]
     except httpx.TimeoutException:
         return timed_out
     except httpx.HTTPError as exc:
-        if _caused_by(exc, ssl.SSLCertVerificationError):
+        # an https URL asked of a plain HTTP server (WRONG_VERSION_NUMBER) is as much a
+        # mistake of the URL's (regression: the worker restarted as hung, again and again)
+        if _caused_by(exc, ssl.SSLCertVerificationError) or _plain_http(exc):
             return None, connection_reason(exc)[:200]
         return False, connection_reason(exc)[:200]
     except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
@@ -858,8 +860,19 @@ async def _get(client: Any, url: str, timeout: float) -> int:
 
     request = client.build_request("GET", url, timeout=timeout)
     redirects = 0
+    retried = False
     while True:
-        response = await client.send(request, stream=True, follow_redirects=False)
+        try:
+            response = await client.send(request, stream=True, follow_redirects=False)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            # a kept-alive connection the server closed as the request went out (its idle
+            # timeout ran out just then: uvicorn's and Node's 5 s) is no answer of the
+            # worker's: asked once more, on a new connection (regression: a failed probe,
+            # and a healthy worker restarted as hung)
+            if retried:
+                raise
+            retried = True
+            continue
         try:
             read = 0
             async for chunk in response.aiter_raw():
@@ -876,6 +889,22 @@ async def _get(client: Any, url: str, timeout: float) -> int:
             raise httpx.TooManyRedirects("Exceeded maximum allowed redirects.", request=following)
         redirects += 1
         request = following
+
+
+def _plain_http(exc: BaseException) -> bool:
+    """``exc`` says a TLS handshake got a plain HTTP answer (OpenSSL's WRONG_VERSION_NUMBER)."""
+    import ssl
+
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError) and (
+            seen.reason == "WRONG_VERSION_NUMBER" or "wrong version number" in str(seen)
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:

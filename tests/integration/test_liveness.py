@@ -218,3 +218,44 @@ def test_an_https_url_whose_certificate_is_refused_restarts_nothing(
     assert not sup.find(event="worker.liveness_failed")
     assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
     assert sup.stop() == 0
+
+
+def test_a_kept_alive_connection_the_worker_closed_as_it_was_asked_is_no_failure(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the probes keep their connection to the worker alive between probes; a
+    server closes an idle one after its keep-alive timeout (uvicorn's and Node's: 5 s), and a
+    probe sent just as it did ("Server disconnected without sending a response") counted as a
+    failed probe: a healthy worker, probed about as often as its keep-alive timeout, was
+    restarted as hung. Such a probe is asked once more, on a new connection."""
+    group = {
+        **web(tmp_path, 18969, **fast(liveness_failures=1)),
+        "command": worker_cmd("keepalive_race"),
+    }
+    sup = supervisor({"workers": [group]})
+    sup.ready("web-0")
+    seen = len(sup.stdout)
+    for _ in range(4):  # the readiness probe's answer, then liveness probes on kept connections
+        found = sup.wait_line("[web-0] ", endswith="answered 200", after=seen)
+        seen = sup.stdout.index(found, seen) + 1
+    assert not sup.find(event="worker.liveness_probe", worker="web-0")
+    assert not sup.find(event="worker.liveness_failed")
+    assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
+    assert sup.stop() == 0
+
+
+def test_an_https_url_asked_of_a_plain_http_worker_restarts_nothing(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """``liveness_url`` says https, the worker serves plain HTTP: no probe can get an answer
+    (WRONG_VERSION_NUMBER), which a restart does not mend. Said once
+    (``liveness_probe_failed``), not probed again (regression: the healthy worker was
+    restarted as hung every few probes, forever)."""
+    live = fast(liveness_url="https://127.0.0.1:{port}/health", liveness_failures=2)
+    sup = supervisor({"workers": [web(tmp_path, 18968, **live)]})
+    sup.ready("web-0")
+    failed = sup.wait_event(event="worker.liveness_probe_failed", worker="web-0")
+    assert "version" in failed["error"].lower(), failed
+    assert not sup.find(event="worker.liveness_failed")
+    assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
+    assert sup.stop() == 0
