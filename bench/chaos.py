@@ -558,6 +558,24 @@ class Chaos:
                     ro["overdue"] = True
                     self.violate(f"roll-out not ended in {ro['bound']:g} s: {ro}")
 
+    def lift_all_and_start(self) -> None:
+        """The quiet period's first step: every quarantine lifted (a lift is refused, 409,
+        until a sample has seen the GPU answer again: tried for 15 s), every group started."""
+        lifting = set(range(self.ngpu))
+        deadline = time.monotonic() + 15
+        while lifting and time.monotonic() < deadline:
+            for i in sorted(lifting):
+                r = self.api.post(f"/api/v1/gpus/{i}/uncordon", params={"lift_quarantine": "true"})
+                if r.status_code != 409:
+                    lifting.discard(i)
+            time.sleep(0.2)
+        if lifting:
+            self.violate(f"quarantines of GPUs {sorted(lifting)} not lifted in 15 s")
+        for g in self.groups:
+            if g["replicas"]:
+                code = self.api.post(f"/api/v1/groups/{g['name']}/start").status_code
+                self.log("start group", g["name"], code)
+
     def violate(self, what: str) -> None:
         self.violations.append(what)
         self.log("VIOLATION", what[:2000])
@@ -1699,20 +1717,7 @@ class Chaos:
         self.hold("every roll-out ends", still_open, max(5.0, left - time.time()))
         self.judge_clients(final=True)
         self.hold("a failing definition only where its roll-out halted", self.bad_spread, 10)
-        lifting = set(range(self.ngpu))
-        deadline = time.monotonic() + 15
-        while lifting and time.monotonic() < deadline:
-            for i in sorted(lifting):
-                r = self.api.post(f"/api/v1/gpus/{i}/uncordon", params={"lift_quarantine": "true"})
-                if r.status_code != 409:
-                    lifting.discard(i)
-            time.sleep(0.2)
-        if lifting:
-            self.violate(f"quarantines of GPUs {sorted(lifting)} not lifted in 15 s")
-        for g in self.groups:
-            if g["replicas"]:
-                code = self.api.post(f"/api/v1/groups/{g['name']}/start").status_code
-                self.log("start group", g["name"], code)
+        self.lift_all_and_start()
         # the workers a roll-out passed over (stopped, waiting for a GPU) start on its plan
         done = {g for g, ro in self.last_roll.items() if ro["end"]["type"] == "rollout.done"}
 
@@ -1820,21 +1825,7 @@ class Chaos:
             ):
                 self.log(f"telemetry back {time.monotonic() - t:.1f} s after the faults cleared")
         self.check("quiet", 30)
-        # a lift is refused (409) until a sample has seen the GPU answer again
-        lifting = set(range(self.ngpu))
-        deadline = time.monotonic() + 15
-        while lifting and time.monotonic() < deadline:
-            for i in sorted(lifting):
-                r = self.api.post(f"/api/v1/gpus/{i}/uncordon", params={"lift_quarantine": "true"})
-                if r.status_code != 409:
-                    lifting.discard(i)
-            time.sleep(0.2)
-        if lifting:
-            self.violate(f"quarantines of GPUs {sorted(lifting)} not lifted in 15 s")
-        for g in self.groups:
-            if g["replicas"]:
-                code = self.api.post(f"/api/v1/groups/{g['name']}/start").status_code
-                self.log("start group", g["name"], code)
+        self.lift_all_and_start()
         # a derated worker is restored thermal_clear_s after its GPU cooled (30 s by default)
         deadline = time.monotonic() + (30 if self.mix == "healing" else 45)
         notready: list[tuple[str, str]] = []
