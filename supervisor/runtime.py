@@ -2774,7 +2774,9 @@ class Runtime:
             key = ("lift_quarantine", "operator")
             self.actions_total[key] = self.actions_total.get(key, 0) + 1
             self.recorder.mark(urgent=True)
-        if was != cmd.cordon:
+        # a cordon of a GPU cordoned for heat makes it the operator's: said and counted as a
+        # cordon (regression: nothing said, the GPU being cordoned already)
+        if was != cmd.cordon or (cmd.cordon and cmd.uuid not in operator_before):
             kind = "gpu.cordon" if cmd.cordon else "gpu.uncordon"
             self.log.info(kind, gpu=cmd.uuid, reason="operator")
             self.journal.append(self.clock.wall(), kind, None, gpu=cmd.uuid, reason="operator")

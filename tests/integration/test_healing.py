@@ -1234,6 +1234,14 @@ def test_an_operator_cordon_outlives_the_heat_cordon(
     # and it is the operator's now, kept across a restart (regression: not written, as the GPU
     # was cordoned already)
     assert (sup.state_dir / "cordons").read_text() == f"{UUID0}\n"
+    # said as the operator's cordon it is (regression: nothing in the log, the journal or
+    # actions_total, the GPU being cordoned already, for heat)
+    assert sup.find(event="gpu.cordon", gpu=UUID0, reason="operator")
+    with sup.api() as api:
+        events = api.get("/api/v1/events").json()
+        metrics = api.get("/metrics").text
+    assert [e for e in events if e["type"] == "gpu.cordon" and e["gpu"] == UUID0]
+    assert 'gpu_supervisor_actions_total{action="cordon",reason="operator"} 1.0' in metrics
     assert sup.stop() == 0
 
 
