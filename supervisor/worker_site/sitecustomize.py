@@ -273,11 +273,16 @@ def _arm(mark: types.ModuleType) -> None:
         reporter = Reporter(address, every)
         reporter.start()
         os.register_at_fork(before=reporter.before_fork, after_in_child=reporter.forked)
-        # Stop before the program's own exit handlers tear torch down (threading's hook runs
-        # before atexit's); Python 3.8 has only atexit.
+        # Stop before the program's own exit handlers tear torch down, but not while threads
+        # it left serve on: threading's hook runs as the main thread returns, before those
+        # threads are joined, and registers the stop with atexit, whose handlers run once
+        # they are (the last registered runs first). Python 3.8 has only atexit.
         register = getattr(threading, "_register_atexit", None)
-        try:  # noqa: SIM105 - contextlib is not loaded for this
-            (register or atexit.register)(reporter.stop)
+        try:
+            if register is None:
+                atexit.register(reporter.stop)
+            else:
+                register(lambda: atexit.register(reporter.stop))
         except RuntimeError:
             pass  # torch imported during shutdown
 

@@ -490,3 +490,58 @@ def test_a_process_that_never_imports_torch_pays_for_no_extra_modules(tmp_path: 
         [sys.executable, "-c", code + ran], env=env, capture_output=True, text=True, timeout=30
     )
     assert with_site.stdout == without.stdout + "True\n", (with_site.stderr, without.stderr)
+
+
+SERVES_AFTER_MAIN = textwrap.dedent(
+    """
+    import sys, threading, torch  # tests/fake_torch
+
+    torch.cuda.init()
+    torch.cuda.set_allocated(0, 3 * 2**20)
+
+
+    def serve():
+        threading.main_thread().join()  # the main thread has returned: this one serves on
+        torch.cuda.set_allocated(0, 5 * 2**20)
+        sys.stdin.read()  # until the test closes stdin
+
+
+    threading.Thread(target=serve).start()
+    """
+)
+
+
+def test_it_reports_while_non_daemon_threads_serve_after_the_main_thread_returned(
+    listener: socket.socket, tmp_path: Path
+) -> None:
+    """A program whose main thread returns while its non-daemon threads go on serving (a pool
+    it left working, a server thread it started last) is not exiting: the reporter reports on.
+    Regression: it stopped when the main thread returned, so such a worker's reports went
+    stale (a rank's leak was missed: its memory left the worker's sum)."""
+    program = tmp_path / "worker.py"
+    program.write_text(SERVES_AFTER_MAIN)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([WORKER_SITE_DIR, FAKE_TORCH]),
+        "GPU_SUPERVISOR_IN_USE_SOCKET": str(tmp_path / "notify.sock"),
+        "GPU_SUPERVISOR_IN_USE_EVERY_S": "0.05",
+    }
+    proc = subprocess.Popen([sys.executable, str(program)], env=env, stdin=subprocess.PIPE)
+    listener.settimeout(2)
+    try:
+        seen = []
+        while b"X_GPU_MEMORY_IN_USE_MB=5.0" not in seen:
+            try:
+                seen.append(listener.recv(4096))
+            except TimeoutError:
+                break
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert b"X_GPU_MEMORY_IN_USE_MB=5.0" in seen, seen
+    assert proc.returncode == 0
