@@ -892,7 +892,8 @@ async def _get(client: Any, url: str, timeout: float) -> int:
 
 
 def _plain_http(exc: BaseException) -> bool:
-    """``exc`` says a TLS handshake got a plain HTTP answer (OpenSSL's WRONG_VERSION_NUMBER)."""
+    """``exc`` says a TLS handshake got a plain HTTP answer (OpenSSL's WRONG_VERSION_NUMBER;
+    RECORD_LAYER_FAILURE from OpenSSL 3.2 on: regression, not taken for one there)."""
     import ssl
 
     seen: BaseException | None = exc
@@ -900,7 +901,9 @@ def _plain_http(exc: BaseException) -> bool:
         if seen is None:
             return False
         if isinstance(seen, ssl.SSLError) and (
-            seen.reason == "WRONG_VERSION_NUMBER" or "wrong version number" in str(seen)
+            seen.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE")
+            or "wrong version number" in str(seen)
+            or "record layer failure" in str(seen)
         ):
             return True
         seen = seen.__cause__ or seen.__context__

@@ -255,7 +255,8 @@ def test_an_https_url_asked_of_a_plain_http_worker_restarts_nothing(
     sup = supervisor({"workers": [web(tmp_path, 18968, **live)]})
     sup.ready("web-0")
     failed = sup.wait_event(event="worker.liveness_probe_failed", worker="web-0")
-    assert "version" in failed["error"].lower(), failed
+    # (WRONG_VERSION_NUMBER; "record layer failure" from OpenSSL 3.2 on)
+    assert any(w in failed["error"].lower() for w in ("version", "record layer")), failed
     assert not sup.find(event="worker.liveness_failed")
     assert len(sup.find(event="worker.spawned", worker="web-0")) == 1
     assert sup.stop() == 0

@@ -238,3 +238,34 @@ def test_each_worker_is_probed_through_a_connection_pool_of_its_own(
         for server in servers:
             server.shutdown()
             server.server_close()
+
+
+class _TlsToPlainHttp(httpx.AsyncBaseTransport):
+    """The TLS handshake of an https URL answered in plain HTTP, as Python built on OpenSSL
+    3.2 or later says it (this machine's OpenSSL may say WRONG_VERSION_NUMBER instead)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        import ssl
+
+        error = ssl.SSLError(1, "[SSL: RECORD_LAYER_FAILURE] record layer failure (_ssl.c:1000)")
+        error.reason = "RECORD_LAYER_FAILURE"
+        error.library = "SSL"
+        try:
+            raise error
+        except ssl.SSLError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+
+
+def test_an_https_url_of_a_plain_http_server_is_unaskable_on_openssl_3_2_too() -> None:
+    """Regression: an https liveness URL asked of a worker serving plain HTTP is a mistake of
+    the URL's (None: not probed again), but only OpenSSL's WRONG_VERSION_NUMBER was taken for
+    it; OpenSSL 3.2 and later say RECORD_LAYER_FAILURE ("record layer failure") for the same
+    answer, and there the healthy worker was restarted as hung, again and again."""
+
+    async def probe() -> tuple[bool | None, str]:
+        async with httpx.AsyncClient(transport=_TlsToPlainHttp()) as client:
+            with anyio.fail_after(5):  # the test's own bound
+                return await _ask(client, "https://127.0.0.1:1/health", 1.0)
+
+    ok, why = anyio.run(probe)
+    assert ok is None and "record layer failure" in why, (ok, why)
