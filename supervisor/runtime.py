@@ -939,7 +939,9 @@ class Runtime:
         """Plan ``settings``; workers of the groups in ``keep`` stay on their GPUs;
         ``unplaced``: see ``plan.place`` (None: a worker that cannot be placed raises)."""
         slots = self.slots()
-        fixed = {r.name: r.spec.gpus for r in self.workers() if r.spec.group in keep}
+        # where each is, or was just placed to start (``_assignments``)
+        now = self._assignments()
+        fixed = {r.name: now[r.name] for r in self.workers() if r.spec.group in keep}
         return build_plan(
             settings,
             self._worker_environ(),
