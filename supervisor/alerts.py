@@ -245,6 +245,13 @@ class Alerter:
         being delivered (its POST in flight ends on its own); how many were dropped."""
         count = len(self._queue)
         self._queue.clear()
+        if count:
+            self._log.info(
+                "alerts.pending_dropped",
+                url=self.log_url,
+                count=count,
+                reason="webhook_url removed by a reload",
+            )
         self.url = ""
         return count
 

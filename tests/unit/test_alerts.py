@@ -502,10 +502,15 @@ def test_send_refuses_without_url_and_rate_limits_per_key() -> None:
 
 
 def test_forget_drops_what_is_queued() -> None:
-    """A reload removed the URL: what was queued for it is not delivered."""
+    """A reload removed the URL: what was queued for it is not delivered, and that is said
+    (regression: dropped without a word, as only a shutdown's drop was logged)."""
     alerter = Alerter("http://x.invalid/")
     assert alerter.send(doc(1)) and alerter.send(doc(2))
-    assert alerter.forget() == 2 and alerter.pending() == 0
+    with capture_logs() as logs:
+        assert alerter.forget() == 2 and alerter.pending() == 0
+        assert alerter.forget() == 0  # nothing left: nothing said
+    dropped = [e for e in logs if e["event"] == "alerts.pending_dropped"]
+    assert [(e["count"], e["reason"]) for e in dropped] == [(2, "webhook_url removed by a reload")]
 
 
 def test_send_never_raises() -> None:
