@@ -252,7 +252,7 @@ def test_an_https_url_asked_of_a_plain_http_worker_restarts_nothing(
     (``liveness_probe_failed``), not probed again (regression: the healthy worker was
     restarted as hung every few probes, forever)."""
     live = fast(liveness_url="https://127.0.0.1:{port}/health", liveness_failures=2)
-    sup = supervisor({"workers": [web(tmp_path, 18968, **live)]})
+    sup = supervisor({"workers": [web(tmp_path, 18970, **live)]})
     sup.ready("web-0")
     failed = sup.wait_event(event="worker.liveness_probe_failed", worker="web-0")
     # (WRONG_VERSION_NUMBER; "record layer failure" from OpenSSL 3.2 on)

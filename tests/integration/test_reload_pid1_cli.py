@@ -405,12 +405,12 @@ def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
     holding its port (`worker.port_still_held`: a bind refused, or a-1 answering b-0's
     readiness probe). A worker the reload drops whose port another changed group takes is
     now removed first."""
-    a = served("a", 18961, replicas=2)
-    b = served("b", 18965)
+    a = served("a", 18956, replicas=2)
+    b = served("b", 18958)
     sup = started(supervisor, [a, b], "a-0", "a-1", "b-0")
     mark = sup.mark()
     slow_a = {**a, "command": worker_cmd("http_ready", "4"), "replicas": 1}
-    sup.write_config({"workers": [slow_a, {**b, "port_base": 18962}]})
+    sup.write_config({"workers": [slow_a, {**b, "port_base": 18957}]})
     sup.signal(signal.SIGHUP)
     spawned = sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
     gone = sup.find(event="worker.exited", worker="a-1", after=mark)
@@ -418,7 +418,7 @@ def test_a_port_another_changed_group_takes_is_handed_on_before_the_roll_outs(
     sup.ready("b-0", after=mark)
     sup.wait_event(event="supervisor.reload_done", after=mark, halted=[], timeout=20)
     assert not sup.find(event="worker.port_still_held", after=mark)
-    assert ports(sup) == [("a-0", 18961), ("b-0", 18962)]
+    assert ports(sup) == [("a-0", 18956), ("b-0", 18957)]
     assert sup.stop() == 0
 
 
