@@ -18,8 +18,8 @@ demo: venv
 	$(BIN)/gpu-supervisor run -c examples/demo.toml
 
 ## test: lint, type-check, layering contracts, then the whole test suite (three at a time on two
-## cores: most tests wait on real processes; 6:49 instead of 8:07-8:27 two at a time). Tests
-## whose workers bind fixed ports share an xdist_group.
+## cores: most tests wait on real processes; 6:49 instead of 8:07-8:27 two at a time). A fixed
+## port a test's workers bind belongs to that test alone (tests/unit/test_fixed_ports.py).
 test: venv lint typecheck
 	$(BIN)/python -m pytest -n 3 --dist loadgroup
 
