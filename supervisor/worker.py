@@ -12,7 +12,7 @@ import math
 import os
 import signal
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -896,30 +896,30 @@ def _plain_http(exc: BaseException) -> bool:
     RECORD_LAYER_FAILURE from OpenSSL 3.2 on: regression, not taken for one there)."""
     import ssl
 
-    seen: BaseException | None = exc
-    for _ in range(10):
-        if seen is None:
-            return False
-        if isinstance(seen, ssl.SSLError) and (
+    return any(
+        isinstance(seen, ssl.SSLError)
+        and (
             seen.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE")
             or "wrong version number" in str(seen)
             or "record layer failure" in str(seen)
-        ):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+        )
+        for seen in _causes(exc)
+    )
 
 
 def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
     """``exc`` is, or was raised from, a ``kind``."""
+    return any(isinstance(seen, kind) for seen in _causes(exc))
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or during, ten deep at most."""
     seen: BaseException | None = exc
     for _ in range(10):
         if seen is None:
-            return False
-        if isinstance(seen, kind):
-            return True
+            return
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def is_idle(runner: WorkerRunner) -> bool:
