@@ -546,6 +546,18 @@ class ThermalTrack:
     hot_since: float | None = None  # the condition has held since
     cool_since: float | None = None  # the cool condition has held since
     why: str = ""
+    #: the readings the GPU gave while hot (clock-event reasons; temperature and threshold):
+    #: it is cool again only on those, a sample without one of them does not count as cool
+    clocks_seen: bool = False
+    temperature_seen: bool = False
+
+
+def _readings(d: DeviceSample) -> tuple[bool, bool]:
+    """Whether the sample has the clock-event reasons, and the temperature with its threshold."""
+    return (
+        d.clocks_event_reasons is not None,
+        d.temperature_c is not None and d.temperature_slowdown_c is not None,
+    )
 
 
 def hot_reason(d: DeviceSample, s: ThermalSettings) -> str | None:
@@ -563,9 +575,14 @@ def hot_reason(d: DeviceSample, s: ThermalSettings) -> str | None:
     return None
 
 
-def _cool(d: DeviceSample, s: ThermalSettings) -> bool:
+def _cool(track: ThermalTrack, d: DeviceSample, s: ThermalSettings) -> bool | None:
+    """True: cool; False: not; None: not known (a reading the GPU gave while hot is missing,
+    e.g. NVML answered a passing error for it)."""
     if THERMAL_REASONS.intersection(d.throttle_reasons or ()):
         return False
+    clocks, temperature = _readings(d)
+    if (track.clocks_seen and not clocks) or (track.temperature_seen and not temperature):
+        return None
     if d.temperature_c is None or d.temperature_slowdown_c is None:
         return True
     return d.temperature_c < d.temperature_slowdown_c - s.margin_c - s.hysteresis_c
@@ -579,15 +596,25 @@ def thermal_step(
 ) -> tuple[ThermalTrack, ThermalChange]:
     """Advance one GPU's thermal state with a sample; say when it turns hot or cool."""
     why = hot_reason(d, s)
+    clocks, temperature = _readings(d)
     if not track.hot:
         if why is None:
             return ThermalTrack(), None
         since = track.hot_since if track.hot_since is not None else now
         if now - since >= s.sustain_s:
-            return ThermalTrack(hot=True, hot_since=since, why=why), "hot"
+            return ThermalTrack(True, since, None, why, clocks, temperature), "hot"
         return ThermalTrack(hot_since=since, why=why), None
-    if not _cool(d, s):
-        return replace(track, cool_since=None, why=why or track.why), None
+    cool = _cool(track, d, s)
+    if cool is None:  # cool must be seen for all of clear_s (regression: readings that
+        return replace(track, cool_since=None), None  # vanished counted as cool)
+    if not cool:
+        return replace(
+            track,
+            cool_since=None,
+            why=why or track.why,
+            clocks_seen=track.clocks_seen or clocks,
+            temperature_seen=track.temperature_seen or temperature,
+        ), None
     since = track.cool_since if track.cool_since is not None else now
     if now - since >= s.clear_s:
         return ThermalTrack(), "cool"

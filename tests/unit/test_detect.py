@@ -642,6 +642,43 @@ def test_clock_events_keep_it_hot_and_name_the_reason() -> None:
     assert change is None and track.hot and track.cool_since is None
 
 
+def test_readings_that_vanish_while_hot_are_not_cool() -> None:
+    """Regression: a hot GPU whose temperature (or clock-event reasons) NVML stopped giving,
+    say for a passing error, counted as cool after ``clear_s`` and its workers were routed
+    again; cool must be read, for all of ``clear_s``."""
+    hot, cool = gpu(88.0), gpu(60.0)
+    blind = gpu(None, 90.0, mask=None)
+    no_temperature = gpu(None, 90.0)
+    no_clocks = gpu(60.0, mask=None)
+    changes = steps(
+        [
+            (0.0, hot),
+            (10.0, hot),  # hot
+            (11.0, blind),
+            (50.0, blind),  # 39 s without readings: still hot
+            (51.0, no_temperature),
+            (90.0, no_temperature),  # clocks clean, but it was hot by temperature
+            (91.0, no_clocks),
+            (130.0, no_clocks),  # temperature cool, clocks unknown
+            (131.0, cool),
+            (160.0, cool),  # 29 s of cool readings
+            (161.0, cool),  # 30 s: cool
+        ]
+    )
+    assert changes == [None, "hot", None, None, None, None, None, None, None, None, "cool"]
+
+
+def test_a_gpu_without_a_temperature_cools_on_its_clock_events() -> None:
+    """A GPU that never reports a temperature (hot by clock events) still clears."""
+    throttled, clean = gpu(None, None, mask=0x40), gpu(None, None, mask=0)
+    assert steps([(0.0, throttled), (10.0, throttled), (11.0, clean), (41.0, clean)]) == [
+        None,
+        "hot",
+        None,
+        "cool",
+    ]
+
+
 # --- XIDs and log patterns -----------------------------------------------------------------
 
 
