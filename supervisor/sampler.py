@@ -38,6 +38,9 @@ XID_WAIT_S = 1.0
 LOST_UNLISTED = "GPU is lost: the driver no longer lists it"
 REOPEN_INITIAL_S = 1.0
 REOPEN_MAX_S = 60.0
+#: The longest wait between re-opens while the backend lists some GPUs but not every one seen
+#: before: each re-open is a short gap in the other GPUs' telemetry and XID events.
+PARTIAL_REOPEN_MAX_S = 300.0
 #: Without GPU telemetry only the host is sampled, and less often (nothing urgent to catch).
 HOST_ONLY_INTERVAL_S = 2.0
 #: ``/proc`` is read at most this often for host RSS and CPU, however often the GPU is sampled
@@ -417,13 +420,14 @@ class Sampler:
         self.library_absent = False
         if self.identities:
             self._gpus_opened.set()
-        elif self._seen:
-            # it lists none of the GPUs seen before (re-initialised while the driver was still
-            # bringing them up): opened again with backoff until it does. Regression: it was
-            # never opened again, and the GPUs stayed lost (their quarantine not liftable)
+        if self._misses_seen():
+            # it does not list every GPU seen before (re-initialised while the driver was
+            # still bringing some up): opened again with backoff until it does. Regression: it
+            # was never opened again, and the GPUs stayed lost (their quarantine not liftable)
             # until the supervisor was restarted
+            cap = PARTIAL_REOPEN_MAX_S if self.identities else REOPEN_MAX_S
             self._reopen_at = time.monotonic() + self._reopen_delay
-            self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
+            self._reopen_delay = min(self._reopen_delay * 2, cap)
         # the backoff starts over after a good sample, not here: a backend that opens but
         # fails every sample (UNINITIALIZED on every call) would otherwise reopen every 2 s
         self._remember(self.identities)
@@ -435,9 +439,10 @@ class Sampler:
         )
         return True
 
-    def _lists_none(self) -> bool:
-        """The backend opened but lists no GPU, though GPUs were seen before: opened again."""
-        return self.available and not self.identities and bool(self._seen)
+    def _misses_seen(self) -> bool:
+        """The backend opened but does not list every GPU seen before: opened again."""
+        listed = {i.uuid for i in self.identities}
+        return self.available and any(uuid not in listed for uuid in self._seen)
 
     def _remember(self, identities: Iterable[DeviceIdentity]) -> None:
         for ident in identities:
@@ -624,7 +629,7 @@ class Sampler:
         """Take one sample now."""
         self._said_returned()
         if (
-            (not self.available or self._lists_none())
+            (not self.available or self._misses_seen())
             and self.backend is not None
             and time.monotonic() >= self._reopen_at
             and self.stuck_for_s() is None  # never a second call under one that hangs
@@ -685,7 +690,7 @@ class Sampler:
             )
             self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
         elif sample.nvml_available:
-            if not self._lists_none():
+            if not self._misses_seen():
                 self._reopen_delay = REOPEN_INITIAL_S
             self._identified(sample.devices)
         self.last = sample

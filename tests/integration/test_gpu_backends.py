@@ -2045,6 +2045,47 @@ def test_a_gpu_added_at_runtime_is_placed_on_and_labelled_by_its_index(
     assert sup.stop() == 0
 
 
+def test_a_gpu_missing_at_a_reinit_is_listed_again_once_back(
+    supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """NVML is initialised again while the driver lists GPU 0 but not yet GPU 1, then GPU 1 is
+    back. Regression: NVML was opened again only when it listed none of the GPUs seen before,
+    so GPU 1 stayed lost until the supervisor was restarted: its quarantine could not be
+    lifted and nothing was placed on it."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sup = start_on_nvml(supervisor, tmp_path, fake_nvml_libdir)
+    sup.ready("g-0")
+    first = sup.wait_event(event="gpu.backend")
+    gpu0 = nvml_down(sup, world)
+    (world / "gpus" / "1").rename(world / "gpu1.off")
+    write_atomic(world / "gpus" / "0", gpu0)
+    partial = sup.wait_event(event="gpu.backend", after=sup.events.index(first) + 1, timeout=15)
+    assert partial["uuids"] == [UUID0]
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID1, reason="gpu_lost")
+    (world / "gpu1.off").rename(world / "gpus" / "1")
+    again = sup.wait_event(
+        event="gpu.backend",
+        after=sup.events.index(partial) + 1,
+        uuids=[UUID0, UUID1],
+        timeout=20,
+    )
+    sup.wait_event(
+        event="gpu.sample",
+        after=sup.events.index(again),
+        devices=lambda d: d[UUID1]["healthy"] is True,
+    )
+    with sup.api() as http:
+        lifted = http.post("/api/v1/gpus/1/uncordon", params={"lift_quarantine": "true"})
+        assert lifted.status_code == 200, lifted.text
+    mark = sup.mark()
+    sup.wait_event(event="gpu.sample", after=mark)
+    sup.wait_event(event="gpu.sample", after=sup.mark())
+    # every GPU listed again: no more re-opens
+    assert not sup.find(event="gpu.backend", after=sup.events.index(again) + 1)
+    assert sup.stop() == 0
+
+
 def test_gpus_listed_again_after_a_reinit_that_found_none_are_seen(
     supervisor: SupervisorFactory, tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
