@@ -3902,7 +3902,7 @@ class Runtime:
                 runner.reconfigure(spec, timing, passthrough)
                 if runner.name in defs:
                     self._defs[runner.name] = defs[runner.name]
-                if runner.state is WorkerState.STARTING:
+                if runner.state in (WorkerState.STARTING, WorkerState.BACKOFF):
                     runner.post(lc.Retime())
         return rolled
 
@@ -3977,7 +3977,9 @@ class Runtime:
                     runner.reconfigure(spec, timing, group.log_passthrough)
                     self._defs[runner.name] = group
                     runner.rolled_by = self._covered
-                    if runner.state is WorkerState.STARTING:
+                    if runner.state in (WorkerState.STARTING, WorkerState.BACKOFF):
+                        # held to the new start_timeout_s, or backoff (regression: a worker
+                        # in backoff waited out the old delay)
                         runner.post(lc.Retime())
                     if runner.state is WorkerState.FATAL and not self._shutting_down:
                         runner.post(lc.Start())  # a reload clears fatal

@@ -27,6 +27,7 @@ from supervisor.model import (
 from supervisor.policy.backoff import (
     FailureHistory,
     RestartPolicy,
+    backoff_delay,
     is_stable_run,
     record_failure,
     record_stable_exit,
@@ -370,6 +371,18 @@ def _after_failure_or_stable(
     return rec, [*base, Exit(outcome, failure=True), *acts]
 
 
+def _retry_delay(rec: WorkerRecord, t: Timing) -> float:
+    """The wait in BACKOFF after ``rec.last_exit`` under ``t``'s restart policy: ``delay_s``
+    after a stable run (the streak reset), else the backoff of the failures in a row."""
+    policy = t.restart
+    if rec.history.consecutive == 0:
+        return policy.delay_s
+    delay_s = backoff_delay(rec.history.consecutive, policy)
+    if rec.last_exit is not None and rec.last_exit.reason is ExitReason.SPAWN_FAILED:
+        delay_s = max(delay_s, SPAWN_RETRY_MIN_S)
+    return delay_s
+
+
 def _backoff(
     rec: WorkerRecord, now: float, delay_s: float, outcome: Outcome, **changes: object
 ) -> tuple[WorkerRecord, list[Action]]:
@@ -409,7 +422,12 @@ def _on_exit(
     if expected is AfterExit.STOP:
         rec, acts = _move(rec, S.STOPPED, reason.value, after_exit=None, **done)
         return rec, [Exit(outcome, failure=False), *acts]
-    if is_stable_run(rec.ready_at, now, t.restart):
+    if rec.stop_reason in (ExitReason.RESTART, ExitReason.RELOAD):
+        # an operator's restart (a rolling one, a reload's) is a new beginning, as from
+        # backoff, fatal or while stopping (regression: a crash-looping worker restarted while
+        # it loaded kept its failures, and went fatal at the first failed start after it)
+        done["history"] = FailureHistory()
+    elif is_stable_run(rec.ready_at, now, t.restart):
         # ready for stable_s: the failures before it were no streak the next start continues
         done["history"] = record_stable_exit(rec.history)
     rec = replace(rec, restarts=rec.restarts + 1, **done)  # type: ignore[arg-type]
@@ -429,6 +447,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         # a raised one was applied only at the next start, after the old one had failed it)
         if state is S.STARTING and rec.pid is not None and rec.started_at is not None:
             return replace(rec, deadline=rec.started_at + t.start_timeout_s), []
+        if state is S.BACKOFF and not rec.gpu_waits and rec.last_exit is not None:
+            # so does a backoff, counted from the exit (regression: a worker backed off to
+            # the old backoff_max_s waited that long after the operator had lowered it)
+            return replace(rec, deadline=rec.last_exit.at + _retry_delay(rec, t)), []
         return rec, []
 
     if isinstance(ev, Kill):

@@ -1957,3 +1957,25 @@ def _stopped_together(sup: Supervisor, mark: int, removed: tuple[str, ...]) -> N
     assert max(signals) < min(kills), sup.find(mark, event="worker.signal") + sup.find(
         mark, event="worker.kill"
     )
+
+
+def test_a_reload_that_shortens_the_backoff_applies_to_a_worker_in_backoff(
+    supervisor: SupervisorFactory,
+) -> None:
+    """a-0 crash-loops with a 30 s backoff; a reload that lowers ``backoff_initial_s`` (a
+    restart-policy key: "applies to them at once") starts it again within the new delay.
+    Regression: it waited out the 30 s backoff it was in (a ``backoff_max_s`` of minutes,
+    lowered by the operator, was waited out in full)."""
+    group = {**g("a", "exit_with_code", "3"), "ready": "none", "gpus": "none"}
+    group["restart"] = {"stable_s": 5, "burst": 0, "backoff_initial_s": 30, "backoff_max_s": 30}
+    sup = supervisor({"workers": [group]})
+    exited = sup.wait_event(event="worker.exited", worker="a-0")
+    sup.wait_event(event="worker.state", worker="a-0", new="backoff")
+    mark = sup.mark()
+    quick = {**group, "restart": {**group["restart"], "backoff_initial_s": 0.2}}
+    sup.write_config({"workers": [quick]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark)
+    again = sup.wait_event(event="worker.spawned", worker="a-0", after=mark, timeout=2.5)
+    assert again["pid"] != exited["pid"]
+    assert sup.stop() == 0

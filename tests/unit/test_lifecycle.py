@@ -746,3 +746,48 @@ def test_an_operators_restart_of_a_worker_stopped_for_a_fault_is_a_new_beginning
     assert rec.state is not S.FATAL
     as_started = at(at(stopping, lc.Start(), 105.5), lc.Exited(10, ExitStatus(None, 15)), 106)
     assert rec == as_started
+
+
+@pytest.mark.parametrize("command", [lc.Restart(), lc.Restart(ExitReason.RELOAD)])
+@pytest.mark.parametrize("loaded", [False, True])
+def test_an_operators_restart_of_a_crash_looping_running_worker_gives_a_full_burst(
+    command: lc.Restart, loaded: bool
+) -> None:
+    """Regression: an operator's restart (or a rolling restart, or a reload's restart of a
+    changed group) of a crash-looping worker that was starting (or ready for less than
+    ``stable_s``) kept the failures from before: the first failed start of the restarted
+    process made it ``fatal`` (a reload's fixed definition got one try), where the same
+    restart in backoff, fatal or while stopping gives a full ``burst``."""
+    t = replace(T, restart=replace(T.restart, burst=2, interval_s=1000))
+    rec = replace(started(), history=FailureHistory((98.0, 99.0), 2))
+    if loaded:
+        rec = at(rec, lc.Ready(10), 100.5, t)
+    rec = at(rec, command, 101, t)
+    assert rec.state is S.STOPPING
+    rec = at(rec, lc.Exited(10, ExitStatus(None, 15)), 101.2, t)
+    assert rec.state is S.STARTING
+    rec = at(at(rec, lc.Spawned(11), 101.3, t), lc.Exited(11, CRASH), 101.5, t)
+    assert rec.state is S.BACKOFF, rec
+    assert rec.history == FailureHistory((101.5,), 1)
+
+
+def test_a_new_restart_policy_applies_to_a_worker_in_backoff() -> None:
+    """Regression: a reload that changes only the restart policy ("applies to them at once")
+    left a worker already in backoff on the old delay: one whose crash loop backed off to
+    ``backoff_max_s`` waited that long again after the operator lowered it (or ``delay_s``,
+    after a stable run). The delay now follows the new policy, counted from the exit."""
+    slow = replace(T, restart=replace(T.restart, backoff_initial_s=30, backoff_max_s=60))
+    rec = replace(started(), history=FailureHistory((90.0,), 1))
+    rec = at(rec, lc.Exited(10, CRASH), 101.0, slow)  # second failure in a row: 60 s
+    assert rec.state is S.BACKOFF and rec.deadline == 161.0
+    quick = replace(T, restart=replace(T.restart, backoff_initial_s=0.5, backoff_max_s=2))
+    rec, acts = lc.step(rec, lc.Retime(), 101.5, quick)
+    assert acts == [] and rec.deadline == 102.0 and rec.state is S.BACKOFF  # 2 x 0.5 s
+    rec, acts = lc.step(rec, lc.Retime(), 103.0, quick)
+    assert rec.deadline == 102.0  # past already: the next Timer starts it
+    assert lc.step(rec, lc.Timer(), 103.0, quick)[0].state is S.STARTING
+    # after a stable run, the new delay_s
+    stable = replace(slow, restart=replace(slow.restart, delay_s=40))
+    rec = at(ready(), lc.Exited(10, CRASH), 120.0, stable)
+    assert rec.state is S.BACKOFF and rec.deadline == 160.0
+    assert at(rec, lc.Retime(), 121.0, quick).deadline == 120.5  # quick's delay_s
