@@ -103,6 +103,14 @@ REQUEST_TIMEOUT_S = 10.0
 EVICT_IDLE_S = 1.0
 #: An idle keep-alive connection is closed after this long (uvicorn's ``timeout_keep_alive``).
 KEEP_ALIVE_S = 5
+#: Requests a client may have sent on one connection ahead of the answers (HTTP pipelining)
+#: that are parsed and queued; the rest of its bytes wait, unread, until answers catch up.
+#: uvicorn parses all it reads (up to 256 KiB at a time) and reads on after every answer, so a
+#: client pipelining requests faster than they were answered, or never reading the answers,
+#: grew the supervisor's memory without bound (about 2 KiB per 40-byte request queued).
+MAX_PIPELINED = 16
+#: What a connection has sent is parsed this many bytes at a time (see ``MAX_PIPELINED``).
+FEED_PIECE = 4096
 
 # --- response models (the OpenAPI document is generated from these) ------------------------
 
@@ -1625,6 +1633,7 @@ class _GuardedHttp(HttpToolsProtocol):
         self._head_bytes = 0  # of the current request's head, so far
         self._head_tail = b""  # its last 3 bytes (the blank line may be cut between reads)
         self._head_refused = False
+        self._held = b""  # bytes received and not parsed yet (see ``data_received``)
         super().connection_made(transport)
         self._since = self.loop.time()  # when the wait for the current request began
         self._served = 0  # requests answered on this connection
@@ -1640,6 +1649,20 @@ class _GuardedHttp(HttpToolsProtocol):
                 transport.close()
 
     def data_received(self, data: bytes) -> None:
+        """Parse ``data``, a piece at a time, while fewer than :data:`MAX_PIPELINED` requests
+        wait for their turn; hold the rest, unread from then on, until an answer is sent."""
+        if self._held:
+            data, self._held = self._held + data, b""
+        for start in range(0, len(data), FEED_PIECE):
+            if self._head_refused or self.transport.is_closing():
+                return
+            if len(self.pipeline) >= MAX_PIPELINED:
+                self._held = data[start:]
+                self.flow.pause_reading()
+                return
+            self._parse(data[start : start + FEED_PIECE])
+
+    def _parse(self, data: bytes) -> None:
         """Parse ``data``; refuse a request head over :data:`MAX_HEAD_BYTES` (431)."""
         if self._head_refused:
             return
@@ -1689,6 +1712,9 @@ class _GuardedHttp(HttpToolsProtocol):
         self._since = self.loop.time()
         self.gate.waiting(self)
         self._arm()
+        if self._held and not self.transport.is_closing():
+            # a queued request was started: parse on (uvicorn resumed reading)
+            self.data_received(b"")
 
     def pause_writing(self) -> None:
         super().pause_writing()

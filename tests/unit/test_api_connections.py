@@ -322,3 +322,28 @@ async def test_keep_alive_clients_past_the_limit_see_answers_or_503_never_a_rese
                 tg.start_soon(client)
     assert not [o for o in outcomes if o.startswith("reset")], outcomes
     assert "served" in outcomes
+
+
+async def test_pipelined_requests_are_taken_only_as_fast_as_they_are_answered() -> None:
+    """Regression: uvicorn parsed every request a client had pipelined (all it read, up to
+    256 KiB at a time, and on after each answer) and queued them all: a client pipelining
+    requests faster than they were answered, or never reading the answers, grew the
+    supervisor's memory without bound (1.2 GB for 20 MiB sent on 20 connections, /healthz
+    answered seconds late). A few wait parsed now, the rest unread until answers go out,
+    and every request is still answered, in order."""
+    app = App()
+    count = 2000
+    async with serving(app, limit=4) as (connections, connect):
+        stream = await connect()
+        await stream.send(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n" + GET_OK * count)
+        await until(lambda: app.waiting == 1 and len(connections.open) == 1)
+        (conn,) = connections.open
+        await until(lambda: len(conn.pipeline) >= api.MAX_PIPELINED)
+        assert len(conn.pipeline) <= api.MAX_PIPELINED + api.FEED_PIECE // len(GET_OK)
+
+        app.release.set()
+        received = b""
+        with anyio.fail_after(10):
+            while received.count(b"HTTP/1.1 200 OK\r\n") < count + 1:
+                received += await stream.receive(1 << 20)
+        assert received.count(b'{"ok":true}') == count + 1
