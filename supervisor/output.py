@@ -64,6 +64,8 @@ END_PIECE = 4096
 MATCH_OVERLAP = 1024
 #: What a log emptied on a full disk starts with (``RotatingFile.write``).
 TRIMMED_MARK = b"--- gpu-supervisor: disk full: the earlier content of this log was removed ---\n"
+#: What a log says where output could not be written (a full or read-only disk): the bytes lost.
+LOST_MARK = b"--- gpu-supervisor: %d bytes of output were lost: the log could not be written ---\n"
 #: A log capped after a full disk still rotates at this size at least.
 TRIMMED_MIN_BYTES = 64 * 1024
 #: How often a log being written is checked for having been removed, renamed (logrotate's
@@ -122,6 +124,9 @@ class RotatingFile:
         self._size = 0
         self.write_errors = 0
         self.failing = False
+        #: Bytes of output not written in the current run of failures: the first write that
+        #: gets through says so in the log (``LOST_MARK``).
+        self.lost = 0
         #: Called with the error on the first failed write of a run of failures, and with None
         #: on the first good write after it (write-failure reporting).
         self.on_health: Callable[[OSError | None], None] | None = None
@@ -250,28 +255,38 @@ class RotatingFile:
         never rotated again (it could not grow to ``max_bytes``), so ``state.json`` and the
         post-mortems, which matter more, got no space until someone deleted it by hand.
         """
+        payload = LOST_MARK % self.lost + data if self.lost else data
         try:
             try:
-                self._append(data)
+                self._append(payload)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or self.failing:
                     raise
                 if not self._trim():
                     raise
-                self._append(data)
+                self._append(payload)
         except OSError as exc:
             # A full or read-only disk must not stop supervision; the tail stays in memory.
             self.write_errors += 1
+            self.lost += len(data)
             self.close()
             if not self.failing:
                 self.failing = True
                 if self.on_health is not None:
                     self.on_health(exc)
         else:
+            self.lost = 0
             if self.failing:
                 self.failing = False
                 if self.on_health is not None:
                     self.on_health(None)
+
+    def retry(self) -> None:
+        """While writes fail, try again (with the line that says what was lost): a worker
+        quiet since its last failed write would otherwise leave its log failing, and the
+        records reported not writable, until it printed again (regression)."""
+        if self.failing:
+            self.write(b"")
 
     def _append(self, data: bytes) -> None:
         if self._fh is not None:

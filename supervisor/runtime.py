@@ -1081,6 +1081,7 @@ class Runtime:
         self._check_notify_socket()
         self._check_lock_file()
         self._check_shared_socket(self.loop_alive_at)
+        self._retry_failed_logs()
         wall = self.clock.wall() - (self.clock.now() - sample.t)
         for name, usage in sample.workers.items():
             runner = self.runners.get(name)
@@ -2373,6 +2374,17 @@ class Runtime:
                 instance_id(state_dir, keep=self._instance)  # what our workers carry
             self._lock_lost = None
         return fd is not None
+
+    def _retry_failed_logs(self) -> None:
+        """While log writes fail, try each failing log again (once a sample): a quiet worker's
+        log, or one of a worker a reload removed, would otherwise stay failing for ever."""
+        if "log" not in self.write_health.failing:
+            return
+        failing = [r.output.file for r in self.workers() if r.output.file.failing]
+        for file in failing:
+            file.retry()  # (the last one that gets through says the logs are writable)
+        if not failing:
+            self.write_health.ok("log")
 
     def _on_log_health(self, exc: OSError | None) -> None:
         if exc is None:

@@ -1380,3 +1380,28 @@ def test_postmortem_cli_lists_newest_first_and_shows_one(
     )
     assert missing.returncode == 2 and "no post-mortem" in missing.stderr
     assert missing.stderr.count("\n") == 1
+
+
+def test_a_log_that_failed_is_writable_again_once_the_disk_is_though_its_worker_is_quiet(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """Regression: a worker's log that failed to be written (a full state_dir) was taken for
+    writable again only at that worker's next line of output. For a worker quiet since (a
+    server that logs nothing while serving), /readyz and ``records_writable{file="log"}`` said
+    the logs could not be written long after space came back (the not-writable alert firing
+    for ever), and its log never said that output was lost. The log is now tried again each
+    sample while it fails, and says what was lost."""
+    filler = _fill(small_fs)
+    quiet = [sys.executable, "-c", "import time; time.sleep(60)"]  # prints nothing
+    sup = supervisor({"workers": [{"name": "q", "command": quiet, "ready": "none"}]})
+    sup.wait_event(event="records.write_failed", file="log", kind="disk_full")  # its marker
+    mark = sup.mark()
+    filler.unlink()
+    sup.wait_event(event="records.write_recovered", file="log", after=mark, timeout=3)
+    with sup.api() as api:
+        assert "log" not in api.get("/readyz").json()["records"]
+        scrape = api.get("/metrics").text
+        assert 'gpu_supervisor_records_writable{file="log"} 1.0' in scrape
+    text = (small_fs / "logs" / "q-0.log").read_text()
+    assert "41 bytes of output were lost" in text, text  # the start marker
+    assert sup.stop() == 0
