@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,6 +64,32 @@ def test_atomic_write_failure_keeps_nothing_half_written(tmp_path: Path) -> None
     with pytest.raises(FileNotFoundError):
         atomic_write(tmp_path / "gone" / "state.json", b"x")
     assert not (tmp_path / "gone").exists()
+
+
+def test_atomic_write_where_directories_cannot_be_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: on a filesystem whose directories cannot be fsynced (EINVAL: some network,
+    FUSE and shared-folder filesystems) every write raised after its rename, so a post-mortem
+    in place counted as failed and was written again every 5 s under a new name."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "state.json"
+    atomic_write(target, b"new\n")
+    assert target.read_bytes() == b"new\n"
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="I/O error"):  # a real failure still is one
+        atomic_write(target, b"newer\n")
 
 
 def test_remove_temp_files_only_removes_ours(tmp_path: Path) -> None:
