@@ -33,6 +33,7 @@ from supervisor.model import (
     ExitReason,
     Sample,
     WorkerState,
+    WorkerUsage,
     XidEvent,
     recovery_action_name,
 )
@@ -203,6 +204,16 @@ class _Watch:
     #: way (a deferred one is not: it is judged again at each sample)
     max_age_draw: float = 0.0
     aged: bool = False
+
+    def all_series(self) -> tuple[FloorSeries, ...]:
+        """Every floor series of the process (GPU, host, reports; GPU by GPU)."""
+        return (
+            self.gpu_floor,
+            self.host_floor,
+            self.in_use_floor,
+            *self.gpu_floors.values(),
+            *self.in_use_floors.values(),
+        )
 
 
 @dataclass
@@ -658,13 +669,7 @@ class Healer:
         if w.gpu_floor.keep_s != health.leak_window_s:
             # a reload changed the window: the running process's series keep the new one
             # (regression: they kept the window it started with until it was restarted)
-            for series in (
-                w.gpu_floor,
-                w.host_floor,
-                w.in_use_floor,
-                *w.gpu_floors.values(),
-                *w.in_use_floors.values(),
-            ):
+            for series in w.all_series():
                 series.keep_s = health.leak_window_s
                 series.bucket_s = floor_bucket_s(health.leak_window_s)
         ready_at = runner.record.ready_at
@@ -674,39 +679,38 @@ class Healer:
         if pid is None or usage is None:
             return
         gpus = runner.spec.gpus or ()
-        if w.gpu_floor.since is None and ready_at is not None:
-            since = ready_at + health.leak_warmup_s
-            w.gpu_floor.reset(since)
-            w.host_floor.reset(since)
-            w.in_use_floor.reset(since)
-            if len(gpus) > 1:
-                w.gpu_floors = {
-                    u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
-                }
-                w.in_use_floors = {
-                    u: FloorSeries(w.gpu_floor.keep_s, w.gpu_floor.bucket_s) for u in gpus
-                }
-                for series in (*w.gpu_floors.values(), *w.in_use_floors.values()):
-                    series.reset(since)
-        elif ready_at is not None and w.gpu_floor.since is not None:
-            since = ready_at + health.leak_warmup_s
-            if since != w.gpu_floor.since and now < max(since, w.gpu_floor.since):
-                # a reload changed the warm-up of a process still in it (the old or the new
-                # one): judged from the new end on (regression: the one it was ready with
-                # held, and a lengthened warm-up's growth was drained as a leak)
-                for series in (
-                    w.gpu_floor,
-                    w.host_floor,
-                    w.in_use_floor,
-                    *w.gpu_floors.values(),
-                    *w.in_use_floors.values(),
-                ):
-                    series.reset(since)
+        if ready_at is not None:
+            _warm_up(w, ready_at + health.leak_warmup_s, now, gpus)
         w.gpu_floor.add(now, usage.gpu_memory_mb)
         known = usage.gpu_memory_mb is not None
         for u, series in w.gpu_floors.items():  # a GPU it holds nothing on: 0 MiB there
             series.add(now, usage.gpu_memory_by_gpu.get(u, 0.0) if known else None)
         w.host_floor.add(now, usage.host_rss_mb)
+        on_one, host_used = self._judge_budgets(runner, w, usage, health, sample.host_at)
+        in_use, in_use_by_gpu = _feed_reports(w, sample, gpus, now, health, judge)
+        if judge:
+            w.judged_at = now
+            self._judge_leaks(
+                runner,
+                w,
+                usage,
+                health,
+                now,
+                _Memory(on_one, host_used, in_use, in_use_by_gpu),
+                free_of,
+                host_free,
+            )
+
+    def _judge_budgets(
+        self,
+        runner: WorkerRunner,
+        w: _Watch,
+        usage: WorkerUsage,
+        health: HealthSection,
+        host_at: float | None,
+    ) -> tuple[float | None, float | None]:
+        """Count the samples over the GPU and host budgets, and find a breach; return what
+        was judged: the GPU memory on the worker's fullest GPU and the host memory."""
         # The GPU budget is per GPU (placement reserves it on each GPU of the worker, and the
         # worker gets it as a per-device cap): a worker on two GPUs is over it when one of
         # them holds more, not when the two together do.
@@ -726,8 +730,8 @@ class Healer:
         # the budget is judged on the tree's PSS where it was read (its RSS over the budget:
         # memory its forked processes share counts once, not once per process)
         host_used = usage.host_rss_mb if usage.host_pss_mb is None else usage.host_pss_mb
-        if sample.host_at is None or sample.host_at != w.host_read_at:
-            w.host_read_at = sample.host_at
+        if host_at is None or host_at != w.host_read_at:
+            w.host_read_at = host_at
             w.host_streak = budget_streak(w.host_streak, host_used, health.host_memory_limit_mb)
         # A breach deferred (max_unavailable) is acted on only while it lasts, with the newest
         # figures: one that ended meanwhile must not restart a healthy worker later.
@@ -741,26 +745,22 @@ class Healer:
                 self._add(found, newest=True)
             else:
                 self._pending.pop((kind, runner.name), None)
-        # Reporters send only changes (and a reminder now and then): hold the last figure, of
-        # the processes that are still there (checked at each judgement: a replaced rank's
-        # memory is gone with it, and an exited rank stays in the tree as a zombie a while).
-        if judge:
-            for gone in [p for p in w.in_use_by_pid if not procfs.running(p)]:
-                del w.in_use_by_pid[gone]
-        in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
-        if in_use is not None:
-            w.in_use_floor.add(now, in_use)
-        # on several GPUs, what each GPU's processes report (None: a reporter is on none or
-        # several of them, as far as NVML's process lists tell: the total is judged)
-        in_use_by_gpu = None
-        if w.in_use_floors:
-            _place_reporters(w, sample, gpus)
-            in_use_by_gpu = in_use_on_gpus(w.in_use_by_pid, w.in_use_on, now, health.leak_window_s)
-            for u, series in w.in_use_floors.items():
-                series.add(now, None if in_use_by_gpu is None else in_use_by_gpu.get(u))
-        if not judge:
-            return
-        w.judged_at = now
+        return on_one, host_used
+
+    def _judge_leaks(
+        self,
+        runner: WorkerRunner,
+        w: _Watch,
+        usage: WorkerUsage,
+        health: HealthSection,
+        now: float,
+        memory: _Memory,
+        free_of: Mapping[str, float | None],
+        host_free: float | None,
+    ) -> None:
+        """Judge the GPU and host floors for a leak; find the one that runs out first."""
+        gpus = runner.spec.gpus or ()
+        known = usage.gpu_memory_mb is not None
         settings = LeakSettings(
             window_s=health.leak_window_s,
             min_mb_per_min=health.leak_min_mb_per_min,
@@ -770,17 +770,17 @@ class Healer:
         device_free = min(frees) if frees else None
         # A worker that reports what it holds is judged by that: NVML counts the allocator's
         # cache too, which hides a leak until the cache is full and grows in steps of its own.
-        w.gpu_leak_source = "worker" if in_use is not None else "nvml"
+        w.gpu_leak_source = "worker" if memory.in_use is not None else "nvml"
         gpu_floor = w.in_use_floor if w.gpu_leak_source == "worker" else w.gpu_floor
         # the budget is per GPU: what is left of it on the worker's fullest GPU bounds the
         # headroom, as the GPU with the least free memory does (regression: twice the budget
         # less both GPUs' use, for a worker on two: a leak on one GPU was projected to reach
         # the budget long after it did)
         per_gpu = w.gpu_floors if w.gpu_leak_source == "nvml" else None
-        if w.gpu_leak_source == "worker" and in_use_by_gpu is not None:
+        if w.gpu_leak_source == "worker" and memory.in_use_by_gpu is not None:
             # the reports of each GPU's ranks against that GPU's headroom (regression: their
             # sum against the fullest GPU's: a leak on every rank ran out N times too soon)
-            per_gpu = {u: w.in_use_floors[u] for u in in_use_by_gpu if u in w.in_use_floors}
+            per_gpu = {u: w.in_use_floors[u] for u in memory.in_use_by_gpu if u in w.in_use_floors}
         if per_gpu:
             # on several GPUs, each GPU's floor against its own headroom, the soonest to run
             # out reported and acted on (regression: the slope of the sum over its GPUs
@@ -806,7 +806,7 @@ class Healer:
                 gpu_floor.points(),
                 now,
                 settings,
-                headroom(on_one, health.gpu_memory_limit_mb, device_free),
+                headroom(memory.on_one, health.gpu_memory_limit_mb, device_free),
             )
         # the headroom under the host budget is measured on what the budget is judged on (the
         # tree's PSS where it was read: a forked tree's RSS counts shared pages once per
@@ -815,7 +815,7 @@ class Healer:
             w.host_floor.points(),
             now,
             settings,
-            headroom(host_used, health.host_memory_limit_mb, host_free),
+            headroom(memory.host_used, health.host_memory_limit_mb, host_free),
         )
         if not (w.gpu_leak.act or w.host_leak.act):  # no longer: a deferred one is dropped
             self._pending.pop(("leak", runner.name), None)
@@ -823,37 +823,38 @@ class Healer:
             leak
             for leak in (
                 ("gpu", w.gpu_leak, usage.gpu_memory_mb, health.gpu_memory_limit_mb),
-                ("host", w.host_leak, host_used, health.host_memory_limit_mb),
+                ("host", w.host_leak, memory.host_used, health.host_memory_limit_mb),
             )
             if leak[1].act
         ]
-        if acting:
-            # both at once: one finding, of the one that runs out sooner (regression: the
-            # host one, judged second, replaced the GPU one, whose memory ran out first)
-            memory, verdict, current, limit = min(acting, key=lambda leak: urgency(leak[1]))
-            what = "GPU memory" if memory == "gpu" else "host memory (RSS)"
-            reported = memory == "gpu" and w.gpu_leak_source == "worker"
-            if reported:
-                what = "GPU memory in use (reported by the worker)"
-            self._add(  # the newest projection (an imminent one is not deferred)
-                Finding(
-                    "leak",
-                    f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
-                    f"{verdict.projected_oom_s or 0:.0f} s",
-                    worker=runner.name,
-                    evidence={
-                        "memory": memory,
-                        "source": w.gpu_leak_source if memory == "gpu" else "procfs",
-                        **verdict.evidence(),
-                        "used_mb": _round(current),
-                        "in_use_mb": _round(in_use) if reported else None,
-                        "limit_mb": limit or None,
-                        "oom_horizon_s": health.oom_horizon_s,
-                        "leak_min_mb_per_min": health.leak_min_mb_per_min,
-                    },
-                ),
-                newest=True,
-            )
+        if not acting:
+            return
+        # both at once: one finding, of the one that runs out sooner (regression: the host
+        # one, judged second, replaced the GPU one, whose memory ran out first)
+        kind, verdict, current, limit = min(acting, key=lambda leak: urgency(leak[1]))
+        what = "GPU memory" if kind == "gpu" else "host memory (RSS)"
+        reported = kind == "gpu" and w.gpu_leak_source == "worker"
+        if reported:
+            what = "GPU memory in use (reported by the worker)"
+        self._add(  # the newest projection (an imminent one is not deferred)
+            Finding(
+                "leak",
+                f"{what} grows {verdict.slope_mb_per_min:.1f} MiB/min; runs out in "
+                f"{verdict.projected_oom_s or 0:.0f} s",
+                worker=runner.name,
+                evidence={
+                    "memory": kind,
+                    "source": w.gpu_leak_source if kind == "gpu" else "procfs",
+                    **verdict.evidence(),
+                    "used_mb": _round(current),
+                    "in_use_mb": _round(memory.in_use) if reported else None,
+                    "limit_mb": limit or None,
+                    "oom_horizon_s": health.oom_horizon_s,
+                    "leak_min_mb_per_min": health.leak_min_mb_per_min,
+                },
+            ),
+            newest=True,
+        )
 
     def _judge_age(
         self,
@@ -1516,6 +1517,62 @@ def _budget(
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class _Memory:
+    """What a worker's leak is judged on at one sample."""
+
+    on_one: float | None  # GPU memory on its fullest GPU (NVML)
+    host_used: float | None  # host memory of its tree (RSS, or PSS where read)
+    in_use: float | None  # the sum of its processes' fresh reports (None: none is fresh)
+    in_use_by_gpu: dict[str, float] | None  # those reports GPU by GPU, where placed
+
+
+def _warm_up(w: _Watch, since: float, now: float, gpus: Sequence[str]) -> None:
+    """Start the worker's floors at the end of its warm-up (``since``), once it is ready."""
+    if w.gpu_floor.since is None:
+        if len(gpus) > 1:
+            keep_s, bucket_s = w.gpu_floor.keep_s, w.gpu_floor.bucket_s
+            w.gpu_floors = {u: FloorSeries(keep_s, bucket_s) for u in gpus}
+            w.in_use_floors = {u: FloorSeries(keep_s, bucket_s) for u in gpus}
+        for series in w.all_series():
+            series.reset(since)
+    elif since != w.gpu_floor.since and now < max(since, w.gpu_floor.since):
+        # a reload changed the warm-up of a process still in it (the old or the new one):
+        # judged from the new end on (regression: the one it was ready with held, and a
+        # lengthened warm-up's growth was drained as a leak)
+        for series in w.all_series():
+            series.reset(since)
+
+
+def _feed_reports(
+    w: _Watch,
+    sample: Sample,
+    gpus: Sequence[str],
+    now: float,
+    health: HealthSection,
+    judge: bool,
+) -> tuple[float | None, dict[str, float] | None]:
+    """Add the worker's reports (``X_GPU_MEMORY_IN_USE_MB``) to its floors; return their
+    fresh sum and, for a worker on several GPUs, what each GPU's processes report (None: a
+    reporter is on none or several of them, as far as NVML's process lists tell)."""
+    # Reporters send only changes (and a reminder now and then): hold the last figure, of the
+    # processes that are still there (checked at each judgement: a replaced rank's memory is
+    # gone with it, and an exited rank stays in the tree as a zombie a while).
+    if judge:
+        for gone in [p for p in w.in_use_by_pid if not procfs.running(p)]:
+            del w.in_use_by_pid[gone]
+    in_use = in_use_total(w.in_use_by_pid, now, health.leak_window_s)
+    if in_use is not None:
+        w.in_use_floor.add(now, in_use)
+    in_use_by_gpu = None
+    if w.in_use_floors:
+        _place_reporters(w, sample, gpus)
+        in_use_by_gpu = in_use_on_gpus(w.in_use_by_pid, w.in_use_on, now, health.leak_window_s)
+        for u, series in w.in_use_floors.items():
+            series.add(now, None if in_use_by_gpu is None else in_use_by_gpu.get(u))
+    return in_use, in_use_by_gpu
 
 
 def _place_reporters(w: _Watch, sample: Sample, gpus: Sequence[str]) -> None:
