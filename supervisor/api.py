@@ -330,16 +330,20 @@ def _validation_message(exc: RequestValidationError) -> str:
 # --- auth -----------------------------------------------------------------------------------
 
 
-class _BearerCheck:
-    """The dependency that guards an endpoint: 401 unless the bearer token matches."""
+def _bearer_check(token: str) -> Callable[[Request], Awaitable[None]]:
+    """The dependency that guards an endpoint: 401 unless the bearer token matches.
 
-    def __init__(self, token: str) -> None:
-        self._expected = token.encode()
+    A function, not an instance with ``__call__``: FastAPI before 0.123.7 resolves the string
+    annotations of this module through the dependency's ``__globals__``, which only a
+    function has (``Request`` went unresolved: the API did not start with a token)."""
+    expected = token.encode()
 
-    async def __call__(self, request: Request) -> None:
-        why = bearer_refusal(request.headers.get("authorization", ""), self._expected)
+    async def check(request: Request) -> None:
+        why = bearer_refusal(request.headers.get("authorization", ""), expected)
         if why is not None:
             raise _problem(401, why, {"WWW-Authenticate": "Bearer"})
+
+    return check
 
 
 def bearer_refusal(header: str, expected: bytes) -> str | None:
@@ -425,7 +429,7 @@ def _auth_dependencies(token: str | None) -> list[Any]:
     if token is None:
         return []
     scheme = HTTPBearer(auto_error=False, description="the token in api.token_file")
-    return [Depends(scheme), Depends(_BearerCheck(token))]
+    return [Depends(scheme), Depends(_bearer_check(token))]
 
 
 # --- the status page ------------------------------------------------------------------------

@@ -353,3 +353,47 @@ async def test_healthz_uptime_is_not_moved_by_the_wall_clock() -> None:
         clock.advance(5.0)
         clock._wall_offset -= 3600.0  # the wall clock stepped back an hour
         assert (await client.get("/healthz")).json()["uptime_s"] == 5.0
+
+
+def test_the_token_check_resolves_its_annotations_where_older_fastapi_looks() -> None:
+    """Regression: the bearer-token check was an instance with ``__call__``. FastAPI before
+    0.123.7 resolves a dependency's string annotations (supervisor/api.py has ``from __future__
+    import annotations``) through the callable's ``__globals__``, which an instance lacks:
+    ``Request`` went unresolved, and with api.token_file set the API never started
+    (``PydanticUndefinedAnnotation: name 'Request' is not defined``)."""
+    import inspect
+
+    from fastapi import Request
+
+    from supervisor.api import _auth_dependencies
+
+    check = _auth_dependencies("s3cret")[-1].dependency
+    assert check is not None
+    globalns = getattr(check, "__globals__", {})
+    (param,) = inspect.signature(check).parameters.values()
+    assert eval(param.annotation, globalns) is Request  # noqa: S307 (what FastAPI does)
+
+
+async def test_a_token_guards_the_api_built_by_create_app() -> None:
+    """The app built with a token (and auth_read) answers 401 without it, 200 with it."""
+    import httpx
+
+    from supervisor.api import create_app
+    from supervisor.clock import FakeClock
+    from supervisor.config import Settings
+    from supervisor.metrics import Metrics
+    from tests.unit.test_metrics_client import FakeRuntime, FakeSampler
+
+    rt: Any = FakeRuntime(FakeSampler(None))
+    settings = Settings()
+    rt.settings = settings.model_copy(
+        update={"api": settings.api.model_copy(update={"auth_read": True})}
+    )
+    rt.clock = FakeClock()
+    rt.started_wall, rt.started_mono = rt.clock.wall(), rt.clock.now()
+    app = create_app(rt, Metrics(rt), "s3cret")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        assert (await client.get("/openapi.json")).status_code == 401
+        good = {"authorization": "Bearer s3cret"}
+        assert (await client.get("/openapi.json", headers=good)).status_code == 200
