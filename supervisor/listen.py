@@ -161,9 +161,23 @@ def _bind_unix(listen: str, path: str) -> socket.socket:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
+        except PermissionError:
+            # Regression: another user's socket (one a supervisor run as root left, or still
+            # serves) was taken for a stale one, and its removal failed with a traceback.
+            raise ListenError(
+                f"api.listen {listen}: {path} is a socket of uid {os.lstat(path).st_uid} that "
+                f"uid {os.geteuid()} may not connect to (a supervisor of that user may serve "
+                "it): remove it, or listen elsewhere"
+            ) from None
         except OSError:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(path)  # a stale socket of a supervisor that is gone
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise ListenError(
+                    f"api.listen {listen}: cannot remove the stale socket {path}: {_os_error(exc)}"
+                ) from None
         else:
             raise ListenError(
                 f"api.listen {listen}: address already in use (another supervisor answers there)"

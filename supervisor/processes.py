@@ -559,13 +559,25 @@ def resolve_accounts(users: Iterable[str]) -> dict[str, Account | str]:
 def resolve_program(program: str, env: Mapping[str, str], cwd: str | None) -> str:
     """The executable ``program`` names (as execvpe would find it), or SpawnError (also for a
     working directory that is none)."""
-    if cwd is not None and not os.path.isdir(cwd):
-        why = "no such directory" if not os.path.exists(cwd) else "not a directory"
-        raise SpawnError(f"cannot start {program!r} in {cwd!r}: {why} (cwd)")
+    # Regression: a directory above that this user may not enter (a supervisor run as an
+    # ordinary user) was said to hold no such file, and a cwd it may not enter blamed the
+    # program: stat's own error is the reason.
+    if cwd is not None:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(cwd).st_mode)
+        except OSError as exc:
+            why = "no such directory" if exc.errno == errno.ENOENT else exc.strerror or str(exc)
+            raise SpawnError(f"cannot start {program!r} in {cwd!r}: {why} (cwd)") from None
+        if not is_dir:
+            raise SpawnError(f"cannot start {program!r} in {cwd!r}: not a directory (cwd)")
+        if not os.access(cwd, os.X_OK):
+            raise SpawnError(f"cannot start {program!r} in {cwd!r}: Permission denied (cwd)")
     if "/" in program:
         path = program if cwd is None or os.path.isabs(program) else os.path.join(cwd, program)
-        if not os.path.exists(path):
-            raise SpawnError(f"cannot execute {program!r}: No such file or directory")
+        try:
+            os.stat(path)
+        except OSError as exc:
+            raise SpawnError(f"cannot execute {program!r}: {exc.strerror or exc}") from None
         if os.path.isdir(path) or not os.access(path, os.X_OK):
             raise SpawnError(f"cannot execute {program!r}: Permission denied")
         return program

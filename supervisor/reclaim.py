@@ -92,10 +92,19 @@ def reclaim(
             doomed.append((cand, proc))
     if not doomed:
         return results
-    procs = [p for _, p in doomed]
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
+    procs: list[psutil.Process] = []
+    denied: dict[int, str] = {}
+    for _, p in doomed:
+        try:
             p.terminate()  # psutil checks the create time before signalling
+        except psutil.AccessDenied:
+            # Regression: another user's process (a predecessor run as root, seen by a
+            # supervisor run as an ordinary user) was waited for, then said sent SIGKILL.
+            denied[p.pid] = _denied(p)
+            continue
+        except psutil.Error:
+            pass
+        procs.append(p)
     alive = procs
     deadline = time.monotonic() + TERM_WAIT_S
     while alive and not (hurry is not None and hurry.is_set()):
@@ -110,7 +119,22 @@ def reclaim(
     killed = {p.pid for p in alive}
     survivors = {p.pid for p in still}
     for r in results:
-        if r["verdict"] == Verdict.END.value:
+        if r["verdict"] == Verdict.END.value and r["pid"] in denied:
+            r["ended"] = False  # and no "signal": none was sent
+            r["error"] = denied[r["pid"]]
+        elif r["verdict"] == Verdict.END.value:
             r["signal"] = "SIGKILL" if r["pid"] in killed else "SIGTERM"
             r["ended"] = r["pid"] not in survivors
     return results
+
+
+def _denied(proc: psutil.Process) -> str:
+    """Why ``proc`` could not be signalled (EPERM): whose it is, and who we are."""
+    try:
+        owner = f"uid {proc.uids().real}"
+    except psutil.Error:
+        owner = "another user"
+    return (
+        f"permission denied: the process belongs to {owner}, the supervisor runs as "
+        f"uid {os.geteuid()}: not signalled (end it as its user or as root)"
+    )

@@ -2045,6 +2045,7 @@ class Runtime:
                     pid=r["pid"],
                     signal=r.get("signal"),
                     ended=r.get("ended"),
+                    **({"error": r["error"]} if r.get("error") else {}),
                     reason=(
                         "left running by a previous supervisor (same pid and create time)"
                         if r.get("found") != "environment"

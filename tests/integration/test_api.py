@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -803,3 +806,58 @@ def test_targets_pass_a_metrics_path_query_as_params(supervisor: SupervisorFacto
         "__param_usedonly": "",
     }
     assert sup.stop() == 0
+
+
+#: Binds ``api.listen`` as another user (argv: the listen value, uid, gid).
+BIND_AS = """
+import encodings.ascii, os, sys  # imported while they can be read
+from supervisor.errors import ListenError
+from supervisor.listen import bind
+os.setgroups([])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))
+try:
+    bind(sys.argv[1])
+except ListenError as exc:
+    print(f"ListenError: {exc}")
+"""
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["stale", "live"])
+def test_a_unix_socket_of_another_user_is_a_one_line_error(live: bool) -> None:
+    """Regression: a supervisor run as an ordinary user whose ``api.listen`` unix socket path
+    held another user's socket (one a supervisor run as root left in a sticky directory such
+    as /tmp, or still serves there) took it for a stale one, as it could not connect to it,
+    and failed to remove it: a PermissionError traceback instead of the one-line error."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the socket must belong to another user than the supervisor's")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("this machine's user database has no 'nobody'")
+    shared = Path(tempfile.mkdtemp(prefix="gsv-sticky-"))  # one "nobody" may reach, as /tmp
+    try:
+        shared.chmod(0o1777)
+        path = shared / "api.sock"
+        theirs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.bind(str(path))
+        path.chmod(0o660)
+        if live:
+            theirs.listen()
+        else:
+            theirs.close()
+        out = subprocess.run(
+            [sys.executable, "-c", BIND_AS, f"unix:{path}", str(nobody.pw_uid), str(nobody.pw_gid)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+            cwd=ROOT,
+        )
+        theirs.close()
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"ListenError: api.listen unix:{path}: "), out.stdout
+        assert "may not connect" in out.stdout and len(out.stdout.splitlines()) == 1
+        assert path.exists()  # never removed
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import random
 import shutil
 import signal
@@ -1405,3 +1406,54 @@ def test_a_log_that_failed_is_writable_again_once_the_disk_is_though_its_worker_
     text = (small_fs / "logs" / "q-0.log").read_text()
     assert "41 bytes of output were lost" in text, text  # the start marker
     assert sup.stop() == 0
+
+
+#: Runs the start-up reclaim as another user (argv: the previous state.json, uid, gid).
+RECLAIM_AS = """
+import encodings.ascii, json, os, sys, time  # imported while they can be read
+from supervisor.reclaim import reclaim
+doc = json.loads(sys.argv[1])
+os.setgroups([])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))
+began = time.monotonic()
+results = reclaim(doc, own_pid=os.getpid())
+print(json.dumps({"elapsed": time.monotonic() - began, "results": results}))
+"""
+
+
+def test_an_orphan_of_another_user_is_neither_waited_for_nor_said_signalled() -> None:
+    """Regression: a supervisor run as an ordinary user (the systemd unit's ``User=``) whose
+    previous ``state.json`` names a process of another user (its predecessor ran as root) may
+    not signal it (EPERM), yet the start-up reclaim waited out its SIGTERM and SIGKILL waits
+    (6 s before any worker started) and logged the orphan as sent SIGKILL. Now it is not
+    waited for, and its verdict says that no signal was sent, and why."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the orphan must belong to another user than the reclaim's")
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("this machine's user database has no 'nobody'")
+    orphan = subprocess.Popen(["sleep", "30"])
+    try:
+        created = psutil.Process(orphan.pid).create_time()
+        record = {"name": "w-0", "pid": orphan.pid, "pid_create_time": created}
+        doc = json.dumps({"schema_version": 1, "workers": [record]})
+        out = subprocess.run(
+            [sys.executable, "-c", RECLAIM_AS, doc, str(nobody.pw_uid), str(nobody.pw_gid)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+        answer = json.loads(out.stdout)
+        (result,) = answer["results"]
+        assert result["verdict"] == "end" and result["ended"] is False
+        assert "signal" not in result  # none was sent
+        assert f"belongs to uid {os.geteuid()}," in result["error"]
+        assert f"runs as uid {nobody.pw_uid}:" in result["error"]
+        assert answer["elapsed"] < 1.0
+        assert orphan.poll() is None
+    finally:
+        orphan.kill()
+        orphan.wait()

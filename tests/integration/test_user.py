@@ -403,3 +403,52 @@ def test_a_state_dir_the_workers_user_could_change_gets_no_shared_socket(
     assert "the socket there could be replaced" in failed["error"]
     assert not (state_dir / "shared").exists()
     assert sup.stop() == 0
+
+
+#: Resolves programs as another user (argv: a directory only root may enter, uid, gid).
+RESOLVE_AS = """
+import encodings.ascii, json, os, sys  # imported while they can be read
+from supervisor.errors import SpawnError
+from supervisor.processes import resolve_program
+closed = sys.argv[1]
+os.setgroups([])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))
+out = []
+for program, cwd in ((closed + "/serve", None), ("sleep", closed), ("sleep", closed + "/app")):
+    try:
+        out.append(resolve_program(program, {"PATH": "/usr/bin:/bin"}, cwd))
+    except SpawnError as exc:
+        out.append(str(exc))
+print(json.dumps(out))
+"""
+
+
+def test_a_program_or_cwd_behind_a_closed_directory_is_said_so() -> None:
+    """Regression: a supervisor run as an ordinary user (the unit's ``User=``) whose program
+    lies below a directory it may not enter (a venv under /root) said "No such file or
+    directory", sending the operator after a file that is there; a ``cwd`` it may not enter
+    passed the check and failed as "cannot execute 'sleep': Permission denied" (blaming the
+    program), or was said to be no such directory. Now each says "Permission denied", naming
+    the program or the cwd, at start and in check-config alike."""
+    entry = _entry()
+    closed = Path(tempfile.mkdtemp(prefix="gpu-supervisor-closed-"))  # 0700, root's
+    try:
+        (closed / "app").mkdir(mode=0o755)
+        (closed / "serve").write_text("#!/bin/sh\n")
+        (closed / "serve").chmod(0o755)
+        out = subprocess.run(
+            [sys.executable, "-c", RESOLVE_AS, str(closed), str(entry.pw_uid), str(entry.pw_gid)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+            cwd=ROOT,
+        )
+        assert json.loads(out.stdout) == [
+            f"cannot execute '{closed}/serve': Permission denied",
+            f"cannot start 'sleep' in '{closed}': Permission denied (cwd)",
+            f"cannot start 'sleep' in '{closed}/app': Permission denied (cwd)",
+        ]
+    finally:
+        shutil.rmtree(closed, ignore_errors=True)
