@@ -655,6 +655,17 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def unreadable_why(path: Path) -> str:
+    """Why ``read_json`` found nothing in ``path``, a file that is there: the read's own error
+    (a state_dir left by a supervisor run as root, read by one run as the service user), else
+    that it holds no JSON object."""
+    try:
+        read_file(path, follow=False)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return "not a JSON object in a regular file"
+
+
 #: ``state.json`` is rewritten at most this often (``URGENT_MIN_INTERVAL_S`` after a transition).
 STATE_MIN_INTERVAL_S = 1.0
 #: A transition is on disk within this long: the transitions of a burst (32 workers starting,

@@ -142,6 +142,7 @@ from supervisor.records import (
     read_json,
     read_quarantine,
     remove_temp_files,
+    unreadable_why,
     write_cordons,
     write_lock_pid,
     write_quarantine,
@@ -2009,8 +2010,9 @@ class Runtime:
             self.log.warning(
                 "records.previous_state_unreadable",
                 path=os.fspath(state_dir / STATE_FILE),
-                reason="not a JSON object in a regular file: leftovers are found by their "
-                "environment only",
+                # (regression: a file this user may not read was said not to be JSON)
+                reason=f"{unreadable_why(state_dir / STATE_FILE)}: leftovers are found by "
+                "their environment only",
             )
         version = None if previous is None else previous.get("schema_version", 0)
         if version is not None and not (

@@ -31,6 +31,7 @@ import pytest
 from supervisor import processes
 from supervisor.errors import SpawnError
 from supervisor.model import Account, LaunchSpec
+from supervisor.records import unreadable_why
 from tests.conftest import SupervisorFactory
 from tests.harness import ROOT, WORKERS, worker_cmd
 
@@ -452,3 +453,43 @@ def test_a_program_or_cwd_behind_a_closed_directory_is_said_so() -> None:
         ]
     finally:
         shutil.rmtree(closed, ignore_errors=True)
+
+
+#: Says why state.json cannot be used, as another user (argv: the file, uid, gid).
+WHY_AS = """
+import encodings.ascii, os, sys  # imported while they can be read
+from pathlib import Path
+from supervisor.records import unreadable_why
+os.setgroups([])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))
+print(unreadable_why(Path(sys.argv[1])))
+"""
+
+
+def test_a_previous_state_this_user_may_not_read_is_said_so(tmp_path: Path) -> None:
+    """Regression: a state.json the supervisor's user may not read (a state_dir left by a run
+    as root, the unit's ``User=`` now) was logged as "not a JSON object in a regular file",
+    which reads as a corrupt file."""
+    entry = _entry()
+    (tmp_path / "state.json").write_text('{"schema_version": 1}')
+    (tmp_path / "state.json").chmod(0o600)
+    (tmp_path / "broken.json").write_text("{")
+    tmp_path.chmod(0o755)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WHY_AS,
+            str(tmp_path / "state.json"),
+            str(entry.pw_uid),
+            str(entry.pw_gid),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+        cwd=ROOT,
+    )
+    assert out.stdout == "cannot be read (Permission denied)\n"
+    assert unreadable_why(tmp_path / "broken.json") == "not a JSON object in a regular file"
