@@ -905,11 +905,17 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     def ranking_of(group: str) -> Ranking:
         loads = _gpu_loads(rt)
         derated = rt.healer.state.derated
+        settings = rt.settings.group(group)
+        budget = settings.health.gpu_memory_limit_mb if settings is not None else 0.0
+        sample = rt.sampler.last
+        fresh = bool(loads) and rt.sampler.stuck() is None  # the workers' use is as old
         candidates = []
         for n in rt.groups[group]:
             r = rt.runners.get(n)
             if r is None:
                 continue
+            usage = sample.workers.get(n) if sample is not None and fresh else None
+            known = usage is not None and usage.gpu_memory_mb is not None
             candidates.append(
                 Candidate(
                     name=n,
@@ -917,6 +923,8 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
                     state=r.state,
                     gpus=tuple(r.spec.gpus or ()),
                     derated=n in derated,
+                    budget_mb=budget,
+                    used_mb=usage.gpu_memory_by_gpu if usage is not None and known else None,
                 )
             )
         return rank(candidates, loads)
@@ -1166,13 +1174,18 @@ def _replacing(rt: Runtime) -> bool:
 
 
 def _gpu_loads(rt: Runtime) -> dict[str, GpuLoad]:
+    """What routing knows of each GPU. While an NVML call hangs (``stuck``: the API and the
+    metrics report no telemetry then) the last readings are stale: figures unknown, as with
+    NVML down, the health flags kept (regression: ranked and admitted on minutes-old figures
+    for as long as the hang lasted)."""
     sample = rt.sampler.last
     if sample is None or not sample.nvml_available:
         return {}
+    fresh = rt.sampler.stuck() is None
     return {
         d.uuid: GpuLoad(
-            free_mb=d.memory_free_mb,
-            utilization_percent=d.utilization_percent,
+            free_mb=d.memory_free_mb if fresh else None,
+            utilization_percent=d.utilization_percent if fresh else None,
             healthy=d.healthy,
         )
         for d in sample.devices

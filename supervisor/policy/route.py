@@ -4,13 +4,16 @@
 derated, and none of its GPUs is unhealthy. A cordon only stops placing workers on a GPU (DESIGN.md
 sections 3 and 6, as ``kubectl cordon``): the ones already there keep serving. Candidates are
 ranked by the free memory of their GPUs (most first; for a multi-GPU worker the GPU with the least
-free memory counts), then by utilization (lowest first; the busiest of its GPUs counts); workers
-that tie on both take turns (round robin over the caller's requests). Figures a sample apart
-tie when they are close: free memory within :data:`FREE_TIE_MB` or :data:`FREE_TIE_FRACTION` of
-the best (an allocator's cache step is not a reason to send one worker every request until the
-next sample), utilization within :data:`UTIL_TIE_PERCENT` points. A GPU the supervisor has
-no reading for (no telemetry) is not held against a worker: its free memory is unknown, it
-ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it.
+free memory counts; for a worker with a GPU budget, ``gpu_memory_limit_mb``, the headroom under the
+budget on that GPU where it is less: a request that takes it over its budget gets it restarted),
+then by utilization (lowest first; the busiest of its GPUs counts); workers that tie on both
+take turns (round robin over the caller's requests). Figures a sample apart tie when they are
+close: free memory within :data:`FREE_TIE_MB` or :data:`FREE_TIE_FRACTION` of the best (an
+allocator's cache step is not a reason to send one worker every request until the next
+sample), utilization within :data:`UTIL_TIE_PERCENT` points. A GPU the supervisor has no
+reading for (no telemetry) is not held against a worker: its free memory is unknown, it
+ranks after every worker whose free memory is known, and ``need_mb`` cannot refuse it (so too
+every GPU while an NVML call hangs: the last readings are stale).
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ class Candidate:
     state: WorkerState
     gpus: tuple[str, ...]  # UUIDs; empty for a worker without GPUs
     derated: bool = False
+    #: ``gpu_memory_limit_mb`` (per GPU; 0: none) and what the worker holds on each of its GPUs
+    #: at the last sample (None: not known): the room it has is the headroom under its budget
+    #: where that is less than the GPU's free memory
+    budget_mb: float = 0.0
+    used_mb: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +120,14 @@ def _rank(order: int, w: Candidate, gpus: Mapping[str, GpuLoad]) -> _Ranked | st
             continue
         if not load.healthy:
             return f"{w.name} is on unhealthy GPU {uuid}"
-        if load.free_mb is None:
+        room = load.free_mb
+        if w.budget_mb > 0 and w.used_mb is not None:
+            left = max(0.0, w.budget_mb - w.used_mb.get(uuid, 0.0))
+            room = left if room is None else min(room, left)
+        if room is None:
             unknown_free = True
-        elif free is None or load.free_mb < free:
-            free, tightest = load.free_mb, uuid
+        elif free is None or room < free:
+            free, tightest = room, uuid
         if load.utilization_percent is not None:
             util = max(util or 0.0, load.utilization_percent)
     return _Ranked(order, w, tightest, None if unknown_free else free, util)

@@ -567,6 +567,43 @@ def test_route_by_free_memory_429_and_503(supervisor: SupervisorFactory, tmp_pat
     assert sup.stop() == 0
 
 
+def test_route_admits_on_the_headroom_under_the_gpu_budget(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: ``need_mb`` was judged on the device's free memory alone, so a worker
+    holding 1000 MiB of its 1200 MiB budget on a GPU with 9000 MiB free was sent a request
+    needing 500 MiB (it would go over budget and be restarted); ``free_mb`` said 9000."""
+    world = tmp_path / "sim"
+    (world / "gpus").mkdir(parents=True)
+    (world / "gpus" / "0").write_text(default_device_text(0, 10000))
+    sup = supervisor(
+        sim_config(
+            tmp_path,
+            {
+                "name": "b",
+                "command": worker_cmd("gpu_user", "1000"),
+                "health": {"gpu_memory_limit_mb": 1200},
+            },
+        ),
+        log_level="debug",
+    )
+    sup.ready("b-0")
+    memory_seen(sup, **{"b-0": 1000.0})
+    with sup.api() as http:
+        answer = http.get("/api/v1/route", params={"group": "b"})
+        assert answer.json() == {
+            "name": "b-0",
+            "port": answer.json()["port"],
+            "gpu": UUID0,
+            "free_mb": 200.0,
+        }
+        fits = http.get("/api/v1/route", params={"group": "b", "need_mb": 150})
+        assert fits.status_code == 200, fits.text
+        over = http.get("/api/v1/route", params={"group": "b", "need_mb": 500})
+        assert_error(over, 429, "most free: 200 MiB")
+    assert sup.stop() == 0
+
+
 def test_gpu_status_when_nvml_is_down(supervisor: SupervisorFactory, tmp_path: Path) -> None:
     """No NVML library: 200 with no devices and the error; supervision and the API go on."""
     libdir = tmp_path / "lib"

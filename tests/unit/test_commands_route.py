@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from supervisor.model import WorkerState
+from supervisor.api import _gpu_loads
+from supervisor.model import DeviceSample, Sample, WorkerState
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
 from supervisor.policy.route import (
     Candidate,
@@ -87,7 +90,7 @@ G0, G1, G2 = "GPU-0", "GPU-1", "GPU-2"
 
 
 def w(
-    name: str, gpus: tuple[str, ...] = (G0,), state: WorkerState = S.READY, **kw: bool
+    name: str, gpus: tuple[str, ...] = (G0,), state: WorkerState = S.READY, **kw: Any
 ) -> Candidate:
     return Candidate(name=name, port=8000 + int(name[-1]), state=state, gpus=gpus, **kw)
 
@@ -248,3 +251,57 @@ def test_workers_that_nearly_tie_take_turns() -> None:
     # small GPUs: 256 MiB is the least that ties
     small = {G0: GpuLoad(1000, 0), G1: GpuLoad(800, 0), G2: GpuLoad(700, 0)}
     assert {choose(near, small, turn=t).name for t in range(4)} == {"d-0", "d-1"}  # type: ignore[union-attr]
+
+
+def test_need_mb_counts_the_headroom_under_the_workers_gpu_budget() -> None:
+    """Regression: with ``gpu_memory_limit_mb`` set, ``/route`` judged ``need_mb`` (and ranked,
+    and reported ``free_mb``) on the device's free memory alone: a worker 100 MiB under its
+    budget on a GPU with 4000 MiB free was sent a request needing 2000 MiB, which took it over
+    its budget (``on_over_budget``: restarted, the requests in flight lost). The headroom under
+    the budget on each of its GPUs counts now (the budget is per GPU)."""
+    near = Candidate("a-0", 8000, S.READY, (G1,), budget_mb=3000, used_mb={G1: 2900})
+    roomy = Candidate("a-1", 8001, S.READY, (G2,), budget_mb=3000, used_mb={G2: 500})
+    assert choose([near], LOADS, 2000) == NoRoom(2000, 100)
+    assert choose([near, roomy], LOADS, 2000) == Routed("a-1", 8001, G2, 2500)
+    # the tighter of the budget's headroom and the device's free memory, GPU by GPU
+    two = Candidate("a-2", 8002, S.READY, (G0, G1), budget_mb=3000, used_mb={G1: 2500})
+    assert choose([two], LOADS) == Routed("a-2", 8002, G1, 500)
+    # over its budget already: nothing left, not a negative figure
+    over = Candidate("a-3", 8003, S.READY, (G2,), budget_mb=3000, used_mb={G2: 3500})
+    assert choose([over], LOADS) == Routed("a-3", 8003, G2, 0)
+    # its use unknown (not sampled yet): the device's free memory, as before
+    blind = Candidate("a-4", 8004, S.READY, (G2,), budget_mb=3000, used_mb=None)
+    assert choose([blind], LOADS) == Routed("a-4", 8004, G2, 4000)
+
+
+def test_route_does_not_rank_on_the_readings_of_a_hung_sampler() -> None:
+    """Regression: while an NVML call hung (``/gpu/status`` and the metrics report no
+    telemetry then), ``/route`` went on ranking and admitting on the last readings, minutes
+    old: every request to the one worker that had the most free memory then, and ``need_mb``
+    refused (429) for as long as the hang lasted on figures that no longer held. Its GPUs'
+    figures are unknown now, as with NVML down; an unhealthy GPU stays out of routing."""
+    sample = Sample(
+        t=1.0,
+        devices=(
+            DeviceSample(0, G0, "g", memory_free_mb=100.0, utilization_percent=90.0),
+            DeviceSample(1, G1, "g", healthy=False, error="GPU is lost"),
+        ),
+        workers={},
+        nvml_available=True,
+    )
+
+    class Sampler:
+        last = sample
+        hung: float | None = None
+
+        def stuck(self) -> float | None:
+            return self.hung
+
+    class Rt:
+        sampler = Sampler()
+
+    rt: Any = Rt()
+    assert _gpu_loads(rt)[G0] == GpuLoad(100.0, 90.0)
+    rt.sampler.hung = 12.0
+    assert _gpu_loads(rt) == {G0: GpuLoad(None, None), G1: GpuLoad(None, None, healthy=False)}
+    assert choose([w("a-0", (G0,))], _gpu_loads(rt), 5000) == Routed("a-0", 8000, G0, None)
