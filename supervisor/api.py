@@ -37,6 +37,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -63,7 +64,7 @@ from supervisor.journal import JOURNAL_SIZE, rfc3339
 from supervisor.listen import BACKLOG, BoundApi
 from supervisor.logs import RepeatLimitedHandler, RepeatLimiter, install_loop_exception_handler
 from supervisor.metrics import Metrics, state_key
-from supervisor.model import WorkerState
+from supervisor.model import LaunchSpec, WorkerState
 from supervisor.output import MAX_LOG_READ
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.commands import COMMANDS, Command, group_refusal, refusal
@@ -355,6 +356,25 @@ def bearer_refusal(header: str, expected: bytes) -> str | None:
     if not hmac.compare_digest(credentials.encode(), expected):
         return "invalid bearer token"
     return None
+
+
+def _target(spec: LaunchSpec) -> str:
+    """``HOST:PORT`` of a worker's own metrics for ``/api/v1/targets``: the host of its
+    readiness or liveness URL where that names its port (``[::1]``, ``localhost``: a server
+    that listens there only), else 127.0.0.1 (regression: always 127.0.0.1, a target down)."""
+    urls = (spec.ready_url, spec.liveness.url if spec.liveness is not None else None)
+    for url in urls:
+        if not url:
+            continue
+        parts = urlsplit(url)
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            continue
+        host = parts.hostname
+        if host and port == spec.port:
+            return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"127.0.0.1:{spec.port}"
 
 
 #: Methods a browser may send cross-site without asking first are refused from other origins
@@ -984,7 +1004,7 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
                 if path != "/metrics":
                     labels["__metrics_path__"] = path
                 labels.update((f"__param_{k}", v) for k, v in params.items())
-                out.append({"targets": [f"127.0.0.1:{runner.spec.port}"], "labels": labels})
+                out.append({"targets": [_target(runner.spec)], "labels": labels})
         return out
 
     # --- records ---

@@ -249,8 +249,13 @@ def resolve(
 
 
 def is_local(url: str) -> bool:
-    """A unix socket or a loopback address (``localhost``, ``127.x``, ``::1``)."""
-    return url.startswith("unix:") or is_loopback(urlsplit(url).hostname or "")
+    """A unix socket, a loopback address (``localhost``, ``127.x``, ``::1``) or a wildcard one
+    (``0.0.0.0``, ``::``: a connection to it reaches this machine; the URL ``api.listening``
+    logs for a wildcard listen, regression: sent to the ``http_proxy``)."""
+    if url.startswith("unix:"):
+        return True
+    host = urlsplit(url).hostname or ""
+    return is_loopback(host) or host in ("0.0.0.0", "::")  # noqa: S104 - not a bind
 
 
 class Client:

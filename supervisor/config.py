@@ -303,6 +303,11 @@ def parse_listen(value: str) -> tuple[Literal["tcp", "unix", "off"], str, int]:
         host = host[1:-1]
     if not host:
         raise ValueError(f"missing host before the port (got {value!r})")
+    # no name or address has these (a URL, an IPv6 literal with one bracket): refused here,
+    # not when `run` fails to resolve it (regression: check-config passed it)
+    if any(c.isspace() or c in "[]/@?#" for c in host):
+        what = "a host and port, not a URL" if "://" in value else "IPv6 in brackets: [::1]:9811"
+        raise ValueError(f'expected "HOST:PORT" or "unix:/path", {what} (got {value!r})')
     return ("tcp", host, int(port))
 
 

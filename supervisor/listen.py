@@ -130,19 +130,35 @@ def bind(listen: str) -> tuple[socket.socket, str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ListenError(f"api.listen {listen}: cannot resolve {host!r}: {exc.strerror}") from None
-    family, socktype, proto, _, address = infos[0]
-    # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and without it
-    # a keep-alive client waits for a delayed ACK (40 ms) on every response.
-    sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
-        sock.listen(BACKLOG)
-    except OSError as exc:
-        sock.close()
-        raise ListenError(f"api.listen {listen}: {_os_error(exc)}") from None
+    # Each address the host resolves to, in turn, until one binds: ``localhost`` is often ::1
+    # first, which a container with IPv6 turned off cannot bind (regression: only the first
+    # was tried, and a family the kernel lacks failed in socket() with a traceback).
+    errors: list[OSError] = []
+    for family, socktype, proto, _, address in infos:
+        try:
+            # proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets, and
+            # without it a keep-alive client waits for a delayed ACK (40 ms) on every response.
+            sock = socket.socket(family, socktype, proto or socket.IPPROTO_TCP)
+        except OSError as exc:
+            errors.append(exc)
+            continue
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # the wildcard ``[::]`` takes IPv4 connections too (regression: IPv6 only, so
+                # no listen value served both families); other addresses are of one family
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(address[0] != "::"))
+            sock.bind(address)
+            sock.listen(BACKLOG)
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+            continue
+        break
+    else:
+        # an address in use says most (the port is taken), else the first address's error
+        said = next((e for e in errors if e.errno == errno.EADDRINUSE), errors[0])
+        raise ListenError(f"api.listen {listen}: {_os_error(said)}") from None
     sock.setblocking(False)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host

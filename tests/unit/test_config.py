@@ -305,6 +305,22 @@ def test_good_listen_values(listen: str) -> None:
     assert parse_settings({"api": {"listen": listen}}).api.listen == listen
 
 
+@pytest.mark.parametrize(
+    "listen",
+    ["http://127.0.0.1:9811", "[::1:9811", "::1]:9811", "[::1]]:9811", "my host:9811", "[a/b]:1"],
+)
+def test_a_listen_host_that_no_address_can_be_is_refused(tmp_path: Path, listen: str) -> None:
+    """Regression: an ``api.listen`` whose host can be no address (a URL written for it, an
+    IPv6 literal with one bracket) passed the config check (``check-config`` said 0) and only
+    ``run`` failed, exit 1, with "cannot resolve 'http://127.0.0.1'" (and without a token the
+    check said it was "not a loopback address", which sent the operator after the token)."""
+    token = str(tmp_path / "t")
+    for api in ({"listen": listen, "token_file": token}, {"listen": listen}):
+        msg = bad({"api": api})
+        assert msg.startswith('c.toml: api.listen: expected "HOST:PORT" or "unix:/path"'), msg
+        assert repr(listen) in msg
+
+
 def test_non_loopback_listen_is_fine_with_a_token(tmp_path: Path) -> None:
     settings = parse_settings(
         {"api": {"listen": "0.0.0.0:9811", "token_file": str(tmp_path / "t")}}
