@@ -1763,8 +1763,12 @@ class _GuardedHttp(HttpToolsProtocol):
         self._stalled_at = None
 
     def _waiting(self) -> bool:
-        """No request is being served: none yet, the last one answered, or one still arriving."""
+        """No request is being served: none yet, the last one answered, or one still arriving
+        with none queued before it (regression: one cut by the bytes held unparsed behind
+        ``MAX_PIPELINED`` queued ones counted as arriving: closed while they were served)."""
         cycle = self.cycle
+        if self.pipeline:
+            return False
         return cycle is None or cycle.response_complete or cycle.more_body
 
     def _due(self) -> float | None:

@@ -388,6 +388,9 @@ class Sampler:
             self.available = False
             self.library_absent = exc.library_absent and self.stuck_for_s() is None
             self.backend, self._opening = backend, None
+            # no GPU telemetry at all: tried again within REOPEN_MAX_S, not after the longer
+            # wait of a GPU missing (regression: every GPU went unwatched for 5 minutes)
+            self._reopen_delay = min(self._reopen_delay, REOPEN_MAX_S)
             self._reopen_at = time.monotonic() + self._reopen_delay
             # auto kept on a library that does not initialise (a late driver, or a machine
             # without GPUs that has the library): the same failure is said once, not at
@@ -681,6 +684,7 @@ class Sampler:
         elif self.available and not sample.nvml_available:
             self.available = False
             self.error = sample.error
+            self._reopen_delay = min(self._reopen_delay, REOPEN_MAX_S)  # (as in ``open``)
             self._reopen_at = time.monotonic() + self._reopen_delay
             self._log.warning(
                 "gpu.unavailable",

@@ -347,3 +347,30 @@ async def test_pipelined_requests_are_taken_only_as_fast_as_they_are_answered() 
             while received.count(b"HTTP/1.1 200 OK\r\n") < count + 1:
                 received += await stream.receive(1 << 20)
         assert received.count(b'{"ok":true}') == count + 1
+
+
+async def test_pipelined_requests_held_unparsed_are_not_taken_for_a_slow_client() -> None:
+    """Regression: with requests of a pipelining client held unparsed (``MAX_PIPELINED`` of
+    them waiting), the one parsed last was cut in its body, so the connection counted as
+    waiting for the rest of a request from its client: while an earlier request was served
+    it was closed at ``request_timeout_s`` (or evicted at the limit), every request it had
+    sent lost, though all of them had arrived and only the server was behind."""
+    app = App()
+    body = b"x" * (2 * api.FEED_PIECE)  # longer than a piece: the held bytes cut a body
+    post = b"POST /ok HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    count = 2 * api.MAX_PIPELINED
+    async with serving(app, limit=4, request_timeout_s=0.3) as (connections, connect):
+        stream = await connect()
+        await stream.send(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n" + post * count)
+        await until(lambda: app.waiting == 1 and len(connections.open) == 1)
+        (conn,) = connections.open
+        await until(lambda: len(conn.pipeline) >= api.MAX_PIPELINED and bool(conn._held))
+        assert not await closed(stream, 0.6)  # past the deadline, /wait still served
+        assert connections.timed_out == 0
+
+        app.release.set()
+        received = b""
+        with anyio.fail_after(5):
+            while received.count(b"HTTP/1.1 200 OK\r\n") < count + 1:
+                received += await stream.receive(1 << 20)
+        assert received.count(b'{"ok":true}') == count + 1

@@ -262,3 +262,52 @@ async def test_a_gpu_kept_healthy_without_a_handle_after_a_reinit_says_its_xids_
     assert sorted((d.uuid, d.healthy) for d in sample.devices) == [(a, True), (b, True)]
     sampler._xids_watched(stub)  # what the XID loop does after each wait
     assert list(sampler.xids_unwatched) == [b], sampler.xids_unwatched
+
+
+@pytest.mark.parametrize("where", ["open", "sample"])
+async def test_nvml_down_while_a_gpu_is_missing_is_retried_within_a_minute(
+    tmp_path: Path, where: str
+) -> None:
+    """Regression: while a GPU seen before was missing, the re-opens backed off to every
+    5 minutes (``PARTIAL_REOPEN_MAX_S``); when NVML then failed altogether (a re-open that
+    failed, or a sample answered UNINITIALIZED: a driver reload), that 5-minute wait was the
+    next try, so every GPU went without telemetry and XID watch for up to 5 minutes instead
+    of ``REOPEN_MAX_S``."""
+    import time
+
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    fail = {"open": False, "sample": False}
+
+    def factory() -> SimBackend:
+        backend = SimBackend(world, 2)
+        real_open, real_sample = backend.open, backend.sample
+
+        def open_() -> tuple[DeviceIdentity, ...]:
+            if fail["open"]:
+                raise BackendUnavailable("NVML init failed: Driver Not Loaded")
+            return real_open()
+
+        def sample() -> tuple[DeviceSample, ...]:
+            if fail["sample"]:
+                raise BackendUnavailable("NVML is no longer initialised")
+            return real_sample()
+
+        backend.open = open_  # type: ignore[method-assign]
+        backend.sample = sample  # type: ignore[method-assign]
+        return backend
+
+    sampler = Sampler(factory, 0.1, dict, lambda s: None, lambda e: None)
+    assert await sampler.open() and len(sampler.identities) == 2
+    (world / "gpus" / "1").rename(world / "gpu1.off")
+    for _ in range(12):  # GPU 1 missing at every re-open: the wait grows to 5 minutes
+        assert await sampler.open() and len(sampler.identities) == 1
+    assert (await sampler.tick()).nvml_available
+    assert sampler._reopen_at - time.monotonic() > sampler_module.REOPEN_MAX_S
+    fail[where] = True
+    if where == "open":
+        assert not await sampler.open()
+    else:
+        assert not (await sampler.tick()).nvml_available
+    assert not sampler.available
+    assert sampler._reopen_at - time.monotonic() <= sampler_module.REOPEN_MAX_S
