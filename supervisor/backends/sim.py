@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -225,6 +226,10 @@ class SimBackend:
         self._pid_alive = pid_alive
         self._events_offset = 0
         self._partial = b""
+        #: a closed backend reads no more events (its wait may still be polling in its thread
+        #: when the sampler opens the next one, which reads from the file's end at its open)
+        self._events_lock = threading.Lock()
+        self._closed = False
         self._identities: tuple[DeviceIdentity, ...] = ()
         self._device_cache: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
 
@@ -346,7 +351,9 @@ class SimBackend:
                 for i in range(self.create_devices):
                     write_atomic(self.world / "gpus" / str(i), default_device_text(i))
             events = self.world / "events"
-            self._events_offset = events.stat().st_size if events.exists() else 0
+            with self._events_lock:
+                self._closed = False
+                self._events_offset = events.stat().st_size if events.exists() else 0
         except OSError as exc:
             raise BackendUnavailable(f"sim world {self.world}: {exc.strerror or exc}") from exc
         self._identities = tuple(
@@ -497,7 +504,10 @@ class SimBackend:
         """Wait up to ``timeout_s`` for new lines in ``events``."""
         deadline = self._clock() + timeout_s
         while True:
-            events = self._read_new_events()
+            with self._events_lock:
+                # closed meanwhile (the sampler re-opened): the next backend reads what comes
+                # now (regression: both did, and each XID was acted on twice)
+                events = [] if self._closed else self._read_new_events()
             if events or self._clock() >= deadline:
                 return events
             time.sleep(min(XID_POLL_S, max(0.0, deadline - self._clock())))
@@ -507,4 +517,6 @@ class SimBackend:
         return {}
 
     def close(self) -> None:
-        """Nothing to release."""
+        """Read no more events (nothing else to release)."""
+        with self._events_lock:
+            self._closed = True

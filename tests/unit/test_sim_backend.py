@@ -103,6 +103,23 @@ def test_xid_events_are_delivered_once_and_old_ones_never(tmp_path: Path) -> Non
     assert b.wait_xid(0.01) == []
 
 
+def test_a_closed_backend_reads_no_more_events(tmp_path: Path) -> None:
+    """Regression: the sampler re-opens the backend (NVML down, a GPU missing) while the old
+    one's XID wait still polls in its thread; the old one went on reading the events file, as
+    did the new one from its open on, so each XID after the re-open was delivered twice (a
+    worker restarted twice for one XID 13)."""
+    old = world(tmp_path)
+    with open(tmp_path / "events", "a") as fh:
+        fh.write("0 13\n")
+    assert [e.xid for e in old.wait_xid(0.5)] == [13]
+    old.close()
+    new = world(tmp_path)
+    with open(tmp_path / "events", "a") as fh:
+        fh.write("1 43\n")
+    assert old.wait_xid(0.05) == []
+    assert [(e.gpu_index, e.xid) for e in new.wait_xid(0.5)] == [(1, 43)]
+
+
 def test_clock_event_names() -> None:
     assert clock_event_names(None) is None
     assert clock_event_names(0x1 | 0x20 | 0x4000_0000) == (
