@@ -1403,8 +1403,10 @@ def test_a_log_that_failed_is_writable_again_once_the_disk_is_though_its_worker_
         assert "log" not in api.get("/readyz").json()["records"]
         scrape = api.get("/metrics").text
         assert 'gpu_supervisor_records_writable{file="log"} 1.0' in scrape
+        pid = api.get("/api/v1/workers/q-0").json()["pid"]
     text = (small_fs / "logs" / "q-0.log").read_text()
-    assert "41 bytes of output were lost" in text, text  # the start marker
+    lost = len(f"--- gpu-supervisor: started pid {pid} ---\n")  # the start marker
+    assert f"{lost} bytes of output were lost" in text, text
     assert sup.stop() == 0
 
 
