@@ -358,6 +358,11 @@ def bearer_refusal(header: str, expected: bytes) -> str | None:
     return None
 
 
+def _mib(value: float) -> str:
+    """MiB as an operator reads them: ``1000000000``, ``1.5`` (not ``1e+09``)."""
+    return f"{value:.1f}".removesuffix(".0")
+
+
 def _target(spec: LaunchSpec) -> str:
     """``HOST:PORT`` of a worker's own metrics for ``/api/v1/targets``: the host of its
     readiness or liveness URL where that names its port (``[::1]``, ``localhost``: a server
@@ -965,8 +970,8 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
             return 503, {"error": f"group {group}: {verdict.reason}"}, retry
         if isinstance(verdict, NoRoom):
             why = (
-                f"group {group}: no ready worker has {verdict.need_mb:g} MiB free "
-                f"(most free: {verdict.best_free_mb:g} MiB)"
+                f"group {group}: no ready worker has {_mib(verdict.need_mb)} MiB free "
+                f"(most free: {_mib(verdict.best_free_mb)} MiB)"
             )
             return 429, {"error": why}, retry
         body = {

@@ -552,6 +552,8 @@ def test_route_by_free_memory_429_and_503(supervisor: SupervisorFactory, tmp_pat
         full = http.get("/api/v1/route", params={"group": "r", "need_mb": 50000})
         assert_error(full, 429, "50000 MiB")
         assert full.headers["retry-after"] == "1"
+        huge = http.get("/api/v1/route", params={"group": "r", "need_mb": 123456789})
+        assert_error(huge, 429, "has 123456789 MiB free")  # not 1.23457e+08
         assert_error(http.get("/api/v1/route", params={"group": "x"}), 404, "unknown group")
         assert_error(http.get("/api/v1/route", params={"group": "r", "need_mb": -1}), 422)
         assert_error(http.get("/api/v1/route", params={"group": "r", "need_mb": "nan"}), 422)
