@@ -191,7 +191,7 @@ def check_config(settings: Settings, as_json: bool) -> str:
     plan = build_plan(
         settings,
         {},
-        os.fspath(socket_path_for(sup.state_dir)),
+        os.fspath(socket_path_for(sup.state_dir, create=False)),
         slots or None,
         accounts=resolve_accounts(g.user for g in settings.workers),
         allowed_cpus=allowed_cpus(),

@@ -57,12 +57,16 @@ MAX_MEMORY_MB = float(2**40)
 MAX_PORT = 65535
 
 #: ``[[workers]] user``: a user (name or number) and optionally ``:`` a group (POSIX portable
-#: names, plus the trailing ``$`` of machine accounts).
-_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?(:[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?)?")
+#: names, plus the trailing ``$`` of machine accounts and the ``@domain`` of the names SSSD
+#: gives directory accounts: ``svc-gpu@corp.example.com``).
+_USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.@-]*\$?(:[A-Za-z0-9_.][A-Za-z0-9_.@-]*\$?)?")
 #: The largest user or group number (``uid_t``/``gid_t`` are 32 bits; the top one, -1, means
 #: "leave unchanged" to setresuid/setresgid).
 MAX_ID = 2**32 - 2
-_GROUP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*(-[A-Za-z_][A-Za-z0-9_.]*)*$")
+#: Words of letters, digits, '_' and '.' joined by single dashes, the last one no number
+#: (``gpen-1`` reads as a worker of a group ``gpen``): ``qwen2-7b``, ``llama-3.1-8b``.
+_GROUP_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*(-[A-Za-z0-9_][A-Za-z0-9_.]*)*$")
+_ENDS_IN_A_NUMBER = re.compile(r"-[0-9]+$")
 
 
 class _Strict(BaseModel):
@@ -603,7 +607,7 @@ class WorkerGroup(_Strict):
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
-        if not _GROUP_NAME.fullmatch(value) or len(value) > 64:
+        if not _GROUP_NAME.fullmatch(value) or _ENDS_IN_A_NUMBER.search(value) or len(value) > 64:
             raise ValueError(
                 "group names are letters, digits, '_', '.' and '-' (not ending in -<number>), "
                 "at most 64 characters"
@@ -666,7 +670,7 @@ class WorkerGroup(_Strict):
         if value and not _USER.fullmatch(value):
             raise ValueError(
                 'expected "NAME", "UID", "NAME:GROUP" or "UID:GID" (user and group names of '
-                "letters, digits, '_', '.' and '-')"
+                "letters, digits, '_', '.', '-' and '@')"
             )
         for part in value.split(":"):
             if part.isdigit() and int(part) > MAX_ID:

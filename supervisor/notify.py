@@ -53,11 +53,16 @@ def parse_datagram(data: bytes, *, cut: bool = False) -> dict[str, str]:
     return out
 
 
-def socket_path_for(state_dir: Path) -> Path:
-    """``state_dir/notify.sock`` when that fits in ``sun_path``, else a fresh private temp dir."""
+def socket_path_for(state_dir: Path, *, create: bool = True) -> Path:
+    """``state_dir/notify.sock`` when that fits in ``sun_path``, else a fresh private temp dir.
+
+    ``create=False`` (a check, which binds nothing): that temp dir is not made, a path of
+    that shape is returned (regression: ``check-config`` left one behind at every run)."""
     candidate = (state_dir / "notify.sock").absolute()
     if len(os.fsencode(candidate)) <= MAX_SOCKET_PATH:
         return candidate
+    if not create:
+        return Path(tempfile.gettempdir()) / "gpu-supervisor-XXXXXXXX" / "notify.sock"
     return Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
 
 

@@ -8,6 +8,7 @@ import functools
 import http.server
 import json
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -799,3 +800,24 @@ def test_logs_follow_prints_the_last_words_of_a_worker_a_reload_removes(
     ), out
     assert err.strip() == "gpu-supervisor: w-0 is gone (a reload removed it)", err
     assert sup.stop() == 0
+
+
+def test_check_config_with_a_long_state_dir_leaves_no_temporary_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: where ``state_dir/notify.sock`` is too long for a socket path (over 107
+    bytes), ``check-config`` made the private temporary directory ``run`` binds it in instead
+    (``/tmp/gpu-supervisor-XXXX``), and left it behind at every check."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    state_dir = tmp_path / ("s" * 110)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[supervisor]\nstate_dir = {json.dumps(str(state_dir))}\n[gpu]\nbackend = "none"\n'
+        '[[workers]]\nname = "a"\ncommand = ["/bin/true"]\ngpus = "none"\n'
+    )
+    code, out, err = run(capsys, "check-config", "-c", str(cfg))
+    assert code == 0, err
+    assert "config ok" in out
+    assert list(temp.iterdir()) == []

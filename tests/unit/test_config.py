@@ -616,3 +616,37 @@ def test_a_reload_of_an_empty_file_says_why_where_the_environment_names_the_work
     assert "would set every key the file sets to its default" in str(err.value)
     assert "stop every worker" not in str(err.value)
     assert [g.name for g in load_settings(p).workers] == ["a"]  # at the start: taken
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2-7b", "llama-3.1-8b", "gpt-4o", "sd-1.5", "7b-chat", "a-1-b", "x_2-3d"]
+)
+def test_model_names_with_digits_after_a_dash_are_group_names(name: str) -> None:
+    """Regression: a group name with a digit first or right after a dash (``qwen2-7b``,
+    ``llama-3.1-8b``, ``7b-chat``: the usual model names) was refused, with a message that
+    says group names are letters, digits, '_', '.' and '-' (not ending in -<number>)."""
+    settings = parse_settings({"workers": [{**W, "name": name}]}, "c.toml")
+    assert settings.workers[0].worker_names() == [f"{name}-0"]
+
+
+@pytest.mark.parametrize("name", ["gpen-1", "a-b-12", "a-", "-a", "a--b", ".a", "a b", "gpü"])
+def test_names_that_end_in_a_number_or_are_no_words_are_still_refused(name: str) -> None:
+    """A name ending in -<number> reads as a worker of another group; the rest are no names
+    for files, labels and URLs."""
+    assert "workers[0].name: group names are letters" in bad({"workers": [{**W, "name": name}]})
+
+
+@pytest.mark.parametrize(
+    "user", ["svc-gpu@corp.example.com", "svc@ad.example.com:ml@ad.example.com"]
+)
+def test_a_fully_qualified_directory_user_is_a_user(user: str) -> None:
+    """Regression: ``user = "svc-gpu@corp.example.com"``, the name an SSSD (Active Directory,
+    LDAP) host gives its accounts with ``use_fully_qualified_names``, was refused (exit 2): no
+    such name was said to be a user name."""
+    settings = parse_settings({"workers": [{**W, "user": user}]}, "c.toml")
+    assert settings.workers[0].user == user
+
+
+@pytest.mark.parametrize("user", ["@corp.example.com", "a b", "a:b:c", "ü"])
+def test_what_is_no_user_name_is_still_refused(user: str) -> None:
+    assert "workers[0].user: expected" in bad({"workers": [{**W, "user": user}]})
