@@ -10,6 +10,7 @@ import contextlib
 import faulthandler
 import functools
 import gc
+import io
 import json
 import os
 import shlex
@@ -624,9 +625,20 @@ def _first_supervisor_error(group: BaseExceptionGroup[Any]) -> SupervisorError |
     return None
 
 
+def _write_undecodable_bytes_back() -> None:
+    """Standard output writes the bytes of a path that is no UTF-8 as they are (the path
+    decoded them as surrogates) rather than failing: with a UTF-8 locale its errors are
+    ``strict``, and ``check-config`` with such a ``state_dir`` (given through the environment)
+    ended in a UnicodeEncodeError traceback (regression)."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors == "strict":
+        with contextlib.suppress(ValueError, OSError):  # closed, or no stream to reconfigure
+            sys.stdout.reconfigure(errors="surrogateescape")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     config: str | None = None
+    _write_undecodable_bytes_back()
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((w for w in words if not w.startswith("-")), None)  # also for a bad flag
     try:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import os
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -821,3 +824,29 @@ def test_check_config_with_a_long_state_dir_leaves_no_temporary_directory(
     assert code == 0, err
     assert "config ok" in out
     assert list(temp.iterdir()) == []
+
+
+def test_check_config_writes_a_state_dir_that_is_no_utf8_as_its_bytes(tmp_path: Path) -> None:
+    """Regression: with a UTF-8 locale (standard output's errors ``strict``), ``check-config``
+    of a ``state_dir`` whose name is no UTF-8 (given through the environment: a TOML file is
+    UTF-8) ended in a UnicodeEncodeError traceback; it prints the name's bytes as they are."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[gpu]\nbackend = "none"\n[[workers]]\nname = "a"\ncommand = ["/bin/true"]\ngpus = "none"\n'
+    )
+    state_dir = os.fsencode(tmp_path) + b"/state-\xff"
+    env = {
+        **os.environ,
+        "PYTHONIOENCODING": "utf-8:strict",
+        "GPU_SUPERVISOR_SUPERVISOR__STATE_DIR": os.fsdecode(state_dir),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "check-config", "-c", str(cfg)],
+        capture_output=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert state_dir in done.stdout
