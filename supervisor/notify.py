@@ -53,6 +53,11 @@ def parse_datagram(data: bytes, *, cut: bool = False) -> dict[str, str]:
     return out
 
 
+#: The mode of the private directory in /tmp that holds the socket where ``state_dir``'s path
+#: is too long for one (as ``tempfile.mkdtemp`` makes it).
+PRIVATE_DIR_MODE = 0o700
+
+
 def socket_path_for(state_dir: Path, *, create: bool = True) -> Path:
     """``state_dir/notify.sock`` when that fits in ``sun_path``, else a fresh private temp dir.
 

@@ -65,6 +65,7 @@ from supervisor.model import (
     XidEvent,
 )
 from supervisor.notify import (
+    PRIVATE_DIR_MODE,
     SHARED_DIR_MODE,
     SHARED_SOCKET_MODE,
     NotifyListener,
@@ -387,7 +388,14 @@ class Runtime:
         self._notify_kept = anyio.Event()  # a message for the service manager waits to go
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
-        self.listener = NotifyListener(self.notify_path, self._on_notify)
+        #: the socket is in a private directory of /tmp (``state_dir/notify.sock`` is too long
+        #: a socket path): made again, this user's own, where a cleaner removed it
+        self._notify_in_tmp = self.notify_path.parent != settings.supervisor.state_dir.absolute()
+        self.listener = NotifyListener(
+            self.notify_path,
+            self._on_notify,
+            dir_mode=PRIVATE_DIR_MODE if self._notify_in_tmp else None,
+        )
         self._notify_error: str | None = None  # why the notify socket cannot be bound again
         #: the socket workers running as another user (``user``) get: opened when first needed
         self.shared_listener: NotifyListener | None = None
@@ -1038,7 +1046,10 @@ class Runtime:
         by a clean-up script): else no worker becomes ready again, and each one with a watchdog
         is taken for hung. (A removed ``state_dir`` is bound again once it is made anew:
         ``_on_state_dir_recreated``.) An ``lstat`` a sample."""
-        if not self.listener.lost():
+        # the private directory in /tmp removed with it (a temporary-file cleaner: regression,
+        # it was never made again, so no worker became ready again)
+        gone = self._notify_in_tmp and not os.path.lexists(self.notify_path.parent)
+        if not (gone or self.listener.lost()):
             return
         error = _attempt(self.listener.rebind)
         if error is not None:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -900,6 +901,30 @@ def test_a_core_dump_is_reported(supervisor: SupervisorFactory, tmp_path: Path) 
         assert last["detail"] == "killed by SIGABRT (core dumped)"
         doc = http.get(f"/api/v1/postmortems/{written['id']}").json()
     assert doc["evidence"]["core_dumped"] is True and doc["exit"]["signal_name"] == "SIGABRT"
+    assert sup.stop() == 0
+
+
+def test_the_notify_socket_in_tmp_is_bound_again_when_a_cleaner_removed_its_directory(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A ``state_dir`` whose path is too long for a socket path puts the notify socket in a
+    private directory of /tmp. Regression: a temporary-file cleaner (systemd-tmpfiles after
+    10 days) that removed that directory left it gone for good: no worker became ready again
+    (each start timed out) and every one with a watchdog was taken for hung."""
+    state_dir = tmp_path / ("s" * 100)
+    sup = supervisor(
+        {"supervisor": {"state_dir": str(state_dir)}, "workers": [group("r", "ready_then_sleep")]}
+    )
+    sup.ready("r-0")
+    path = Path(sup.wait_event(event="supervisor.start")["notify_socket"])
+    assert not path.is_relative_to(state_dir), path
+    mark = sup.mark()
+    shutil.rmtree(path.parent)
+    sup.wait_event(5, mark, event="notify.rebound")
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/r-0/restart").status_code == 202
+    sup.ready("r-0", after=mark)
     assert sup.stop() == 0
 
 
