@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -445,6 +445,12 @@ def remove_temp_files(directory: Path) -> int:
     return count
 
 
+#: A write failure of the same file and kind that comes back within this many seconds of the
+#: last one said (a full disk whose space something keeps taking back: the writes fail and work
+#: in turn) is said at debug, its recovery too; one that lasts is said again after it.
+FLAP_LOG_EVERY_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """An ongoing write failure of one file kind."""
@@ -453,14 +459,17 @@ class Failure:
     error: str
     since: float  # wall clock
     started: float  # monotonic: how long it lasts, whatever steps the wall clock takes
+    quiet: bool = False  # said at debug (the same failure was said less than a minute ago)
 
 
 class WriteHealth:
-    """Write failures per file (``state``, ``postmortem``, ``log``): logged once per kind."""
+    """Write failures per file (``state``, ``postmortem``, ``log``): logged once per kind, and
+    at most once a minute (``FLAP_LOG_EVERY_S``) for one that comes and goes."""
 
     def __init__(self) -> None:
         self.failing: dict[str, Failure] = {}
         self.errors_total: dict[tuple[str, str], int] = {}
+        self._said: dict[str, tuple[str, float]] = {}  # file: (kind, monotonic) last said
         self._log = structlog.get_logger()
 
     def failed(self, file: str, exc: OSError) -> None:
@@ -468,16 +477,41 @@ class WriteHealth:
         kind = failure_kind(exc)
         key = (file, kind)
         self.errors_total[key] = self.errors_total.get(key, 0) + 1
+        now = time.monotonic()
+        said = self._said.get(file)
+        recent = said is not None and said[0] == kind and now - said[1] < FLAP_LOG_EVERY_S
         current = self.failing.get(file)
         if current is not None and current.kind == kind:
+            self.lasting(file)
             return
-        self.failing[file] = Failure(kind, f"{exc.strerror or exc}", time.time(), time.monotonic())
-        self._log.error(
+        error = f"{exc.strerror or exc}"
+        self.failing[file] = Failure(kind, error, time.time(), now, quiet=recent)
+        self._say_failed(file, kind, error, exc.filename, now, 10 if recent else 40)
+
+    def lasting(self, file: str) -> None:
+        """``file``'s writes still fail: one said at debug (it came back within a minute of
+        the last said) is said at error once that minute is over, as it lasts."""
+        current = self.failing.get(file)
+        said = self._said.get(file)
+        now = time.monotonic()
+        if current is None or not current.quiet:
+            return
+        if said is None or said[0] != current.kind or now - said[1] >= FLAP_LOG_EVERY_S:
+            self.failing[file] = replace(current, quiet=False)
+            self._say_failed(file, current.kind, current.error, None, now, 40)
+
+    def _say_failed(
+        self, file: str, kind: str, error: str, path: object, now: float, level: int
+    ) -> None:
+        if level > 10:
+            self._said[file] = (kind, now)
+        self._log.log(
+            level,
             "records.write_failed",
             file=file,
             kind=kind,
-            error=exc.strerror or str(exc),
-            path=exc.filename,
+            error=error,
+            path=path,
             reason="supervision continues; writes are retried",
         )
 
@@ -485,7 +519,8 @@ class WriteHealth:
         """A write of ``file`` succeeded."""
         failure = self.failing.pop(file, None)
         if failure is not None:
-            self._log.info(
+            self._log.log(
+                10 if failure.quiet else 20,
                 "records.write_recovered",
                 file=file,
                 kind=failure.kind,

@@ -199,8 +199,13 @@ LEFTOVER_ROUNDS = 4
 SHARED_CHECK_EVERY_S = 10.0
 #: Datagrams read at most from the notify socket before a worker's deadline is judged.
 NOTIFY_BEFORE_DEADLINE = 4096
-#: At most one ``supervisor.reaped_orphan`` line at info this often (seconds).
-ORPHAN_LOG_EVERY_S = 1.0
+#: At most one ``supervisor.reaped_orphan`` line at info this often (seconds): a worker that
+#: leaves orphans for as long as it runs would otherwise say so all day (regression: once a
+#: second).
+ORPHAN_LOG_EVERY_S = 60.0
+#: At most one ``output.log_trimmed`` line at warning per worker this often (seconds): on a
+#: disk that stays full, a chatty worker's log gives up its space at each full-disk write.
+LOG_TRIM_SAID_EVERY_S = 60.0
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -469,6 +474,7 @@ class Runtime:
         #: Prometheus reports its own: config_last_reload_successful / ..._timestamp_seconds
         self.last_reload: tuple[bool, float] = (True, self.clock.wall())
         self._orphan_logged_at = -math.inf
+        self._trim_said_at: dict[str, float] = {}  # worker: when output.log_trimmed was said
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
         self.sample_listeners: list[Callable[[Sample], None]] = []
@@ -1793,7 +1799,7 @@ class Runtime:
 
     def _on_orphan(self, reaped: Reaped) -> None:
         # A worker whose children double-fork in a loop makes thousands a second: one line a
-        # second at most (``reaped``: how many since the last line), the rest at debug.
+        # minute at most (``reaped``: how many since the last line), the rest at debug.
         self._orphans_unlogged += 1
         now = self.clock.now()
         loud = now - self._orphan_logged_at >= ORPHAN_LOG_EVERY_S
@@ -2399,6 +2405,8 @@ class Runtime:
             file.retry()  # (the last one that gets through says the logs are writable)
         if not failing:
             self.write_health.ok("log")
+        else:
+            self.write_health.lasting("log")  # (said again if only said at debug)
 
     def _on_log_health(self, exc: OSError | None) -> None:
         if exc is None:
@@ -2408,7 +2416,15 @@ class Runtime:
             self.write_health.failed("log", exc)
 
     def _on_log_trim(self, name: str, freed: int, capped: int) -> None:
-        self.log.warning(
+        # Once a minute per worker, the rest at debug: on a disk that something else keeps
+        # full, the log grows into what it freed and gives it up again (regression: a
+        # warning several times a second for as long as the disk stayed full).
+        now = self.clock.now()
+        loud = now - self._trim_said_at.get(name, -math.inf) >= LOG_TRIM_SAID_EVERY_S
+        if loud:
+            self._trim_said_at[name] = now
+        self.log.log(
+            30 if loud else 10,
             "output.log_trimmed",
             worker=name,
             freed_bytes=freed,

@@ -444,6 +444,22 @@ def test_a_burst_of_orphans_is_not_a_burst_of_log_lines(supervisor: SupervisorFa
     assert sup.stop() == 0
 
 
+def test_a_worker_that_keeps_orphaning_says_so_once_a_minute(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: a worker that leaves an orphan every few tens of milliseconds for as long
+    as it runs (a shell loop that backgrounds a helper, a launcher that daemonizes) had
+    supervisor.reaped_orphan at info once a second, 3,600 lines an hour. One a minute now (the
+    rest at debug, ``reaped`` counting them)."""
+    loop = "while :; do (sleep 0 &); sleep 0.07; done"
+    worker = {"name": "sh", "command": ["sh", "-c", loop], "ready": "none"}
+    sup = supervisor({"workers": [worker]}, log_level="debug")
+    sup.wait_events(20, event="supervisor.reaped_orphan")
+    loud = sup.find(event="supervisor.reaped_orphan", level="info")
+    assert len(loud) == 1, loud
+    assert sup.stop() == 0
+
+
 def test_sigterm_while_a_group_is_being_added_stops_every_worker(
     supervisor: SupervisorFactory,
 ) -> None:

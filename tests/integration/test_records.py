@@ -1067,6 +1067,37 @@ def test_a_worker_log_that_fills_state_dir_gives_up_its_space(
     assert held <= 1024 * 1024 // 2 + 8192, held
 
 
+def test_a_log_that_keeps_giving_up_its_space_says_so_once_a_minute(
+    supervisor: SupervisorFactory, small_fs: Path
+) -> None:
+    """Regression: on a state_dir that something else keeps full, a chatty worker's log gives
+    up its space at each full-disk write, grows into what it freed and gives it up again:
+    output.log_trimmed (warning) came several times a second, and state.json's writes, which
+    failed and worked in turn, said records.write_failed (error) and write_recovered as often,
+    for as long as the disk stayed full. Each is said once a minute now, the rest at debug."""
+    chatty = {
+        "name": "chat",
+        "command": [
+            sys.executable,
+            "-c",
+            "import time\nwhile True: print('x' * 200, flush=True); time.sleep(0.005)",
+        ],
+        "ready": "none",
+    }
+    sup = supervisor({"workers": [chatty]}, log_level="debug")
+    log = small_fs / "logs" / "chat-0.log"
+    sup.wait_until(lambda: log.exists() and log.stat().st_size > 0, "the worker's log")
+    _fill(small_fs)
+    trims = sup.wait_events(5, event="output.log_trimmed", worker="chat-0", timeout=20)
+    assert [e["level"] for e in trims[:2]] == ["warning", "debug"], trims
+    loud = [e for e in sup.find(event="output.log_trimmed") if e["level"] != "debug"]
+    assert len(loud) == 1, loud
+    for file in ("state", "log", "postmortem"):
+        said = sup.find(event="records.write_failed", file=file, level="error")
+        assert len(said) <= 1, said
+    assert sup.stop() == 0
+
+
 def test_a_full_state_dir_at_start_still_marks_the_workers(
     supervisor: SupervisorFactory, small_fs: Path
 ) -> None:

@@ -331,6 +331,63 @@ def test_write_failure_duration_ignores_a_step_of_the_wall_clock(
     assert [e["failed_for_s"] for e in recovered] == [2.0]
 
 
+def test_a_write_failure_that_comes_and_goes_is_said_once_a_minute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: on a full state_dir where something keeps taking the space back (a worker's
+    log giving up its space, then filling it again), state.json's writes failed and worked in
+    turn: records.write_failed (error) and records.write_recovered twice a second for as long
+    as the disk stayed full. A failure of the same file and kind within a minute of the last
+    one said is now said at debug (with its recovery); one that lasts is said again, at error,
+    a minute after the last; another kind is said at once."""
+    clock = {"mono": 100.0}
+    monkeypatch.setattr(
+        "supervisor.records.time", SimpleNamespace(time=lambda: T0, monotonic=lambda: clock["mono"])
+    )
+    health = WriteHealth()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with capture_logs() as logs:
+        for _ in range(100):  # 50 s of failing and working in turn
+            health.failed("state", full)
+            clock["mono"] += 0.25
+            health.ok("state")
+            clock["mono"] += 0.25
+        assert health.problems() == {}
+        health.failed("state", full)  # and now it lasts
+        assert "state" in health.problems()
+        clock["mono"] += 30.0
+        health.failed("state", full)  # a minute after the last said: said again
+        health.failed("state", OSError(errno.EROFS, "Read-only file system"))  # another kind
+        health.ok("state")
+        clock["mono"] += 120.0
+        health.failed("log", full)
+        health.ok("log")
+        health.failed("log", full)  # back within the minute, and it lasts with no new write:
+        clock["mono"] += 59.0
+        health.lasting("log")  # (the runtime's retries say so)
+        clock["mono"] += 1.0
+        health.lasting("log")
+        health.lasting("log")
+    loud = [(e["event"], e.get("kind")) for e in logs if e["log_level"] != "debug"]
+    assert loud == [
+        ("records.write_failed", "disk_full"),
+        ("records.write_recovered", "disk_full"),
+        ("records.write_failed", "disk_full"),
+        ("records.write_failed", "read_only"),
+        ("records.write_recovered", "read_only"),
+        ("records.write_failed", "disk_full"),
+        ("records.write_recovered", "disk_full"),
+        ("records.write_failed", "disk_full"),
+    ]
+    quiet = [e for e in logs if e["log_level"] == "debug"]
+    assert len(quiet) == 2 * 99 + 1 + 1
+    assert health.errors_total == {
+        ("state", "disk_full"): 102,
+        ("state", "read_only"): 1,
+        ("log", "disk_full"): 2,
+    }
+
+
 async def test_post_mortems_left_unwritten_at_exit_are_said(tmp_path: Path) -> None:
     """A state_dir that takes no post-mortem by the time the supervisor exits (full, read-only):
     what is still queued is logged with its ids, not lost silently."""
