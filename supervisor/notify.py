@@ -1,8 +1,10 @@
 """The workers' notify socket: the sd_notify datagram protocol on a unix socket.
 
-Workers get its path in ``NOTIFY_SOCKET`` and send ``READY=1``, ``WATCHDOG=1``, ``STATUS=...``
-or ``STOPPING=1`` datagrams, exactly as to systemd. The sender is identified by the kernel
-(``SO_PASSCRED``), and a message from any descendant of a worker counts for that worker.
+Workers get its path in ``NOTIFY_SOCKET`` and send ``READY=1``, ``WATCHDOG=1``, ``STATUS=...``,
+``STOPPING=1``, ``EXTEND_TIMEOUT_USEC=...`` or ``WATCHDOG_USEC=...`` datagrams, exactly as to
+systemd (README.md, "Worker lifecycle", says what each field does here). The sender is
+identified by the kernel (``SO_PASSCRED``), and a message from any descendant of a worker counts
+for that worker.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def parse_datagram(data: bytes, *, cut: bool = False) -> dict[str, str]:
         if sep and key:
             out[key] = value
     return out
+
+
+def parse_usec(value: str) -> int | None:
+    """A microseconds field (``EXTEND_TIMEOUT_USEC``, ``WATCHDOG_USEC``): an unsigned 64-bit
+    decimal as systemd takes it, else None (signs, spaces, underscores, other digits)."""
+    if not value or len(value) > 20 or not (value.isascii() and value.isdigit()):
+        return None
+    usec = int(value)
+    return usec if usec < 2**64 else None
 
 
 #: The mode of the private directory in /tmp that holds the socket where ``state_dir``'s path

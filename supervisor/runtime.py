@@ -2577,6 +2577,8 @@ class Runtime:
                 why = "the worker sent WATCHDOG=trigger"
             elif runner.liveness_failed is not None:
                 why = runner.liveness_failed
+            elif before.watchdog_s is not None:  # the worker set its own (WATCHDOG_USEC)
+                why = f"no WATCHDOG=1 within the {before.watchdog_s:g}s its WATCHDOG_USEC set"
             else:
                 why = "no WATCHDOG=1 within watchdog_s"
             detail = f"{why}; {outcome.detail}" if outcome.detail else why
@@ -2629,7 +2631,8 @@ class Runtime:
             failure=dead.action.failure,
             detail=outcome.detail,
             timing={
-                "watchdog_s": timing.watchdog_s,
+                # the worker's own, where it set one (WATCHDOG_USEC)
+                "watchdog_s": timing.watchdog_s if before.watchdog_s is None else before.watchdog_s,
                 "start_timeout_s": timing.start_timeout_s,
                 "drain_timeout_s": timing.drain_timeout_s,
             },

@@ -28,7 +28,7 @@ from supervisor.clock import Clock
 from supervisor.errors import SpawnError, connection_reason
 from supervisor.journal import rfc3339
 from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState, WorkerUsage
-from supervisor.notify import NotifyMessage
+from supervisor.notify import NotifyMessage, parse_usec
 from supervisor.output import WorkerOutput
 from supervisor.policy import lifecycle as lc
 from supervisor.policy.backoff import ready_poll_s
@@ -169,6 +169,13 @@ class WorkerRunner:
         self._read_notify = read_notify
         #: a Heartbeat / Ready is queued and not handled yet: more of the same add nothing
         self._queued: set[type[lc.Event]] = set()
+        #: the value an ExtendTimeout / WatchdogTimeout queued is handled with: the latest
+        #: (the longest extension) its process sent meanwhile
+        self._notified: dict[type[lc.Event], float] = {}
+        #: notify fields of the current process already said to be unreadable (once each)
+        self._said_invalid: set[str] = set()
+        #: the ERRNO= / BUSERROR= the current process last reported (said when it changes)
+        self._said_error: tuple[str | None, str | None] = (None, None)
         #: the events that take it down (``TAKES_DOWN``) posted and not taken yet, in order
         self._downs: deque[lc.Event] = deque()
         self._before: lc.WorkerRecord = self.record
@@ -309,8 +316,55 @@ class WorkerRunner:
             self.watchdog_triggered = True
             self._log.warning("worker.watchdog_trigger", pid=pid)
             self.post(lc.Heartbeat(pid, trigger=True))
+        # systemd's own order: after READY=1 and WATCHDOG=1 of the same datagram
+        if "WATCHDOG_USEC" in fields:
+            self._notify_usec(pid, "WATCHDOG_USEC", fields["WATCHDOG_USEC"])
+        if "EXTEND_TIMEOUT_USEC" in fields:
+            self._notify_usec(pid, "EXTEND_TIMEOUT_USEC", fields["EXTEND_TIMEOUT_USEC"])
+        if "ERRNO" in fields or "BUSERROR" in fields:
+            self._reported_error(pid, fields.get("ERRNO"), fields.get("BUSERROR"))
 
-    def _post_once(self, event: lc.Ready | lc.Heartbeat) -> None:
+    def _notify_usec(self, pid: int, key: str, value: str) -> None:
+        """``WATCHDOG_USEC`` or ``EXTEND_TIMEOUT_USEC``: queued for the lifecycle (one at a
+        time: a flood leaves the latest value, or the longest extension, to be handled)."""
+        usec = parse_usec(value)
+        if usec is None:
+            if key not in self._said_invalid:  # (once a process and field)
+                self._said_invalid.add(key)
+                self._log.warning("worker.notify_invalid", pid=pid, field=key, value=value[:64])
+            return
+        seconds = usec / 1_000_000
+        kind: type[lc.ExtendTimeout | lc.WatchdogTimeout]
+        if key == "EXTEND_TIMEOUT_USEC":
+            kind = lc.ExtendTimeout
+            seconds = max(seconds, self._notified.get(kind, 0.0))
+        else:
+            kind = lc.WatchdogTimeout
+            if seconds != self._notified.get(kind, self.record.watchdog_s):
+                self._log.info("worker.watchdog_changed", pid=pid, watchdog_s=seconds)
+        self._notified[kind] = seconds
+        self._post_once(kind(pid, seconds))
+
+    def _reported_error(self, pid: int, errno_text: str | None, buserror: str | None) -> None:
+        """``ERRNO=`` / ``BUSERROR=``: the worker says why it fails (systemd shows them in
+        ``systemctl status``): logged, once a value."""
+        if (errno_text, buserror) == self._said_error or (
+            errno_text in ("0", None) and not buserror
+        ):
+            return
+        self._said_error = (errno_text, buserror)
+        said: dict[str, Any] = {}
+        if errno_text is not None:
+            said["errno"] = errno_text[:64]
+            if errno_text.isascii() and errno_text.isdigit() and len(errno_text) < 6:
+                said["error"] = os.strerror(int(errno_text))
+        if buserror:
+            said["buserror"] = buserror[:256]
+        self._log.warning("worker.reported_error", pid=pid, **said)
+
+    def _post_once(
+        self, event: lc.Ready | lc.Heartbeat | lc.ExtendTimeout | lc.WatchdogTimeout
+    ) -> None:
         """Queue ``event`` unless one of its kind waits to be handled already: a worker that
         floods the socket with heartbeats cannot grow the queue (nor hold back a Stop behind
         it); the one queued is handled at the time it is, which is all it says."""
@@ -433,6 +487,11 @@ class WorkerRunner:
         while pending:
             event = pending.popleft()
             self._queued.discard(type(event))
+            if isinstance(event, lc.ExtendTimeout | lc.WatchdogTimeout):
+                # the latest value its process sent while it waited in the queue
+                seconds = self._notified.pop(type(event), None)
+                if seconds is not None:
+                    event = replace(event, seconds=seconds)
             if isinstance(event, lc.Exited) and event.pid == self._ended_unasked:
                 # collected (its exit queued) before the stop signal was to go out: its death
                 # is its own too (regression: queued as asked for, it was called the stop)
@@ -504,6 +563,16 @@ class WorkerRunner:
                 "worker.state",
                 {"old": action.old.value, "new": action.new.value, "reason": action.reason},
             )
+        elif isinstance(action, lc.Extended):
+            # the first in a state at info; more (a loader that sends it every few seconds)
+            # at debug
+            self._log.log(
+                20 if action.first else 10,
+                "worker.timeout_extended",
+                pid=self.record.pid,
+                state=action.state.value,
+                left_s=round(action.seconds, 3),
+            )
         elif isinstance(action, lc.Exit):
             self._exited(action)
         return None
@@ -527,6 +596,9 @@ class WorkerRunner:
         self._tree = []
         self.stopping_notified = False
         self.watchdog_triggered = False
+        self._notified.clear()
+        self._said_invalid.clear()
+        self._said_error = (None, None)
         self.liveness_failed = None
         self.liveness_failing = (0, "")
         self.status_text = ""

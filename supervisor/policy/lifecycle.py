@@ -15,7 +15,7 @@ import signal
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from supervisor.config import WorkerGroup
+from supervisor.config import MAX_SECONDS, WorkerGroup
 from supervisor.model import (
     HEALER_REASONS,
     HEALING_REASONS,
@@ -108,6 +108,10 @@ class WorkerRecord:
     last_exit: Outcome | None = None
     reason: str = ""  # why the worker is in its current state
     gpu_waits: int = 0  # consecutive starts that found no GPU to place on (BACKOFF: waiting)
+    #: the latest deadline EXTEND_TIMEOUT_USEC asked for in the current state (None: none)
+    extended_until: float | None = None
+    #: this process's own watchdog (WATCHDOG_USEC it sent; 0: off), None: ``watchdog_s``
+    watchdog_s: float | None = None
 
     @property
     def waiting_for_gpu(self) -> bool:
@@ -212,6 +216,25 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class ExtendTimeout:
+    """EXTEND_TIMEOUT_USEC: systemd's meaning: the deadline of the current state (the start
+    timeout, the drain or stop timeout, a pending watchdog) is at least ``seconds`` from now
+    (at most ``EXTEND_TIMEOUT_MAX_S``); it never moves earlier."""
+
+    pid: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogTimeout:
+    """WATCHDOG_USEC: this process's watchdog is ``seconds`` from now on (0: off) instead of
+    ``watchdog_s``; while ready it is re-armed from now (systemd's meaning)."""
+
+    pid: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Timer:
     """``record.deadline`` has passed."""
 
@@ -230,6 +253,8 @@ Event = (
     | Exited
     | Ready
     | Heartbeat
+    | ExtendTimeout
+    | WatchdogTimeout
     | Timer
 )
 
@@ -272,7 +297,18 @@ class Exit:
     failure: bool
 
 
-Action = Spawn | SendSignal | KillTree | Transitioned | Exit
+@dataclass(frozen=True, slots=True)
+class Extended:
+    """EXTEND_TIMEOUT_USEC moved the deadline of ``state`` to ``deadline`` (for logs);
+    ``first``: the first time in this state."""
+
+    state: WorkerState
+    seconds: float
+    deadline: float
+    first: bool
+
+
+Action = Spawn | SendSignal | KillTree | Transitioned | Exit | Extended
 
 
 def _move(
@@ -280,6 +316,8 @@ def _move(
 ) -> tuple[WorkerRecord, list[Action]]:
     old = rec.state
     transition(old, new)
+    # an extension (EXTEND_TIMEOUT_USEC) is of the state it was asked in
+    changes = {"extended_until": None, **changes}
     rec = replace(rec, state=new, reason=reason, **changes)  # type: ignore[arg-type]
     return rec, [Transitioned(old, new, reason)]
 
@@ -297,6 +335,7 @@ def _start(rec: WorkerRecord, reason: str) -> tuple[WorkerRecord, list[Action]]:
         after_exit=None,
         stop_reason=None,
         killed=False,
+        watchdog_s=None,
     )
     return rec, [*acts, Spawn()]
 
@@ -320,8 +359,38 @@ def _begin_stop(
     return rec, [*acts, SendSignal(t.stop_signal)]
 
 
-def _ready_deadline(now: float, t: Timing) -> float | None:
-    return now + t.watchdog_s if t.watchdog_s > 0 else None
+def _ready_deadline(now: float, t: Timing, rec: WorkerRecord) -> float | None:
+    watchdog_s = t.watchdog_s if rec.watchdog_s is None else rec.watchdog_s
+    return now + watchdog_s if watchdog_s > 0 else None
+
+
+#: The most one EXTEND_TIMEOUT_USEC moves a deadline, from its arrival: a worker that needs
+#: longer sends it again before then, as under systemd (where it must keep coming too). A
+#: value past it (a typo, UINT64_MAX) must not keep a hung start or stop alive for years.
+EXTEND_TIMEOUT_MAX_S = 3600.0
+
+
+def _extend(rec: WorkerRecord, ev: ExtendTimeout, now: float) -> tuple[WorkerRecord, list[Action]]:
+    """EXTEND_TIMEOUT_USEC of the worker's own process: the current deadline is at least
+    ``ev.seconds`` from now; never earlier, and not once its tree is being killed."""
+    if rec.deadline is None or rec.killed:
+        return rec, []
+    until = now + min(max(ev.seconds, 0.0), EXTEND_TIMEOUT_MAX_S)
+    if until <= rec.deadline:
+        return rec, []
+    first = rec.extended_until is None
+    rec = replace(rec, deadline=until, extended_until=until)
+    return rec, [Extended(rec.state, until - now, until, first)]
+
+
+def _rewatch(
+    rec: WorkerRecord, ev: WatchdogTimeout, now: float, t: Timing
+) -> tuple[WorkerRecord, list[Action]]:
+    """WATCHDOG_USEC: this process's watchdog from now on; re-armed at once while ready."""
+    rec = replace(rec, watchdog_s=min(max(ev.seconds, 0.0), MAX_SECONDS))
+    if rec.state is S.READY:
+        rec = replace(rec, deadline=_ready_deadline(now, t, rec))
+    return rec, []
 
 
 #: The shortest wait before a start that failed to spawn (the program is gone, its working
@@ -439,14 +508,25 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
     """Apply one event; return the new record and the actions to carry out, in order."""
     state = rec.state
     # Events about a process that is not (or no longer) ours are stale: ignore them.
-    if isinstance(ev, Exited | Ready | Heartbeat) and ev.pid != rec.pid:
+    if (
+        isinstance(ev, Exited | Ready | Heartbeat | ExtendTimeout | WatchdogTimeout)
+        and ev.pid != rec.pid
+    ):
         return rec, []
+    if isinstance(ev, ExtendTimeout):  # (its process is live: STARTING to STOPPING)
+        return _extend(rec, ev, now)
+    if isinstance(ev, WatchdogTimeout):
+        return _rewatch(rec, ev, now, t)
 
     if isinstance(ev, Retime):
         # a worker still loading keeps loading, against the new start_timeout_s (regression:
         # a raised one was applied only at the next start, after the old one had failed it)
         if state is S.STARTING and rec.pid is not None and rec.started_at is not None:
-            return replace(rec, deadline=rec.started_at + t.start_timeout_s), []
+            # ... never before what the worker was granted (EXTEND_TIMEOUT_USEC)
+            deadline = rec.started_at + t.start_timeout_s
+            if rec.extended_until is not None:
+                deadline = max(deadline, rec.extended_until)
+            return replace(rec, deadline=deadline), []
         if state is S.BACKOFF and not rec.gpu_waits and rec.last_exit is not None:
             # so does a backoff, counted from the exit (regression: a worker backed off to
             # the old backoff_max_s waited that long after the operator had lowered it)
@@ -503,7 +583,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                     "started (ready = none)",
                     ready_at=now,
                     heartbeat_at=now,
-                    deadline=_ready_deadline(now, t),
+                    deadline=_ready_deadline(now, t, rec),
                 )
             return rec, []
         if isinstance(ev, SpawnFailed):
@@ -537,7 +617,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
                 "ready",
                 ready_at=now,
                 heartbeat_at=now,
-                deadline=_ready_deadline(now, t),
+                deadline=_ready_deadline(now, t, rec),
             )
         if isinstance(ev, Heartbeat) and ev.trigger:
             return _begin_stop(rec, now, t, AfterExit.RECOVER, ExitReason.HANG)
@@ -561,7 +641,7 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
 
     if state is S.READY:
         if isinstance(ev, Heartbeat) and not ev.trigger:
-            return replace(rec, heartbeat_at=now, deadline=_ready_deadline(now, t)), []
+            return replace(rec, heartbeat_at=now, deadline=_ready_deadline(now, t, rec)), []
         if isinstance(ev, Heartbeat) or (
             isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline
         ):

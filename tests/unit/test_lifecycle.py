@@ -791,3 +791,119 @@ def test_a_new_restart_policy_applies_to_a_worker_in_backoff() -> None:
     rec = at(ready(), lc.Exited(10, CRASH), 120.0, stable)
     assert rec.state is S.BACKOFF and rec.deadline == 160.0
     assert at(rec, lc.Retime(), 121.0, quick).deadline == 120.5  # quick's delay_s
+
+
+# --- sd_notify EXTEND_TIMEOUT_USEC and WATCHDOG_USEC (systemd's meaning) ----------------------
+
+
+def test_extend_timeout_moves_the_start_deadline_from_its_arrival() -> None:
+    """Regression: a worker that sent EXTEND_TIMEOUT_USEC while it loaded (a model that loads
+    for minutes, written for a systemd ``Type=notify`` service) was stopped at
+    ``start_timeout_s`` all the same. Each message extends from its arrival; a Timer at the old
+    deadline does nothing; the new one is a start timeout as before."""
+    rec = started(100.0)  # start deadline 105
+    rec, acts = lc.step(rec, lc.ExtendTimeout(10, 30.0), 104.0, T)
+    assert rec.deadline == 134.0 and rec.state is S.STARTING
+    assert acts == [lc.Extended(S.STARTING, 30.0, 134.0, first=True)]
+    assert at(rec, lc.Timer(), 105.0).state is S.STARTING
+    rec, acts = lc.step(rec, lc.ExtendTimeout(10, 30.0), 120.0, T)
+    assert rec.deadline == 150.0 and acts == [lc.Extended(S.STARTING, 30.0, 150.0, first=False)]
+    assert at(rec, lc.Timer(), 149.9).state is S.STARTING
+    timed_out, acts = lc.step(rec, lc.Timer(), 150.0, T)
+    assert timed_out.state is S.STOPPING and timed_out.stop_reason is ExitReason.START_TIMEOUT
+
+
+def test_extend_timeout_never_shortens_and_is_bounded() -> None:
+    """A shorter extension leaves the deadline where it is (as systemd: the timeout only
+    moves later); one beyond ``EXTEND_TIMEOUT_MAX_S`` (a typo, ``UINT64_MAX``) moves it by
+    that much at most."""
+    rec = started(100.0)
+    same, acts = lc.step(rec, lc.ExtendTimeout(10, 1.0), 101.0, T)
+    assert same.deadline == 105.0 and acts == []
+    far = at(rec, lc.ExtendTimeout(10, 1e15), 101.0)
+    assert far.deadline == 101.0 + lc.EXTEND_TIMEOUT_MAX_S
+    # a later, shorter one does not undo it
+    assert at(far, lc.ExtendTimeout(10, 60.0), 102.0).deadline == far.deadline
+
+
+def test_extend_timeout_moves_the_stop_and_drain_timeouts_not_a_kill() -> None:
+    """During a stop (stop signal sent) the stop timeout moves, as systemd's
+    ``TimeoutStopSec=``: no SIGKILL while the worker asks for more time to finish; during a
+    drain, the drain timeout. Once the tree was killed there is nothing left to extend."""
+    stopping = at(ready(100.0), lc.Stop(), 101.0)  # deadline 103
+    rec = at(stopping, lc.ExtendTimeout(10, 20.0), 102.0)
+    assert rec.deadline == 122.0
+    assert lc.step(rec, lc.Timer(), 103.0, T) == (rec, [])
+    assert lc.step(rec, lc.Timer(), 122.0, T)[1] == [lc.KillTree()]
+    killed = at(stopping, lc.Timer(), 103.0)
+    assert lc.step(killed, lc.ExtendTimeout(10, 20.0), 103.5, T) == (killed, [])
+    draining = at(ready(100.0), lc.Drain(), 101.0)  # deadline 104
+    rec = at(draining, lc.ExtendTimeout(10, 10.0), 103.0)
+    assert rec.deadline == 113.0 and at(rec, lc.Timer(), 104.0).state is S.DRAINING
+    # the stop after the drain gets its own stop_timeout_s: an extension is of one state
+    stopped = at(rec, lc.Timer(), 113.0)
+    assert stopped.state is S.STOPPING and stopped.deadline == 113.0 + T.stop_timeout_s
+
+
+def test_extend_timeout_while_ready_extends_the_watchdog_until_the_next_heartbeat() -> None:
+    """As systemd: a pending watchdog deadline moves too; the next WATCHDOG=1 re-arms it at
+    ``watchdog_s`` as always. Without a watchdog there is nothing to extend."""
+    rec = at(ready(100.0), lc.ExtendTimeout(10, 5.0), 100.5)  # watchdog 1 s
+    assert rec.deadline == 105.5 and at(rec, lc.Timer(), 101.0).state is S.READY
+    assert at(rec, lc.Heartbeat(10), 102.0).deadline == 103.0
+    no_watchdog = replace(T, watchdog_s=0)
+    plain = at(at(started(), lc.Ready(10), 100.0, no_watchdog), lc.ExtendTimeout(10, 5), 101)
+    assert plain.deadline is None
+
+
+def test_extend_timeout_of_another_process_or_none_is_ignored() -> None:
+    """A stale message (an earlier process's, or one before the spawn was answered) changes
+    nothing."""
+    rec = started(100.0)
+    assert lc.step(rec, lc.ExtendTimeout(99, 60.0), 101.0, T) == (rec, [])
+    preparing = at(lc.WorkerRecord(), lc.Start(), 100.0)
+    assert lc.step(preparing, lc.ExtendTimeout(10, 60.0), 101.0, T) == (preparing, [])
+    backoff = at(rec, lc.Exited(10, CRASH), 101.0)
+    assert lc.step(backoff, lc.ExtendTimeout(10, 60.0), 101.0, T) == (backoff, [])
+
+
+def test_a_reload_keeps_an_extension_of_the_start() -> None:
+    """Retime (a reload that changes ``start_timeout_s`` in place) never shortens what the
+    worker was granted: the deadline is the later of the two."""
+    rec = at(started(100.0), lc.ExtendTimeout(10, 60.0), 104.0)  # 164
+    shorter = replace(T, start_timeout_s=10)
+    assert at(rec, lc.Retime(), 105.0, shorter).deadline == 164.0
+    longer = replace(T, start_timeout_s=100)
+    assert at(rec, lc.Retime(), 105.0, longer).deadline == 200.0
+
+
+def test_a_new_start_forgets_the_extension_and_the_watchdog_override() -> None:
+    """The next process starts with ``start_timeout_s`` and ``watchdog_s`` as configured."""
+    rec = at(started(100.0), lc.ExtendTimeout(10, 60.0), 101.0)
+    rec = at(rec, lc.WatchdogTimeout(10, 7.0), 101.0)
+    rec = at(rec, lc.Exited(10, CRASH), 102.0)  # backoff 1 s
+    rec = at(at(rec, lc.Timer(), 103.0), lc.Spawned(11), 103.0)
+    assert rec.deadline == 108.0 and rec.extended_until is None and rec.watchdog_s is None
+    assert at(rec, lc.Ready(11), 104.0).deadline == 105.0
+
+
+def test_watchdog_usec_changes_this_processs_watchdog_at_runtime() -> None:
+    """Regression: WATCHDOG_USEC=... (systemd: the service changes its own watchdog timeout)
+    was ignored, so a worker that asked for a longer one was restarted as hung at
+    ``watchdog_s``. While ready it re-arms from now; 0 turns it off; sent while loading, it
+    applies once ready; heartbeats re-arm at the new value."""
+    rec = at(ready(100.0), lc.WatchdogTimeout(10, 10.0), 100.5)
+    assert rec.watchdog_s == 10.0 and rec.deadline == 110.5
+    assert at(rec, lc.Heartbeat(10), 105.0).deadline == 115.0
+    shorter = at(rec, lc.WatchdogTimeout(10, 0.2), 106.0)
+    assert shorter.deadline == 106.2
+    assert at(shorter, lc.Timer(), 106.2).stop_reason is ExitReason.HANG
+    off = at(rec, lc.WatchdogTimeout(10, 0.0), 106.0)
+    assert off.deadline is None and at(off, lc.Heartbeat(10), 107.0).deadline is None
+    loading = at(started(100.0), lc.WatchdogTimeout(10, 4.0), 101.0)
+    assert loading.deadline == 105.0  # still the start timeout
+    assert at(loading, lc.Ready(10), 102.0).deadline == 106.0
+    # turned on by the worker where the group has none (as systemd does)
+    no_watchdog = replace(T, watchdog_s=0)
+    on = at(at(started(), lc.Ready(10), 100.0, no_watchdog), lc.WatchdogTimeout(10, 2), 101)
+    assert on.deadline == 103.0

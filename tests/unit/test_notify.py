@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.notify import NotifyListener, NotifyMessage, parse_datagram
+from supervisor.notify import NotifyListener, NotifyMessage, parse_datagram, parse_usec
 
 
 def send(path: Path, data: bytes) -> None:
@@ -244,3 +244,24 @@ def test_descriptors_sent_along_are_not_kept(tmp_path: Path) -> None:
         if read_end >= 0:
             os.close(read_end)
     assert got == [NotifyMessage(os.getpid(), {"FDSTORE": "1", "READY": "1"})]
+
+
+@pytest.mark.parametrize(
+    ("value", "usec"),
+    [
+        ("0", 0),
+        ("300000", 300_000),
+        ("18446744073709551615", 2**64 - 1),  # UINT64_MAX (systemd's "infinity")
+        ("18446744073709551616", None),
+        ("", None),
+        ("-1", None),
+        ("+5", None),
+        (" 5", None),
+        ("1_000", None),
+        ("5s", None),
+        ("\u0665", None),  # a digit, but not an ASCII one
+    ],
+)
+def test_usec_fields_are_read_as_systemd_reads_them(value: str, usec: int | None) -> None:
+    """EXTEND_TIMEOUT_USEC / WATCHDOG_USEC: an unsigned 64-bit decimal, nothing else."""
+    assert parse_usec(value) == usec

@@ -93,6 +93,33 @@ async def _trigger_flood(tmp_path: Path) -> None:
     closed(r)
 
 
+def test_a_flood_of_timeout_fields_queues_one_each_with_what_counts(tmp_path: Path) -> None:
+    """EXTEND_TIMEOUT_USEC and WATCHDOG_USEC sent in a loop queue one event each, handled with
+    the longest extension and the latest watchdog sent meanwhile (a flood cannot grow the
+    queue, and no extension is lost to the one queued first); a value that is no unsigned
+    number (``-1``, ``5s``) changes nothing."""
+    anyio.run(_timeout_flood, tmp_path)
+
+
+async def _timeout_flood(tmp_path: Path) -> None:
+    r = runner(tmp_path)  # ready at 1000, watchdog deadline 1001
+    for i in range(1, 1001):
+        extend = "5000000" if i == 500 else str(i * 1000)
+        r.on_notify(
+            NotifyMessage(42, {"WATCHDOG_USEC": str(i * 2000), "EXTEND_TIMEOUT_USEC": extend})
+        )
+    r.on_notify(NotifyMessage(42, {"WATCHDOG_USEC": "-1", "EXTEND_TIMEOUT_USEC": "5s"}))
+    queued = [r._recv.receive_nowait() for _ in range(r._recv.statistics().current_buffer_used)]
+    assert [type(e) for e in queued] == [lc.WatchdogTimeout, lc.ExtendTimeout]
+    for event in queued:
+        assert isinstance(event, lc.WatchdogTimeout | lc.ExtendTimeout)
+        r._apply(event)
+    assert r.record.watchdog_s == 2.0  # the last one sent
+    assert r.record.deadline == 1005.0  # the longest extension (from the watchdog's 1002)
+    assert r._recv.statistics().current_buffer_used == 0
+    closed(r)
+
+
 def test_a_passed_deadline_reads_the_socket_first(tmp_path: Path) -> None:
     """When a deadline passes (the supervisor was stalled longer than watchdog_s, say), the
     heartbeats still waiting in the notify socket are read before the deadline is judged.
