@@ -689,8 +689,10 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
         if isinstance(ev, Drain) and not ev.restart and rec.after_exit is not AfterExit.STOP:
             # an operator's drain of a worker that healing drains already: the drain goes on,
             # and it stays stopped after it (as a stop would); what it was drained for stays
-            # its reason (regression: the drain was ignored, the worker restarted after it)
-            return replace(rec, after_exit=AfterExit.STOP), []
+            # its reason (regression: the drain was ignored, the worker restarted after it);
+            # but not a scheduled recycle's, which is no fault: stopped for the operator's
+            # drain, as a stop says (regression: stopped for "max_age")
+            return replace(rec, after_exit=AfterExit.STOP, stop_reason=_kept_reason(rec, ev)), []
         if isinstance(ev, Heartbeat) and not ev.trigger:  # going anyway: no hang restart
             return replace(rec, heartbeat_at=now), []
         return rec, []

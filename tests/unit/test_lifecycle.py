@@ -581,6 +581,22 @@ def test_an_operators_drain_of_a_worker_healing_drains_keeps_it_stopped() -> Non
     assert exit_.outcome.reason is ExitReason.LEAK  # what it was drained for
 
 
+def test_an_operators_drain_of_a_worker_being_recycled_stops_it_as_the_operators() -> None:
+    """Regression: an operator's drain of a worker that a scheduled recycle (``max_age_s``)
+    was draining left it stopped for "max_age" (its state's reason, its exit's, the journal),
+    as if a recycle stopped workers for good; a stop, or the same drain a moment later (its
+    drain timed out, stopping), said the operator's reason. A recycle is no fault whose death
+    the stop must keep: the operator's drain is why it stays stopped."""
+    rec = at(ready(), lc.Drain(restart=True, reason=ExitReason.MAX_AGE), 101)
+    assert rec.state is S.DRAINING
+    rec, acts = lc.step(rec, lc.Drain(restart=False), 101.5, T)  # the operator's
+    assert acts == [] and rec.after_exit is lc.AfterExit.STOP and rec.deadline == 104
+    rec, acts = lc.step(rec, lc.Exited(10, ExitStatus(0, None)), 102, T)
+    assert rec.state is S.STOPPED and rec.reason == "drain"
+    (exit_,) = [a for a in acts if isinstance(a, lc.Exit)]
+    assert exit_.outcome.reason is ExitReason.DRAIN and not exit_.failure
+
+
 def test_a_new_start_timeout_applies_to_a_worker_still_loading() -> None:
     """A reload applied in place (Retime): the start deadline already set follows the new
     start_timeout_s, counted from the spawn. Regression: a raised one came too late, the old
