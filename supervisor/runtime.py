@@ -1054,7 +1054,12 @@ class Runtime:
         ``_on_state_dir_recreated``.) An ``lstat`` a sample."""
         # the private directory in /tmp removed with it (a temporary-file cleaner: regression,
         # it was never made again, so no worker became ready again)
-        gone = self._notify_in_tmp and not os.path.lexists(self.notify_path.parent)
+        # (or the last try failed: it may have made the directory and not bound the socket in
+        # it, which neither check sees; regression: never tried again)
+        gone = self._notify_in_tmp and (
+            not os.path.lexists(self.notify_path.parent)
+            or (self._notify_error is not None and not self.listener.bound())
+        )
         if not (gone or self.listener.lost()):
             return
         error = _attempt(self.listener.rebind)
@@ -1995,7 +2000,11 @@ class Runtime:
         except OSError as exc:
             self.write_health.failed("state", exc)
             self.notify_path = Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
-            self.listener = NotifyListener(self.notify_path, self._on_notify)
+            # made again where a cleaner removes it, as for a long state_dir (regression: not)
+            self._notify_in_tmp = True
+            self.listener = NotifyListener(
+                self.notify_path, self._on_notify, dir_mode=PRIVATE_DIR_MODE
+            )
             self.listener.open()
             self.log.warning(
                 "notify.moved",

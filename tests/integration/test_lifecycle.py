@@ -944,6 +944,65 @@ def test_the_notify_socket_in_tmp_is_bound_again_when_a_cleaner_removed_its_dire
     assert sup.stop() == 0
 
 
+def test_the_notify_socket_in_tmp_is_bound_again_after_a_failed_try(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: where making the private /tmp directory of the notify socket again
+    worked but binding the socket in it failed (here the temporary filesystem has no inode
+    left for it; a full descriptor table does the same), ``notify.rebind_failed`` was said
+    and the socket was never tried again: the directory was there now, though not the one
+    it had been bound in, so neither check saw a socket to bind."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=64,mode=1777", "tmpfs", str(temp)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        state_dir = tmp_path / ("s" * 100)
+        (tmp_path / "sim" / "gpus").mkdir(parents=True)  # a GPU: sampled every 0.05 s
+        (tmp_path / "sim" / "gpus" / "0").write_text(
+            "uuid GPU-00000000-0000-0000-0000-000000000000\n"
+        )
+        sup = supervisor(
+            {
+                "supervisor": {"state_dir": str(state_dir), "sample_interval_s": 0.05},
+                "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+                "workers": [group("r", "ready_then_sleep")],
+            },
+            env={"TMPDIR": str(temp)},
+        )
+        sup.ready("r-0")
+        path = Path(sup.wait_event(event="supervisor.start")["notify_socket"])
+        assert path.is_relative_to(temp), path
+        fillers: list[Path] = []
+        with contextlib.suppress(OSError):  # every inode taken
+            while True:
+                fillers.append(temp / f"f{len(fillers)}")
+                fillers[-1].touch()
+        fillers.pop()
+        mark = sup.mark()
+        # (the inodes of the directory and its socket are freed once the socket is closed)
+        shutil.rmtree(path.parent)
+        sup.wait_event(5, mark, event="notify.rebind_failed")  # no inode for the directory
+        fillers.pop().unlink()  # one: the directory is made, its socket fails
+        failed = sup.wait_events(2, 5, mark, event="notify.rebind_failed")
+        assert "No space left" in failed[-1]["error"], failed
+        assert path.parent.is_dir()
+        fillers.pop().unlink()
+        sup.wait_event(5, mark, event="notify.rebound")
+        with sup.api() as http:
+            assert http.post("/api/v1/workers/r-0/restart").status_code == 202
+        sup.ready("r-0", after=mark)
+        assert sup.stop() == 0
+    finally:
+        subprocess.run(["umount", "-l", str(temp)], check=False)
+
+
 def test_the_notify_socket_removed_alone_is_bound_again(supervisor: SupervisorFactory) -> None:
     """``state_dir/notify.sock`` removed while running (by hand, a clean-up script; or by a
     temporary-file cleaner where it had to go to /tmp), ``state_dir`` left: it is bound again,

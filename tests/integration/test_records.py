@@ -1296,6 +1296,37 @@ def test_read_only_state_dir_at_start(supervisor: SupervisorFactory, small_fs: P
     assert not Path(moved["path"]).parent.exists()  # the temporary directory is removed
 
 
+def test_a_moved_notify_socket_is_bound_again_when_a_cleaner_removed_its_directory(
+    supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
+) -> None:
+    """Regression: the notify socket of a ``state_dir`` it cannot be bound in (read-only)
+    moves to a private directory of /tmp, as that of a ``state_dir`` too long for a socket
+    path does; only the latter was made again where a temporary-file cleaner removed it, so
+    here no worker became ready again (each start timed out) and each with a watchdog was
+    taken for hung."""
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    (tmp_path / "sim" / "gpus").mkdir(parents=True)  # a GPU: sampled every 0.05 s
+    (tmp_path / "sim" / "gpus" / "0").write_text("uuid GPU-00000000-0000-0000-0000-000000000000\n")
+    sup = supervisor(
+        {
+            "supervisor": {"sample_interval_s": 0.05},
+            "gpu": {"backend": "sim", "sim_dir": str(tmp_path / "sim")},
+            "workers": [group("r", "ready_then_sleep")],
+        }
+    )
+    path = Path(sup.wait_event(event="notify.moved")["path"])
+    sup.ready("r-0")
+    mark = sup.mark()
+    shutil.rmtree(path.parent)
+    sup.wait_event(5, mark, event="notify.rebound")
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with sup.api() as http:
+        assert http.post("/api/v1/workers/r-0/restart").status_code == 202
+    sup.ready("r-0", after=mark)
+    assert sup.stop() == 0
+    assert not path.parent.exists()
+
+
 def test_cordons_are_kept_where_state_dir_cannot_be_locked(
     supervisor: SupervisorFactory, small_fs: Path, tmp_path: Path
 ) -> None:
