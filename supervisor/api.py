@@ -359,8 +359,8 @@ def bearer_refusal(header: str, expected: bytes) -> str | None:
 
 
 def _mib(value: float) -> str:
-    """MiB as an operator reads them: ``1000000000``, ``1.5`` (not ``1e+09``)."""
-    return f"{value:.1f}".removesuffix(".0")
+    """MiB as an operator reads them: ``1000000000``, ``1.5``, ``0.04`` (not ``1e+09``)."""
+    return f"{value:.1f}".removesuffix(".0") if abs(value) >= 1 else f"{value:g}"
 
 
 def _target(spec: LaunchSpec) -> str:
