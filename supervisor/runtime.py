@@ -560,23 +560,55 @@ class Runtime:
         return any(name in self._start_queue for name in names)
 
     async def _wait_started(
-        self, queued: Callable[[], bool], predicate: Callable[[], bool], budget: float
+        self,
+        queued: Callable[[], bool],
+        predicate: Callable[[], bool],
+        budget: float,
+        watched: Callable[[], Iterable[WorkerRunner]] = tuple,
     ) -> bool:
         """:meth:`wait_until`, but the ``budget`` (a start timeout in it) does not run while
         ``queued()``: a worker waits its turn to start (``max_starting``), and its
         ``start_timeout_s`` runs from its spawn (regression: a roll-out halted on a worker that
-        had not been spawned yet)."""
+        had not been spawned yet). Nor does it end while one of ``watched()`` has time its
+        own EXTEND_TIMEOUT_USEC asked for (regression: a roll-out halted on a worker loading
+        as long as it said, a removed worker finishing its stop was killed)."""
         deadline = self.clock.now() + budget
+        following = False  # an extension was seen: the lifecycle's deadlines are waited for
 
         while True:
             left = max(0.0, deadline - self.clock.now())
             if not await self.wait_until(lambda: predicate() or queued(), left):
+                granted = self._granted_until(watched(), following)
+                if granted is not None and granted > self.clock.now():
+                    deadline, following = granted, True
+                    continue
                 return predicate()
             if predicate():
                 return True
             since = self.clock.now()
             await self.wait_until(lambda: predicate() or not queued(), math.inf)
             deadline += self.clock.now() - since
+
+    def _granted_until(self, runners: Iterable[WorkerRunner], following: bool) -> float | None:
+        """When the lifecycle of ``runners`` acts on its own next, plus what a stop after it
+        takes: the deadline of a start, drain or stop a worker asked more time for with
+        EXTEND_TIMEOUT_USEC (with ``following``, of any: the stop it extended is followed by
+        its start). None: none."""
+        until: float | None = None
+        for runner in runners:
+            rec = runner.record
+            if (
+                rec.deadline is None
+                or rec.killed
+                or rec.pid is None
+                or rec.state
+                not in (WorkerState.STARTING, WorkerState.DRAINING, WorkerState.STOPPING)
+                or (rec.extended_until is None and not following)
+            ):
+                continue
+            later = rec.deadline + self._stop_budget(runner)
+            until = later if until is None else max(until, later)
+        return until
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait until ``predicate()`` holds (re-checked on every worker change) or time runs out."""
@@ -1892,7 +1924,9 @@ class Runtime:
 
     async def _stop_and_forget(self, runner: WorkerRunner, reason: ExitReason) -> None:
         runner.post(lc.Stop(reason))
-        await self.wait_until(lambda: is_idle(runner), self._stop_budget(runner))
+        await self._wait_started(
+            lambda: False, lambda: is_idle(runner), self._stop_budget(runner), lambda: (runner,)
+        )
         if not is_idle(runner):
             runner.post(lc.Kill("not stopped in time"))
             await self.wait_until(lambda: is_idle(runner), KILL_WAIT_S)
@@ -2961,6 +2995,7 @@ class Runtime:
                     or self._superseded(group)
                 ),
                 budget,
+                busy,
             )
             and not failed_again()
         ):
@@ -3096,6 +3131,7 @@ class Runtime:
                 functools.partial(self._in_line, (runner.name,)),
                 _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + runner.timing.start_timeout_s,
+                functools.partial(tuple, (runner,)),
             )
             if settled and self._moved_off(runner, runner.spec.gpus or ()):
                 await self._back_after_move(group, runner)
@@ -3258,6 +3294,7 @@ class Runtime:
             functools.partial(self._in_line, (runner.name,)),
             lambda: settled() or self._shutting_down or self._superseded(group),
             budget,
+            lambda: (runner,),
         )
         return runner.state is WorkerState.READY or runner.record.waiting_for_gpu
 
@@ -4061,6 +4098,7 @@ class Runtime:
                 functools.partial(self._in_line, (runner.name,)),
                 _settled_after(runner, attempts, unless=superseded),
                 self._stop_budget(runner) + timing.start_timeout_s,
+                functools.partial(tuple, (runner,)),
             )
             if settled and self._moved_off(runner, runner.spec.gpus or ()):
                 await self._back_after_move(group.name, runner)
@@ -4136,6 +4174,7 @@ class Runtime:
             functools.partial(self._in_line, (runner.name,)),
             lambda: settled() or self._shutting_down or self._superseded(group),
             budget,
+            lambda: (runner,),
         )
         if self._superseded(group):
             return self._roll_superseded(group)

@@ -108,7 +108,8 @@ class WorkerRecord:
     last_exit: Outcome | None = None
     reason: str = ""  # why the worker is in its current state
     gpu_waits: int = 0  # consecutive starts that found no GPU to place on (BACKOFF: waiting)
-    #: the latest deadline EXTEND_TIMEOUT_USEC asked for in the current state (None: none)
+    #: the latest deadline EXTEND_TIMEOUT_USEC asked for in the current state, whether or not
+    #: it moved ``deadline`` (None: none)
     extended_until: float | None = None
     #: this process's own watchdog (WATCHDOG_USEC it sent; 0: off), None: ``watchdog_s``
     watchdog_s: float | None = None
@@ -376,10 +377,14 @@ def _extend(rec: WorkerRecord, ev: ExtendTimeout, now: float) -> tuple[WorkerRec
     if rec.deadline is None or rec.killed:
         return rec, []
     until = now + min(max(ev.seconds, 0.0), EXTEND_TIMEOUT_MAX_S)
+    granted = until if rec.extended_until is None else max(rec.extended_until, until)
     if until <= rec.deadline:
-        return rec, []
-    first = rec.extended_until is None
-    rec = replace(rec, deadline=until, extended_until=until)
+        # granted all the same: a reload that shortens the start timeout keeps it (regression:
+        # one within the deadline as it was was forgotten, and the reload's cut it short)
+        return replace(rec, extended_until=granted), []
+    # (the first to move it in this state: one before it that did not left it no later)
+    first = rec.extended_until is None or rec.extended_until < rec.deadline
+    rec = replace(rec, deadline=until, extended_until=granted)
     return rec, [Extended(rec.state, until - now, until, first)]
 
 

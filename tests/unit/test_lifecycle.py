@@ -893,6 +893,19 @@ def test_a_reload_keeps_an_extension_of_the_start() -> None:
     assert at(rec, lc.Retime(), 105.0, longer).deadline == 200.0
 
 
+def test_a_reload_keeps_an_extension_that_had_not_moved_the_start_deadline() -> None:
+    """Regression: an EXTEND_TIMEOUT_USEC within the start deadline as it was (20 s asked at
+    101 against a deadline of 130) was not remembered, so a reload that lowered
+    ``start_timeout_s`` to 5 s set the deadline to 105: the worker was stopped as a failed
+    start 16 s before the time it had been granted ("at least that long from the message")."""
+    t = replace(T, start_timeout_s=30)
+    rec = at(at(lc.WorkerRecord(), lc.Start(), 100.0, t), lc.Spawned(10), 100.0, t)
+    rec = at(rec, lc.ExtendTimeout(10, 20.0), 101.0, t)
+    assert rec.deadline == 130.0  # not moved: the deadline was later already
+    shorter = replace(T, start_timeout_s=5)
+    assert at(rec, lc.Retime(), 102.0, shorter).deadline == 121.0
+
+
 def test_a_new_start_forgets_the_extension_and_the_watchdog_override() -> None:
     """The next process starts with ``start_timeout_s`` and ``watchdog_s`` as configured."""
     rec = at(started(100.0), lc.ExtendTimeout(10, 60.0), 101.0)

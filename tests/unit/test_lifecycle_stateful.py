@@ -3,8 +3,9 @@
 A small model of the world around ``lifecycle.step``: processes that start, die on their own or
 from a signal, are reaped later (their ``Exited`` may come after other events), stale readiness
 and heartbeats of earlier processes, deadlines passing as time goes on, operator commands,
-healing restarts and drains, reloads of the timing, spawn failures and waits for a GPU. After
-every step it checks what a production user relies on.
+healing restarts and drains, reloads of the timing, spawn failures and waits for a GPU, and
+the sd_notify fields ``EXTEND_TIMEOUT_USEC`` and ``WATCHDOG_USEC`` of current and earlier
+processes. After every step it checks what a production user relies on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ STATUSES = st.sampled_from(
     ]
 )
 HEALER = sorted(HEALER_REASONS, key=lambda r: r.value)
+#: EXTEND_TIMEOUT_USEC / WATCHDOG_USEC values, in seconds: off, 1 us, short, long, UINT64_MAX
+USEC_SECONDS = st.sampled_from([0.0, 1e-6, 0.5, 2.0, 45.0, 5000.0, (2**64 - 1) / 1e6])
+#: the states a notify field of a process means nothing in (no process)
+AT_REST = (S.STOPPED, S.FATAL, S.BACKOFF)
 
 
 @st.composite
@@ -92,6 +97,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.sync_spawn = False
         # failed runs since an operator's start (or restart) gave the worker a full burst
         self.failures = 0
+        # EXTEND_TIMEOUT_USEC: the deadline the current process was granted in its current
+        # state ("at least that long from the message"), None: none
+        self.granted: float | None = None
 
     # --- driving ------------------------------------------------------------------------
 
@@ -114,6 +122,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if isinstance(ev, lc.Exited):
             self.world.dead.pop(ev.pid, None)
         self.check_history(old, ev, exits)
+        self.check_notify_fields(old, ev, actions)
         if (
             isinstance(ev, lc.Start)
             or (isinstance(ev, lc.Restart) and ev.reason not in HEALER_REASONS)
@@ -171,6 +180,46 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert after.times[-1] == self.now and set(after.times[:-1]) <= set(before.times)
         else:
             assert after == replace(before, consecutive=0), "a stable run changed the failures"
+
+    def check_notify_fields(
+        self, old: lc.WorkerRecord, ev: lc.Event, actions: list[lc.Action]
+    ) -> None:
+        """EXTEND_TIMEOUT_USEC and WATCHDOG_USEC (README.md, "Worker lifecycle")."""
+        rec = self.rec
+        if isinstance(ev, lc.ExtendTimeout | lc.WatchdogTimeout):
+            if ev.pid != old.pid or old.state in AT_REST:
+                assert (rec, actions) == (old, []), f"{ev!r} of no live process changed it"
+                return
+            assert rec.state is old.state and rec.pid == old.pid, f"{ev!r} moved the worker"
+            assert not any(isinstance(a, lc.Transitioned | lc.Spawn) for a in actions)
+        if isinstance(ev, lc.ExtendTimeout):
+            assert rec.watchdog_s == old.watchdog_s
+            if old.killed or old.deadline is None:
+                assert (rec, actions) == (old, []), "a killed tree (or no deadline) extended"
+                return
+            assert rec.deadline is not None and rec.deadline >= old.deadline, "moved earlier"
+            wanted = self.now + min(ev.seconds, lc.EXTEND_TIMEOUT_MAX_S)
+            assert rec.deadline >= wanted, "an extension not granted"
+            assert rec.deadline <= max(old.deadline, self.now + lc.EXTEND_TIMEOUT_MAX_S)
+            self.granted = max(self.granted or 0.0, wanted)
+        elif isinstance(ev, lc.WatchdogTimeout):
+            assert rec.watchdog_s is not None and rec.watchdog_s >= 0
+            if old.state is not S.READY:
+                assert rec.deadline == old.deadline, "WATCHDOG_USEC moved a non-watchdog deadline"
+            else:
+                self.granted = None  # re-armed from now (systemd's meaning)
+        if rec.state is not old.state or rec.pid != old.pid or rec.killed:
+            self.granted = None  # an extension is of its state and process
+        elif rec.state is S.READY and isinstance(ev, lc.Heartbeat) and ev.pid == rec.pid:
+            self.granted = None  # a WATCHDOG=1 re-arms the watchdog from now
+        if self.granted is not None:
+            assert rec.deadline is not None and rec.deadline >= self.granted, (
+                f"an extension to {self.granted} cut short by {ev!r}: {rec}"
+            )
+        if rec.state is S.STARTING and rec.pid != old.pid:
+            assert rec.watchdog_s is None, "a watchdog a process set carried to the next one"
+        if rec.state is S.STARTING:
+            assert rec.extended_until is None or rec.pid is not None
 
     def check_backoff(self, old: lc.WorkerRecord, ev: lc.Event) -> None:
         rec = self.rec
@@ -234,6 +283,23 @@ class LifecycleMachine(RuleBasedStateMachine):
         pid = data.draw(st.sampled_from(self.world.spawned[-3:]))
         self.feed(lc.Ready(pid) if ready else lc.Heartbeat(pid, trigger=trigger))
 
+    @rule(data=st.data(), extend=st.booleans(), seconds=USEC_SECONDS)
+    def notify_usec(self, data: st.DataObject, extend: bool, seconds: float) -> None:
+        """EXTEND_TIMEOUT_USEC or WATCHDOG_USEC, from the current process or an earlier one
+        (a datagram handled after its process was replaced)."""
+        if not self.world.spawned:
+            return
+        pid = data.draw(st.sampled_from(self.world.spawned[-3:]))
+        self.feed(lc.ExtendTimeout(pid, seconds) if extend else lc.WatchdogTimeout(pid, seconds))
+
+    @precondition(lambda self: self.rec.pid is not None)
+    @rule(extend=st.booleans(), seconds=USEC_SECONDS)
+    def notify_usec_now(self, extend: bool, seconds: float) -> None:
+        """The same from the live process (more often: what a loader or a stop sends)."""
+        pid = self.rec.pid
+        assert pid is not None
+        self.feed(lc.ExtendTimeout(pid, seconds) if extend else lc.WatchdogTimeout(pid, seconds))
+
     @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 3.0, 10.0, 60.0]))
     def time_passes(self, dt: float) -> None:
         self.now += dt
@@ -272,6 +338,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             ready_at_spawn=self.t.ready_at_spawn,
             drain_signal=self.t.drain_signal,
         )
+        self.feed(lc.Retime())
+
+    @precondition(lambda self: self.rec.state is S.STARTING and self.rec.pid is not None)
+    @rule(start_timeout_s=st.sampled_from([0.5, 1.0, 5.0, 30.0]))
+    def reload_start_timeout(self, start_timeout_s: float) -> None:
+        # the one a loading worker (maybe granted more by EXTEND_TIMEOUT_USEC) is held to
+        self.t = replace(self.t, start_timeout_s=start_timeout_s)
         self.feed(lc.Retime())
 
     # --- commands (one rule: the world's events come as often as the commands) ----------
@@ -362,8 +435,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert rec.deadline is not None or rec.killed, f"waits forever: {rec}"
         if rec.state is S.STARTING and rec.pid is None:
             assert self.world.spawn_asked, f"no spawn to wait for: {rec}"
-        if rec.state is S.READY and self.t.watchdog_s > 0:
-            assert rec.deadline is not None
+        if rec.state is S.READY:
+            # the process's own watchdog (WATCHDOG_USEC), else the group's
+            watchdog_s = self.t.watchdog_s if rec.watchdog_s is None else rec.watchdog_s
+            assert (rec.deadline is not None) == (watchdog_s > 0), f"watchdog {watchdog_s}: {rec}"
 
 
 LifecycleMachine.TestCase.settings = settings(

@@ -4,12 +4,12 @@ takes the next worker of a group down, while healing acts on the group."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.lowlevel
 
-from supervisor.clock import FakeClock
+from supervisor.clock import AnyioClock, FakeClock
 from supervisor.config import Settings
 from supervisor.model import ExitReason, WorkerState
 from supervisor.policy import lifecycle as lc
@@ -226,3 +226,54 @@ def test_a_placement_roll_out_leaves_serving_a_worker_while_gpu_telemetry_is_dow
     assert rt._has_room(w0) is False
     assert [(s["event"], s["worker"]) for s in said] == [("supervisor.placement_skipped", "w-0")]
     assert "telemetry" in said[0]["reason"], said
+
+
+def test_a_roll_out_waits_for_a_start_the_worker_extended() -> None:
+    """Regression: a roll-out waited for a restarted worker no longer than its stop budget
+    plus ``start_timeout_s``, though the worker had asked for more time to load with
+    EXTEND_TIMEOUT_USEC (which the lifecycle grants: no start timeout): the roll-out was
+    halted ("did not become ready") while the worker loaded as it said, and a reload that
+    removed a worker SIGKILLed one that had asked for time to finish its stop. The wait now
+    lasts while the worker's own extended deadline (and the stop after it) has not passed."""
+    anyio.run(_extended_start)
+
+
+async def _extended_start() -> None:
+    w0 = Worker("w-0")
+    rt, _ = runtime(w0)
+    rt.clock = AnyioClock()
+    now = rt.clock.now()
+    w0.timing = lc.Timing(drain_timeout_s=0.0, stop_timeout_s=0.0)
+    # loading, granted 0.6 s more than the 0.1 s budget by EXTEND_TIMEOUT_USEC
+    rec = lc.WorkerRecord(state=WorkerState.STARTING, pid=100, started_at=now, deadline=now)
+    rec = lc.step(rec, lc.ExtendTimeout(100, 0.6), now, w0.timing)[0]
+    w0.record = cast(Any, rec)
+    result: list[bool] = []
+    expired = anyio.Event()  # the 0.1 s budget ran out: the extension is looked at
+    granted_until = rt._granted_until
+
+    def looked_at(*args: Any) -> float | None:
+        expired.set()
+        until: float | None = granted_until(*args)
+        return until
+
+    rt._granted_until = looked_at
+
+    async def wait() -> None:
+        settled = await rt._wait_started(
+            lambda: False,
+            lambda: w0.record.state is WorkerState.READY,
+            0.1,
+            watched=lambda: (w0,),
+        )
+        result.append(settled)
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await expired.wait()
+            await settle()
+            assert not result, "gave up on a start the worker was granted"
+            w0.record = cast(Any, lc.step(rec, lc.Ready(100), rt.clock.now(), w0.timing)[0])
+            wake(rt)
+    assert result == [True]
