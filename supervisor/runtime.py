@@ -1355,6 +1355,11 @@ class Runtime:
             if deadline is None:
                 t = holder.timing
                 deadline = now + t.drain_timeout_s + t.stop_timeout_s + PORT_WAIT_SLACK_S
+            granted = self._granted_until((holder,), following=False)
+            if now >= deadline and granted is not None and granted > now:
+                # it finishes a stop it asked more time for (EXTEND_TIMEOUT_USEC; regression:
+                # started beside it once its drain and stop timeouts were over)
+                deadline = granted
             if now >= deadline:
                 self.log.warning(
                     "worker.port_still_held",

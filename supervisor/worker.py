@@ -25,6 +25,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor import procfs
 from supervisor.clock import Clock
+from supervisor.config import MAX_SECONDS
 from supervisor.errors import SpawnError, connection_reason
 from supervisor.journal import rfc3339
 from supervisor.model import RUNNING_STATES, LaunchSpec, WorkerState, WorkerUsage
@@ -340,6 +341,7 @@ class WorkerRunner:
             seconds = max(seconds, self._notified.get(kind, 0.0))
         else:
             kind = lc.WatchdogTimeout
+            seconds = min(seconds, MAX_SECONDS)  # as the lifecycle takes it (said so, too)
             if seconds != self._notified.get(kind, self.record.watchdog_s):
                 self._log.info("worker.watchdog_changed", pid=pid, watchdog_s=seconds)
         self._notified[kind] = seconds

@@ -4,6 +4,7 @@ sent by real workers: EXTEND_TIMEOUT_USEC (start and stop) and WATCHDOG_USEC."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,4 +88,38 @@ def test_watchdog_usec_sets_the_workers_own_watchdog(
     written = sup.wait_event(event="records.postmortem", worker="wd-0")
     doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
     assert doc["evidence"]["watchdog_s"] == 0.3, doc["evidence"]
+    assert sup.stop() == 0
+
+
+def test_a_port_held_by_a_removed_worker_finishing_an_extended_stop_is_waited_for(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A reload scales ``a`` down and gives the removed a-1's port to a new group ``b``;
+    a-1 finishes its work after SIGTERM and asks for the time with EXTEND_TIMEOUT_USEC.
+    Regression: b-0 waited for the port only a-1's drain and stop timeouts (and a second),
+    then started beside the process still holding it (``worker.port_still_held``)."""
+    body = (
+        "def on_term(*_):\n"
+        "    notify('EXTEND_TIMEOUT_USEC=5000000')\n"
+        "    time.sleep(1.8)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "notify('READY=1')\n"
+        "while True:\n"
+        "    signal.pause()\n"
+    )
+    timeouts = {"drain_timeout_s": 0.1, "stop_timeout_s": 0.2, "port_base": 18993}
+    a = worker(tmp_path, "a", body, replicas=2, **timeouts)
+    sup = supervisor({"workers": [a]})
+    sup.ready("a-0")
+    sup.ready("a-1")
+    mark = sup.mark()
+    b = worker(tmp_path, "b", body, port_base=18994)
+    sup.write_config({"workers": [{**a, "replicas": 1}, b]})
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="worker.waiting_port", worker="b-0", after=mark)
+    gone = sup.wait_event(event="worker.exited", worker="a-1", after=mark)
+    spawned = sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
+    assert sup.events.index(gone) < sup.events.index(spawned)
+    assert not sup.find(event="worker.port_still_held", after=mark)
     assert sup.stop() == 0
