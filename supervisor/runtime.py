@@ -2621,6 +2621,8 @@ class Runtime:
             # the lifecycle's own restarts go the healing actions' way: log, count, webhook
             if outcome.reason.value == "start_timeout":
                 why = "not ready within start_timeout_s"
+                if WorkerState.STARTING in runner.extended_in:  # (EXTEND_TIMEOUT_USEC)
+                    why = "not ready within the time its EXTEND_TIMEOUT_USEC asked for"
             elif runner.watchdog_triggered:
                 why = "the worker sent WATCHDOG=trigger"
             elif runner.liveness_failed is not None:
@@ -2629,6 +2631,9 @@ class Runtime:
                 why = f"no WATCHDOG=1 within the {before.watchdog_s:g}s its WATCHDOG_USEC set"
             else:
                 why = "no WATCHDOG=1 within watchdog_s"
+            extended = WorkerState.READY in runner.extended_in
+            if extended and outcome.reason.value == "hang" and why.startswith("no WATCHDOG=1"):
+                why += " (or the time its EXTEND_TIMEOUT_USEC asked for)"
             detail = f"{why}; {outcome.detail}" if outcome.detail else why
             self.healer.on_restarted(runner, outcome.reason.value, detail)
         dead = _Death(

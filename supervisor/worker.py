@@ -173,6 +173,9 @@ class WorkerRunner:
         #: the value an ExtendTimeout / WatchdogTimeout queued is handled with: the latest
         #: (the longest extension) its process sent meanwhile
         self._notified: dict[type[lc.Event], float] = {}
+        #: the states whose deadline the current process moved (EXTEND_TIMEOUT_USEC): a start
+        #: timeout or a hang is then said to be past the time it asked for
+        self.extended_in: set[WorkerState] = set()
         #: notify fields of the current process already said to be unreadable (once each)
         self._said_invalid: set[str] = set()
         #: the ERRNO= / BUSERROR= the current process last reported (said when it changes)
@@ -566,6 +569,7 @@ class WorkerRunner:
                 {"old": action.old.value, "new": action.new.value, "reason": action.reason},
             )
         elif isinstance(action, lc.Extended):
+            self.extended_in.add(action.state)
             # the first in a state at info; more (a loader that sends it every few seconds)
             # at debug
             self._log.log(
@@ -599,6 +603,7 @@ class WorkerRunner:
         self.stopping_notified = False
         self.watchdog_triggered = False
         self._notified.clear()
+        self.extended_in.clear()
         self._said_invalid.clear()
         self._said_error = (None, None)
         self.liveness_failed = None

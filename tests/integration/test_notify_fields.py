@@ -123,3 +123,19 @@ def test_a_port_held_by_a_removed_worker_finishing_an_extended_stop_is_waited_fo
     assert sup.events.index(gone) < sup.events.index(spawned)
     assert not sup.find(event="worker.port_still_held", after=mark)
     assert sup.stop() == 0
+
+
+def test_a_start_that_overran_its_extension_says_so(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A worker that asked for more time to start (EXTEND_TIMEOUT_USEC) and still was not
+    ready by then is restarted for ``start_timeout``. Regression: the action said "not ready
+    within start_timeout_s", which it had been granted more than."""
+    body = "notify('EXTEND_TIMEOUT_USEC=400000')\ntime.sleep(1000)\n"
+    group = worker(tmp_path, "late", body, start_timeout_s=0.2, restart={"backoff_initial_s": 30})
+    sup = supervisor({"workers": [group]})
+    action = sup.wait_event(event="heal.action", worker="late-0", reason="start_timeout")
+    assert action["message"].startswith(
+        "not ready within the time its EXTEND_TIMEOUT_USEC asked for"
+    ), action
+    assert sup.stop() == 0
