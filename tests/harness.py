@@ -11,6 +11,7 @@ import ctypes
 import http.server
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -392,6 +393,30 @@ def _not_a_test_pid(pid: int) -> bool:
     """True for pid 1: a worker in a PID namespace of its own prints that pid (its own there),
     and our init is never a test's process to watch or kill."""
     return pid <= 1
+
+
+def another_user(why: str) -> pwd.struct_passwd:
+    """``nobody``'s entry, for a test that needs a process or file of another user than the
+    suite's (root): skipped, saying ``why``, where the suite is not root or there is none."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("this machine's user database has no 'nobody'")
+
+
+def mount_tmpfs(target: Path, options: str) -> None:
+    """Mount a tmpfs with ``options`` on ``target`` (an existing directory; unmount it with
+    ``umount -l``), or skip where this machine does not let the suite."""
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
 
 
 def alive(pid: int) -> bool:

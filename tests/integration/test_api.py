@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.backends.sim import default_device_text
 from tests.conftest import SupervisorFactory
-from tests.harness import ROOT, Supervisor, worker_cmd
+from tests.harness import ROOT, Supervisor, another_user, worker_cmd
 from tests.tomlw import dumps
 
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -868,12 +867,7 @@ def test_a_unix_socket_of_another_user_is_a_one_line_error(live: bool) -> None:
     held another user's socket (one a supervisor run as root left in a sticky directory such
     as /tmp, or still serves there) took it for a stale one, as it could not connect to it,
     and failed to remove it: a PermissionError traceback instead of the one-line error."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the socket must belong to another user than the supervisor's")
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("this machine's user database has no 'nobody'")
+    nobody = another_user("the socket must belong to another user than the supervisor's")
     shared = Path(tempfile.mkdtemp(prefix="gsv-sticky-"))  # one "nobody" may reach, as /tmp
     try:
         shared.chmod(0o1777)

@@ -20,7 +20,16 @@ import pytest
 
 from supervisor.runtime import SIGNAL_REPEAT_S
 from tests.conftest import SupervisorFactory
-from tests.harness import Flood, Supervisor, alive, serving, stuck, wait_dead, worker_cmd
+from tests.harness import (
+    Flood,
+    Supervisor,
+    alive,
+    mount_tmpfs,
+    serving,
+    stuck,
+    wait_dead,
+    worker_cmd,
+)
 
 
 def ts(event: dict[str, Any]) -> float:
@@ -954,14 +963,7 @@ def test_the_notify_socket_in_tmp_is_bound_again_after_a_failed_try(
     it had been bound in, so neither check saw a socket to bind."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=64,mode=1777", "tmpfs", str(temp)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    mount_tmpfs(temp, "size=1m,nr_inodes=64,mode=1777")
     try:
         state_dir = tmp_path / ("s" * 100)
         (tmp_path / "sim" / "gpus").mkdir(parents=True)  # a GPU: sampled every 0.05 s

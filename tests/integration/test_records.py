@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import random
 import shutil
 import signal
@@ -22,7 +21,15 @@ import pytest
 
 from supervisor.config import SupervisorSection
 from tests.conftest import SupervisorFactory
-from tests.harness import Supervisor, alive, stuck_holder, wait_dead, worker_cmd
+from tests.harness import (
+    Supervisor,
+    alive,
+    another_user,
+    mount_tmpfs,
+    stuck_holder,
+    wait_dead,
+    worker_cmd,
+)
 from tests.schemas import validate_file
 
 #: SIGKILLs of the supervisor in the churn test (the bench script runs more).
@@ -962,14 +969,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     target.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("no mount(8) here: cannot make a tiny filesystem for state_dir")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(target)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs for state_dir: {result.stderr.strip()}")
+    mount_tmpfs(target, "size=1m,mode=0755")
     try:
         yield target
     finally:
@@ -1492,12 +1492,7 @@ def test_an_orphan_of_another_user_is_neither_waited_for_nor_said_signalled() ->
     not signal it (EPERM), yet the start-up reclaim waited out its SIGTERM and SIGKILL waits
     (6 s before any worker started) and logged the orphan as sent SIGKILL. Now it is not
     waited for, and its verdict says that no signal was sent, and why."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the orphan must belong to another user than the reclaim's")
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("this machine's user database has no 'nobody'")
+    nobody = another_user("the orphan must belong to another user than the reclaim's")
     orphan = subprocess.Popen(["sleep", "30"])
     try:
         created = psutil.Process(orphan.pid).create_time()
