@@ -79,7 +79,18 @@ def socket_path_for(state_dir: Path, *, create: bool = True) -> Path:
         return candidate
     if not create:
         return Path(tempfile.gettempdir()) / "gpu-supervisor-XXXXXXXX" / "notify.sock"
-    return Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
+    return private_socket_path()
+
+
+def private_socket_path() -> Path:
+    """``notify.sock`` in a fresh private directory of the temporary directory (``TMPDIR``),
+    or of ``/tmp`` where that path would be too long for a socket too (regression: the bind
+    failed, and the supervisor ended with a traceback)."""
+    path = Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    path.parent.rmdir()
+    return Path(tempfile.mkdtemp(prefix="gpu-supervisor-", dir="/tmp")) / "notify.sock"
 
 
 #: The socket workers that run as another user (``[[workers]] user``) are given:

@@ -16,7 +16,6 @@ import os
 import resource
 import signal
 import stat
-import tempfile
 import threading
 import time
 from collections import deque
@@ -72,6 +71,7 @@ from supervisor.notify import (
     NotifyMessage,
     answers,
     others_may_replace,
+    private_socket_path,
     shared_socket_path,
     socket_path_for,
 )
@@ -2038,7 +2038,7 @@ class Runtime:
             self.listener.open()
         except OSError as exc:
             self.write_health.failed("state", exc)
-            self.notify_path = Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
+            self.notify_path = private_socket_path()
             # made again where a cleaner removes it, as for a long state_dir (regression: not)
             self._notify_in_tmp = True
             self.listener = NotifyListener(

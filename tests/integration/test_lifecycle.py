@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -961,9 +962,14 @@ def test_the_notify_socket_in_tmp_is_bound_again_after_a_failed_try(
     left for it; a full descriptor table does the same), ``notify.rebind_failed`` was said
     and the socket was never tried again: the directory was there now, though not the one
     it had been bound in, so neither check saw a socket to bind."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    mount_tmpfs(temp, "size=1m,nr_inodes=64,mode=1777")
+    # a short path of its own: under pytest's temporary directory (deep with xdist) the
+    # socket's path is too long, and the supervisor puts it in /tmp instead
+    temp = Path(tempfile.mkdtemp(prefix="gsv-"))
+    try:
+        mount_tmpfs(temp, "size=1m,nr_inodes=64,mode=1777")
+    except BaseException:  # skipped
+        temp.rmdir()
+        raise
     try:
         state_dir = tmp_path / ("s" * 100)
         (tmp_path / "sim" / "gpus").mkdir(parents=True)  # a GPU: sampled every 0.05 s
@@ -1003,6 +1009,7 @@ def test_the_notify_socket_in_tmp_is_bound_again_after_a_failed_try(
         assert sup.stop() == 0
     finally:
         subprocess.run(["umount", "-l", str(temp)], check=False)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_the_notify_socket_removed_alone_is_bound_again(supervisor: SupervisorFactory) -> None:

@@ -17,7 +17,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.notify import NotifyListener, NotifyMessage, parse_datagram, parse_usec
+from supervisor.notify import (
+    MAX_SOCKET_PATH,
+    NotifyListener,
+    NotifyMessage,
+    parse_datagram,
+    parse_usec,
+    private_socket_path,
+)
 
 
 def send(path: Path, data: bytes) -> None:
@@ -265,3 +272,21 @@ def test_descriptors_sent_along_are_not_kept(tmp_path: Path) -> None:
 def test_usec_fields_are_read_as_systemd_reads_them(value: str, usec: int | None) -> None:
     """EXTEND_TIMEOUT_USEC / WATCHDOG_USEC: an unsigned 64-bit decimal, nothing else."""
     assert parse_usec(value) == usec
+
+
+def test_a_private_socket_path_too_long_under_tmpdir_goes_to_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: where ``TMPDIR`` itself is deep (a long ``state_dir`` sends the socket to
+    the temporary directory), the socket's path there was too long too: the bind failed and
+    the supervisor ended with a traceback. It goes to ``/tmp`` then."""
+    deep = tmp_path / ("t" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = private_socket_path()
+    try:
+        assert path.parent.parent == Path("/tmp"), path
+        assert len(os.fsencode(path)) <= MAX_SOCKET_PATH
+        assert list(deep.iterdir()) == []  # the one too deep is removed
+    finally:
+        path.parent.rmdir()
