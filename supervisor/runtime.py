@@ -184,6 +184,9 @@ QuarantineDoc = tuple[dict[str, str], dict[str, dict[str, int]]]
 KILL_WAIT_S = 5.0
 #: How long past a port holder's drain and stop timeouts a start waits for the port.
 PORT_WAIT_SLACK_S = 1.0
+#: The states whose deadline a roll-out's (or a removal's) wait follows where the worker asked
+#: for more time (EXTEND_TIMEOUT_USEC): a start, a drain, a stop
+_EXTENDABLE = frozenset({WorkerState.STARTING, WorkerState.DRAINING, WorkerState.STOPPING})
 #: A message the service manager must get that found its queue full is sent again after this,
 #: doubling up to ``NOTIFY_RETRY_MAX_S``.
 NOTIFY_RETRY_MIN_S = 0.05
@@ -575,9 +578,19 @@ class Runtime:
         deadline = self.clock.now() + budget
         following = False  # an extension was seen: the lifecycle's deadlines are waited for
 
+        def seen() -> bool:
+            # looked at on each change, not only once the budget has run out: the state it
+            # was asked in may be over by then (regression: a stop it extended delayed the
+            # next start past the budget, and the roll-out gave up on that start)
+            nonlocal following
+            following = following or any(
+                r.record.extended_until is not None and r.state in _EXTENDABLE for r in watched()
+            )
+            return predicate() or queued()
+
         while True:
             left = max(0.0, deadline - self.clock.now())
-            if not await self.wait_until(lambda: predicate() or queued(), left):
+            if not await self.wait_until(seen, left):
                 granted = self._granted_until(watched(), following)
                 if granted is not None and granted > self.clock.now():
                     deadline, following = granted, True
@@ -601,8 +614,7 @@ class Runtime:
                 rec.deadline is None
                 or rec.killed
                 or rec.pid is None
-                or rec.state
-                not in (WorkerState.STARTING, WorkerState.DRAINING, WorkerState.STOPPING)
+                or rec.state not in _EXTENDABLE
                 or (rec.extended_until is None and not following)
             ):
                 continue
@@ -1355,7 +1367,8 @@ class Runtime:
             if deadline is None:
                 t = holder.timing
                 deadline = now + t.drain_timeout_s + t.stop_timeout_s + PORT_WAIT_SLACK_S
-            granted = self._granted_until((holder,), following=False)
+            stopping = holder.state in (WorkerState.DRAINING, WorkerState.STOPPING)
+            granted = self._granted_until((holder,), following=False) if stopping else None
             if now >= deadline and granted is not None and granted > now:
                 # it finishes a stop it asked more time for (EXTEND_TIMEOUT_USEC; regression:
                 # started beside it once its drain and stop timeouts were over)

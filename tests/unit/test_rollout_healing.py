@@ -22,7 +22,12 @@ class Worker:
     def __init__(self, name: str) -> None:
         self.name = name
         self.record = SimpleNamespace(
-            state=WorkerState.READY, gpu_waits=0, waiting_for_gpu=False, pid=100, after_exit=None
+            state=WorkerState.READY,
+            gpu_waits=0,
+            waiting_for_gpu=False,
+            pid=100,
+            after_exit=None,
+            extended_until=None,  # (what a roll-out's wait looks at: EXTEND_TIMEOUT_USEC)
         )
         self.timing = lc.Timing()
         self.spawn_attempts = 0
@@ -275,5 +280,63 @@ async def _extended_start() -> None:
             await settle()
             assert not result, "gave up on a start the worker was granted"
             w0.record = cast(Any, lc.step(rec, lc.Ready(100), rt.clock.now(), w0.timing)[0])
+            wake(rt)
+    assert result == [True]
+
+
+def test_a_roll_out_waits_for_a_start_an_extended_stop_delayed() -> None:
+    """Regression: the restarted worker's old process asked for time to finish its stop
+    (EXTEND_TIMEOUT_USEC) and exited within the roll-out's budget, but late enough that its
+    replacement, loading within its own ``start_timeout_s``, was not ready when the budget ran
+    out: the extension was of a state that was over, so the roll-out gave up on the new start
+    (halted, "did not become ready"). An extension seen while the wait lasts is followed to
+    the deadlines after it."""
+    anyio.run(_extended_stop_then_start)
+
+
+async def _extended_stop_then_start() -> None:
+    w0 = Worker("w-0")
+    rt, _ = runtime(w0)
+    rt.clock = AnyioClock()
+    now = rt.clock.now()
+    w0.timing = lc.Timing(drain_timeout_s=0.0, stop_timeout_s=0.0)
+    # its old process stopping, granted a little more time by EXTEND_TIMEOUT_USEC
+    rec = lc.WorkerRecord(state=WorkerState.STOPPING, pid=100, deadline=now)
+    w0.record = cast(Any, lc.step(rec, lc.ExtendTimeout(100, 0.05), now, w0.timing)[0])
+    result: list[bool] = []
+    expired = anyio.Event()
+    granted_until = rt._granted_until
+
+    def looked_at(*args: Any) -> float | None:
+        expired.set()
+        until: float | None = granted_until(*args)
+        return until
+
+    rt._granted_until = looked_at
+
+    async def wait() -> None:
+        settled = await rt._wait_started(
+            lambda: False,
+            lambda: w0.record.state is WorkerState.READY,
+            0.1,
+            watched=lambda: (w0,),
+        )
+        result.append(settled)
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await settle()
+            # it exited, and its replacement loads (start_timeout_s: until well after the budget)
+            started = rt.clock.now()
+            new = lc.WorkerRecord(
+                state=WorkerState.STARTING, pid=101, started_at=started, deadline=started + 1.0
+            )
+            w0.record = cast(Any, new)
+            wake(rt)
+            await expired.wait()
+            await settle()
+            assert not result, "gave up on a start within its start_timeout_s"
+            w0.record = cast(Any, lc.step(new, lc.Ready(101), rt.clock.now(), w0.timing)[0])
             wake(rt)
     assert result == [True]
