@@ -533,6 +533,20 @@ def build_plan(
                 "while it may still be loading (no answer then restarts it as hung); set ready "
                 "to its health URL"
             )
+        r = group.restart
+        if r.burst == 0 and r.backoff_initial_s == 0:
+            warnings.append(
+                f"group {group.name}: restart.backoff_initial_s = 0 with burst = 0 restarts a "
+                "worker that keeps failing at once, for ever (a restart storm): give "
+                "backoff_initial_s a length or burst a limit"
+            )
+        elif r.stable_s == 0 and r.delay_s == 0 and group.ready_mode == "none":
+            warnings.append(
+                f'group {group.name}: restart.stable_s = 0 with ready = "none" counts every '
+                "exit as a stable run, restarted after delay_s = 0: a worker that keeps exiting "
+                "is restarted at once, for ever (a restart storm): give stable_s or delay_s "
+                "a length"
+            )
         if group.health.max_age_s and group.replicas == 1:
             warnings.append(
                 f"group {group.name}: max_age_s recycles its only worker: the group serves "

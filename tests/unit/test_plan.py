@@ -75,6 +75,26 @@ def test_recycling_every_worker_of_a_group_at_once_is_a_warning() -> None:
     assert plan(gpus="none", replicas=3, health=health).warnings == ()
 
 
+@pytest.mark.parametrize(
+    ("restart", "ready", "storm"),
+    [
+        ({"backoff_initial_s": 0, "burst": 0}, "notify", True),
+        ({"backoff_initial_s": 0}, "notify", False),  # fatal after `burst` failures
+        ({"burst": 0}, "notify", False),  # backs off
+        ({"stable_s": 0}, "none", True),  # every exit a stable run, restarted at once
+        ({"stable_s": 0, "delay_s": 1}, "none", False),
+        ({"stable_s": 0}, "notify", False),  # an exit before READY=1 is a failure
+    ],
+)
+def test_a_restart_policy_that_restarts_without_pause_for_ever_is_a_warning(
+    restart: dict[str, float], ready: str, storm: bool
+) -> None:
+    """Regression: a policy that restarts a worker that keeps failing at once and never gives
+    up (a restart storm, DESIGN.md: never) passed ``check-config`` without a word."""
+    warnings = plan(gpus="none", restart=restart, ready=ready).warnings
+    assert any("restart storm" in w for w in warnings) is storm, warnings
+
+
 def test_the_liveness_url_is_the_workers_and_not_part_of_what_is_launched() -> None:
     health = {"liveness_url": "http://127.0.0.1:{port}/live", "liveness_failures": 5}
     w = plan(gpus="none", port_base=9100, replicas=2, health=health).groups[0].workers[1]
