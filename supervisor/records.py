@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import stat
@@ -469,7 +470,9 @@ class WriteHealth:
     def __init__(self) -> None:
         self.failing: dict[str, Failure] = {}
         self.errors_total: dict[tuple[str, str], int] = {}
-        self._said: dict[str, tuple[str, float]] = {}  # file: (kind, monotonic) last said
+        #: (file, kind) -> when such a failure was last said (monotonic): failures that come
+        #: and go, of one kind or taking turns between kinds, are said once a minute each
+        self._said: dict[tuple[str, str], float] = {}
         self._log = structlog.get_logger()
 
     def failed(self, file: str, exc: OSError) -> None:
@@ -478,8 +481,7 @@ class WriteHealth:
         key = (file, kind)
         self.errors_total[key] = self.errors_total.get(key, 0) + 1
         now = time.monotonic()
-        said = self._said.get(file)
-        recent = said is not None and said[0] == kind and now - said[1] < FLAP_LOG_EVERY_S
+        recent = now - self._said.get(key, -math.inf) < FLAP_LOG_EVERY_S
         current = self.failing.get(file)
         if current is not None and current.kind == kind:
             self.lasting(file)
@@ -492,11 +494,10 @@ class WriteHealth:
         """``file``'s writes still fail: one said at debug (it came back within a minute of
         the last said) is said at error once that minute is over, as it lasts."""
         current = self.failing.get(file)
-        said = self._said.get(file)
         now = time.monotonic()
         if current is None or not current.quiet:
             return
-        if said is None or said[0] != current.kind or now - said[1] >= FLAP_LOG_EVERY_S:
+        if now - self._said.get((file, current.kind), -math.inf) >= FLAP_LOG_EVERY_S:
             self.failing[file] = replace(current, quiet=False)
             self._say_failed(file, current.kind, current.error, None, now, 40)
 
@@ -504,7 +505,7 @@ class WriteHealth:
         self, file: str, kind: str, error: str, path: object, now: float, level: int
     ) -> None:
         if level > 10:
-            self._said[file] = (kind, now)
+            self._said[(file, kind)] = now
         self._log.log(
             level,
             "records.write_failed",

@@ -331,6 +331,33 @@ def test_write_failure_duration_ignores_a_step_of_the_wall_clock(
     assert [e["failed_for_s"] for e in recovered] == [2.0]
 
 
+def test_write_failures_taking_turns_between_kinds_are_each_said_once_a_minute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A disk failing now full, now with I/O errors, in turn: each kind said once a minute,
+    the flaps between them at debug (they were each said at error: only the last kind said
+    was remembered)."""
+    clock = {"mono": 100.0}
+    monkeypatch.setattr(
+        "supervisor.records.time", SimpleNamespace(time=lambda: T0, monotonic=lambda: clock["mono"])
+    )
+    health = WriteHealth()
+    full = OSError(errno.ENOSPC, "No space left on device")
+    broken = OSError(errno.EIO, "Input/output error")
+    with capture_logs() as logs:
+        for _ in range(20):  # 20 s of taking turns
+            health.failed("state", full)
+            clock["mono"] += 0.5
+            health.failed("state", broken)
+            clock["mono"] += 0.5
+    loud = [
+        e["kind"]
+        for e in logs
+        if e["event"] == "records.write_failed" and e["log_level"] != "debug"
+    ]
+    assert loud == ["disk_full", "other"], loud
+
+
 def test_a_write_failure_that_comes_and_goes_is_said_once_a_minute(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
