@@ -374,9 +374,9 @@ EXTEND_TIMEOUT_MAX_S = 3600.0
 def _extend(rec: WorkerRecord, ev: ExtendTimeout, now: float) -> tuple[WorkerRecord, list[Action]]:
     """EXTEND_TIMEOUT_USEC of the worker's own process: the current deadline is at least
     ``ev.seconds`` from now; never earlier, and not once its tree is being killed."""
-    if rec.deadline is None or rec.killed:
-        return rec, []
-    until = now + min(max(ev.seconds, 0.0), EXTEND_TIMEOUT_MAX_S)
+    if rec.deadline is None or rec.killed or ev.seconds <= 0:
+        return rec, []  # (0: no time asked for; a roll-out's wait need not follow it)
+    until = now + min(ev.seconds, EXTEND_TIMEOUT_MAX_S)
     granted = until if rec.extended_until is None else max(rec.extended_until, until)
     if until <= rec.deadline:
         # granted all the same: a reload that shortens the start timeout keeps it (regression:

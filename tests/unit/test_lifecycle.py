@@ -842,6 +842,14 @@ def test_extend_timeout_never_shortens_and_is_bounded() -> None:
     assert at(far, lc.ExtendTimeout(10, 60.0), 102.0).deadline == far.deadline
 
 
+def test_extend_timeout_of_zero_asks_for_nothing() -> None:
+    """``EXTEND_TIMEOUT_USEC=0`` asks for no time: nothing is recorded as granted (it made a
+    roll-out's wait follow the worker's deadlines, a stop budget longer than needed)."""
+    rec = started(100.0)
+    same, acts = lc.step(rec, lc.ExtendTimeout(10, 0.0), 101.0, T)
+    assert same == rec and acts == []
+
+
 def test_extend_timeout_moves_the_stop_and_drain_timeouts_not_a_kill() -> None:
     """During a stop (stop signal sent) the stop timeout moves, as systemd's
     ``TimeoutStopSec=``: no SIGKILL while the worker asks for more time to finish; during a
