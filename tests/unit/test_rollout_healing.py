@@ -3,6 +3,7 @@ takes the next worker of a group down, while healing acts on the group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -233,6 +234,34 @@ def test_a_placement_roll_out_leaves_serving_a_worker_while_gpu_telemetry_is_dow
     assert "telemetry" in said[0]["reason"], said
 
 
+def _waiting_for_ready(
+    rt: Any, w0: Worker
+) -> tuple[list[bool], anyio.Event, Callable[[], Coroutine[Any, Any, None]]]:
+    """A roll-out's wait for ``w0`` to be ready within a 0.1 s budget: what it answered, an
+    event set once the budget ran out (the extensions are looked at), and the wait itself."""
+    result: list[bool] = []
+    expired = anyio.Event()
+    granted_until = rt._granted_until
+
+    def looked_at(*args: Any) -> float | None:
+        expired.set()
+        until: float | None = granted_until(*args)
+        return until
+
+    rt._granted_until = looked_at
+
+    async def wait() -> None:
+        settled = await rt._wait_started(
+            lambda: False,
+            lambda: w0.record.state is WorkerState.READY,
+            0.1,
+            watched=lambda: (w0,),
+        )
+        result.append(settled)
+
+    return result, expired, wait
+
+
 def test_a_roll_out_waits_for_a_start_the_worker_extended() -> None:
     """Regression: a roll-out waited for a restarted worker no longer than its stop budget
     plus ``start_timeout_s``, though the worker had asked for more time to load with
@@ -253,25 +282,7 @@ async def _extended_start() -> None:
     rec = lc.WorkerRecord(state=WorkerState.STARTING, pid=100, started_at=now, deadline=now)
     rec = lc.step(rec, lc.ExtendTimeout(100, 0.6), now, w0.timing)[0]
     w0.record = cast(Any, rec)
-    result: list[bool] = []
-    expired = anyio.Event()  # the 0.1 s budget ran out: the extension is looked at
-    granted_until = rt._granted_until
-
-    def looked_at(*args: Any) -> float | None:
-        expired.set()
-        until: float | None = granted_until(*args)
-        return until
-
-    rt._granted_until = looked_at
-
-    async def wait() -> None:
-        settled = await rt._wait_started(
-            lambda: False,
-            lambda: w0.record.state is WorkerState.READY,
-            0.1,
-            watched=lambda: (w0,),
-        )
-        result.append(settled)
+    result, expired, wait = _waiting_for_ready(rt, w0)
 
     with anyio.fail_after(2):
         async with anyio.create_task_group() as tg:
@@ -303,25 +314,7 @@ async def _extended_stop_then_start() -> None:
     # its old process stopping, granted a little more time by EXTEND_TIMEOUT_USEC
     rec = lc.WorkerRecord(state=WorkerState.STOPPING, pid=100, deadline=now)
     w0.record = cast(Any, lc.step(rec, lc.ExtendTimeout(100, 0.05), now, w0.timing)[0])
-    result: list[bool] = []
-    expired = anyio.Event()
-    granted_until = rt._granted_until
-
-    def looked_at(*args: Any) -> float | None:
-        expired.set()
-        until: float | None = granted_until(*args)
-        return until
-
-    rt._granted_until = looked_at
-
-    async def wait() -> None:
-        settled = await rt._wait_started(
-            lambda: False,
-            lambda: w0.record.state is WorkerState.READY,
-            0.1,
-            watched=lambda: (w0,),
-        )
-        result.append(settled)
+    result, expired, wait = _waiting_for_ready(rt, w0)
 
     with anyio.fail_after(2):
         async with anyio.create_task_group() as tg:
