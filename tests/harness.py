@@ -12,7 +12,9 @@ import http.server
 import json
 import os
 import pwd
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -417,6 +419,19 @@ def mount_tmpfs(target: Path, options: str) -> None:
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+
+
+def rebound_once_removed(sup: Supervisor, socket: Path, worker: str) -> None:
+    """Remove the private directory of ``sup``'s notify socket ``socket`` (as a
+    temporary-file cleaner does), wait until it is made again (0700) with the socket bound in
+    it, and see ``worker`` restarted become ready through it."""
+    mark = sup.mark()
+    shutil.rmtree(socket.parent)
+    sup.wait_event(5, mark, event="notify.rebound")
+    assert stat.S_IMODE(socket.parent.stat().st_mode) == 0o700
+    with sup.api() as http:
+        assert http.post(f"/api/v1/workers/{worker}/restart").status_code == 202
+    sup.ready(worker, after=mark)
 
 
 def alive(pid: int) -> bool:

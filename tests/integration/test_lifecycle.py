@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from tests.harness import (
     Supervisor,
     alive,
     mount_tmpfs,
+    rebound_once_removed,
     serving,
     stuck,
     wait_dead,
@@ -944,13 +944,7 @@ def test_the_notify_socket_in_tmp_is_bound_again_when_a_cleaner_removed_its_dire
     sup.ready("r-0")
     path = Path(sup.wait_event(event="supervisor.start")["notify_socket"])
     assert not path.is_relative_to(state_dir), path
-    mark = sup.mark()
-    shutil.rmtree(path.parent)
-    sup.wait_event(5, mark, event="notify.rebound")
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    with sup.api() as http:
-        assert http.post("/api/v1/workers/r-0/restart").status_code == 202
-    sup.ready("r-0", after=mark)
+    rebound_once_removed(sup, path, "r-0")
     assert sup.stop() == 0
 
 

@@ -26,6 +26,7 @@ from tests.harness import (
     alive,
     another_user,
     mount_tmpfs,
+    rebound_once_removed,
     stuck_holder,
     wait_dead,
     worker_cmd,
@@ -1316,13 +1317,7 @@ def test_a_moved_notify_socket_is_bound_again_when_a_cleaner_removed_its_directo
     )
     path = Path(sup.wait_event(event="notify.moved")["path"])
     sup.ready("r-0")
-    mark = sup.mark()
-    shutil.rmtree(path.parent)
-    sup.wait_event(5, mark, event="notify.rebound")
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    with sup.api() as http:
-        assert http.post("/api/v1/workers/r-0/restart").status_code == 202
-    sup.ready("r-0", after=mark)
+    rebound_once_removed(sup, path, "r-0")
     assert sup.stop() == 0
     assert not path.parent.exists()
 
