@@ -388,10 +388,7 @@ class Sampler:
             self.available = False
             self.library_absent = exc.library_absent and self.stuck_for_s() is None
             self.backend, self._opening = backend, None
-            # no GPU telemetry at all: tried again within REOPEN_MAX_S, not after the longer
-            # wait of a GPU missing (regression: every GPU went unwatched for 5 minutes)
-            self._reopen_delay = min(self._reopen_delay, REOPEN_MAX_S)
-            self._reopen_at = time.monotonic() + self._reopen_delay
+            retry_in_s = self._schedule_reopen(REOPEN_MAX_S)
             # auto kept on a library that does not initialise (a late driver, or a machine
             # without GPUs that has the library): the same failure is said once, not at
             # every retry (regression: a warning a minute for ever on CPU nodes)
@@ -412,10 +409,9 @@ class Sampler:
                     "gpu.unavailable",
                     backend=backend.name,
                     error=str(exc),
-                    retry_in_s=self._reopen_delay,
+                    retry_in_s=retry_in_s,
                     **kept,
                 )
-            self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
             return False
         self.backend, self._opening = backend, None
         self.available = True
@@ -428,9 +424,7 @@ class Sampler:
             # still bringing some up): opened again with backoff until it does. Regression: it
             # was never opened again, and the GPUs stayed lost (their quarantine not liftable)
             # until the supervisor was restarted
-            cap = PARTIAL_REOPEN_MAX_S if self.identities else REOPEN_MAX_S
-            self._reopen_at = time.monotonic() + self._reopen_delay
-            self._reopen_delay = min(self._reopen_delay * 2, cap)
+            self._schedule_reopen(PARTIAL_REOPEN_MAX_S if self.identities else REOPEN_MAX_S)
         # the backoff starts over after a good sample, not here: a backend that opens but
         # fails every sample (UNINITIALIZED on every call) would otherwise reopen every 2 s
         self._remember(self.identities)
@@ -441,6 +435,16 @@ class Sampler:
             uuids=[i.uuid for i in self.identities],
         )
         return True
+
+    def _schedule_reopen(self, cap_s: float) -> float:
+        """Open the backend again after the current backoff, at most ``cap_s`` (no telemetry
+        at all is retried within ``REOPEN_MAX_S``, though a GPU missing had grown the wait to
+        ``PARTIAL_REOPEN_MAX_S``: regression, every GPU unwatched for 5 minutes), the next
+        wait doubled up to ``cap_s``; return this wait."""
+        wait_s = min(self._reopen_delay, cap_s)
+        self._reopen_at = time.monotonic() + wait_s
+        self._reopen_delay = min(wait_s * 2, cap_s)
+        return wait_s
 
     def _misses_seen(self) -> bool:
         """The backend opened but does not list every GPU seen before: opened again."""
@@ -684,15 +688,13 @@ class Sampler:
         elif self.available and not sample.nvml_available:
             self.available = False
             self.error = sample.error
-            self._reopen_delay = min(self._reopen_delay, REOPEN_MAX_S)  # (as in ``open``)
-            self._reopen_at = time.monotonic() + self._reopen_delay
+            retry_in_s = self._schedule_reopen(REOPEN_MAX_S)
             self._log.warning(
                 "gpu.unavailable",
                 backend=self.backend_name,
                 error=sample.error,
-                retry_in_s=self._reopen_delay,
+                retry_in_s=retry_in_s,
             )
-            self._reopen_delay = min(self._reopen_delay * 2, REOPEN_MAX_S)
         elif sample.nvml_available:
             if not self._misses_seen():
                 self._reopen_delay = REOPEN_INITIAL_S
