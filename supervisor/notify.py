@@ -240,9 +240,14 @@ class NotifyListener:
     def lost(self) -> bool:
         """True while this listener is open but its socket file alone is gone from ``path``
         (removed, or another in its place; the directory still the one it was bound in, not
-        one made anew): :meth:`rebind` it."""
+        one made anew): :meth:`rebind` it. With a directory of its own (``dir_mode``: the
+        private one in /tmp), whenever its socket is not bound there: the directory too may be
+        gone (a temporary-file cleaner), or made again by a rebind that then failed, and the
+        rebind makes it again as its own or refuses one someone else made."""
         if self._sock is None or self.bound():
             return False
+        if self.dir_mode is not None:
+            return True
         try:
             st = os.stat(self.path.parent)
         except OSError:

@@ -396,13 +396,11 @@ class Runtime:
         self._notify_kept = anyio.Event()  # a message for the service manager waits to go
         self._all_added = False
         self.notify_path = socket_path_for(settings.supervisor.state_dir)
-        #: the socket is in a private directory of /tmp (``state_dir/notify.sock`` is too long
-        #: a socket path): made again, this user's own, where a cleaner removed it
-        self._notify_in_tmp = self.notify_path.parent != settings.supervisor.state_dir.absolute()
+        #: in a private directory of /tmp (``state_dir/notify.sock`` is too long a socket
+        #: path), the socket's directory is its own: made again where a cleaner removed it
+        in_tmp = self.notify_path.parent != settings.supervisor.state_dir.absolute()
         self.listener = NotifyListener(
-            self.notify_path,
-            self._on_notify,
-            dir_mode=PRIVATE_DIR_MODE if self._notify_in_tmp else None,
+            self.notify_path, self._on_notify, dir_mode=PRIVATE_DIR_MODE if in_tmp else None
         )
         self._notify_error: str | None = None  # why the notify socket cannot be bound again
         #: the socket workers running as another user (``user``) get: opened when first needed
@@ -1096,15 +1094,9 @@ class Runtime:
         by a clean-up script): else no worker becomes ready again, and each one with a watchdog
         is taken for hung. (A removed ``state_dir`` is bound again once it is made anew:
         ``_on_state_dir_recreated``.) An ``lstat`` a sample."""
-        # the private directory in /tmp removed with it (a temporary-file cleaner: regression,
-        # it was never made again, so no worker became ready again)
-        # (or the last try failed: it may have made the directory and not bound the socket in
-        # it, which neither check sees; regression: never tried again)
-        gone = self._notify_in_tmp and (
-            not os.path.lexists(self.notify_path.parent)
-            or (self._notify_error is not None and not self.listener.bound())
-        )
-        if not (gone or self.listener.lost()):
+        # (or its private directory in /tmp with it, or a rebind there failed: regression,
+        # never bound again, so no worker became ready again)
+        if not self.listener.lost():
             return
         error = _attempt(self.listener.rebind)
         if error is not None:
@@ -2053,7 +2045,6 @@ class Runtime:
             self.write_health.failed("state", exc)
             self.notify_path = private_socket_path()
             # made again where a cleaner removes it, as for a long state_dir (regression: not)
-            self._notify_in_tmp = True
             self.listener = NotifyListener(
                 self.notify_path, self._on_notify, dir_mode=PRIVATE_DIR_MODE
             )
