@@ -42,7 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor import procfs
 from supervisor._version import __version__
-from supervisor.alerts import Alerter
+from supervisor.alerts import Alerter, RateLimit
 from supervisor.backends.base import PLACEHOLDER, NoBackend
 from supervisor.backends.factory import make_backend
 from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
@@ -475,7 +475,8 @@ class Runtime:
         #: Prometheus reports its own: config_last_reload_successful / ..._timestamp_seconds
         self.last_reload: tuple[bool, float] = (True, self.clock.wall())
         self._orphan_logged_at = -math.inf
-        self._trim_said_at: dict[str, float] = {}  # worker: when output.log_trimmed was said
+        #: output.log_trimmed at warning once a minute per worker (``LOG_TRIM_SAID_EVERY_S``)
+        self._trims_said = RateLimit(LOG_TRIM_SAID_EVERY_S)
         self.postmortems_total: dict[str, int] = {}
         self.actions_total: dict[tuple[str, str], int] = {}
         self.sample_listeners: list[Callable[[Sample], None]] = []
@@ -2471,10 +2472,7 @@ class Runtime:
         # Once a minute per worker, the rest at debug: on a disk that something else keeps
         # full, the log grows into what it freed and gives it up again (regression: a
         # warning several times a second for as long as the disk stayed full).
-        now = self.clock.now()
-        loud = now - self._trim_said_at.get(name, -math.inf) >= LOG_TRIM_SAID_EVERY_S
-        if loud:
-            self._trim_said_at[name] = now
+        loud = self._trims_said.allow((name,), self.clock.now())
         self.log.log(
             30 if loud else 10,
             "output.log_trimmed",
