@@ -943,7 +943,14 @@ def test_a_roll_out_passes_over_a_worker_whose_healing_drain_ends_waiting_for_a_
     # timeout and a 5 s backoff were missed under load: p-0 was waiting for a GPU already,
     # passed over without a word, and the test timed out on supervisor.rollout_passed_over.)
     if down == "crashed":
-        group["restart"] = {"stable_s": 0.1, "backoff_initial_s": 60, "backoff_max_s": 60}
+        # (delay_s too: a kill that lands stable_s after ready is a stable run's end, restarted
+        # after delay_s, not a failure: seen in CI, where the kill came late)
+        group["restart"] = {
+            "stable_s": 0.1,
+            "delay_s": 60,
+            "backoff_initial_s": 60,
+            "backoff_max_s": 60,
+        }
     else:
         group["drain_timeout_s"] = 60
     sup = supervisor(config(tmp_path, group))

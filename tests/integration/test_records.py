@@ -1081,15 +1081,18 @@ def test_a_log_that_keeps_giving_up_its_space_says_so_once_a_minute(
         "command": [
             sys.executable,
             "-c",
-            "import time\nwhile True: print('x' * 200, flush=True); time.sleep(0.005)",
+            "import time\nwhile True: print('x' * 1000, flush=True); time.sleep(0.005)",
         ],
         "ready": "none",
     }
     sup = supervisor({"workers": [chatty]}, log_level="debug")
     log = small_fs / "logs" / "chat-0.log"
-    sup.wait_until(lambda: log.exists() and log.stat().st_size > 0, "the worker's log")
+    # big enough that what a trim frees always takes the next read (up to 64 KiB): one that
+    # did not (a 4 KiB log, a lagging reader under CI load) leaves the log failing, rightly,
+    # with nothing more to give up on a disk the filler holds (the test waited for trims)
+    sup.wait_until(lambda: log.exists() and log.stat().st_size > 96 * 1024, "the worker's log")
     _fill(small_fs)
-    trims = sup.wait_events(5, event="output.log_trimmed", worker="chat-0", timeout=20)
+    trims = sup.wait_events(4, event="output.log_trimmed", worker="chat-0", timeout=20)
     assert [e["level"] for e in trims[:2]] == ["warning", "debug"], trims
     loud = [e for e in sup.find(event="output.log_trimmed") if e["level"] != "debug"]
     assert len(loud) == 1, loud
