@@ -32,6 +32,7 @@ from supervisor._version import __version__
 from supervisor.config import redact_url
 from supervisor.journal import rfc3339
 from supervisor.model import finite
+from supervisor.policy.ratelimit import RateLimit
 
 if TYPE_CHECKING:
     import httpx
@@ -80,40 +81,6 @@ def alert_doc(
         "host": host,
         "supervisor_pid": supervisor_pid,
     }
-
-
-@dataclass
-class RateLimit:
-    """At most one alert per key per ``interval_s``; the time is passed in, so this is pure.
-
-    Only allowed alerts start a new interval. Keys whose interval has passed are forgotten, so
-    memory is bounded by the keys seen within one interval (amortised O(1) per call).
-    """
-
-    interval_s: float = 60.0
-    _last: dict[tuple[str, ...], float] = field(default_factory=dict, init=False, repr=False)
-
-    def allow(self, key: tuple[str, ...], now: float) -> bool:
-        """True (recording ``now`` for ``key``) unless ``key`` was allowed within the interval."""
-        self._prune(now)
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            return False
-        self._last.pop(key, None)  # re-inserted last: the dict stays ordered by time
-        self._last[key] = now
-        return True
-
-    @property
-    def tracked(self) -> int:
-        """How many keys are remembered."""
-        return len(self._last)
-
-    def _prune(self, now: float) -> None:
-        while self._last:
-            oldest = next(iter(self._last))
-            if now - self._last[oldest] < self.interval_s:
-                return
-            del self._last[oldest]
 
 
 def verdict(status: int) -> Verdict:

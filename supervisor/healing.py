@@ -521,6 +521,25 @@ class Healer:
             self.state.lifted[uuid] = on
         return why
 
+    def forget_gpu(self, uuid: str) -> None:
+        """GPU ``uuid`` was replaced (``gpu.replaced``): it is gone for good. Its quarantine,
+        lifts, heat cordon and tracks go with it (the GPU that replaced it has a UUID of its
+        own: none of them applies to it). Regression: its quarantine was listed in /readyz
+        and ``state_dir/quarantine`` for ever."""
+        state = self.state
+        state.quarantined.pop(uuid, None)
+        state.lifted.pop(uuid, None)
+        state.thermal.pop(uuid, None)
+        if uuid in state.thermal_cordoned:
+            state.thermal_cordoned.discard(uuid)
+            self.host.cordoned.discard(uuid)
+        self._lost.discard(uuid)
+        self._flags_on = {f for f in self._flags_on if f[1] != uuid}
+        self._recovery.pop(uuid, None)
+        self._migrate_again_at.pop(uuid, None)
+        self._hot_at.pop(uuid, None)
+        self._slowed.discard(uuid)
+
     def keep_lifts(self, lifted: Mapping[str, Mapping[str, int]]) -> None:
         """Lifts an earlier supervisor's operator made in this boot while a flag of the GPU
         stayed on: the flag, on at the first sample, is not news (regression: the GPU was

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import errno
 import os
+import re
 import socket
 import stat
 import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,13 @@ def parse_usec(value: str) -> int | None:
 PRIVATE_DIR_MODE = 0o700
 
 
+#: The private directory's name: the pid of the supervisor that made it, then
+#: ``tempfile.mkdtemp``'s 8 characters (before 2026-12-07: ``gpu-supervisor-`` and those alone),
+#: so that the directory a supervisor killed with SIGKILL left is known as such by the next.
+PRIVATE_DIR_PREFIX = "gpu-supervisor-"
+_PRIVATE_DIR_NAME = re.compile(r"gpu-supervisor-([1-9][0-9]{0,9})-[a-z0-9_]{8}")
+
+
 def socket_path_for(state_dir: Path, *, create: bool = True) -> Path:
     """``state_dir/notify.sock`` when that fits in ``sun_path``, else a fresh private temp dir.
 
@@ -78,7 +86,7 @@ def socket_path_for(state_dir: Path, *, create: bool = True) -> Path:
     if len(os.fsencode(candidate)) <= MAX_SOCKET_PATH:
         return candidate
     if not create:
-        return Path(tempfile.gettempdir()) / "gpu-supervisor-XXXXXXXX" / "notify.sock"
+        return Path(tempfile.gettempdir()) / "gpu-supervisor-PID-XXXXXXXX" / "notify.sock"
     return private_socket_path()
 
 
@@ -86,11 +94,75 @@ def private_socket_path() -> Path:
     """``notify.sock`` in a fresh private directory of the temporary directory (``TMPDIR``),
     or of ``/tmp`` where that path would be too long for a socket too (regression: the bind
     failed, and the supervisor ended with a traceback)."""
-    path = Path(tempfile.mkdtemp(prefix="gpu-supervisor-")) / "notify.sock"
+    prefix = f"{PRIVATE_DIR_PREFIX}{os.getpid()}-"
+    path = Path(tempfile.mkdtemp(prefix=prefix)) / "notify.sock"
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
         return path
     path.parent.rmdir()
-    return Path(tempfile.mkdtemp(prefix="gpu-supervisor-", dir="/tmp")) / "notify.sock"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")) / "notify.sock"
+
+
+def remove_leftover_private_dirs(roots: Iterable[str] | None = None) -> list[Path]:
+    """Remove the private directories (:func:`private_socket_path`) that supervisors ended
+    before they could remove their own (SIGKILL) left in the temporary directory and
+    ``/tmp`` (``roots``); return those removed. Only a directory named as ours after a pid
+    that no process has, this user's own (not a link: never followed), holding nothing but a
+    socket ``notify.sock`` that nobody serves; anything else there is left as it is."""
+    removed: list[Path] = []
+    where = (tempfile.gettempdir(), "/tmp")  # noqa: S108 (where private_socket_path makes them)
+    for root in dict.fromkeys(roots if roots is not None else where):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            found = _PRIVATE_DIR_NAME.fullmatch(name)
+            if found is None or _alive(int(found[1])):
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, not a directory, a link...
+                if _remove_leftover(root, name):
+                    removed.append(Path(root, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (this one, or another user's, included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
+
+
+def _remove_leftover(root: str, name: str) -> bool:
+    """Remove ``root/name`` if it is a leftover private directory (see the caller)."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                return False
+            entries = os.listdir(fd)
+            if entries not in ([], ["notify.sock"]):
+                return False
+            if entries:
+                sock = os.stat("notify.sock", dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISSOCK(sock.st_mode) or sock.st_uid != st.st_uid:
+                    return False
+                if answers(Path(root, name, "notify.sock")):
+                    return False  # served (a supervisor in another pid namespace)
+                os.unlink("notify.sock", dir_fd=fd)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=root_fd)  # (a link put in its place meanwhile: ENOTDIR)
+    finally:
+        os.close(root_fd)
+    return True
 
 
 #: The socket workers that run as another user (``[[workers]] user``) are given:

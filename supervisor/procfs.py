@@ -368,6 +368,35 @@ def owner_of(
     return None
 
 
+class UnknownPids:
+    """Senders found to be no worker's, remembered for ``ttl_s`` each by pid and start time
+    (a pid another process took since is looked up), at most ``size`` (the oldest go first):
+    a flood of datagrams from another program costs one ``stat`` read each, not a walk."""
+
+    def __init__(self, ttl_s: float = 1.0, size: int = 1024) -> None:
+        self.ttl_s = ttl_s
+        self.size = size
+        self._until: dict[int, tuple[float, int]] = {}  # pid -> (until, start_ticks), by age
+
+    def known(self, pid: int, start_ticks: int, now: float) -> bool:
+        """Whether ``pid``, started at ``start_ticks``, was found no worker's within ``ttl_s``."""
+        entry = self._until.get(pid)
+        return entry is not None and now < entry[0] and entry[1] == start_ticks
+
+    def add(self, pid: int, start_ticks: int, now: float) -> None:
+        """``pid`` (started at ``start_ticks``) is no worker's, as of ``now``."""
+        self._until.pop(pid, None)  # re-inserted last: the dict stays ordered by time
+        while self._until and (
+            len(self._until) >= self.size or next(iter(self._until.values()))[0] <= now
+        ):
+            del self._until[next(iter(self._until))]
+        self._until[pid] = (now + self.ttl_s, start_ticks)
+
+    def clear(self) -> None:
+        """Forget them all (a worker's main process was registered)."""
+        self._until.clear()
+
+
 def tasks_of_user(uid: int) -> int | None:
     """The processes and threads whose real user is ``uid`` (as RLIMIT_NPROC counts them)."""
     count = 0

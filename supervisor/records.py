@@ -32,6 +32,7 @@ import structlog
 from supervisor.errors import StateDirBusy
 from supervisor.files import make_dir
 from supervisor.model import finite
+from supervisor.policy.ratelimit import RateLimit
 
 #: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
 TMP_PREFIX = ".tmp-"
@@ -715,6 +716,8 @@ MAX_PENDING_POSTMORTEMS = 100
 #: ``postmortem_keep`` says: a disk that hangs rather than fails (a stuck NFS mount) is never
 #: "failing", and documents of up to a few hundred KiB each must not pile up without bound.
 MAX_PENDING_BURST = 1000
+#: At most one ``records.postmortem_dropped`` line at error per worker this often (seconds).
+DROPS_SAID_EVERY_S = 60.0
 
 
 class Recorder:
@@ -734,8 +737,13 @@ class Recorder:
         on_dir_recreated: Callable[[], None] = lambda: None,
         create_time: Callable[[int], float | None] | None = None,
         after_state_written: Callable[[], None] = lambda: None,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state_dir = state_dir
+        self._now = now
+        #: ``records.postmortem_dropped`` at error once a minute per worker
+        self._drops_said = RateLimit(DROPS_SAID_EVERY_S)
+        self._drops_unsaid: dict[str, int] = {}  # worker -> dropped at debug since
         #: called in the writer thread after each ``state.json`` written (the disk takes
         #: writes again: what could not be saved at start is saved then)
         self._after_state_written = after_state_written
@@ -784,9 +792,20 @@ class Recorder:
         first = 1 if self._pending and self._pending[0] is self._writing else 0
         while len(self._pending) >= limit and len(self._pending) > first:
             dropped = self._pending.pop(first)
-            self._log.error(
+            # Once a minute per worker, the rest at debug (``dropped``: how many since the
+            # last said): a crash loop on a disk that stays full drops one at each crash
+            # (regression: a line at error each).
+            worker = str((dropped.get("worker") or {}).get("name", ""))
+            count = self._drops_unsaid.pop(worker, 0) + 1
+            loud = self._drops_said.allow((worker,), self._now())
+            if not loud:
+                self._drops_unsaid[worker] = count
+            self._log.log(
+                40 if loud else 10,
                 "records.postmortem_dropped",
                 id=dropped.get("id"),
+                worker=worker,
+                dropped=count if loud else 1,
                 reason="too many post-mortems waiting for a writable state_dir"
                 if failing
                 else "more post-mortems waiting than postmortem_keep",
@@ -843,6 +862,15 @@ class Recorder:
     def report_unwritten(self) -> int:
         """Log the post-mortems still waiting to be written (at exit: a full or read-only
         ``state_dir``, or the flush cut short); return how many."""
+        for worker, count in sorted(self._drops_unsaid.items()):
+            self._log.error(
+                "records.postmortem_dropped",
+                id=None,
+                worker=worker,
+                dropped=count,
+                reason="dropped while state_dir did not take them, said at debug as they went",
+            )
+        self._drops_unsaid.clear()
         if self._pending:
             self._log.error(
                 "records.postmortems_unwritten",

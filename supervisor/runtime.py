@@ -42,7 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor import procfs
 from supervisor._version import __version__
-from supervisor.alerts import Alerter, RateLimit
+from supervisor.alerts import Alerter
 from supervisor.backends.base import PLACEHOLDER, NoBackend
 from supervisor.backends.factory import make_backend
 from supervisor.cgroups import CgroupSupport, WorkerCgroups, with_memory
@@ -72,6 +72,7 @@ from supervisor.notify import (
     answers,
     others_may_replace,
     private_socket_path,
+    remove_leftover_private_dirs,
     shared_socket_path,
     socket_path_for,
 )
@@ -101,6 +102,7 @@ from supervisor.policy.attribution import alias_owner, listed_for_suspects, stil
 from supervisor.policy.classify import CUDA_OOM_FRESH_S, classify, may_be_oom_kill
 from supervisor.policy.detect import ThermalTrack
 from supervisor.policy.lifecycle import may_start
+from supervisor.policy.ratelimit import RateLimit
 from supervisor.policy.reload import (
     ReloadDiff,
     applied_by_reload,
@@ -367,6 +369,8 @@ class Runtime:
         self.systemd = SystemdNotifier(self.environ)
         self._subreaper = subreaper
         self._pids: dict[int, WorkerRunner] = {}
+        #: notify senders of no worker, not walked up /proc again for a second
+        self._unknown_senders = procfs.UnknownPids()
         self._changed = anyio.Event()
         self._intent_send: MemoryObjectSendStream[Intent]
         self._intent_recv: MemoryObjectReceiveStream[Intent]
@@ -443,6 +447,7 @@ class Runtime:
         #: counts for the placements made meanwhile (``_assignments``)
         self._prepared_gpus: dict[str, tuple[str, ...] | None] = {}
         self.cordoned: set[str] = set()
+        self._replaced_seen = 0  # the sampler's GPU replacements acted on (_forget_replaced)
         self.xid_counts: dict[tuple[str, int], int] = {}
         self._trees: dict[str, frozenset[int]] = {}
         self._sampled = anyio.Event()
@@ -463,6 +468,7 @@ class Runtime:
             on_dir_recreated=self._on_state_dir_recreated,
             create_time=self.sampler.member_create_time,
             after_state_written=self._save_unsaved_ids,
+            now=self.clock.now,
         )
         self.postmortems = self.recorder.store
         self.reclaimed: list[dict[str, Any]] = []
@@ -1090,6 +1096,20 @@ class Runtime:
             return self.shared_error or "it is not open"
         return unreachable_for(self.shared_path, account.uid, account.groups)
 
+    def _forget_replaced(self) -> None:
+        """The GPUs replaced since the last sample (``gpu.replaced``) are gone: their marks
+        keyed by UUID go (quarantine, heat, suspect). An operator's cordon of the old UUID is
+        left, in ``state_dir`` too: it applies to no GPU listed, and ``uncordon`` removes it."""
+        replaced = self.sampler.replaced
+        if len(replaced) == self._replaced_seen:
+            return
+        for old, _new in replaced[self._replaced_seen :]:
+            self.healer.forget_gpu(old)
+            self.suspect.pop(old, None)
+            self._suspect_of.pop(old, None)
+        self._replaced_seen = len(replaced)
+        self._changed_now()
+
     def _check_notify_socket(self) -> None:
         """Bind the workers' notify socket again where its file alone went (removed by hand,
         by a clean-up script): else no worker becomes ready again, and each one with a watchdog
@@ -1153,6 +1173,7 @@ class Runtime:
                 ring.append(
                     SamplePoint(wall, usage.gpu_memory_mb, usage.host_rss_mb, usage.cpu_percent)
                 )
+        self._forget_replaced()
         self.healer.on_sample(sample)
         self._save_quarantine()  # (a lift that ends with its flag changes no action)
         self._sweep_cgroups()
@@ -1823,6 +1844,7 @@ class Runtime:
             self._pids.pop(pid, None)
         else:
             self._pids[pid] = runner
+            self._unknown_senders.clear()  # no sender said nobody's may be this one's
 
     def _on_notify(self, msg: NotifyMessage) -> None:
         runner = self._sender(msg.pid)
@@ -1836,14 +1858,34 @@ class Runtime:
         """The worker ``pid`` is part of: its main process or a descendant of it, or a process
         re-parented to the supervisor (a daemon that double-forked) its worker owns.
 
-        Reads nothing from ``/proc`` when ``pid`` is a worker's main process."""
+        Reads nothing from ``/proc`` when ``pid`` is a worker's main process; one ``stat``
+        when it was found no worker's within a second (regression: a flood of datagrams from
+        another program of the same user walked /proc up its ancestry for each)."""
+        main_runner = self._pids.get(pid)
+        if main_runner is not None:
+            return main_runner
+        first = procfs.read_stat(pid)
+        if first is None:
+            return None  # gone already
+        now = self.clock.now()
+        if self._unknown_senders.known(pid, first.start_ticks, now):
+            return None
+        unread = [first]
+
+        def read(p: int) -> procfs.ProcStat | None:
+            # the sender's first read is the one made above; any later one is read afresh
+            # (a walk started again after an ancestor exited sees its new parent)
+            return unread.pop() if p == pid and unread else procfs.read_stat(p)
 
         def adopt(orphan: int, start_ticks: int) -> WorkerRunner | None:
             main = {p: r.name for p, r in self._pids.items()}
             name = procfs.adopted_by(orphan, start_ticks, main, WORKER_VAR)
             return None if name is None else self.runners.get(name)
 
-        return procfs.owner_of(pid, self._pids, os.getpid(), adopt)
+        owner = procfs.owner_of(pid, self._pids, os.getpid(), adopt, read)
+        if owner is None:
+            self._unknown_senders.add(pid, first.start_ticks, now)
+        return owner
 
     def _on_orphan(self, reaped: Reaped) -> None:
         # A worker whose children double-fork in a loop makes thousands a second: one line a
@@ -2040,6 +2082,14 @@ class Runtime:
                 "of its own"
             )
         self._restore_quarantine(state_dir)  # (not rewritten under another supervisor)
+        # what supervisors killed with SIGKILL left in /tmp (regression: one more a run)
+        leftovers = remove_leftover_private_dirs()
+        if leftovers:
+            self.log.info(
+                "notify.leftovers_removed",
+                paths=[os.fspath(p) for p in leftovers],
+                reason="private directories of the notify socket whose supervisor is gone",
+            )
         try:
             self.listener.open()
         except OSError as exc:

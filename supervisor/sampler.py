@@ -283,6 +283,26 @@ class HostSampler:
         return self._aliases
 
 
+def replaced_gpus(
+    seen: Mapping[str, DeviceIdentity], listed: Iterable[DeviceIdentity]
+) -> list[tuple[DeviceIdentity, DeviceIdentity]]:
+    """The GPUs replaced (hot-swapped, or another GPU in the slot after a driver reload):
+    ``(old, new)`` for each GPU ``listed`` whose UUID was never ``seen``, at the index where
+    exactly one GPU seen before was last, that is not listed now. Not a placeholder (a GPU
+    whose UUID cannot be read: maybe the old one itself, ``Sampler._known``), nor a slot whose
+    GPU is listed at another index now (renumbered by a removal: left lost, not guessed)."""
+    listed = tuple(listed)
+    uuids = {i.uuid for i in listed}
+    out = []
+    for new in listed:
+        if new.uuid in seen or new.uuid.startswith(PLACEHOLDER):
+            continue
+        gone = [i for i in seen.values() if i.index == new.index and i.uuid not in uuids]
+        if len(gone) == 1:
+            out.append((gone[0], new))
+    return out
+
+
 def stuck_text(seconds: float) -> str:
     """The error while a backend call has not returned for ``seconds``."""
     return f"an NVML call has not returned for {seconds:.0f} s (the driver may be hung)"
@@ -307,6 +327,11 @@ class Sampler:
         self.backend: GpuBackend | None = None
         self.identities: tuple[DeviceIdentity, ...] = ()
         self._seen: dict[str, DeviceIdentity] = {}  # every GPU listed since the backend opened
+        #: every GPU replaced (``replaced_gpus``), in order: (old UUID, new UUID); the old one
+        #: is retired (no longer seen, so not lost), the runtime forgets its marks
+        self.replaced: list[tuple[str, str]] = []
+        #: old UUID -> new UUID of the replaced GPUs not listed again since
+        self._retired: dict[str, str] = {}
         self.error: str | None = None
         self.available = False
         #: the last open failed because the GPU library itself is not there (no NVML on this
@@ -383,6 +408,7 @@ class Sampler:
         try:
             opened = await self._bounded(self._guarded(backend.open))
             self.identities = self._named_all(opened)
+            self._retire(self.identities)
         except BackendUnavailable as exc:
             before, self.error = self.error, str(exc)
             self.available = False
@@ -455,6 +481,41 @@ class Sampler:
         for ident in identities:
             if not ident.uuid.startswith(PLACEHOLDER):
                 self._seen[ident.uuid] = ident
+                if self._retired:
+                    self._retired.pop(ident.uuid, None)  # put back: seen again
+
+    def _retire(self, listed: Iterable[DeviceIdentity]) -> None:
+        """Retire each GPU seen before that a GPU ``listed`` replaced (``replaced_gpus``),
+        said once: it is no longer lost, nor a reason to open the backend again. Regression:
+        it stayed lost until the supervisor restarted, and NVML was opened again every
+        ``PARTIAL_REOPEN_MAX_S`` for it (a gap in the other GPUs' telemetry each time)."""
+        for old, new in replaced_gpus(self._seen, listed):
+            del self._seen[old.uuid]
+            self._retired[old.uuid] = new.uuid
+            self.replaced.append((old.uuid, new.uuid))
+            self._log.warning(
+                "gpu.replaced",
+                index=new.index,
+                old_uuid=old.uuid,
+                new_uuid=new.uuid,
+                reason="a GPU never seen is listed where this one was: the old GPU is "
+                "retired, the new one is a fresh device",
+            )
+
+    def _swap_retired(self, devices: Iterable[DeviceSample]) -> None:
+        """Placement, metrics and the API go by ``identities``: a GPU replaced while the
+        backend stayed open (a backend that lists its devices at every sample) gives its
+        place there to the GPU that replaced it."""
+        if not any(i.uuid in self._retired for i in self.identities):
+            return
+        listed = {d.uuid: d for d in devices}
+        out = []
+        for ident in self.identities:
+            d = listed.get(self._retired.get(ident.uuid, ""))
+            if d is not None:
+                ident = DeviceIdentity(d.index, d.uuid, d.name, d.memory_total_mb, d.cpus)
+            out.append(ident)
+        self.identities = tuple(out)
 
     def _known(self, index: int, uuid: str, listed: set[str]) -> DeviceIdentity | None:
         """The GPU seen before at ``index`` when ``uuid`` is the placeholder of one whose UUID
@@ -510,6 +571,7 @@ class Sampler:
                 )
             )
         devices = tuple(named)
+        self._retire(DeviceIdentity(d.index, d.uuid, d.name) for d in devices)
         # nor are its XIDs watched (no handle to register): said as for any unwatched GPU
         # (regression: its GPU object and gpu_xids_watched said they were)
         self._unopened = {
@@ -699,6 +761,7 @@ class Sampler:
             if not self._misses_seen():
                 self._reopen_delay = REOPEN_INITIAL_S
             self._identified(sample.devices)
+            self._swap_retired(sample.devices)
         self.last = sample
         self._on_sample(sample)
         return sample

@@ -468,7 +468,14 @@ class WorkerRunner:
             with contextlib.suppress(anyio.WouldBlock):
                 return self._recv.receive_nowait()
         late = self._clock.now() - deadline
-        if late > LATE_S and self._graced != deadline and self._read_notify is not None:
+        # (a deadline with no process, a backoff's end, has no heartbeats to wait for:
+        # regression: its restart was held STALL_GRACE_S more after every stall)
+        if (
+            late > LATE_S
+            and self._graced != deadline
+            and self._read_notify is not None
+            and self.record.pid is not None
+        ):
             # Noticed long after it passed: the supervisor itself was stalled. The socket's
             # queue is small (net.unix.max_dgram_qlen: 10 in a container), so heartbeats sent
             # meanwhile may still wait in the workers' sendto(), to come in once it has room:
@@ -553,8 +560,9 @@ class WorkerRunner:
                 kill_tree(self.record.pid, self._tree)
         elif isinstance(action, lc.Transitioned):
             self._log.log(
-                # giving up on a worker is what an operator must hear of first
-                40 if action.new is WorkerState.FATAL else 20,
+                # giving up on a worker is what an operator must hear of first; one more
+                # look of a wait for a GPU that found none, as before, is not news
+                40 if action.new is WorkerState.FATAL else 10 if action.repeat else 20,
                 "worker.state",
                 pid=self.record.pid
                 if action.new is WorkerState.STARTING

@@ -108,6 +108,7 @@ class WorkerRecord:
     last_exit: Outcome | None = None
     reason: str = ""  # why the worker is in its current state
     gpu_waits: int = 0  # consecutive starts that found no GPU to place on (BACKOFF: waiting)
+    gpu_wait_reason: str = ""  # why the last of those found none (while ``gpu_waits``)
     #: the latest deadline EXTEND_TIMEOUT_USEC asked for in the current state, whether or not
     #: it moved ``deadline`` (None: none)
     extended_until: float | None = None
@@ -283,11 +284,13 @@ class KillTree:
 
 @dataclass(frozen=True, slots=True)
 class Transitioned:
-    """A state change, for logs and events."""
+    """A state change, for logs and events; ``repeat``: one more look of a wait for a GPU
+    that found none for the same reason (logged at debug: it can last for days)."""
 
     old: WorkerState
     new: WorkerState
     reason: str
+    repeat: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,20 +326,35 @@ def _move(
     return rec, [Transitioned(old, new, reason)]
 
 
-def _start(rec: WorkerRecord, reason: str) -> tuple[WorkerRecord, list[Action]]:
-    rec, acts = _move(
-        rec,
-        S.STARTING,
-        reason,
-        pid=None,
-        started_at=None,
-        ready_at=None,
-        heartbeat_at=None,
-        deadline=None,
-        after_exit=None,
-        stop_reason=None,
-        killed=False,
-        watchdog_s=None,
+def _repeated(
+    moved: tuple[WorkerRecord, list[Action]], repeat: bool
+) -> tuple[WorkerRecord, list[Action]]:
+    """``moved``, its transition marked ``repeat`` if it is one."""
+    if not repeat:
+        return moved
+    rec, acts = moved
+    return rec, [replace(a, repeat=True) if isinstance(a, Transitioned) else a for a in acts]
+
+
+def _start(
+    rec: WorkerRecord, reason: str, *, repeat: bool = False
+) -> tuple[WorkerRecord, list[Action]]:
+    rec, acts = _repeated(
+        _move(
+            rec,
+            S.STARTING,
+            reason,
+            pid=None,
+            started_at=None,
+            ready_at=None,
+            heartbeat_at=None,
+            deadline=None,
+            after_exit=None,
+            stop_reason=None,
+            killed=False,
+            watchdog_s=None,
+        ),
+        repeat,
     )
     return rec, [*acts, Spawn()]
 
@@ -564,7 +582,8 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
 
     if state is S.BACKOFF:
         if isinstance(ev, Timer) and rec.deadline is not None and now >= rec.deadline:
-            return _start(rec, "backoff elapsed")
+            # one more look for a GPU is quiet (what it finds is said if it is news)
+            return _start(rec, "backoff elapsed", repeat=rec.gpu_waits > 0)
         if isinstance(ev, GpuFreed) and rec.gpu_waits:
             return _start(rec, "a GPU became usable")
         if isinstance(ev, Start | Restart):
@@ -596,12 +615,18 @@ def step(rec: WorkerRecord, ev: Event, now: float, t: Timing) -> tuple[WorkerRec
             return _after_failure_or_stable(rec, now, t, outcome, [])
         if isinstance(ev, NoGpu):
             waits = rec.gpu_waits + 1
-            return _move(
-                rec,
-                S.BACKOFF,
-                f"waiting for a GPU: {ev.message}",
-                deadline=now + gpu_wait_s(t.restart, waits),
-                gpu_waits=waits,
+            # the same wait, looked at again: quiet (regression: two lines at info a look,
+            # up to one a minute, for as long as the GPU stayed gone)
+            return _repeated(
+                _move(
+                    rec,
+                    S.BACKOFF,
+                    f"waiting for a GPU: {ev.message}",
+                    deadline=now + gpu_wait_s(t.restart, waits),
+                    gpu_waits=waits,
+                    gpu_wait_reason=ev.message,
+                ),
+                rec.gpu_waits > 0 and ev.message == rec.gpu_wait_reason,
             )
         if isinstance(ev, Stop) or _operator_drain(ev):
             # Still preparing (GPU-release barrier): nothing runs yet, so just stay stopped.

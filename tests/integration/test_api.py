@@ -323,12 +323,19 @@ def test_commands_conflicts_and_cordon(supervisor: SupervisorFactory, tmp_path: 
 
 
 def test_a_worker_stopped_while_a_rolling_restart_replaces_it_is_passed_over(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     """The operator stops the worker a rolling restart is replacing (it is loading): it stays
     stopped and the roll-out goes on with the rest at once (regression: the roll-out waited
     out the worker's whole start_timeout_s for a start that never came, then halted there
     saying it "did not become ready")."""
+    # once it exists, g-0 loads for 60 s: still loading when stopped, however late the stop
+    # (a 0.5 s load could be over by then under load: ready, no longer a start to pass over)
+    slow = tmp_path / "slow"
+    py, script = worker_cmd("notify_ready_late")
+    load = (
+        f'if [ -e {slow} ] && [ {{index}} = 0 ]; then t=60; else t=0.5; fi; exec {py} {script} "$t"'
+    )
     sup = supervisor(
         {
             "gpu": {"backend": "none"},
@@ -336,7 +343,7 @@ def test_a_worker_stopped_while_a_rolling_restart_replaces_it_is_passed_over(
                 {
                     "name": "g",
                     "replicas": 2,
-                    "command": worker_cmd("notify_ready_late", "0.5"),
+                    "command": ["sh", "-c", load],
                     "start_timeout_s": 60,
                     "stop_timeout_s": 2,
                     "restart": {"stable_s": 0.1},
@@ -346,12 +353,13 @@ def test_a_worker_stopped_while_a_rolling_restart_replaces_it_is_passed_over(
     )
     sup.ready("g-0")
     sup.ready("g-1")
+    slow.touch()
     with sup.api() as http:
         mark = sup.mark()
         assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
         sup.wait_event(event="worker.spawned", worker="g-0", after=mark)
         assert http.post("/api/v1/workers/g-0/stop").status_code == 202
-        sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark, timeout=5)
+        sup.wait_event(event="supervisor.rolling_restart_done", group="g", after=mark, timeout=20)
         passed = sup.wait_event(event="supervisor.rollout_passed_over", worker="g-0", after=mark)
         assert "stopped" in passed["reason"]
         assert sup.find(event="worker.spawned", worker="g-1", after=mark)

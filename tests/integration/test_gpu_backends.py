@@ -359,7 +359,7 @@ def test_auto_keeps_nvml_when_the_driver_is_late(
         status = http.get("/api/v1/gpu/status").json()
         assert status["backend"] == "nvml" and status["nvml_available"] is False, status
     (world / "init_rc").unlink()  # the driver is loaded now
-    up = sup.wait_event(event="gpu.backend", backend="nvml", timeout=5)
+    up = sup.wait_event(event="gpu.backend", backend="nvml", timeout=20)
     assert up["uuids"] == [UUID0, UUID1]
     sup.wait_event(event="gpu.sample", nvml_available=True, after=sup.events.index(up))
     mark = sup.mark()
@@ -410,14 +410,14 @@ def test_workers_started_before_nvml_are_placed_once_it_opens(
     assert "GPU telemetry came up after these workers started" in said["reason"], said
     moved = {
         e["worker"]: e["new_gpus"]
-        for e in sup.wait_events(2, event="worker.moved", after=mark, timeout=5)
+        for e in sup.wait_events(2, event="worker.moved", after=mark, timeout=20)
     }
     assert sorted(map(tuple, moved.values())) == [(UUID0,), (UUID1,)], moved
 
     def placed(events: list[dict[str, Any]]) -> bool:
         return any(e["type"] == "rollout.done" and e.get("group") == "g" for e in events)
 
-    journal = sup.wait_api("/api/v1/events", placed, timeout=5)
+    journal = sup.wait_api("/api/v1/events", placed, timeout=20)
     done = [e for e in journal if e["type"].startswith("rollout.") and e.get("group") == "g"]
     assert [(e["type"], e["kind"]) for e in done] == [("rollout.done", "placement")], done
     with sup.api() as http:
@@ -473,8 +473,8 @@ def test_a_placement_roll_out_leaves_serving_a_worker_no_gpu_has_room_for(
     pids = {name: sup.ready(name)["pid"] for name in ("g-0", "g-1")}
     mark = sup.mark()
     (world / "init_rc").unlink()  # the driver is loaded now
-    moved = sup.wait_event(event="worker.moved", after=mark, timeout=5)
-    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=5)
+    moved = sup.wait_event(event="worker.moved", after=mark, timeout=20)
+    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=20)
     assert left["worker"] != moved["worker"] and left["reason"], left
     sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
     with sup.api() as http:
@@ -517,7 +517,7 @@ def test_workers_left_unplaced_for_want_of_room_are_placed_once_a_gpu_has_room(
         sup.ready(name)
     mark = sup.mark()
     (world / "init_rc").unlink()  # the driver is loaded now
-    left = sup.wait_events(2, event="supervisor.placement_skipped", after=mark, timeout=5)
+    left = sup.wait_events(2, event="supervisor.placement_skipped", after=mark, timeout=20)
     assert sorted(e["worker"] for e in left) == ["g-0", "g-1"], left
     sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
     assert not sup.find(event="worker.spawned", after=mark)
@@ -567,7 +567,7 @@ def test_a_worker_left_unplaced_for_want_of_memory_is_placed_once_others_free_it
     sup.ready("g-0")
     mark = sup.mark()
     (world / "init_rc").unlink()  # the driver is loaded now
-    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=5)
+    left = sup.wait_event(event="supervisor.placement_skipped", after=mark, timeout=20)
     assert "MB left for budgets" in left["reason"], left
     sup.wait_event(event="supervisor.rolling_restart_done", kind="placement", after=mark)
     mark = sup.mark()
@@ -2117,4 +2117,58 @@ def test_gpus_listed_again_after_a_reinit_that_found_none_are_seen(
     with sup.api() as http:
         lifted = http.post("/api/v1/gpus/0/uncordon", params={"lift_quarantine": "true"})
         assert lifted.status_code == 200, lifted.text
+    assert sup.stop() == 0
+
+
+def test_a_replaced_gpu_is_a_new_gpu_and_the_lost_one_is_gone(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """GPU 1 is lost (its worker drained, waiting: GPU 0 takes one worker), then replaced:
+    another GPU, another UUID, in its slot (under NVML, listed at the re-init of a driver
+    reload). Regression: the old UUID stayed listed as lost (API, /readyz, metrics: a
+    quarantine nobody could lift) until the supervisor restarted, and NVML was opened again
+    every 5 minutes for it. Now it is said (``gpu.replaced``), the old GPU is gone, and the
+    waiting worker starts on the new one."""
+    world = tmp_path / "sim"
+    new = "GPU-11111111-2222-3333-4444-555555555555"
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {
+            "name": "inf",
+            "replicas": 2,
+            "max_workers_per_gpu": 1,
+            "drain_timeout_s": 0.2,
+            "command": worker_cmd("gpu_user", "100"),
+            "restart": {"backoff_initial_s": 0.05},
+        },
+    )
+    sup.ready("inf-0")
+    sup.ready("inf-1")
+    with sup.api() as http:
+        on1 = next(w["name"] for w in http.get("/api/v1/workers").json() if w["gpus"] == [UUID1])
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("lost 1\n")
+    sup.wait_event(event="heal.action", action="quarantine", gpu=UUID1, reason="gpu_lost")
+    sup.wait_event(event="worker.waiting_gpu", worker=on1)
+    mark = sup.mark()
+    gpu0 = nvml_down(sup, world) if backend[0] == "nvml" else None
+    write_atomic(world / "gpus" / "1", default_device_text(1).replace(UUID1, new))
+    if gpu0 is not None:
+        write_atomic(world / "gpus" / "0", gpu0)
+    said = sup.wait_event(event="gpu.replaced", after=mark, timeout=15)
+    assert (said["index"], said["old_uuid"], said["new_uuid"]) == (1, UUID1, new)
+    sup.ready(on1, after=mark)
+    with sup.api() as http:
+        assert http.get(f"/api/v1/workers/{on1}").json()["gpus"] == [new]
+        devices = http.get("/api/v1/gpu/status").json()["devices"]
+        assert [(d["id"], d["uuid"], d["healthy"], d["quarantined"]) for d in devices] == [
+            (0, UUID0, True, False),
+            (1, new, True, False),
+        ]
+        ready = http.get("/readyz").json()
+        assert ready["gpus_unhealthy"] == [], ready
+    assert not metric_labels(sup, "gpu_supervisor_gpu_healthy", uuid=UUID1)
+    assert len(sup.find(event="gpu.replaced")) == 1
     assert sup.stop() == 0

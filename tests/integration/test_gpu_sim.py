@@ -811,7 +811,9 @@ def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
     """One GPU that takes one worker, held by o-0: g-0 waits (state backoff, "waiting for a
     GPU"), is never failed nor fatal however long that takes (burst 1 here), and starts as
     soon as a reload removes group o. Regression: every look for a GPU counted as a failed
-    start and the worker went fatal after `burst` of them (for good: until an operator start)."""
+    start and the worker went fatal after `burst` of them (for good: until an operator start).
+    Its looks again that find the same are at debug (regression: two worker.state lines at
+    info a look, for as long as it waited)."""
     one = {"max_workers_per_gpu": 1, "command": worker_cmd("gpu_user", "100")}
     held = {"name": "o", **one}
     waiter = {
@@ -820,7 +822,7 @@ def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
         "restart": {"backoff_initial_s": 3, "backoff_max_s": 3, "burst": 1},
     }
     cfg = config(tmp_path, held, waiter, sim_devices=1)
-    sup = supervisor(cfg)
+    sup = supervisor(cfg, log_level="debug")
     sup.ready("o-0")
     sup.wait_event(event="worker.unplaced", worker="g-0")
     first = sup.wait_event(event="worker.waiting_gpu", worker="g-0")
@@ -829,10 +831,13 @@ def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
     looked = sup.wait_event(
         event="worker.state", worker="g-0", reason="backoff elapsed", new="starting"
     )
-    sup.wait_event(
+    again = sup.wait_event(
         event="worker.state", worker="g-0", new="backoff", after=sup.events.index(looked)
     )
-    assert len(sup.find(event="worker.waiting_gpu", worker="g-0")) == 1
+    waits = sup.find(event="worker.state", worker="g-0", new="backoff")
+    assert waits[0]["level"] == "info" and waits[0]["reason"] == again["reason"], waits
+    assert looked["level"] == again["level"] == "debug", (looked, again)
+    assert len(sup.find(event="worker.waiting_gpu", worker="g-0", level="warning")) == 1
     with sup.api() as http:
         shown = http.get("/api/v1/workers/g-0").json()
         assert shown["state"] == "backoff", shown
@@ -842,6 +847,7 @@ def test_a_worker_with_no_gpu_to_go_to_waits_and_starts_once_one_fits(
         assert http.post("/api/v1/reload").status_code == 202
         woken = sup.wait_event(event="worker.state", worker="g-0", new="starting", after=mark)
         assert woken["reason"] == "a GPU became usable"  # not its next look, 3 s away
+        assert woken["level"] == "info", woken
         sup.ready("g-0", after=mark)
         assert http.get("/api/v1/workers/g-0").json()["gpus"] == [UUID0]
     assert not sup.find(event="worker.state", new="fatal")

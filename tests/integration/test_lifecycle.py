@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from supervisor.runtime import SIGNAL_REPEAT_S
+from supervisor.worker import LATE_S, STALL_GRACE_S
 from tests.conftest import SupervisorFactory
 from tests.harness import (
     Flood,
@@ -85,7 +86,12 @@ def test_burst_zero_retries_with_growing_delays(supervisor: SupervisorFactory) -
     assert not sup.find(event="worker.state", worker="b-0", new="fatal")
     expected = [0.05, 0.1, 0.2, 0.4, 0.4, 0.4]
     for got, want in zip(delays, expected, strict=True):
-        assert want - 0.005 <= got < want + 0.15, (delays, expected)
+        assert want - 0.005 <= got, (delays, expected)
+    # A supervisor held off the CPU (a loaded machine) wakes late for a backoff's end: one
+    # delay may be long by that stall (CI: 0.2 s measured 1.02 s, 0.5 s of it a grace for
+    # heartbeats that a worker in backoff cannot send, since fixed), not more than one.
+    late = [(got, want) for got, want in zip(delays, expected, strict=True) if got >= want + 0.15]
+    assert len(late) <= 1 and all(got < want + 1.0 for got, want in late), (delays, expected)
 
 
 def test_fast_crash_with_ready_none_is_a_failure(supervisor: SupervisorFactory) -> None:
@@ -127,12 +133,15 @@ def test_stop_escalates_to_sigkill_and_kills_grandchildren(supervisor: Superviso
     sup.signal(signal.SIGTERM)
     assert sup.wait_exit() == 0
     elapsed = time.monotonic() - t0
-    assert elapsed < 1.0 + 0.5 + 0.5, elapsed  # stop timeout + 0.5 s, plus process exit
+    # stop timeout + 0.5 s, plus process exit; and the grace a deadline noticed late gets
+    # (a supervisor held off the CPU for LATE_S: a loaded machine) before it is judged
+    stall = LATE_S + STALL_GRACE_S
+    assert elapsed < 1.0 + 0.5 + 0.5 + stall, elapsed
     for w in ("stubborn-0", "stubborn-1"):
         sig = sup.wait_event(event="worker.signal", worker=w)
         ex = sup.wait_event(event="worker.exited", worker=w)
         assert ex["signal"] == "SIGKILL"
-        assert 0.9 <= ts(ex) - ts(sig) <= 1.0 + 0.5
+        assert 0.9 <= ts(ex) - ts(sig) <= 1.0 + 0.5 + stall
     assert wait_dead(grandchildren) == []
 
 
@@ -306,7 +315,9 @@ def test_http_readiness_reads_no_more_of_an_endless_answer_than_it_needs(
         sup = supervisor(
             {"workers": [group("web", "ready_then_sleep", ready=url + "/health")]},
         )
-        sup.ready("web-0", timeout=3.0)
+        # (below the 10 s the server holds the answer open, which a probe reading the whole
+        # body would wait out; above what a supervisor's own start takes under load)
+        sup.ready("web-0", timeout=7.0)
         assert sup.stop() == 0
 
 

@@ -35,7 +35,9 @@ def test_extend_timeout_usec_keeps_a_slow_start_alive(
     EXTEND_TIMEOUT_USEC (as it would to systemd) was stopped with reason start_timeout all the
     same. It is now ready when it says, and the extension is logged."""
     body = "notify('EXTEND_TIMEOUT_USEC=3000000')\ntime.sleep(1.0)\nnotify('READY=1')\ntime.sleep(1000)\n"
-    group = worker(tmp_path, "slow", body, start_timeout_s=0.5, restart={"backoff_initial_s": 30})
+    # (0.8 s for the interpreter to start and send the extension: a loaded machine took more
+    # than 0.5 s; its load of 1 s after that is still longer than start_timeout_s)
+    group = worker(tmp_path, "slow", body, start_timeout_s=0.8, restart={"backoff_initial_s": 30})
     sup = supervisor({"workers": [group]})
     extended = sup.wait_event(event="worker.timeout_extended", worker="slow-0")
     assert extended["state"] == "starting" and 2.0 < extended["left_s"] <= 3.0, extended
@@ -60,7 +62,8 @@ def test_extend_timeout_usec_during_a_stop_holds_off_the_kill(
         "while True:\n"
         "    signal.pause()\n"
     )
-    sup = supervisor({"workers": [worker(tmp_path, "finisher", body, stop_timeout_s=0.3)]})
+    # (0.6 s for its handler to run and be heard, under load too; its 0.8 s of work is longer)
+    sup = supervisor({"workers": [worker(tmp_path, "finisher", body, stop_timeout_s=0.6)]})
     sup.ready("finisher-0")
     assert sup.stop() == 0
     exited = sup.wait_event(event="worker.exited", worker="finisher-0")
@@ -131,8 +134,11 @@ def test_a_start_that_overran_its_extension_says_so(
     """A worker that asked for more time to start (EXTEND_TIMEOUT_USEC) and still was not
     ready by then is restarted for ``start_timeout``. Regression: the action said "not ready
     within start_timeout_s", which it had been granted more than."""
-    body = "notify('EXTEND_TIMEOUT_USEC=400000')\ntime.sleep(1000)\n"
-    group = worker(tmp_path, "late", body, start_timeout_s=0.2, restart={"backoff_initial_s": 30})
+    # (start_timeout_s leaves the interpreter 0.6 s to start and send the extension, which
+    # always ends later: 0.2 s was not enough on a loaded machine, and the plain start
+    # timeout was said)
+    body = "notify('EXTEND_TIMEOUT_USEC=700000')\ntime.sleep(1000)\n"
+    group = worker(tmp_path, "late", body, start_timeout_s=0.6, restart={"backoff_initial_s": 30})
     sup = supervisor({"workers": [group]})
     action = sup.wait_event(event="heal.action", worker="late-0", reason="start_timeout")
     assert action["message"].startswith(

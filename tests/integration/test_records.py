@@ -376,6 +376,34 @@ def test_restarted_supervisor_reclaims_orphans(
     assert reclaimed[grandchild]["verdict"] == "end"
 
 
+def test_the_notify_directory_a_killed_supervisor_left_in_tmp_is_removed_at_the_next_start(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the private directory of /tmp that holds the notify socket of a
+    ``state_dir`` too long for a socket path was left behind by a supervisor killed with
+    SIGKILL, one more at each such run. The next start removes it (its supervisor's pid, in
+    its name, is gone), and never the live supervisor's own."""
+    config = {
+        "supervisor": {"state_dir": str(tmp_path / ("s" * 100))},
+        "workers": [group("r", "ready_then_sleep", gpus="none")],
+    }
+    first = supervisor(config)
+    left = Path(first.wait_event(event="supervisor.start")["notify_socket"]).parent
+    assert left.name.startswith(f"gpu-supervisor-{first.pid}-"), left
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait_exit()
+    assert left.is_dir()
+    second = supervisor(config)
+    own = Path(second.wait_event(event="supervisor.start")["notify_socket"])
+    # (removed by this start, or under xdist maybe by another test's supervisor starting)
+    second.wait_until(lambda: not left.exists(), "the killed supervisor's directory removed")
+    for removed in second.find(event="notify.leftovers_removed"):
+        assert os.fspath(own.parent) not in removed["paths"], removed
+    assert own.exists()
+    assert second.stop() == 0
+    assert not own.parent.exists()
+
+
 def test_a_gpu_an_orphan_still_holds_after_the_reclaim_is_suspect(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
@@ -1029,11 +1057,13 @@ def test_full_disk_does_not_stop_supervision(supervisor: SupervisorFactory, smal
     docs = postmortems(sup)
     # The queued ones were written after recovery, save what the bounded queue dropped while
     # the disk was full and what retention removed (a slow machine crash-loops for longer).
-    dropped = sup.find(event="records.postmortem_dropped")
+    # (said once a minute per worker with how many since, and at exit what was not said)
+    said = sup.find(event="records.postmortem_dropped", level=lambda v: v != "debug")
+    dropped = sum(e["dropped"] for e in said)
     # A slow machine crash-loops long enough to fill the tiny state_dir again: what it could not
     # write before the exit is said (records.postmortems_unwritten), never lost silently.
     unwritten = sum(e["count"] for e in sup.find(event="records.postmortems_unwritten"))
-    expected = min(len(crashes) - len(dropped) - unwritten, SupervisorSection().postmortem_keep)
+    expected = min(len(crashes) - dropped - unwritten, SupervisorSection().postmortem_keep)
     assert {d["worker"]["pid"] for d in docs} <= {e["pid"] for e in crashes}
     assert len(docs) == expected, (
         [e["pid"] for e in crashes],
@@ -1458,7 +1488,7 @@ def test_a_log_that_failed_is_writable_again_once_the_disk_is_though_its_worker_
     sup.wait_event(event="records.write_failed", file="log", kind="disk_full")  # its marker
     mark = sup.mark()
     filler.unlink()
-    sup.wait_event(event="records.write_recovered", file="log", after=mark, timeout=3)
+    sup.wait_event(event="records.write_recovered", file="log", after=mark, timeout=10)
     with sup.api() as api:
         assert "log" not in api.get("/readyz").json()["records"]
         scrape = api.get("/metrics").text

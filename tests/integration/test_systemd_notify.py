@@ -285,26 +285,34 @@ def test_a_watchdog_abort_leaves_every_thread_s_stack(supervisor: SupervisorFact
     assert "Fatal Python error: Aborted" in text, text[-2000:]
 
 
-def slow_orphan(tmp_path: Path) -> tuple[int, Path]:
+def slow_orphan(tmp_path: Path) -> tuple[int, Path, Path]:
     """A process recorded in ``tmp_path/state/state.json`` as worker a-0's of an earlier run
-    (not our child): on SIGTERM it touches the returned path, then takes 0.3 s to exit, so
-    the start-up reclaim waits for it that long."""
-    termed = tmp_path / "termed"
-    code = (
-        "import os, pathlib, signal, time; "
-        f"signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path({str(termed)!r}).touch(), "
-        "time.sleep(0.3), os._exit(0))); "
-        "print(os.getpid(), flush=True); os.close(1); os.close(2); time.sleep(20)"
+    (not our child): on SIGTERM it touches the returned ``termed`` path, then exits once the
+    returned ``release`` path exists (20 s at most), so the start-up reclaim waits for it
+    until then. (It took 0.3 s once: a test lagging that long under load signalled a
+    supervisor whose start-up was over.)"""
+    termed, release = tmp_path / "termed", tmp_path / "release"
+    script = tmp_path / "orphan.py"
+    script.write_text(
+        "import os, pathlib, signal, time\n"
+        "def on_term(*_):\n"
+        f"    pathlib.Path({str(termed)!r}).touch()\n"
+        "    deadline = time.monotonic() + 20\n"
+        f"    while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    os._exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "print(os.getpid(), flush=True); os.close(1); os.close(2); time.sleep(20)\n"
     )
     out = subprocess.run(
-        ["sh", "-c", f'{sys.executable} -c "{code}" &'], capture_output=True, text=True, check=True
+        ["sh", "-c", f"{sys.executable} {script} &"], capture_output=True, text=True, check=True
     )
     pid = int(out.stdout)
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     record = {"name": "a-0", "pid": pid, "pid_create_time": psutil.Process(pid).create_time()}
     (state_dir / "state.json").write_text(json.dumps({"schema_version": 1, "workers": [record]}))
-    return pid, termed
+    return pid, termed, release
 
 
 def test_a_stop_during_start_up_is_not_followed_by_ready(
@@ -314,7 +322,7 @@ def test_a_stop_during_start_up_is_not_followed_by_ready(
     reclaim waits for a predecessor's orphan) sent STOPPING=1, and then the start-up went on
     to send READY=1 (and log supervisor.ready): systemd took a service that was stopping for
     one that had just started."""
-    orphan, termed = slow_orphan(tmp_path)
+    orphan, termed, release = slow_orphan(tmp_path)
     path = tmp_path / "systemd.sock"
     try:
         with service_manager(path) as manager:
@@ -328,6 +336,7 @@ def test_a_stop_during_start_up_is_not_followed_by_ready(
             sup.wait_until(termed.exists, what="the reclaim's SIGTERM to the orphan")
             sup.signal(signal.SIGTERM)
             stopping = manager.wait_for("STOPPING=1")
+            release.touch()  # the reclaim's wait ends: the start-up would go on from here
             assert sup.wait_exit() == 0
             got = drain(manager)
             after = got[got.index(stopping) + 1 :]

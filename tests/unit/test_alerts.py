@@ -24,7 +24,6 @@ from supervisor._version import __version__
 from supervisor.alerts import (
     ALERT_SCHEMA_VERSION,
     Alerter,
-    RateLimit,
     alert_doc,
     encode,
     retry_after_s,
@@ -32,6 +31,7 @@ from supervisor.alerts import (
     verdict,
 )
 from supervisor.config import redact_url
+from supervisor.policy.ratelimit import RateLimit
 
 T0 = 1_796_000_000.25
 

@@ -340,6 +340,43 @@ def test_stop_while_waiting_for_a_gpu_forgets_the_wait() -> None:
     assert at(rec, lc.Kill("second signal"), 3.5).gpu_waits == 0
 
 
+def test_only_the_repeats_of_the_same_wait_for_a_gpu_are_quiet() -> None:
+    """Regression: a worker waiting for a GPU logged its two ``worker.state`` lines (backoff ->
+    starting, starting -> backoff) at info at each look (up to one a minute) for as long as
+    it waited: ~2900 lines a day per worker on a node whose GPU is gone. The lifecycle now
+    marks the repeats of the same wait (``repeat``: logged at debug); the first wait, a
+    change of reason, a wake by a freed GPU and whatever ends the wait stay at info."""
+
+    def said(acts: list[lc.Action]) -> list[tuple[S, S, bool]]:
+        return [(a.old, a.new, a.repeat) for a in acts if isinstance(a, lc.Transitioned)]
+
+    rec, acts = lc.step(lc.WorkerRecord(), lc.Start(), 0.0, T)
+    assert said(acts) == [(S.STOPPED, S.STARTING, False)]
+    rec, acts = lc.step(rec, lc.NoGpu("GPU 0 is lost"), 0.0, T)
+    assert said(acts) == [(S.STARTING, S.BACKOFF, False)]  # the first: said
+    for _ in range(3):  # the same wait, look after look: quiet
+        assert rec.deadline is not None
+        now = rec.deadline
+        rec, acts = lc.step(rec, lc.Timer(), now, T)
+        assert said(acts) == [(S.BACKOFF, S.STARTING, True)]
+        rec, acts = lc.step(rec, lc.NoGpu("GPU 0 is lost"), now, T)
+        assert said(acts) == [(S.STARTING, S.BACKOFF, True)]
+        assert rec.state is S.BACKOFF and rec.reason == "waiting for a GPU: GPU 0 is lost"
+    assert rec.deadline is not None
+    rec = at(rec, lc.Timer(), rec.deadline)
+    rec, acts = lc.step(rec, lc.NoGpu("GPU 0 is quarantined (xid 79)"), rec.deadline or 0, T)
+    assert said(acts) == [(S.STARTING, S.BACKOFF, False)]  # another reason: said
+    rec, acts = lc.step(rec, lc.GpuFreed(), 30.0, T)
+    assert said(acts) == [(S.BACKOFF, S.STARTING, False)]  # woken: said
+    rec, acts = lc.step(rec, lc.NoGpu("GPU 0 is quarantined (xid 79)"), 30.0, T)
+    assert said(acts) == [(S.STARTING, S.BACKOFF, True)]  # the same wait again
+    stopped, acts = lc.step(rec, lc.Stop(), 31.0, T)
+    assert said(acts) == [(S.BACKOFF, S.STOPPED, False)]
+    rec, acts = lc.step(stopped, lc.Start(), 32.0, T)
+    rec, acts = lc.step(rec, lc.NoGpu("GPU 0 is quarantined (xid 79)"), 32.0, T)
+    assert said(acts) == [(S.STARTING, S.BACKOFF, False)]  # a new wait: said
+
+
 def test_a_failure_after_a_wait_for_a_gpu_is_a_failure() -> None:
     """A start after a wait that fails for another reason (the program is gone) backs off as
     a failure: a GPU freed meanwhile does not cut that backoff short."""

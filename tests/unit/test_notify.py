@@ -13,8 +13,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import anyio
+import psutil
 import pytest
 
 from supervisor.notify import (
@@ -290,3 +292,124 @@ def test_a_private_socket_path_too_long_under_tmpdir_goes_to_tmp(
         assert list(deep.iterdir()) == []  # the one too deep is removed
     finally:
         path.parent.rmdir()
+
+
+def test_leftover_private_directories_of_killed_supervisors_are_removed(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the private directory in /tmp that holds the notify socket (a ``state_dir``
+    too long for a socket path, or read-only) was left behind by a supervisor killed with
+    SIGKILL: one more at each such run. Its name now carries its supervisor's pid, and the
+    next start removes those whose supervisor is gone; never a live one's, a link (not
+    followed), another user's, one holding anything else, or a name not of ours."""
+    from supervisor.notify import remove_leftover_private_dirs
+
+    # short: a socket is bound in it (tmp_path is too deep for one under xdist)
+    temp = Path(tempfile.mkdtemp(prefix="lo", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mine = private_socket_path()  # this process's: alive
+    assert mine.parent.name.startswith(f"gpu-supervisor-{os.getpid()}-"), mine
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = gone.pid
+
+    def leftover(name: str, *files: str) -> Path:
+        d = temp / name
+        d.mkdir(mode=0o700)
+        for f in files:
+            if f == "notify.sock":
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                    s.bind(os.fspath(d / f))  # closed: a stale socket, as SIGKILL leaves it
+            else:
+                (d / f).write_text("x")
+        return d
+
+    killed = leftover(f"gpu-supervisor-{dead}-abcd_123", "notify.sock")
+    empty = leftover(f"gpu-supervisor-{dead}-efgh4567")
+    kept = [
+        leftover(f"gpu-supervisor-{dead}-ijkl8901", "notify.sock", "data"),  # not only ours
+        leftover(f"gpu-supervisor-{dead}-mnop"),  # not our naming
+        leftover("gpu-supervisor-qrst2345", "notify.sock"),  # older naming: no pid to tell
+        leftover(f"gpu-supervisor-{os.getppid()}-uvwx6789", "notify.sock"),  # alive
+        leftover(f"other-{dead}-abcdefgh", "notify.sock"),
+    ]
+    target = leftover("target", "notify.sock")
+    (temp / f"gpu-supervisor-{dead}-link0000").symlink_to(target)  # never followed
+    foreign = leftover(f"gpu-supervisor-{dead}-user0000", "notify.sock")
+    if os.geteuid() == 0:
+        os.chown(foreign, 65534, 65534)
+    kept += [target, foreign]
+    removed = remove_leftover_private_dirs([os.fspath(temp)])
+    assert sorted(removed) == sorted([killed, empty])
+    assert not killed.exists() and not empty.exists()
+    assert all(d.is_dir() for d in kept)
+    assert (target / "notify.sock").exists()
+    assert (temp / f"gpu-supervisor-{dead}-link0000").is_symlink()
+    assert mine.parent.is_dir()
+    mine.parent.rmdir()
+
+
+def test_a_flood_from_a_process_of_no_worker_walks_proc_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: each datagram on the notify socket from a process of no worker (another
+    program of the same user) walked /proc up its ancestry to find its worker: a flood of
+    them cost that walk each. Such a sender (pid and start time) is not looked up again for
+    a second; a worker's descendant forked meanwhile is its worker's at once, and a pid
+    taken by another process (its start time differs) is looked up again."""
+    from types import MethodType, SimpleNamespace
+
+    from supervisor import procfs
+    from supervisor.clock import FakeClock
+    from supervisor.runtime import Runtime
+
+    walks: list[int] = []
+    walk = procfs.owner_of
+
+    def counted(pid: int, *args: Any, **kwargs: Any) -> Any:
+        walks.append(pid)
+        return walk(pid, *args, **kwargs)
+
+    monkeypatch.setattr(procfs, "owner_of", counted)
+    clock = FakeClock()
+    rt = SimpleNamespace(_pids={}, runners={}, clock=clock, _unknown_senders=procfs.UnknownPids())
+    sender = MethodType(Runtime._sender, rt)
+    stranger = subprocess.Popen(["sleep", "30"])
+    worker = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE)
+    try:
+        for _ in range(1000):
+            assert sender(stranger.pid) is None
+        assert walks == [stranger.pid]  # (regression: 1000 walks)
+        clock.advance(1.01)
+        assert sender(stranger.pid) is None
+        assert walks == [stranger.pid] * 2  # looked up again a second later
+        w0 = object()
+        rt._pids[worker.pid] = w0  # a worker now: its child (forked now) is its at once
+        assert worker.stdout is not None
+        forked = int(worker.stdout.readline())  # said once forked
+        assert sender(forked) is w0
+        # a pid said to be nobody's, now another process's (its start time): looked up
+        st = procfs.read_stat(forked)
+        assert st is not None
+        rt._unknown_senders.add(forked, st.start_ticks - 1, clock.now())
+        assert sender(forked) is w0
+        # bounded: the oldest are forgotten
+        many = procfs.UnknownPids(size=3)
+        for pid in range(10, 20):
+            many.add(pid, 1, clock.now())
+        assert [many.known(pid, 1, clock.now()) for pid in (10, 16, 17, 19)] == [
+            False,
+            False,
+            True,
+            True,
+        ]
+    finally:
+        for p in (stranger, worker):
+            with contextlib.suppress(psutil.Error):
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    c.kill()
+            p.kill()
+            p.wait()
+        if worker.stdout is not None:
+            worker.stdout.close()

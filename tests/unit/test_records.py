@@ -1278,3 +1278,43 @@ def test_the_state_dir_check_before_an_api_error_does_not_hang_on_a_fifo(tmp_pat
     finally:
         os.close(fd)
     check_state_dir_free(held)
+
+
+def test_post_mortems_dropped_on_a_full_disk_are_said_once_a_minute_per_worker(
+    tmp_path: Path,
+) -> None:
+    """Regression: on a full disk each post-mortem dropped beyond the 100 waiting had its own
+    ``records.postmortem_dropped`` line at error: a crash loop on a disk that stayed full
+    flooded the log. Now one line a minute per worker says it, with how many were dropped
+    since the last said (``dropped``); the others are at debug."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "postmortems").write_text("not a directory")  # every post-mortem write fails
+    clock = [1000.0]
+    recorder = Recorder(state, 1000, WriteHealth(), snapshot=dict, now=lambda: clock[0])
+    recorder.health.failed("postmortem", OSError(errno.ENOSPC, "No space left on device"))
+
+    def crash(i: int, worker: str) -> None:
+        doc = {"id": postmortem_id(T0 + i, worker, "exit"), "worker": {"name": worker}}
+        recorder.postmortem(doc)
+
+    with capture_logs() as logs:
+        for i in range(130):
+            crash(i, "a-0" if i % 2 else "b-0")
+        clock[0] += 61.0
+        for i in range(130, 140):
+            crash(i, "a-0")
+        # what was dropped at debug and not said since is said at exit
+        recorder.report_unwritten()
+    dropped = [e for e in logs if e["event"] == "records.postmortem_dropped"]
+    loud = [e for e in dropped if e["log_level"] != "debug"]
+    assert len([e for e in dropped if e["id"]]) == 40  # each has its line, with its id
+    assert [(e["worker"], e["dropped"]) for e in loud] == [
+        ("b-0", 1),
+        ("a-0", 1),
+        ("b-0", 15),  # 14 at debug in the first minute, and this one
+        ("a-0", 15),
+        ("a-0", 4),  # at exit: those at debug since
+        ("b-0", 4),
+    ]
+    assert sum(e["dropped"] for e in loud) == 40

@@ -14,7 +14,7 @@ from supervisor import sampler as sampler_module
 from supervisor.backends.sim import SimBackend
 from supervisor.errors import BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, Sample, XidEvent
-from supervisor.sampler import Sampler
+from supervisor.sampler import Sampler, replaced_gpus
 
 
 async def test_requested_samples_do_not_postpone_the_regular_ones(tmp_path: Path) -> None:
@@ -157,6 +157,73 @@ async def test_a_gpu_lost_across_a_reinit_keeps_its_uuid_only_when_that_is_unamb
     # the same, in two re-inits
     twice = [[(0, a), (1, b), (2, c)], [(0, a), (1, c)], [(0, a), (1, c), (2, "unknown-2")]]
     assert await _names_after(twice) == got
+
+
+def test_a_new_uuid_where_a_gpu_seen_before_is_no_longer_listed_replaced_it() -> None:
+    """Regression: a GPU replaced (hot-swap, or another GPU in its slot after a driver
+    reload: a UUID never seen, at the index of a GPU seen before and no longer listed) left
+    the old one lost for good. Only an unambiguous slot counts: not a placeholder (the old GPU
+    itself, its UUID unreadable), not a slot whose GPU seen before is listed elsewhere now
+    (renumbered), not a slot two GPUs seen before were last at."""
+    a, b, c = (DeviceIdentity(i, u, "n") for i, u in enumerate("ABC"))
+
+    def at(index: int, uuid: str) -> DeviceIdentity:
+        return DeviceIdentity(index, uuid, "n")
+
+    seen = {i.uuid: i for i in (a, b, c)}
+    new = at(1, "N")
+    assert replaced_gpus(seen, [a, new, c]) == [(b, new)]
+    assert replaced_gpus(seen, [a, b, c]) == []  # nothing new
+    assert replaced_gpus(seen, [a, at(1, "unknown-1"), c]) == []  # a placeholder
+    assert replaced_gpus(seen, [a, at(1, c.uuid), at(2, "N")]) == []  # c renumbered
+    assert replaced_gpus({**seen, "D": at(1, "D")}, [a, new, c]) == []  # two were at 1
+    assert replaced_gpus(seen, [a, new, c, at(3, "M")]) == [(b, new)]  # M: one more GPU
+
+
+async def test_a_replaced_gpu_is_retired_not_lost_and_not_reopened_for() -> None:
+    """GPU 1 is replaced across a re-init (a new UUID at its index). Regression: the old UUID
+    stayed lost (in the API, metrics, /readyz, placement) until the supervisor restarted, and
+    NVML was opened again every 5 minutes for it, a gap in the other GPUs' telemetry each
+    time. It is said once (``gpu.replaced``), and the new GPU is a fresh, healthy one."""
+    from structlog.testing import capture_logs
+
+    a, b, n = "GPU-A", "GPU-B", "GPU-N"
+    stub = _Enumerations([[(0, a), (1, b)], [(0, a), (1, n)], [(0, a), (1, n)]])
+    sampler = Sampler(lambda: stub, 1.0, dict, lambda s: None, lambda e: None)
+    with capture_logs() as logs:
+        for _ in range(3):
+            assert await sampler.open()
+            sample = await sampler.tick()
+            assert not sampler._misses_seen()  # no reason to open NVML again
+    assert sorted((d.index, d.uuid, d.healthy) for d in sample.devices) == [
+        (0, a, True),
+        (1, n, True),
+    ]
+    assert [i.uuid for i in sampler.identities] == [a, n]
+    said = [
+        (e["index"], e["old_uuid"], e["new_uuid"]) for e in logs if e["event"] == "gpu.replaced"
+    ]
+    assert said == [(1, b, n)]
+    assert sampler.replaced == [(b, n)]
+
+
+async def test_a_gpu_replaced_under_a_backend_that_lists_it_at_a_sample_is_retired(
+    tmp_path: Path,
+) -> None:
+    """The sim backend lists what its world holds at every sample: GPU 1's file now names
+    another UUID (a hot-swap) without the backend being opened again. Regression: the old UUID
+    was listed lost next to the new one for good, and placement still went by the old one."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    sampler = Sampler(lambda: SimBackend(world, 2), 1.0, dict, lambda s: None, lambda e: None)
+    assert await sampler.open()
+    old = [i.uuid for i in sampler.identities]
+    text = (world / "gpus" / "1").read_text().replace(old[1], "GPU-new")
+    (world / "gpus" / "1").write_text(text)
+    sample = await sampler.tick()
+    assert [(d.uuid, d.healthy) for d in sample.devices] == [(old[0], True), ("GPU-new", True)]
+    assert [i.uuid for i in sampler.identities] == [old[0], "GPU-new"]
+    assert sampler.replaced == [(old[1], "GPU-new")]
 
 
 async def test_a_bug_reading_the_gpus_makes_telemetry_unavailable_not_the_supervisor_end(

@@ -280,3 +280,19 @@ async def _queued_down(tmp_path: Path) -> None:
     r._apply(taken)
     assert r.queued_down() is None
     closed(r)
+
+
+def test_a_backoff_that_ended_during_a_stall_restarts_without_a_grace(tmp_path: Path) -> None:
+    """Regression: a backoff whose end the supervisor noticed late (a loaded host) got the
+    stall's grace for heartbeats too (0.5 s more), though a worker in backoff has no process
+    to send any: its restart came 1.02 s after its exit instead of 0.2 s (CI)."""
+    anyio.run(_backoff_after_stall, tmp_path)
+
+
+async def _backoff_after_stall(tmp_path: Path) -> None:
+    r, reads = stalled(tmp_path, 1_000)  # the socket has nothing
+    r.record = lc.WorkerRecord(state=WorkerState.BACKOFF, pid=None, deadline=0.0)  # long passed
+    with anyio.fail_after(5):
+        assert isinstance(await r._next_event(), lc.Timer)
+    assert reads[0] == 1  # read once, as at any passed deadline; no grace waited out
+    closed(r)

@@ -1,7 +1,8 @@
 """Serve GET /health on PORT: 503 for argv[1] seconds, then 200 (``--redirect``: /health
 answers 307 to /health/, which answers that, as a framework does for a route with a slash;
 ``--sick-when PATH``: 500 while PATH exists, as a server whose engine died behind a live HTTP
-front; ``--stall-when PATH``: no answer for 30 s while PATH exists; ``--ignore-term``: SIGTERM is
+front; ``--sick-once PATH``: 500 for the one answer that finds PATH, which it removes;
+``--stall-when PATH``: no answer for 30 s while PATH exists; ``--ignore-term``: SIGTERM is
 ignored (a server that drains slowly: it serves until SIGKILL); ``--tls DIR``: HTTPS with
 DIR/cert.pem and DIR/key.pem (a self-signed certificate); each answer is said on stdout,
 ``answered CODE``)."""
@@ -26,6 +27,7 @@ def _path_after(flag: str) -> str | None:
 
 
 sick_when, stall_when = _path_after("--sick-when"), _path_after("--stall-when")
+sick_once = _path_after("--sick-once")
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -40,6 +42,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             time.sleep(30)
         code = 200 if time.monotonic() >= ready_at else 503
         if sick_when is not None and os.path.exists(sick_when):
+            code = 500
+        if sick_once is not None and os.path.exists(sick_once):
+            os.unlink(sick_once)
             code = 500
         self.send_response(code)
         self.end_headers()
