@@ -55,7 +55,7 @@ def group(name: str, script: str, *args: str, **extra: Any) -> dict[str, Any]:
 
 def test_crash_is_replaced_at_once(supervisor: SupervisorFactory) -> None:
     """A worker that crashes after a stable run is restarted without delay."""
-    sup = supervisor({"workers": [group("c", "crash_after", "0.3", restart={"stable_s": 0.1})]})
+    sup = supervisor({"workers": [group("c", "crash_after", "0.3", restart={"stable_s": 0.01})]})
     first = sup.wait_event(event="worker.spawned", worker="c-0")
     exited = sup.wait_event(event="worker.exited", worker="c-0", code=3)
     assert exited["failure"] is False and exited["reason"] == "exit"
