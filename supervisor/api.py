@@ -234,7 +234,7 @@ class ReloadAccepted(BaseModel):
 
 
 class GpuCordon(BaseModel):
-    id: int
+    id: int | None  # null: the uncordon of a GPU no longer listed (replaced, removed)
     uuid: str
     cordoned: bool
     quarantined: bool
@@ -628,8 +628,10 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
     async def set_cordon(
         request: Request, ident: str, cordon: bool, lift: bool = False
     ) -> dict[str, Any]:
-        uuid = gpu_uuid(ident)
-        index = rt.gpu_ids()[uuid]
+        # an operator's cordon of a GPU no longer listed (replaced: ``gpu.replaced``) is
+        # uncordoned by its UUID (regression: 404, the cordon kept in state_dir for ever)
+        uuid = ident if not cordon and ident in rt.cordoned else gpu_uuid(ident)
+        index = rt.gpu_ids().get(uuid)
         refuse_while_stopping()  # the intent would be dropped (regression: 200, not cordoned)
         if lift and uuid in rt.healer.state.quarantined and not rt.gpu_answers(uuid):
             raise _problem(

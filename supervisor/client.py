@@ -544,7 +544,9 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             # a cordon is lifted, a quarantine (a device-fatal XID) only when asked: say so
             verb += ", but still quarantined (a device-fatal XID or lost: nothing is placed"
             verb += " on it; `uncordon --lift-quarantine` once it has been reset or repaired)"
-        print(f"GPU {body['id']} ({body['uuid']}) {verb}")
+        # (id null: a GPU no longer listed, a replaced one's cordon lifted)
+        named = body["uuid"] if body["id"] is None else f"{body['id']} ({body['uuid']})"
+        print(f"GPU {named} {verb}")
         return 0
     if args.command == "reload":
         seen = _last_seq(client)

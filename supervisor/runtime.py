@@ -1098,8 +1098,9 @@ class Runtime:
 
     def _forget_replaced(self) -> None:
         """The GPUs replaced since the last sample (``gpu.replaced``) are gone: their marks
-        keyed by UUID go (quarantine, heat, suspect). An operator's cordon of the old UUID is
-        left, in ``state_dir`` too: it applies to no GPU listed, and ``uncordon`` removes it."""
+        keyed by UUID go (quarantine, heat, suspect, XID counts). An operator's cordon of the
+        old UUID is left, in ``state_dir`` too: it applies to no GPU listed, and ``uncordon``
+        by its UUID removes it."""
         replaced = self.sampler.replaced
         if len(replaced) == self._replaced_seen:
             return
@@ -1107,6 +1108,10 @@ class Runtime:
             self.healer.forget_gpu(old)
             self.suspect.pop(old, None)
             self._suspect_of.pop(old, None)
+            # its XID counts leave /metrics with its other series (regression: kept for
+            # ever, relabelled gpu="<old UUID>", one phantom series per GPU ever replaced)
+            for key in [k for k in self.xid_counts if k[0] == old]:
+                del self.xid_counts[key]
         self._replaced_seen = len(replaced)
         self._changed_now()
 

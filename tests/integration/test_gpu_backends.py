@@ -2172,3 +2172,71 @@ def test_a_replaced_gpu_is_a_new_gpu_and_the_lost_one_is_gone(
     assert not metric_labels(sup, "gpu_supervisor_gpu_healthy", uuid=UUID1)
     assert len(sup.find(event="gpu.replaced")) == 1
     assert sup.stop() == 0
+
+
+def test_a_replaced_gpus_xid_series_leave_metrics(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the XID counts of a GPU replaced at runtime (``gpu.replaced``) stayed in
+    /metrics for ever, relabelled ``gpu="<old UUID>"`` and ``name=""``: one phantom series
+    more per XID code for each GPU ever replaced. The old GPU's series go with it, as its
+    other series do."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    new = "GPU-11111111-2222-3333-4444-555555555555"
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("sim", {}),
+        {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+    sup.ready("c-0")
+    mark = sup.mark()
+    with open(world / "events", "a") as fh:
+        fh.write("1 63\n")  # informational: counted only
+    sup.wait_event(event="gpu.xid", after=mark)
+
+    def xids(uuid: str) -> list[dict[str, str]]:
+        return metric_labels(sup, "gpu_supervisor_gpu_xid_errors_total", uuid=uuid)
+
+    sup.wait_until(lambda: xids(UUID1) != [], "GPU 1's XID counted", timeout=2)
+    mark = sup.mark()
+    write_atomic(world / "gpus" / "1", default_device_text(1).replace(UUID1, new))
+    sup.wait_event(event="gpu.replaced", after=mark, old_uuid=UUID1)
+    sup.wait_event(event="gpu.sample", after=mark, devices=lambda d: new in d)
+    sup.wait_until(lambda: xids(UUID1) == [], "the old GPU's XID series gone", timeout=2)
+    assert xids(new) == []
+    assert sup.stop() == 0
+
+
+def test_an_operators_cordon_of_a_replaced_gpu_can_be_uncordoned_by_its_uuid(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: docs/operations.md says an operator's cordon of a GPU replaced at runtime
+    is kept (``state_dir/cordons`` too) and that ``uncordon`` by its UUID removes it; the API
+    answered 404 "unknown GPU" (the old UUID is listed nowhere), so the cordon stayed in the
+    file, and was said kept at every start, for ever."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    new = "GPU-11111111-2222-3333-4444-555555555555"
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("sim", {}),
+        {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
+    )
+    sup.ready("c-0")
+    cordons = sup.state_dir / "cordons"
+    with sup.api() as http:
+        assert http.post("/api/v1/gpus/1/cordon").status_code == 200
+        assert cordons.read_text() == f"{UUID1}\n"
+        mark = sup.mark()
+        write_atomic(world / "gpus" / "1", default_device_text(1).replace(UUID1, new))
+        sup.wait_event(event="gpu.replaced", after=mark, old_uuid=UUID1)
+        answer = http.post(f"/api/v1/gpus/{UUID1}/uncordon")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["uuid"] == UUID1 and answer.json()["cordoned"] is False
+        assert cordons.read_text() == ""
+        # only for a cordon: a UUID never cordoned nor listed is still unknown
+        assert http.post(f"/api/v1/gpus/{UUID1}/uncordon").status_code == 404
+    assert sup.stop() == 0
