@@ -74,6 +74,7 @@ from supervisor.policy.heal import (
     heat_memory_s,
     heat_move_wait,
 )
+from supervisor.sampler import STUCK_AFTER_INTERVALS, STUCK_AFTER_S
 
 if TYPE_CHECKING:
     from supervisor.clock import Clock
@@ -125,6 +126,13 @@ PER_PROCESS = frozenset(
 #: The notify field in which a worker reports the GPU memory it really holds (MiB): what its
 #: allocator has handed out (``torch.cuda.memory_allocated()``), without the cache NVML counts.
 IN_USE_FIELD = "X_GPU_MEMORY_IN_USE_MB"
+
+
+def thermal_gap_s(sample_interval_s: float) -> float:
+    """The longest gap between two samples of a GPU that its heat (or cool) is counted across:
+    a backend call that takes longer counts as stuck (telemetry down), and one more interval
+    passes before the next sample."""
+    return max(STUCK_AFTER_S, STUCK_AFTER_INTERVALS * sample_interval_s) + sample_interval_s
 
 
 def floor_bucket_s(window_s: float) -> float:
@@ -913,6 +921,7 @@ class Healer:
             margin_c=gpu.thermal_margin_c,
             sustain_s=gpu.thermal_sustain_s,
             clear_s=gpu.thermal_clear_s,
+            max_gap_s=thermal_gap_s(self.host.settings.supervisor.sample_interval_s),
         )
         for d in sample.devices:
             if not d.healthy:

@@ -536,6 +536,9 @@ class ThermalSettings:
     sustain_s: float = 10.0  # hot for this long before acting
     clear_s: float = 30.0  # cool for this long before restoring
     hysteresis_c: float = 3.0  # cool means this much further below the hot mark
+    #: a GPU not read for longer than this (NVML hung or down, the supervisor stopped) starts
+    #: both counts again: what held before the gap is not known to have held through it
+    max_gap_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,6 +553,7 @@ class ThermalTrack:
     #: it is cool again only on those, a sample without one of them does not count as cool
     clocks_seen: bool = False
     temperature_seen: bool = False
+    seen_at: float | None = None  # the last sample of this GPU
 
 
 def _readings(d: DeviceSample) -> tuple[bool, bool]:
@@ -597,13 +601,17 @@ def thermal_step(
     """Advance one GPU's thermal state with a sample; say when it turns hot or cool."""
     why = hot_reason(d, s)
     clocks, temperature = _readings(d)
+    gap = track.seen_at is not None and now - track.seen_at > s.max_gap_s
+    # (regression: one hot reading before a gap and one after were heat sustained all
+    # through it, and one cool reading before and after was cool for all of clear_s)
+    track = replace(track, seen_at=now, cool_since=None if gap else track.cool_since)
     if not track.hot:
         if why is None:
-            return ThermalTrack(), None
-        since = track.hot_since if track.hot_since is not None else now
+            return ThermalTrack(seen_at=now), None
+        since = track.hot_since if track.hot_since is not None and not gap else now
         if now - since >= s.sustain_s:
-            return ThermalTrack(True, since, None, why, clocks, temperature), "hot"
-        return ThermalTrack(hot_since=since, why=why), None
+            return ThermalTrack(True, since, None, why, clocks, temperature, now), "hot"
+        return ThermalTrack(hot_since=since, why=why, seen_at=now), None
     cool = _cool(track, d, s)
     if cool is None:  # cool must be seen for all of clear_s (regression: readings that
         return replace(track, cool_since=None), None  # vanished counted as cool)
@@ -617,7 +625,7 @@ def thermal_step(
         ), None
     since = track.cool_since if track.cool_since is not None else now
     if now - since >= s.clear_s:
-        return ThermalTrack(), "cool"
+        return ThermalTrack(seen_at=now), "cool"
     return replace(track, cool_since=since), None
 
 

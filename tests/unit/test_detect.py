@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -677,6 +678,30 @@ def test_a_gpu_without_a_temperature_cools_on_its_clock_events() -> None:
         None,
         "cool",
     ]
+
+
+def test_a_gap_in_a_gpus_samples_restarts_the_sustain_and_the_clear() -> None:
+    """Regression: a GPU read hot once before a gap in its samples (NVML hung or down for
+    minutes, the supervisor stopped) and once after it counted as hot all through the gap:
+    ``thermal_sustain_s`` held on two readings five minutes apart and its workers were
+    derated or moved; and a hot GPU read cool once before the gap and once after was cool
+    again at once (its workers routed back), though nothing was read in between. Both
+    counts need the GPU read all along: after a gap longer than ``max_gap_s`` they start
+    again (a GPU hot already stays hot)."""
+    s = replace(TH, max_gap_s=6.0)
+    hot, cool = gpu(88.0), gpu(60.0)
+    track = ThermalTrack()
+    changes: dict[float, str | None] = {}
+    timeline = [(0.0, hot)]  # then 5 minutes without a reading
+    timeline += [(300.0 + 5 * i, hot) for i in range(3)]  # hot for 10 s: hot at 310
+    timeline += [(315.0, cool)]  # then 5 minutes without a reading
+    timeline += [(615.0 + 5 * i, cool) for i in range(7)]  # cool for 30 s: cool at 645
+    for now, d in timeline:
+        track, change = thermal_step(track, d, now, s)
+        changes[now] = change
+    assert {t: c for t, c in changes.items() if c} == {310.0: "hot", 645.0: "cool"}
+    # without a gap, the same readings count as before
+    assert steps([(0.0, hot), (5.0, hot), (10.0, hot)]) == [None, None, "hot"]
 
 
 # --- XIDs and log patterns -----------------------------------------------------------------

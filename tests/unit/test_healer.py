@@ -166,6 +166,38 @@ def test_a_restore_due_within_the_cooldown_of_the_last_one_is_not_lost() -> None
     assert healer.state.derated == {}
 
 
+def test_a_gap_in_the_samples_is_not_time_a_gpu_was_seen_hot_or_cool() -> None:
+    """Regression: a hot GPU read cool once before the samples stopped for 5 minutes (an
+    NVML call hung, the supervisor was stopped) and once after was cool again at once and
+    its derated worker routed back; one read hot once before and once after was hot at
+    once. ``thermal_sustain_s`` and ``thermal_clear_s`` need samples all along."""
+    g0 = Runner("g-0", GPUS[0])
+    host, healer = setup("derate", g0)
+    host.temperature(GPUS[0], 88)
+    for _ in range(11):
+        host.tick(healer)
+    assert "g-0" in healer.state.derated
+    host.temperature(GPUS[0], 50)
+    host.tick(healer)
+    host.clock.advance(300.0)  # no sample for 5 minutes
+    host.tick(healer)
+    assert "g-0" in healer.state.derated  # one cool reading after the gap is not 30 s of it
+    for _ in range(29):
+        host.tick(healer)
+    assert "g-0" in healer.state.derated
+    host.tick(healer)
+    assert healer.state.derated == {}
+    # and one hot reading before a gap and one after are not 10 s of heat
+    host.temperature(GPUS[0], 88)
+    host.tick(healer)
+    host.clock.advance(300.0)
+    host.tick(healer)
+    assert healer.hot_gpus() == set()
+    for _ in range(10):
+        host.tick(healer)
+    assert healer.hot_gpus() == {GPUS[0]}
+
+
 def test_a_migration_never_lands_on_a_hot_gpu_or_one_too_full() -> None:
     m0 = Runner("m-0", GPUS[0])
     host, healer = setup("migrate", m0)
