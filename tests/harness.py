@@ -372,12 +372,31 @@ class Supervisor:
                 p = psutil.Process(pid)
                 if p.status() != psutil.STATUS_ZOMBIE:
                     procs.append(p)
-        _, alive = psutil.wait_procs(procs, timeout=3)
+        alive = _wait_dead(procs, timeout=3)
         for p in alive:
             survivors.append(p.pid)
             with contextlib.suppress(psutil.Error):
                 p.kill()
         return survivors
+
+
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_dead(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each of ``procs`` has exited; return those still alive after ``timeout``.
+    A zombie counts as exited: a worker orphaned by a SIGKILLed supervisor is re-parented to
+    PID 1, which may take its time to reap it (a second or two in some containers)."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _dead(p)]
+    while alive and time.monotonic() < deadline:
+        _, alive = psutil.wait_procs(alive, timeout=min(0.05, deadline - time.monotonic()))
+        alive = [p for p in alive if not _dead(p)]
+    return alive
 
 
 PR_SET_PDEATHSIG = 1
@@ -448,8 +467,7 @@ def wait_dead(pids: Sequence[int], timeout: float = 5.0) -> list[int]:
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-    _, still = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in still if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [p.pid for p in _wait_dead(procs, timeout)]
 
 
 FREEZER_V1 = Path("/sys/fs/cgroup/freezer")

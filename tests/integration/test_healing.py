@@ -116,7 +116,7 @@ def test_leaking_worker_is_drained_and_restarted_before_its_budget(
             tmp_path,
             {
                 "name": "leaky",
-                "command": sim("500", "--leak", "4"),  # 240 MiB/min
+                "command": sim("500", "--leak", "12"),  # 720 MiB/min
                 "health": {**FAST_LEAK, "gpu_memory_limit_mb": 1500},
             },
         )
@@ -141,13 +141,13 @@ def test_a_leak_hidden_in_the_cache_is_found_by_the_workers_own_reports(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
     """NVML sees a flat 800 MiB (the allocator's cache); the worker reports what it holds,
-    growing 240 MiB/min: it is drained for a leak judged on its reports, before its budget."""
+    growing 720 MiB/min: it is drained for a leak judged on its reports, before its budget."""
     sup = supervisor(
         config(
             tmp_path,
             {
                 "name": "cached",
-                "command": sim("800", "--in-use", "300", "--in-use-leak", "4"),
+                "command": sim("800", "--in-use", "300", "--in-use-leak", "12"),
                 "health": {**FAST_LEAK, "gpu_memory_limit_mb": 1500},
             },
             {"name": "plain", "command": sim("500")},
@@ -217,7 +217,7 @@ def test_unmodified_torch_workers_report_through_the_injected_reporter(
             tmp_path,
             {
                 "name": "cached",
-                "command": sim("800", "--torch", "--in-use", "300", "--in-use-leak", "4"),
+                "command": sim("800", "--torch", "--in-use", "300", "--in-use-leak", "12"),
                 "env": torch_env,
                 "health": {**FAST_LEAK, **reporter, "gpu_memory_limit_mb": 1500},
             },
@@ -1037,7 +1037,7 @@ def test_max_unavailable_holds_when_several_workers_leak(
                 "name": "l",
                 "replicas": 3,
                 "gpus": [0],
-                "command": sim("500", "--leak", "4"),
+                "command": sim("500", "--leak", "12"),
                 # Longer than the spacing of the judgements (they are spread over the ticks),
                 # so the next worker is found leaking while the first is still down.
                 "drain_timeout_s": 1.5,

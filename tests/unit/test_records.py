@@ -1159,23 +1159,27 @@ def test_secrets_in_a_health_url_are_masked_where_it_is_shown(url: str, shown: s
 
 
 async def test_the_post_mortems_waiting_stay_bounded_under_a_huge_postmortem_keep(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Regression: on a disk that is not failing, the queue was bounded by ``postmortem_keep``
     alone, which has no upper bound: with ``postmortem_keep = 100000`` and a disk that hangs
     rather than fails (a stuck NFS mount: no write fails, none ends), crash loops queued
     documents of up to a few hundred KiB each without limit. At most
     ``MAX_PENDING_BURST`` wait, whatever ``postmortem_keep`` says."""
-    from supervisor.records import MAX_PENDING_BURST
+    from supervisor import records
 
+    # a smaller burst (still over the failing disk's limit): the flush writes each one
+    assert records.MAX_PENDING_BURST > records.MAX_PENDING_POSTMORTEMS + 50
+    burst = records.MAX_PENDING_POSTMORTEMS + 50
+    monkeypatch.setattr(records, "MAX_PENDING_BURST", burst)
     state = tmp_path / "state"
     state.mkdir()
     recorder = Recorder(state, 100_000, WriteHealth(), snapshot=dict)
-    n = MAX_PENDING_BURST + 5
+    n = burst + 5
     with capture_logs() as logs:
         for i in range(n):  # one loop turn: the writer has not run yet
             recorder.postmortem({"id": postmortem_id(T0 + i / 1000, f"w-{i}", "exit")})
-    assert len(recorder._pending) == MAX_PENDING_BURST
+    assert len(recorder._pending) == burst
     assert len([e for e in logs if e["event"] == "records.postmortem_dropped"]) == 5
     await recorder.flush()
 
