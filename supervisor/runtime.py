@@ -2611,6 +2611,24 @@ class Runtime:
             with contextlib.suppress(OSError):
                 os.kill(member, signal.SIGKILL)
                 killed.append(member)
+        if killed:
+            # what such a member forked since that read (a setsid() grandchild) is its child
+            # until it has died, and ours only then: after the reads of our children below
+            # (regression: it was re-parented to us a moment later, and lived on)
+            try:
+                now = procfs.scan()
+            except OSError:  # out of file descriptors: the cgroup or the next reclaim ends them
+                now = {}
+            below_tree = procfs.children_map(now)
+            for member in list(killed):
+                st = now.get(member)
+                if st is None or st.start_ticks != self.sampler.started_ticks(member):
+                    continue  # gone (its children are ours: read below), or a reused pid
+                for descendant in descendants(member, below_tree):
+                    if descendant.pid not in killed:
+                        with contextlib.suppress(psutil.Error):
+                            descendant.kill()
+                            killed.append(descendant.pid)
         # A member of the group killed with it may be dying right now: alive, what it forked
         # (a setsid() grandchild) is still its child; dead, that was re-parented to us just
         # before. So its children are taken with it, and our children are read again until
