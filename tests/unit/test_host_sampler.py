@@ -296,6 +296,12 @@ def test_a_process_re_parented_to_us_is_its_workers() -> None:
             {"start_new_session": True},  # some other child of the supervisor's
         ) as (grouped, left, other),
     ):
+        # Popen returns at the exec's close-on-exec, before the new environment is set up:
+        # read too soon (a loaded CI host), /proc/<pid>/environ is empty (seen once in CI)
+        deadline = time.monotonic() + 10
+        while procfs.environ_value(left.pid, "GPU_SUPERVISOR_WORKER") is None:
+            assert time.monotonic() < deadline, "the sleeper's environment never showed"
+            time.sleep(0.01)
         trees, _, _ = HostSampler().sample({"w-0": leader.pid, "w-1": None})
         assert trees["w-0"] == {leader.pid, grouped.pid, left.pid}
         assert trees["w-1"] == frozenset()
