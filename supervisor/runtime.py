@@ -1530,6 +1530,9 @@ class Runtime:
                 spec.gpus == gpu_assignment(group)
                 or runner.name in self._unplaced
                 or any(u.startswith(PLACEHOLDER) for u in gpus)
+                # on a GPU since replaced (regression: started on the old UUID, a GPU no
+                # longer there: "starting there anyway", a crash loop on real hardware)
+                or any(u in self.sampler.retired for u in gpus)
             )
         ):
             # an explicit list as written (planned without telemetry, or naming a GPU missing

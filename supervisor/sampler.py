@@ -502,6 +502,11 @@ class Sampler:
                 "retired, the new one is a fresh device",
             )
 
+    @property
+    def retired(self) -> Mapping[str, str]:
+        """Old UUID -> new UUID of the GPUs replaced and not listed again since."""
+        return self._retired
+
     def _swap_retired(self, devices: Iterable[DeviceSample]) -> None:
         """Placement, metrics and the API go by ``identities``: a GPU replaced while the
         backend stayed open (a backend that lists its devices at every sample) gives its

@@ -2240,3 +2240,52 @@ def test_an_operators_cordon_of_a_replaced_gpu_can_be_uncordoned_by_its_uuid(
         # only for a cordon: a UUID never cordoned nor listed is still unknown
         assert http.post(f"/api/v1/gpus/{UUID1}/uncordon").status_code == 404
     assert sup.stop() == 0
+
+
+def test_a_worker_on_an_explicit_index_follows_its_replaced_gpu(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a worker of ``gpus = [1]`` (resolved to GPU 1's UUID at its first start)
+    whose GPU was lost, then replaced (``gpu.replaced``), was started on the old UUID, a GPU
+    no longer there (``worker.gpu_unusable``: "starting there anyway", CUDA_VISIBLE_DEVICES
+    naming no GPU: a crash loop on real hardware). Its list is resolved again: it starts on
+    the GPU that has index 1 now."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    new = "GPU-11111111-2222-3333-4444-555555555555"
+    sup = start(
+        supervisor,
+        tmp_path,
+        ("sim", {}),
+        {
+            "name": "p",
+            "gpus": [1],
+            "drain_timeout_s": 0.2,
+            "command": worker_cmd("ready_then_sleep"),
+            "restart": {"backoff_initial_s": 0.05},
+        },
+        {
+            "name": "u",
+            "gpus": [UUID1],
+            "drain_timeout_s": 0.2,
+            "command": worker_cmd("ready_then_sleep"),
+            "restart": {"backoff_initial_s": 0.05},
+        },
+    )
+    sup.ready("p-0")
+    sup.ready("u-0")
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write("lost 1\n")
+    sup.wait_event(event="worker.waiting_gpu", worker="p-0")
+    sup.wait_event(event="worker.waiting_gpu", worker="u-0")
+    mark = sup.mark()
+    write_atomic(world / "gpus" / "1", default_device_text(1).replace(UUID1, new))
+    sup.wait_event(event="gpu.replaced", after=mark, old_uuid=UUID1)
+    sup.ready("p-0", after=mark)
+    # one that names the old GPU by UUID waits for it
+    sup.wait_event(event="worker.waiting_gpu", worker="u-0", after=mark, error=lambda e: UUID1 in e)
+    with sup.api() as http:
+        assert http.get("/api/v1/workers/p-0").json()["gpus"] == [new]
+    assert not sup.find(event="worker.gpu_unusable", after=mark)
+    assert not sup.find(event="worker.spawned", worker="u-0", after=mark)
+    assert sup.stop() == 0
