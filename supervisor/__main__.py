@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-# Held back until `run` has installed its handlers (supervisor.processes.HELD_SIGNALS; every
+# Held back until `run` has installed its handlers (supervisor.sigmask.HELD_SIGNALS; every
 # other command releases them at once): as a container's PID 1 the kernel drops a signal that
 # has no handler, so a `docker stop` in the first half second would otherwise be lost and
 # end, after the grace period, in a SIGKILL. Blocked, it waits and is handled.

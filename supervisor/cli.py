@@ -18,17 +18,10 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
-import structlog
-
-from supervisor import client
+from supervisor import client_args
 from supervisor._version import __version__
-from supervisor.backends.factory import make_backend
-from supervisor.backends.sim import SimBackend
-from supervisor.config import GpuSection, Settings, load_settings
-from supervisor.config import environment_client_settings as env_settings
 from supervisor.errors import (
     BackendError,
     ConfigError,
@@ -36,24 +29,19 @@ from supervisor.errors import (
     SupervisorError,
     UsageError,
 )
-from supervisor.listen import load_token, open_api, serve_api
-from supervisor.logs import configure_logging
-from supervisor.model import DeviceSample, format_cpulist, recovery_action_name
-from supervisor.notify import socket_path_for
-from supervisor.plan import Plan, build_plan, slot_for
-from supervisor.policy.heal import RECOVERY_QUARANTINES
-from supervisor.processes import (
-    allowed_cpus,
-    protect_from_oom_killer,
-    raise_open_files_limit,
-    release_held_signals,
-    reporters_unreadable,
-    resolve_accounts,
-    unrunnable,
-)
-from supervisor.records import POSTMORTEM_DIR, PostmortemStore, check_state_dir_free, read_file
-from supervisor.runtime import Runtime, Service
-from supervisor.views import device_object, redact_argv, redact_url
+from supervisor.sigmask import release_held_signals
+
+# Only what every command needs is imported here: the client commands (``status``, ``logs``...,
+# run by operators and scripts all day) start without the runtime, the API server, structlog,
+# psutil or the GPU backends, and ``run`` without the client (``supervisor.client_args`` builds
+# the parser). Each command imports what it uses where it starts, before it does anything (so
+# a missing dependency still fails it at once).
+if TYPE_CHECKING:
+    from supervisor.config import GpuSection, Settings
+    from supervisor.model import DeviceSample
+    from supervisor.plan import Plan
+    from supervisor.records import PostmortemStore
+    from supervisor.runtime import Service
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -117,11 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--state-dir", help="the supervisor's state_dir")
         p.add_argument("--json", action="store_true", help="print JSON")
     pm_list.add_argument("--limit", type=int, default=None, help="at most this many")
-    client.add_commands(sub)
+    client_args.add_commands(sub)
     return parser
 
 
 def _plan_rows(plan: Plan) -> list[dict[str, object]]:
+    from supervisor.model import format_cpulist
+    from supervisor.views import redact_argv, redact_url
+
     rows: list[dict[str, object]] = []
     for gp in plan.groups:
         for w in gp.workers:
@@ -157,6 +148,8 @@ def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None
     Nothing is written: a sim world that does not exist yet reads as the devices ``run`` would
     create in it.
     """
+    from supervisor.backends.factory import make_backend
+
     backend = make_backend(gpu, create=False)
     try:
         backend.open()
@@ -171,6 +164,8 @@ def _read_devices(gpu: GpuSection) -> tuple[tuple[DeviceSample, ...], str | None
 def _unrunnable(plan: Plan) -> list[str]:
     """A warning per group whose program cannot be executed from here (``run`` would start,
     and report each failed spawn: the program may be installed later, or only at run time)."""
+    from supervisor.processes import unrunnable
+
     firsts = [(g.group.name, g.workers[0]) for g in plan.groups if g.workers]
     return [f"{line} (its workers would fail to start)" for line in unrunnable(firsts)]
 
@@ -184,6 +179,11 @@ def check_config(settings: Settings, as_json: bool) -> str:
     those at their start, a check is for catching it before. A backend that cannot be opened is
     a warning, as at ``run`` (which starts without GPU telemetry and retries).
     """
+    from supervisor.listen import load_token
+    from supervisor.notify import socket_path_for
+    from supervisor.plan import build_plan, slot_for
+    from supervisor.processes import allowed_cpus, reporters_unreadable, resolve_accounts
+
     sup = settings.supervisor
     if settings.api.listen:
         load_token(settings.api)
@@ -271,6 +271,11 @@ def _gpu_health(d: DeviceSample) -> str:
     """The ``gpus`` table's HEALTH cell: a one-shot reading, no healer, so what a supervisor
     would quarantine the GPU for (a failed row remap, a reset or reboot asked for) is said
     here; the rest as ``status`` says it (``client.repair_notes``)."""
+    from supervisor import client
+    from supervisor.model import recovery_action_name
+    from supervisor.policy.heal import RECOVERY_QUARANTINES
+    from supervisor.views import device_object
+
     if not d.healthy:
         return f"UNHEALTHY ({d.error})"
     if d.remapped_rows is not None and d.remapped_rows.failure:
@@ -283,6 +288,8 @@ def _gpu_health(d: DeviceSample) -> str:
 
 def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) -> str:
     """The ``gpus`` table."""
+    from supervisor.model import format_cpulist
+
     if not devices:
         return f"no GPUs (backend {backend}{': ' + error if error else ''})"
     header = (
@@ -329,6 +336,11 @@ def gpu_table(devices: Sequence[DeviceSample], backend: str, error: str | None) 
 
 
 def _gpus(args: argparse.Namespace) -> int:
+    from supervisor import client
+    from supervisor.backends.factory import make_backend
+    from supervisor.backends.sim import SimBackend
+    from supervisor.config import environment_client_settings as env_settings
+
     gpu = client.client_settings(args.config).gpu if args.config else env_settings().gpu
     if args.sim_dir and args.backend not in (None, "sim"):
         raise UsageError(
@@ -375,10 +387,16 @@ def _gpus(args: argparse.Namespace) -> int:
 
 def device_json(d: DeviceSample) -> dict[str, Any]:
     """The device object of DESIGN.md section 6 (a one-shot read: no cordons, no worker names)."""
+    from supervisor.views import device_object
+
     return device_object(d)
 
 
 def _store(args: argparse.Namespace) -> PostmortemStore:
+    from supervisor import client
+    from supervisor.config import environment_client_settings as env_settings
+    from supervisor.records import POSTMORTEM_DIR, PostmortemStore
+
     if args.state_dir:
         state_dir = Path(args.state_dir)
     elif args.config:
@@ -483,6 +501,8 @@ def postmortem_text(doc: dict[str, Any]) -> str:
     lines.append(f"log tail ({len(tail)} lines):")
     lines += [f"  {line}" for line in tail]
     # the log tail is the worker's output: nothing in it acts on the operator's terminal
+    from supervisor import client
+
     return client.printable("\n".join(lines))
 
 
@@ -496,6 +516,8 @@ def _postmortem_file(given: str) -> Path | None:
 
 
 def _postmortem(args: argparse.Namespace) -> int:
+    from supervisor.records import read_file
+
     if args.pm_command == "show" and not (args.config or args.state_dir):
         path = _postmortem_file(args.id)
         if path is not None:
@@ -556,6 +578,17 @@ def _hold_standard_descriptors() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # everything `run` needs, before it does anything: a missing dependency fails it here
+    import anyio
+    import structlog
+
+    from supervisor.config import load_settings
+    from supervisor.listen import open_api, serve_api
+    from supervisor.logs import configure_logging
+    from supervisor.processes import protect_from_oom_killer, raise_open_files_limit
+    from supervisor.records import check_state_dir_free
+    from supervisor.runtime import Runtime
+
     _hold_standard_descriptors()
     configure_logging(args.log_format, args.log_level)
     # A supervisor wedged until systemd's watchdog sends SIGABRT (or a fatal signal in C code)
@@ -648,6 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gc.enable()  # held off by the entry point; `run` turns it on after start-up
             release_held_signals()  # likewise: `run` releases them once it handles them
         if args.command == "check-config":
+            from supervisor.config import load_settings
+
             print(check_config(load_settings(args.config), args.json))
             return EXIT_OK
         if args.command == "run":
@@ -656,7 +691,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _gpus(args)
         if args.command == "postmortem":
             return _postmortem(args)
-        if args.command in client.COMMANDS:
+        if args.command in client_args.COMMANDS:
+            from supervisor import client
+
             return client.main(args)
         raise UsageError(f"unknown command {args.command!r}")
     except (ConfigError, UsageError) as exc:
@@ -675,7 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "logs":  # the way out of `logs -f`: nothing else to say
             return 128 + signal.SIGINT
         goes_on = (
-            " (the supervisor goes on with what it was asked)" if command in client.COMMANDS else ""
+            " (the supervisor goes on with what it was asked)"
+            if command in client_args.COMMANDS
+            else ""
         )
         print(f"gpu-supervisor: interrupted{goes_on}", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
-import math
 import os
 import re
 import sys
@@ -27,133 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-from supervisor.config import (
-    Settings,
-    environment_client_settings,
-    http_url,
-    is_loopback,
-    load_client_settings,
-    parse_listen,
-    token_problem,
-)
+from supervisor.client_args import DEFAULT_TIMEOUT_S
 from supervisor.errors import ApiClientError, ConfigError, UsageError, connection_reason
 
+# supervisor.config (pydantic, ~150 ms) is imported where a command first reads a setting:
+# `--help`, `--version` and a usage error are answered without it.
 if TYPE_CHECKING:
     import httpx
 
+    from supervisor.config import Settings
     from supervisor.output import RotatingFile
 
 TOKEN_ENV = "GPU_SUPERVISOR_API_TOKEN"  # noqa: S105 - a variable name, not a secret
-DEFAULT_TIMEOUT_S = 10.0
-MAX_TIMEOUT_S = 86400.0  # a day: past it the socket layer overflows
 API = "/api/v1"
-
-#: The client subcommands and their help lines.
-COMMANDS: Mapping[str, str] = {
-    "status": "table of GPUs and workers from a running supervisor",
-    "drain": "take a worker (or every worker of a group) out of routing and let it stop",
-    "restart": "restart a worker or a group (--rolling: one worker at a time)",
-    "stop": "stop a worker or a group",
-    "start": "start a worker or a group (also clears fatal)",
-    "cordon": "place no more workers on a GPU (index or UUID)",
-    "uncordon": "allow placing workers on a GPU again",
-    "reload": "re-read the supervisor's config file (as SIGHUP) and say whether it took it",
-    "signal": "send a signal to a worker's (or every worker of a group's) process tree now",
-    "logs": "a worker's output from its log file (-f: follow it, across rotations)",
-    "health": "exit 0 while the supervisor answers /healthz (--ready: /readyz), else 1 "
-    "(a container HEALTHCHECK that follows api.listen)",
-}
-
-
-def add_commands(sub: Any) -> None:
-    """Add the client subcommands to the CLI's subparsers action."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-c", "--config", help="the supervisor's TOML config (for [api])")
-    common.add_argument("--url", help="API URL: http://HOST:PORT or unix:/path (overrides -c)")
-    common.add_argument(
-        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, help="seconds per request"
-    )
-    for name, text in COMMANDS.items():
-        p = sub.add_parser(name, help=text, description=text, parents=[common])
-        if name == "status":
-            p.add_argument("--json", action="store_true", help="print the raw JSON")
-        elif name == "reload":
-            p.add_argument(
-                "--wait",
-                action="store_true",
-                help="also wait for the roll-outs it starts: exit 0 done, 1 one halted",
-            )
-        elif name == "health":
-            p.add_argument(
-                "--ready",
-                action="store_true",
-                help="ask /readyz: also 1 while a group has no ready worker (the reasons printed)",
-            )
-        elif name == "signal":
-            p.add_argument("signal", help="signal name (SIGUSR1, USR1) or number")
-            p.add_argument("name", help="worker (gpen-1) or group (gpen)")
-        elif name == "logs":
-            p.add_argument("name", help="worker (gpen-1)")
-            p.add_argument(
-                "-n",
-                "--lines",
-                type=_lines,
-                default=LOG_LINES,
-                help=f"print the last N lines first (default {LOG_LINES}; 0: none)",
-            )
-            p.add_argument(
-                "-f",
-                "--follow",
-                action="store_true",
-                help="then print what the worker writes, until interrupted (exit 1 when the "
-                "supervisor goes away)",
-            )
-        elif name in ("cordon", "uncordon"):
-            p.add_argument("gpu", help="GPU index or UUID")
-            if name == "uncordon":
-                p.add_argument(
-                    "--lift-quarantine",
-                    action="store_true",
-                    help="also take the GPU out of quarantine (a device-fatal XID or lost), "
-                    "once it has been reset or repaired",
-                )
-        else:
-            p.add_argument("name", help="worker (gpen-1) or group (gpen)")
-            if name == "restart":
-                p.add_argument(
-                    "--rolling",
-                    action="store_true",
-                    help="NAME is a group: restart one worker at a time, waiting for readiness",
-                )
-                p.add_argument(
-                    "--wait",
-                    action="store_true",
-                    help="with --rolling: wait until it is done (exit 0) or halted (exit 1)",
-                )
-
-
-def _seconds(text: str) -> float:
-    """``--timeout``: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value <= MAX_TIMEOUT_S):
-        raise argparse.ArgumentTypeError(
-            f"expected seconds > 0 and <= {MAX_TIMEOUT_S:g} (got {text!r})"
-        )
-    return value
-
-
-def _lines(text: str) -> int:
-    """``logs --lines``: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (got {text!r})")
-    return value
 
 
 def _check_name(what: str, name: str) -> None:
@@ -168,6 +53,8 @@ def _check_name(what: str, name: str) -> None:
 
 def url_for(listen: str) -> str | None:
     """The URL a client on this machine uses for ``api.listen`` (None: off, or port 0)."""
+    from supervisor.config import parse_listen
+
     kind, host, port = parse_listen(listen)
     if kind == "unix":
         return f"unix:{host}"
@@ -182,6 +69,8 @@ def url_for(listen: str) -> str | None:
 
 def read_token_file(path: Path) -> str:
     """The token in ``path`` (``ConfigError`` when it cannot be read)."""
+    from supervisor.config import token_problem
+
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
@@ -197,6 +86,8 @@ def client_settings(config: str, *, warn: bool = True) -> Settings:
     """``config``'s settings for a client command: a mistake outside the sections it reads is
     a warning on stderr (``config.load_client_settings``), not an error (``warn=False``: not
     even that, for ``reload``, whose answer names the mistake)."""
+    from supervisor.config import load_client_settings
+
     settings, warning = load_client_settings(config)
     if warning is not None and warn:
         print(f"gpu-supervisor: warning: {warning}", file=sys.stderr)
@@ -217,6 +108,8 @@ def resolve(
     token file this user cannot read is then no error (the service user's 0600 file, read by
     an operator's shell or a probe). ``open_only``: the command asks only what never needs a
     token (``health``: ``/healthz``): the token file is not read at all."""
+    from supervisor.config import environment_client_settings, http_url, parse_listen, token_problem
+
     environ = os.environ if environ is None else environ
     api = client_settings(config, warn=warn).api if config else environment_client_settings().api
     if url is None:
@@ -252,6 +145,8 @@ def is_local(url: str) -> bool:
     """A unix socket, a loopback address (``localhost``, ``127.x``, ``::1``) or a wildcard one
     (``0.0.0.0``, ``::``: a connection to it reaches this machine; the URL ``api.listening``
     logs for a wildcard listen, regression: sent to the ``http_proxy``)."""
+    from supervisor.config import is_loopback
+
     if url.startswith("unix:"):
         return True
     host = urlsplit(url).hostname or ""
@@ -575,6 +470,7 @@ def _local_log(args: argparse.Namespace, url: str) -> RotatingFile | None:
     for a supervisor on this machine (None for one elsewhere)."""
     if not is_local(url):
         return None
+    from supervisor.config import environment_client_settings
     from supervisor.output import RotatingFile  # (structlog, anyio: not at every command)
 
     sup = (
@@ -651,9 +547,8 @@ def health(client: Client, ready: bool) -> int:
     return 1
 
 
-#: ``logs``: lines shown first by default; how often ``-f`` asks for more; the most it asks
-#: for at once (the API's ``limit``); the first read of a tail.
-LOG_LINES = 20
+#: ``logs``: how often ``-f`` asks for more (its first lines: ``client_args.LOG_LINES``); the
+#: most it asks for at once (the API's ``limit``); the first read of a tail.
 LOG_POLL_S = 0.5
 LOG_READ_MAX = 1024 * 1024
 LOG_TAIL_FIRST = 65536

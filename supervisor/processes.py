@@ -39,18 +39,6 @@ from supervisor.errors import SpawnError
 from supervisor.model import Account, ExitStatus, LaunchSpec, format_cpulist
 from supervisor.plan import WORKER_SITE_DIR
 
-#: Blocked by the entry point (``supervisor.__main__``) until ``run`` handles them.
-HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def release_held_signals() -> None:
-    """Unblock ``HELD_SIGNALS`` in this thread: one that arrived meanwhile is delivered now.
-
-    Called once their handlers are in place (``run``) or at once (every other command); before
-    any worker is spawned, as a child inherits the signal mask of the thread that forks it."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
-
-
 #: Never given a handler by ``pass_on_ignored_signals``: not catchable, the reaper's, reset
 #: for each child by ``Popen`` itself (``restore_signals``), or job control.
 _KEEP_DISPOSITION = {

@@ -111,7 +111,6 @@ from supervisor.policy.reload import (
     start_only_changes,
 )
 from supervisor.processes import (
-    HELD_SIGNALS,
     Reaped,
     Reaper,
     allowed_cpus,
@@ -119,7 +118,6 @@ from supervisor.processes import (
     open_files_needed,
     pass_on_ignored_signals,
     probe_spawn_helper,
-    release_held_signals,
     reporters_unreadable,
     resolve_accounts,
     set_child_subreaper,
@@ -152,6 +150,7 @@ from supervisor.records import (
 )
 from supervisor.sampler import LOST_UNLISTED, Sampler, WorkerRef, host_interval, stuck_text
 from supervisor.sdnotify import SystemdNotifier
+from supervisor.sigmask import HELD_SIGNALS, release_held_signals
 from supervisor.views import (
     STATE_SCHEMA_VERSION,
     SamplePoint,

@@ -854,3 +854,62 @@ def test_check_config_writes_a_state_dir_that_is_no_utf8_as_its_bytes(tmp_path: 
     assert done.returncode == 0, done.stderr
     assert b"Traceback" not in done.stderr
     assert state_dir in done.stdout
+
+
+_IMPORTS_PROBE = """
+import json, sys
+from supervisor.cli import build_parser, main
+
+build_parser().parse_args(["run", "-c", "unused.toml"])
+parsed = sorted(sys.modules)
+code = main(["status", "--url", "unix:" + sys.argv[1]])
+print(json.dumps({"parsed": parsed, "status": sorted(sys.modules), "code": code}))
+"""
+
+#: What ``run`` (and ``check-config``) needs and a client command does not: imported by them
+#: where they start, never by the CLI module itself.
+_RUN_ONLY = (
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "structlog",
+    "psutil",
+    "prometheus_client",
+    "supervisor.runtime",
+    "supervisor.api",
+    "supervisor.metrics",
+    "supervisor.listen",
+    "supervisor.processes",
+    "supervisor.backends",
+    "supervisor.records",
+)
+
+
+def _under(modules: list[str], roots: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if m in roots or m.startswith(tuple(f"{r}." for r in roots))]
+
+
+def test_client_commands_import_neither_the_runtime_nor_the_server(tmp_path: Path) -> None:
+    """Start-up cost, guarded without timing it: the CLI module and any command's parser import
+    none of the runtime, the server, pydantic or the client (``--help``, ``--version``, a usage
+    error and ``run``'s parsing stay cheap; ``run`` never loads the client), and a client command
+    (``status``, here against no supervisor: exit 1) loads the client and its config models but
+    nothing of what only ``run`` needs (~0.45 s per command before)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_PROBE, str(tmp_path / "none.sock")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["code"] == 1
+    assert "cannot reach the supervisor" in done.stderr
+    parsed = seen["parsed"]
+    assert _under(parsed, (*_RUN_ONLY, "pydantic", "pydantic_settings", "httpx")) == []
+    assert _under(parsed, ("supervisor.client", "supervisor.config")) == []
+    status = seen["status"]
+    assert "supervisor.client" in status  # (the probe did reach the client)
+    assert _under(status, _RUN_ONLY) == []
