@@ -1719,7 +1719,13 @@ class Chaos:
         self.hold("a failing definition only where its roll-out halted", self.bad_spread, 10)
         self.lift_all_and_start()
         # the workers a roll-out passed over (stopped, waiting for a GPU) start on its plan
-        done = {g for g, ro in self.last_roll.items() if ro["end"]["type"] == "rollout.done"}
+        # (not one of a failing definition: a roll-out over workers all stopped, an operator's
+        # drain say, is done without proving its definition, which fails when they start)
+        done = {
+            g
+            for g, ro in self.last_roll.items()
+            if ro["end"]["type"] == "rollout.done" and not self.bad(ro.get("marker"))
+        }
 
         def done_not_ready() -> str | None:
             ws = [w for w in self.workers() if w["group"] in done and w["state"] != "ready"]
