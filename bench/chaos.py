@@ -696,6 +696,13 @@ class Chaos:
         ev = e.get("evidence") or {}
         if reason == "xid" and (action == "drain" or self.sole_on(worker, e.get("gpu"))):
             return  # device-fatal (quarantine + drain), or the only worker on the GPU
+        if reason == "xid" and ev.get("only_worker_on_gpu"):
+            # the placements read last may be older than a restart that moved a worker off
+            # the GPU (a reload's): read them again before calling it a breach
+            with contextlib.suppress(httpx.HTTPError):
+                self.workers()
+            if self.sole_on(worker, e.get("gpu")):
+                return
         oom = ev.get("projected_oom_s")
         if reason == "leak" and isinstance(oom, int | float) and oom <= LEAK_IMMINENT_S:
             return
@@ -1454,6 +1461,11 @@ class Chaos:
                 return
         # (the journal's times are to the millisecond)
         excuses = self.excuses_for(group, ro["t0"] - 1.0, e["t"] + 0.5)
+        if not excuses:
+            # the journal (read from the API) can be ahead of the event log (read from the
+            # supervisor's stderr): the spawn that explains the halt may not be read yet
+            self.events_reach(e["t"])
+            excuses = self.excuses_for(group, ro["t0"] - 1.0, e["t"] + 0.5)
         if excuses:
             self.judged["halts: explained by what the run did"] += 1
             self.log(f"  halt of {group} ({ro['kind']}) at {e.get('worker')}: {reason}")
@@ -1463,6 +1475,15 @@ class Chaos:
             f"roll-out of {group} ({ro['kind']}, def {ro.get('marker')}: "
             f"{self.def_kind.get(ro.get('marker') or -1)}) halted with no cause: {e}"
         )
+
+    def events_reach(self, t: float, timeout: float = 3.0) -> None:
+        """Wait (up to ``timeout``) until the event log holds an event logged at ``t`` or after."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            last = self.events()[-1:]
+            if last and datetime.fromisoformat(last[0]["timestamp"]).timestamp() >= t:
+                return
+            time.sleep(0.05)
 
     def excuses_for(self, group: str, t0: float, t1: float) -> set[str]:
         """What the run did to ``group``'s workers (or their GPUs) between ``t0`` and ``t1``
