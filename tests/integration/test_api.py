@@ -391,22 +391,40 @@ def test_an_operator_command_on_a_worker_a_roll_out_is_proving_halts_nothing(
     sup = supervisor({"gpu": {"backend": "none"}, "workers": [group]})
     sup.ready("g-0")
     sup.ready("g-1")
+    end = ("supervisor.rolling_restart_done", "supervisor.reload_done")
+
+    def at(after: int, **match: Any) -> int:
+        """The position of the first event from ``after`` on that matches (waited for)."""
+        return sup.events.index(sup.wait_event(after=after, **match))
+
     with sup.api() as http:
-        mark = sup.mark()
-        if how == "reload":
-            sup.write_config(
-                {"gpu": {"backend": "none"}, "workers": [{**group, "env": {"V": "2"}}]}
-            )
-            assert http.post("/api/v1/reload").status_code == 202
-        else:
-            assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
-        first = sup.wait_event(event="worker.spawned", after=mark)["worker"]
-        other = "g-1" if first == "g-0" else "g-0"
-        sup.ready(first, after=mark)
-        again = sup.mark()
-        assert http.post(f"/api/v1/workers/{first}/{command}").status_code == 202
-        end = ("supervisor.rolling_restart_done", "supervisor.reload_done")
-        done = sup.wait_event(event=lambda e: e in end, after=mark, timeout=20)
+        # The command must land while the roll-out proves ``first`` (stable_s, 1 s, from its
+        # READY): a test held off the CPU that long after the READY (a loaded machine) sent
+        # it once the roll-out had gone on to ``other``, a case this test is not about
+        # (regression, flaky: ``other`` was spawned before it). Said by the supervisor's
+        # own order of events (the roll-out's stop of ``other`` came first); then the
+        # roll-out is done, ``first`` serves again, and another roll-out is tried.
+        for attempt in range(3):
+            mark = sup.mark()
+            if how == "reload":
+                env = {"V": str(2 + attempt)}
+                sup.write_config({"gpu": {"backend": "none"}, "workers": [{**group, "env": env}]})
+                assert http.post("/api/v1/reload").status_code == 202
+            else:
+                assert http.post("/api/v1/groups/g/rolling-restart").status_code == 202
+            first = sup.wait_event(event="worker.spawned", after=mark)["worker"]
+            other = "g-1" if first == "g-0" else "g-0"
+            sup.ready(first, after=mark)
+            again = sup.mark()
+            assert http.post(f"/api/v1/workers/{first}/{command}").status_code == 202
+            done = sup.wait_event(event=lambda e: e in end, after=mark, timeout=20)
+            taken = at(again, event="worker.state", worker=first, new="stopping")
+            if at(mark, event="worker.state", worker=other, new="stopping") > taken:
+                break  # the command came while the roll-out proved ``first``
+            back = sup.mark()
+            if command == "stop":
+                assert http.post(f"/api/v1/workers/{first}/start").status_code == 202
+            sup.ready(first, after=back if command == "stop" else again)
         assert done.get("halted", []) == []
         assert not sup.find(event="supervisor.rollout_halted", after=mark)
         assert sup.find(event="worker.spawned", worker=other, after=again)
@@ -419,7 +437,8 @@ def test_an_operator_command_on_a_worker_a_roll_out_is_proving_halts_nothing(
             assert sup.find(event="worker.spawned", worker=first, after=again)
             assert http.get(f"/api/v1/workers/{first}").json()["state"] == "ready"
         events = http.get("/api/v1/events").json()
-        assert [e["group"] for e in events if e["type"] == "rollout.done"] == ["g"], events
+        rolled = [e["group"] for e in events if e["type"] == "rollout.done"]
+        assert rolled == ["g"] * (attempt + 1), events
     assert sup.stop() == 0
 
 

@@ -467,13 +467,19 @@ def test_migrate_does_not_move_a_worker_onto_a_gpu_that_was_hot_a_moment_ago(
     which had been hot a moment before: with GPUs that heat in turn (a hot chassis) a worker
     ping-ponged between them, bounded only by the 60 s cooldown of an action."""
     group = {"name": "m", "command": sim("100"), "health": {"on_thermal": "migrate"}}
-    sup = supervisor(config(tmp_path, group, thermal_sustain_s=0.2))  # a window of 1 s
+    # a window of 1.2 s; GPU 1 clears 0.2 s after it cools, GPU 0 is hot 0.4 s after it heats
+    cfg = config(tmp_path, group, thermal_sustain_s=0.4, thermal_clear_s=0.2)
+    sup = supervisor(cfg)
     assert sup.wait_line("[m-0] ", endswith=f"ready on {UUID0}")
     mark = sup.mark()
     set_gpu(tmp_path, 1, temperature_c=86, temperature_slowdown_c=87)
     sup.wait_api("/api/v1/gpu/status", lambda s: s["devices"][1]["hot"])
+    # GPU 1 cools as GPU 0 heats: counted in the same samples, GPU 1 is cool again (hot at
+    # its last sample) 0.2 s before GPU 0 turns hot, however late either write is seen;
+    # the test may lag up to 1 s between the two writes. (Regression, flaky: GPU 0 heated
+    # only once the API had said GPU 1 cool; a test lag of 0.4 s there let GPU 1's window
+    # pass first, and m-0 rightly migrated at once.)
     set_gpu(tmp_path, 1, temperature_c=40)
-    sup.wait_api("/api/v1/gpu/status", lambda s: not s["devices"][1]["hot"])
     set_gpu(tmp_path, 0, temperature_c=86, temperature_slowdown_c=87)
     first = sup.wait_event(event="heal.action", worker="m-0", after=mark)
     assert first["action"] == "alert", first
@@ -1414,24 +1420,31 @@ def test_a_roll_out_blames_a_new_replica_only_for_a_worker_fatal_xid_that_was_it
 def test_a_roll_out_waits_again_for_a_new_replica_restarted_for_a_shared_xid_while_it_loads(
     supervisor: SupervisorFactory, tmp_path: Path, how: str
 ) -> None:
-    """A roll-out replaces g-0 (loading for 1 s) on the GPU it shares with g-1 when XID 13
+    """A roll-out replaces g-0 (loading) on the GPU it shares with g-1 when XID 13
     comes from that GPU: healing restarts g-0, whose XID it may not be. The roll-out waits for
     it to load again, and completes. Regression: it halted ("did not become ready"; a reload's
     g-1 kept the old config)."""
+    # a start loads for 0.5 s once `hold` is gone: the roll-out's g-0 loads until the XID is
+    # acted on, however late (regression, flaky: a load of 1 s could be over before the XID
+    # was seen on a loaded machine: a ready g-0, restarted, another path)
+    hold = tmp_path / "hold"
     group: dict[str, Any] = {
         "name": "g",
         "replicas": 2,
-        "command": worker_cmd("notify_ready_late", "1"),
+        "command": worker_cmd("notify_ready_late", "0.5", "--hold", str(hold)),
         "restart": {"delay_s": 0, "stable_s": 0.3},
     }
     sup = supervisor(config(tmp_path, group, sim_devices=1))
     sup.ready("g-0")
     sup.ready("g-1")
     mark = sup.mark()
+    hold.touch()
     begin_roll_out(sup, tmp_path, how, group)
     sup.wait_event(event="worker.spawned", worker="g-0", after=mark)
     xid(tmp_path, 0, 13)
     sup.wait_event(event="heal.action", reason="xid", worker="g-0", after=mark)
+    assert not sup.find(event="worker.state", worker="g-0", new="ready", after=mark)
+    hold.unlink()
     rolled_out(sup, how, mark, timeout=20)
     assert sup.find(event="worker.state", worker="g-1", new="stopping", after=mark)
     assert sup.stop() == 0

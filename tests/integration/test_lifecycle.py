@@ -240,8 +240,9 @@ def test_a_probe_cut_short_by_the_start_timeout_is_not_the_last_answer(
     the kill itself caused ("ReadError"), was recorded as the last answer, and the
     start_timeout post-mortem said it instead of the worker's own "HTTP 503"."""
     stall = tmp_path / "stall"
-    sup = supervisor(
-        {
+
+    def workers(start_timeout_s: float) -> dict[str, Any]:
+        return {
             "workers": [
                 group(
                     "slow",
@@ -251,15 +252,21 @@ def test_a_probe_cut_short_by_the_start_timeout_is_not_the_last_answer(
                     str(stall),
                     ready="http://127.0.0.1:{port}/health",
                     port_base=18991,
-                    start_timeout_s=2.0,
+                    start_timeout_s=start_timeout_s,
                     restart={"burst": 1},
                 )
             ]
         }
-    )
+
+    # the start times out once a probe waits: a reload then cuts its start timeout, which
+    # applies to the start under way (regression, flaky: a start timeout of 2 s could be over
+    # before a loaded machine's Python answered, or before the test saw the stall begin)
+    sup = supervisor(workers(start_timeout_s=60))
     sup.wait_line("[slow-0]", contains="answered 503")
     stall.touch()
     sup.wait_line("[slow-0]", contains="stalling")  # a probe waits on it now
+    sup.write_config(workers(start_timeout_s=0.5))
+    sup.signal(signal.SIGHUP)
     written = sup.wait_event(event="records.postmortem", worker="slow-0", timeout=20)
     assert written["reason"] == "start_timeout"
     doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())
@@ -274,8 +281,9 @@ def test_http_readiness_follows_a_redirect_and_says_its_last_answer(
     followed (regression: never, and the worker cycled through start timeouts). A worker that
     is never ready: its start_timeout post-mortem says what the last probe got (regression:
     nothing but "killed by SIGTERM")."""
-    sup = supervisor(
-        {
+
+    def workers(start_timeout_s: float) -> dict[str, Any]:
+        return {
             "workers": [
                 group(
                     "web",
@@ -291,13 +299,22 @@ def test_http_readiness_follows_a_redirect_and_says_its_last_answer(
                     "600",
                     ready="http://127.0.0.1:{port}/health",
                     port_base=18942,
-                    start_timeout_s=1.5,
+                    start_timeout_s=start_timeout_s,
                     restart={"burst": 1},
                 ),
             ]
-        },
-    )
+        }
+
+    # slow's start times out once it has answered: a reload cuts its start timeout, which
+    # applies to the start under way (regression, flaky: a start timeout of 1.5 s could be
+    # over before a loaded machine's Python served at all, and the last answer was a refusal)
+    sup = supervisor(workers(start_timeout_s=60))
     sup.ready("web-0")
+    sup.wait_line("[slow-0]", contains="answered 503")
+    mark = sup.mark()
+    sup.write_config(workers(start_timeout_s=0.5))
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload", after=mark)
     written = sup.wait_event(event="records.postmortem", worker="slow-0", timeout=20)
     assert written["reason"] == "start_timeout"
     doc = json.loads((sup.state_dir / "postmortems" / f"{written['id']}.json").read_text())

@@ -110,16 +110,18 @@ def test_a_reload_that_raises_max_starting_lets_the_next_ones_go(
 def test_a_roll_out_waits_for_a_worker_in_line_without_its_start_timeout_running(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
-    # fast's roll-out gives a worker about 6.7 s (drain, stop, a kill's wait, its 1 s start
-    # timeout), less than slow's 9 s load at its restart: a reload rolling fast out while its
-    # workers wait behind slow must not halt on them (they are not spawned yet)
-    loads = tmp_path / "loads"  # once it exists, slow loads for 9 s
+    # fast's roll-out gives a worker about 8 s (drain, stop, a kill's wait, its 2.5 s start
+    # timeout), less than slow's 9.5 s load at its restart: a reload rolling fast out while its
+    # workers wait behind slow must not halt on them (they are not spawned yet). (2.5 s, not
+    # 1: a Python start took over 1 s on a loaded machine, and the roll-out halted on a fast
+    # worker that was spawned, out of line, but slow to start.)
+    loads = tmp_path / "loads"  # once it exists, slow loads for 9.5 s
     py, script = worker_cmd("notify_ready_late")
-    slow = ["sh", "-c", f'if [ -e {loads} ]; then t=9; else t=0.1; fi; exec {py} {script} "$t"']
+    slow = ["sh", "-c", f'if [ -e {loads} ]; then t=9.5; else t=0.1; fi; exec {py} {script} "$t"']
     fast = worker_cmd("notify_ready_late", "0.2")
     quick = {
-        "start_timeout_s": 1,
-        "stop_timeout_s": 0.5,
+        "start_timeout_s": 2.5,
+        "stop_timeout_s": 0.3,
         "drain_timeout_s": 0.2,
         "restart": {"stable_s": 0.1, "backoff_initial_s": 0.5, "backoff_max_s": 1},
     }

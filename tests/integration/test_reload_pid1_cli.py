@@ -603,17 +603,21 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     replica a halted scale-up added and rolls back the workers a halted change reached (and
     only those). Regression: the old file compared "unchanged" with the definition kept for the
     halted group, so the extra replica stayed and the broken worker kept its new command."""
-    # replica 2 never becomes ready: a scale-up to 3 halts there
-    command = by_index(worker_cmd("never_ready"), worker_cmd("ready_then_sleep"), index=2)
+    # replica 2 never becomes ready (it exits): a scale-up to 3 halts there
+    command = by_index(worker_cmd("exit_with_code", "1"), worker_cmd("ready_then_sleep"), index=2)
     good = {
         "name": "roll",
         "command": command,
         "replicas": 2,
         "port_base": 9450,
         "stop_timeout_s": 2,
-        "start_timeout_s": 1,
+        # for the starts that must succeed (sh and a Python start took over 1 s under load:
+        # a good start timed out, a halt the test did not expect); the files meant to halt
+        # on a worker that never becomes ready give it 1 s
+        "start_timeout_s": 10,
         "restart": {"stable_s": 0.2},
     }
+    halting = {"start_timeout_s": 1}
     sup = supervisor({"workers": [good]})
 
     def since(mark: int, **match: Any) -> list[dict[str, Any]]:
@@ -641,14 +645,14 @@ def test_a_halted_rollout_is_undone_by_reloading_the_old_file(
     assert not since(mark, event="worker.spawned")  # the two replicas run this plan already
     assert pids == {w: sup.find(event="worker.spawned", worker=w)[-1]["pid"] for w in pids}
 
-    mark, _ = reload({**good, "command": worker_cmd("never_ready")})
+    mark, _ = reload({**good, "command": worker_cmd("never_ready"), **halting})
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "roll-0"
     assert not since(mark, event="worker.state", worker="roll-1", new="stopping")
     # the same file again: roll-0, in backoff on it, must come up first; it fails again, and
     # the roll-out halts there; roll-1 keeps serving (regression: roll-0, whose next start
     # was of that file already, was taken for rolled out, and roll-1 was taken down onto the
     # broken command)
-    mark, diff = reload({**good, "command": worker_cmd("never_ready")})
+    mark, diff = reload({**good, "command": worker_cmd("never_ready"), **halting})
     assert diff["changed"] == ["roll"], diff
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark)
     assert halted["worker"] == "roll-0" and "did not become ready" in halted["reason"], halted
@@ -725,23 +729,35 @@ def test_a_reload_of_what_only_the_supervisor_uses_restarts_no_worker(
 
 
 def test_reloading_a_halted_file_again_waits_for_its_replacement_to_prove_itself(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
-    """v2 crashes 1 s after READY (stable_s 2): the roll-out halts at a-0, a-1 keeps v1. The
+    """v2 crashes after READY, before stable_s: the roll-out halts at a-0, a-1 keeps v1. The
     same file again, while a-0 is ready on v2 for a moment: a-0 must stay ready for stable_s
     before a-1 goes; it does not, and the roll-out halts there again. Regression: a-0 was
     taken for rolled out, and a-1, the last worker on v1, was replaced by the crashing v2."""
+    # v2 crashes 0.5 s after the test says so (`crash`, which it removes): after the reload
+    # (a-1 would be stopped by then, were a-0 taken for proven), and within a stable_s of
+    # 30 s never waited out (regression, flaky: v2 crashed 1 s after READY, and a test held
+    # off the CPU that long reloaded once a-0 had crashed again: another case)
+    crash = tmp_path / "crash"
     group = g("a", replicas=2, port_base=9383)
-    group["restart"] = {"stable_s": 2, "backoff_initial_s": 0.2, "burst": 0}
-    bad = {**group, "command": worker_cmd("crash_after", "1")}
+    group["restart"] = {"stable_s": 30, "backoff_initial_s": 0.2, "burst": 0}
+    bad = {**group, "command": worker_cmd("crash_after", "0.5", "--crash-once", str(crash))}
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
-    halts_at(sup, bad, "a-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [bad]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)
+    crash.touch()
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
     ready_again = sup.mark()
     sup.ready("a-0", after=ready_again)  # ready on v2, for a moment
     mark = sup.mark()
     sup.signal(signal.SIGHUP)  # the same file
+    sup.wait_event(event="supervisor.reload", after=mark)
+    crash.touch()
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
     assert halted["worker"] == "a-0", halted
     assert not sup.find(event="worker.state", worker="a-1", new="stopping")
@@ -767,47 +783,78 @@ def halts_at(sup: Supervisor, config: dict[str, Any], worker: str) -> None:
     assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == worker
 
 
+def halts_at_crash(sup: Supervisor, config: dict[str, Any], worker: str, crash: Path) -> None:
+    """Reload ``config`` (one group, of ``crash_after --crash-once crash``): ``worker``
+    becomes ready on it, is made to crash, and the roll-out halts there."""
+    mark = sup.mark()
+    sup.write_config({"workers": [config]})
+    sup.signal(signal.SIGHUP)
+    sup.ready(worker, after=mark)
+    crash.touch()
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == worker
+
+
 def test_a_resumed_roll_out_proves_its_replacements_before_taking_another_down(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
-    """a-1 crash-loops on A, so a reload to B replaces it first; on B it dies 1.5 s after
-    READY (stable_s 3): halted, a-0 still on A. B again while a-1 is ready on B for a moment:
+    """a-1 crash-loops on A, so a reload to B replaces it first; on B it dies after READY,
+    before stable_s: halted, a-0 still on A. B again while a-1 is ready on B for a moment:
     a-1 must prove itself before a-0 goes; it dies, and the roll-out halts with a-0 untouched.
     Regression: a-0 (the higher-ranked ready worker) went first, and both ended on B."""
+    # B dies 0.5 s after the test says so, within a stable_s of 30 s never waited out
+    # (regression, flaky: B died 1.5 s after READY, and a test held off the CPU that long
+    # reloaded B again while a-1 was down: another case)
+    crash = tmp_path / "crash"
     a = by_index(worker_cmd("exit_with_code", "3"), worker_cmd("ready_then_sleep"))
     group = {**g("a", replicas=2, port_base=9377), "command": a}
-    group["restart"] = {"stable_s": 3, "backoff_initial_s": 0.2, "burst": 0}
-    b = {**group, "command": worker_cmd("crash_after", "1.5")}
+    group["restart"] = {"stable_s": 30, "backoff_initial_s": 0.2, "burst": 0}
+    b = {**group, "command": worker_cmd("crash_after", "0.5", "--crash-once", str(crash))}
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.wait_event(event="worker.state", worker="a-1", new="backoff")
-    halts_at(sup, b, "a-1")
+    halts_at_crash(sup, b, "a-1", crash)
     sup.ready("a-1", after=sup.mark())  # on B, for a moment
     mark = sup.mark()
     sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload", after=mark)
+    crash.touch()
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=15)
-    assert halted["worker"] == "a-1" and "(3 s)" in halted["reason"], halted
+    assert halted["worker"] == "a-1" and "(30 s)" in halted["reason"], halted
     assert not sup.find(event="worker.state", worker="a-0", new="stopping")
     assert sup.stop() == 0
 
 
 def test_a_resumed_roll_out_waits_for_a_replacement_still_loading_to_prove_itself(
-    supervisor: SupervisorFactory,
+    supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
-    """B loads for 1 s and dies 1.5 s after READY (stable_s 3): halted at a-0. B again while
-    a-0 loads B anew: a-0 must come up and stay up before a-1 goes; it dies, the roll-out
-    halts at it, and a-1 keeps A. Regression: a-1 went as soon as a-0 was ready."""
+    """B loads, and dies after READY, before stable_s: halted at a-0. B again while a-0 loads
+    B anew: a-0 must come up and stay up before a-1 goes; it dies, the roll-out halts at it,
+    and a-1 keeps A. Regression: a-1 went as soon as a-0 was ready."""
+    # B loads while `hold` exists and dies 0.5 s after `crash` does (ready by then: a-1 would
+    # be stopped by then, were a-0 taken for proven), within a stable_s of 30 s never waited
+    # out (regression, flaky: B loaded for 1 s, and a test held off the CPU that long
+    # reloaded B again once a-0 was ready on it: another case)
+    hold, crash = tmp_path / "hold", tmp_path / "crash"
     group = g("a", replicas=2, port_base=9371)
-    group["restart"] = {"stable_s": 3, "backoff_initial_s": 0.2, "burst": 0}
-    crash = shlex.join(worker_cmd("crash_after", "1.5"))
-    b = {**group, "command": ["sh", "-c", f"sleep 1; exec {crash}"]}
+    group["restart"] = {"stable_s": 30, "backoff_initial_s": 0.2, "burst": 0}
+    cmd = worker_cmd("crash_after", "0.5", "--hold", str(hold), "--crash-once", str(crash))
+    b = {**group, "command": cmd}
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
-    halts_at(sup, b, "a-0")
+    mark = sup.mark()
+    sup.write_config({"workers": [b]})
+    sup.signal(signal.SIGHUP)
+    sup.ready("a-0", after=mark)
+    hold.touch()  # its next start loads until the test says
+    crash.touch()
+    assert sup.wait_event(event="supervisor.rollout_halted", after=mark)["worker"] == "a-0"
     sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
     mark = sup.mark()
     sup.signal(signal.SIGHUP)  # the same file, while a-0 loads it
+    sup.wait_event(event="supervisor.reload", after=mark)
+    hold.unlink()
+    crash.touch()
     halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=20)
     assert halted["worker"] == "a-0", halted
     assert not sup.find(event="worker.state", worker="a-1", new="stopping")
@@ -842,16 +889,29 @@ def test_a_resumed_roll_out_lets_a_worker_loading_the_new_definition_load(
     timeout), becomes ready, and the roll-out goes on to a-1. Regression: a-0's load was cut
     short and started again from nothing."""
     group = {**g("a", replicas=2, port_base=9375), "start_timeout_s": 1.5}
-    group["restart"] = {"stable_s": 0.2, "backoff_initial_s": 0.5, "burst": 0}
+    # a-0 tries B again almost at once each time (0.05 s): it is loading B whenever C comes,
+    # however late (regression, flaky: C had to come within 1.5 s of the start the test saw,
+    # and a test held off the CPU that long saw that start cut short, rightly, by B's timeout)
+    group["restart"] = {
+        "stable_s": 0.2,
+        "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.05,
+        "burst": 0,
+    }
     b = {**group, "command": worker_cmd("notify_ready_late", "3")}
     sup = supervisor({"workers": [group]})
     sup.ready("a-0")
     sup.ready("a-1")
     halts_at(sup, b, "a-0")
-    loading = sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
+    sup.wait_event(event="worker.spawned", worker="a-0", after=sup.mark(), timeout=10)
     mark = sup.mark()
     sup.write_config({"workers": [{**b, "start_timeout_s": 30}]})
     sup.signal(signal.SIGHUP)
+    reloaded = sup.events.index(sup.wait_event(event="supervisor.reload", after=mark))
+    # the start under way when C came: the last of a-0 before it
+    loading = [
+        e for e in sup.find(event="worker.spawned", worker="a-0") if sup.events.index(e) < reloaded
+    ][-1]
     assert sup.ready("a-0", after=mark, timeout=10)["pid"] == loading["pid"]
     sup.wait_event(event="supervisor.reload_done", halted=[], after=mark, timeout=20)
     assert not sup.find(event="worker.state", worker="a-0", new="stopping", after=mark)
