@@ -722,9 +722,10 @@ class Chaos:
         self.judged["actions on ready workers judged for max_unavailable"] += 1
         if len(down) >= bound:
             states = {w: self.state[w] for w in down}
+            on_gpu = {w: self.state.get(w) for w, g in self.gpus_of.items() if e.get("gpu") in g}
             self.violate(
                 f"max_unavailable {bound} of {group} exceeded: {action} {worker} ({reason}) "
-                f"while {states} not ready: {json.dumps(e)[:600]}"
+                f"while {states} not ready (on its GPU: {on_gpu}): {json.dumps(e)[:600]}"
             )
         self.pending_down.add(worker)
 
