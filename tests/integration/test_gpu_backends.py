@@ -2174,16 +2174,13 @@ def test_a_replaced_gpu_is_a_new_gpu_and_the_lost_one_is_gone(
     assert sup.stop() == 0
 
 
-def test_a_replaced_gpus_xid_series_leave_metrics(
+def _sim_beside_a_plain_worker(
     supervisor: SupervisorFactory, tmp_path: Path
-) -> None:
-    """Regression: the XID counts of a GPU replaced at runtime (``gpu.replaced``) stayed in
-    /metrics for ever, relabelled ``gpu="<old UUID>"`` and ``name=""``: one phantom series
-    more per XID code for each GPU ever replaced. The old GPU's series go with it, as its
-    other series do."""
+) -> tuple[Path, str, Supervisor]:
+    """Two simulated GPUs, a ready worker on none of them, and the UUID a replacement of
+    GPU 1 gets."""
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
-    new = "GPU-11111111-2222-3333-4444-555555555555"
     sup = start(
         supervisor,
         tmp_path,
@@ -2191,6 +2188,17 @@ def test_a_replaced_gpus_xid_series_leave_metrics(
         {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
     )
     sup.ready("c-0")
+    return world, "GPU-11111111-2222-3333-4444-555555555555", sup
+
+
+def test_a_replaced_gpus_xid_series_leave_metrics(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: the XID counts of a GPU replaced at runtime (``gpu.replaced``) stayed in
+    /metrics for ever, relabelled ``gpu="<old UUID>"`` and ``name=""``: one phantom series
+    more per XID code for each GPU ever replaced. The old GPU's series go with it, as its
+    other series do."""
+    world, new, sup = _sim_beside_a_plain_worker(supervisor, tmp_path)
     mark = sup.mark()
     with open(world / "events", "a") as fh:
         fh.write("1 63\n")  # informational: counted only
@@ -2216,16 +2224,7 @@ def test_an_operators_cordon_of_a_replaced_gpu_can_be_uncordoned_by_its_uuid(
     is kept (``state_dir/cordons`` too) and that ``uncordon`` by its UUID removes it; the API
     answered 404 "unknown GPU" (the old UUID is listed nowhere), so the cordon stayed in the
     file, and was said kept at every start, for ever."""
-    world = tmp_path / "sim"
-    SimBackend(world, 2).open()
-    new = "GPU-11111111-2222-3333-4444-555555555555"
-    sup = start(
-        supervisor,
-        tmp_path,
-        ("sim", {}),
-        {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
-    )
-    sup.ready("c-0")
+    world, new, sup = _sim_beside_a_plain_worker(supervisor, tmp_path)
     cordons = sup.state_dir / "cordons"
     with sup.api() as http:
         assert http.post("/api/v1/gpus/1/cordon").status_code == 200
