@@ -2120,6 +2120,10 @@ def test_gpus_listed_again_after_a_reinit_that_found_none_are_seen(
     assert sup.stop() == 0
 
 
+#: the UUID of the GPU a test puts in GPU 1's place (a hot-swap: `gpu.replaced`)
+REPLACEMENT_UUID = "GPU-11111111-2222-3333-4444-555555555555"
+
+
 def test_a_replaced_gpu_is_a_new_gpu_and_the_lost_one_is_gone(
     supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
 ) -> None:
@@ -2130,7 +2134,7 @@ def test_a_replaced_gpu_is_a_new_gpu_and_the_lost_one_is_gone(
     every 5 minutes for it. Now it is said (``gpu.replaced``), the old GPU is gone, and the
     waiting worker starts on the new one."""
     world = tmp_path / "sim"
-    new = "GPU-11111111-2222-3333-4444-555555555555"
+    new = REPLACEMENT_UUID
     sup = start(
         supervisor,
         tmp_path,
@@ -2188,7 +2192,7 @@ def _sim_beside_a_plain_worker(
         {"name": "c", "gpus": "none", "command": worker_cmd("ready_then_sleep")},
     )
     sup.ready("c-0")
-    return world, "GPU-11111111-2222-3333-4444-555555555555", sup
+    return world, REPLACEMENT_UUID, sup
 
 
 def test_a_replaced_gpus_xid_series_leave_metrics(
@@ -2251,7 +2255,7 @@ def test_a_worker_on_an_explicit_index_follows_its_replaced_gpu(
     the GPU that has index 1 now."""
     world = tmp_path / "sim"
     SimBackend(world, 2).open()
-    new = "GPU-11111111-2222-3333-4444-555555555555"
+    new = REPLACEMENT_UUID
     sup = start(
         supervisor,
         tmp_path,
