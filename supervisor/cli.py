@@ -579,13 +579,20 @@ def _hold_standard_descriptors() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     # everything `run` needs, before it does anything: a missing dependency fails it here
+    import logging
+    import resource
+
     import anyio
     import structlog
 
     from supervisor.config import load_settings
     from supervisor.listen import open_api, serve_api
     from supervisor.logs import configure_logging
-    from supervisor.processes import protect_from_oom_killer, raise_open_files_limit
+    from supervisor.processes import (
+        lift_address_space_limit,
+        protect_from_oom_killer,
+        raise_open_files_limit,
+    )
     from supervisor.records import check_state_dir_free
     from supervisor.runtime import Runtime
 
@@ -601,6 +608,21 @@ def _run(args: argparse.Namespace) -> int:
     before, after = raise_open_files_limit()
     if after != before:
         structlog.get_logger().debug("supervisor.open_files_limit", before=before, now=after)
+    # before any worker is spawned: they inherit it, and CUDA fails under one
+    address_space = lift_address_space_limit()
+    if address_space is not None:
+        was, now = address_space
+        lifted = now == resource.RLIM_INFINITY
+        structlog.get_logger().log(
+            logging.INFO if lifted else logging.WARNING,
+            "supervisor.address_space_limit",
+            before=was,
+            now="unlimited" if lifted else now,
+            reason="started under an address-space limit (ulimit -v): lifted for the workers"
+            if lifted
+            else "its hard limit stays in force in every worker: CUDA fails to initialise "
+            "under one (raise it where the supervisor is started: ulimit -v unlimited)",
+        )
     # before any worker is spawned: the OOM killer takes a worker, not the supervisor
     oom = protect_from_oom_killer()
     structlog.get_logger().info(

@@ -91,6 +91,21 @@ def pass_on_ignored_signals() -> list[str]:
     return passed
 
 
+def unblock_inherited_signals(keep: Collection[int] = ()) -> list[str]:
+    """Unblock every signal this thread was started with blocked but those of ``keep``; return
+    their names.
+
+    A launcher that blocked signals and did not restore its mask before exec leaves them
+    blocked here, and a blocked mask survives fork and exec: with SIGCHLD blocked the reaper
+    would never run, and every worker would start with them blocked too (a ``drain_signal`` of
+    SIGUSR1 never delivered). Call it before the first worker is spawned."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ()) - set(keep)
+    if not blocked:
+        return []
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+    return sorted(s.name if isinstance(s, signal.Signals) else f"signal {s}" for s in blocked)
+
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # How setpriv's help text names the option (not ``--keep-pdeathsig``), and how much of the
@@ -747,6 +762,24 @@ def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
     except (OSError, ValueError):
         return soft, soft
     return soft, target
+
+
+def lift_address_space_limit() -> tuple[int, int] | None:
+    """Raise the soft ``RLIMIT_AS`` this process was started with to its hard limit (always
+    allowed); return (before, after) soft limits, or None when there was none.
+
+    Workers inherit it, and a CUDA process under an address-space limit fails to initialise
+    its GPU (DESIGN.md: never ``RLIMIT_AS`` a CUDA process). ``after`` is still a number where
+    the hard limit is one (raising that needs CAP_SYS_RESOURCE: the operator's to lift)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        except (OSError, ValueError):
+            return soft, soft
+    return soft, hard
 
 
 def open_files_needed(workers: int) -> int:

@@ -121,6 +121,7 @@ from supervisor.processes import (
     reporters_unreadable,
     resolve_accounts,
     set_child_subreaper,
+    unblock_inherited_signals,
     unreachable_for,
     unrunnable,
 )
@@ -646,6 +647,13 @@ class Runtime:
         if self._subreaper and os.getpid() != 1:
             set_child_subreaper()
         probe_spawn_helper()  # before the reaper exists: the probe is a short-lived child
+        unblocked = unblock_inherited_signals(HELD_SIGNALS)  # before any worker, and the reaper
+        if unblocked:
+            self.log.info(
+                "supervisor.signals_unblocked",
+                signals=unblocked,
+                reason="started with them blocked: unblocked, here and in the workers",
+            )
         passed = pass_on_ignored_signals()  # before any worker: they get the default back
         if passed:
             held = {s.name for s in HELD_SIGNALS}
@@ -3057,18 +3065,25 @@ class Runtime:
         # one in backoff after a crash that fails again meanwhile will not be back: no use
         # waiting out the budget for it (minutes, with the default timeouts)
         # (one starting after a crash that fails is one too: it is in backoff again)
-        looping = {r.name: (r.spawn_attempts, r.state) for r in busy()}
+        # (so is one whose start failed meanwhile and that started again at once, with no
+        # backoff delay: regression, never seen in backoff, it was waited for to the end)
+        looping = {r.name: (r.spawn_attempts, r.state, r.failed_attempt) for r in busy()}
 
         def failed_again() -> list[WorkerRunner]:
             return [
                 r
                 for r in self._targets(group)
                 if r.name in looping
-                and r.state in (WorkerState.BACKOFF, WorkerState.FATAL)
                 and not r.record.waiting_for_gpu
                 and (
-                    r.spawn_attempts > looping[r.name][0]
-                    or looping[r.name][1] is not WorkerState.BACKOFF
+                    (
+                        r.state in (WorkerState.BACKOFF, WorkerState.FATAL)
+                        and (
+                            r.spawn_attempts > looping[r.name][0]
+                            or looping[r.name][1] is not WorkerState.BACKOFF
+                        )
+                    )
+                    or r.failed_attempt > looping[r.name][2]
                 )
             ]
 
@@ -3364,6 +3379,8 @@ class Runtime:
             return (
                 rec.state in (WorkerState.READY, WorkerState.FATAL, WorkerState.STOPPED)
                 or rec.waiting_for_gpu
+                # a start there that failed, its backoff over before it was seen (none)
+                or runner.failed_attempt >= attempts + (0 if started else 1)
                 or (
                     rec.state is WorkerState.BACKOFF
                     and (started or runner.spawn_attempts > attempts)
@@ -4248,12 +4265,16 @@ class Runtime:
             return True
         starting = runner.state is WorkerState.STARTING
         attempts = runner.spawn_attempts
+        failed = runner.failed_attempt
 
         def settled() -> bool:
             if runner.state in (WorkerState.READY, WorkerState.FATAL, WorkerState.STOPPED):
                 return True
-            return runner.state is WorkerState.BACKOFF and (
-                starting or runner.spawn_attempts > attempts
+            # a start that failed since, even one whose backoff ended before it was seen
+            # (backoff_initial_s = 0; regression: the whole budget was waited out)
+            return runner.failed_attempt > failed or (
+                runner.state is WorkerState.BACKOFF
+                and (starting or runner.spawn_attempts > attempts)
             )
 
         budget = timing.restart.backoff_max_s + self._stop_budget(runner) + timing.start_timeout_s
@@ -4468,10 +4489,13 @@ def _settled_after(
     """True once ``runner`` made a new start attempt and it became ready or failed, or once
     it is stopped with nothing left in its inbox to start it again (an operator stopped it
     while it was replaced: regression, its start_timeout_s was waited out for a start that
-    never came) (or once ``unless()`` holds: the wait is no longer wanted)."""
+    never came) (or once ``unless()`` holds: the wait is no longer wanted). A failed start
+    is one even when its backoff is over before it is seen (``backoff_initial_s = 0``:
+    regression, the roll-out waited out the start timeout while the worker crash-looped)."""
     settled = (WorkerState.READY, WorkerState.FATAL, WorkerState.BACKOFF)
     return lambda: (
         (runner.spawn_attempts > attempts and runner.state in settled)
+        or runner.failed_attempt > attempts
         or (runner.state is WorkerState.STOPPED and runner.inbox_empty())
         or bool(unless and unless())
     )

@@ -153,6 +153,9 @@ class WorkerRunner:
         self.liveness_failing: tuple[int, str] = (0, "")
         self.started_wall: float | None = None
         self.spawn_attempts = 0
+        #: the ``spawn_attempts`` of the last start that failed (0: none): with no backoff
+        #: delay the next start comes in the same step, and ``backoff`` is never seen
+        self.failed_attempt = 0
         #: the reload request whose roll-out last set this worker's definition (0: none)
         self.rolled_by = 0
         self._reaper = reaper
@@ -743,6 +746,8 @@ class WorkerRunner:
         self.last_exit_pid = child.pid if child else None
         self._exit_reason = None
         self._create_time = None
+        if action.failure:
+            self.failed_attempt = self.spawn_attempts
         status = outcome.status
         detail = outcome.detail or outcome.reason.value
         # its last words may still be in the pipe: they come before the marker, and the death
@@ -839,6 +844,7 @@ class WorkerRunner:
         live HTTP front (its /health says 500) is caught so, without sd_notify."""
         failed, last = 0, ""
         asked_at: float | None = None  # when the last probe (or look at the state) began
+        graced = False  # the last probe's timeout was noticed late: it was asked again
         try:
             client = self._probes.client(self.name)
             while self._current_pid() == pid:
@@ -855,7 +861,24 @@ class WorkerRunner:
                 if self.record.state is not WorkerState.READY:
                     failed = 0  # (loading, draining: not asked, nor counted)
                     continue
-                ok, what = await _ask(client, live.url, live.timeout_s)
+                try:
+                    ok, what = await _ask(client, live.url, live.timeout_s)
+                except _Stalled as stalled:
+                    ok, what = False, f"timed out after {live.timeout_s:g} s"
+                    if not graced:
+                        # its timeout noticed long after it passed: the supervisor was
+                        # stalled (a paused VM or container, a starved CPU), and the worker
+                        # with it maybe: not judged, asked again at once (once in a row, as
+                        # a heartbeat deadline gets one grace)
+                        graced, asked_at = True, None
+                        self._log.info(
+                            "worker.liveness_probe_late",
+                            pid=pid,
+                            url=live.url,
+                            late_s=round(stalled.late_s, 3),
+                        )
+                        continue
+                graced = False
                 if ok is None:  # a URL that cannot be asked at all: never a restart
                     self._log.error(
                         "worker.liveness_probe_failed", pid=pid, url=live.url, error=what
@@ -911,19 +934,22 @@ class WorkerRunner:
 async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]:
     """One liveness probe: (a 2xx, what it got); (None, why) when the URL cannot be asked at
     all (httpx cannot use it; an https URL whose certificate is refused: a restart mends
-    neither, and a healthy worker would be restarted for it again and again)."""
+    neither, and a healthy worker would be restarted for it again and again). ``_Stalled``
+    when it timed out but that was noticed well after the timeout passed."""
     import ssl
 
     import httpx
 
     timed_out = False, f"timed out after {timeout:g} s"
     status = None
+    began = anyio.current_time()
     try:
         # the timeout bounds the whole probe (redirects, a body that trickles in), not only
         # each connect and read as httpx's own does
         with anyio.move_on_after(timeout):
             status = await _get(client, url, timeout)
     except httpx.TimeoutException:
+        _raise_if_late(began + timeout)
         return timed_out
     except httpx.HTTPError as exc:
         # an https URL asked of a plain HTTP server (WRONG_VERSION_NUMBER) is as much a
@@ -934,8 +960,25 @@ async def _ask(client: Any, url: str, timeout: float) -> tuple[bool | None, str]
     except Exception as exc:  # a URL httpx cannot use: never the supervisor's end
         return None, repr(exc)[:200]
     if status is None:
+        _raise_if_late(began + timeout)
         return timed_out
     return 200 <= status < 300, f"HTTP {status}"
+
+
+class _Stalled(Exception):
+    """A probe's timeout noticed ``late_s`` after it passed (more than ``LATE_S``): the
+    supervisor was stalled, not the worker slow to answer (an answer that came counts)."""
+
+    def __init__(self, late_s: float) -> None:
+        super().__init__(f"timeout noticed {late_s:.3f} s late")
+        self.late_s = late_s
+
+
+def _raise_if_late(deadline: float) -> None:
+    """``_Stalled`` when ``deadline`` (a probe's timeout) passed more than ``LATE_S`` ago."""
+    late = anyio.current_time() - deadline
+    if late > LATE_S:
+        raise _Stalled(late)
 
 
 async def _get(client: Any, url: str, timeout: float) -> int:

@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,3 +186,45 @@ def test_a_limit_the_child_cannot_set_ends_its_start_with_126_and_says_why(
         assert child.popen.wait(10) == 126
     finally:
         os.close(child.output_fd)
+
+
+@pytest.mark.parametrize("hard", ["unlimited", str(16 << 30)])
+def test_an_address_space_limit_the_supervisor_inherited_is_not_passed_on(
+    supervisor: SupervisorFactory, hard: str
+) -> None:
+    """Regression: a supervisor started under an address-space limit (``ulimit -v`` in a
+    login profile, a batch system that propagates the submitting shell's limits) passed it on
+    to every worker, and a CUDA process under ``RLIMIT_AS`` fails to initialise its GPU (it
+    reserves far more address space than it uses: DESIGN.md). Now the soft limit is raised to
+    the hard one at start, so the workers start without it, and a hard limit that is still
+    there is said (a warning)."""
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("util-linux prlimit is not installed")
+    soft = 16 << 30
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "a",
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        'echo "as $(grep "^Max address space" /proc/self/limits)"; exec sleep 600',
+                    ],
+                    "ready": "none",
+                    "log_passthrough": True,
+                }
+            ]
+        },
+        prefix=[prlimit, f"--as={soft}:{hard}", "--"],
+    )
+    words = sup.wait_line("[a-0]", contains="Max address space").split()
+    assert words[-3:-1] == [hard, hard], words  # soft, hard, "bytes"
+    said = sup.wait_event(event="supervisor.address_space_limit")
+    assert said["before"] == soft, said
+    if hard == "unlimited":
+        assert (said["now"], said["level"]) == ("unlimited", "info"), said
+    else:
+        assert (said["now"], said["level"]) == (int(hard), "warning"), said
+    assert sup.stop() == 0

@@ -290,6 +290,52 @@ def test_worker_starts_with_no_signal_ignored(supervisor: SupervisorFactory) -> 
     assert sup.stop() == 0
 
 
+def test_signals_blocked_when_the_supervisor_started_are_unblocked(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: a supervisor started with signals blocked (a launcher that blocked them and
+    did not restore its mask before exec) kept them blocked, and a blocked signal mask
+    survives fork and exec: with SIGCHLD blocked the reaper never ran, so a crashed worker was
+    never noticed nor restarted, and every worker started with SIGUSR1 (a drain_signal) and
+    SIGCHLD blocked. Now the supervisor unblocks them at start (but those it holds until its
+    handlers are in place) and says so; its workers start with nothing blocked."""
+    blocked = ("SIGCHLD", "SIGUSR1", "SIGALRM", "SIGTERM")
+    block = (
+        "import os, signal, sys\n"
+        f"signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, s) for s in {blocked!r}])\n"
+        "os.execv(sys.argv[1], sys.argv[1:])\n"
+    )
+    sup = supervisor(
+        {
+            "workers": [
+                {
+                    "name": "b",
+                    # "mask" first: see test_worker_starts_with_no_signal_ignored
+                    "command": [
+                        "/bin/sh",
+                        "-c",
+                        'echo "mask $(grep ^SigBlk: /proc/self/status)"; exec sleep 600',
+                    ],
+                    "ready": "none",
+                    "log_passthrough": True,
+                    "restart": {"stable_s": 0},
+                }
+            ]
+        },
+        prefix=[sys.executable, "-c", block],
+    )
+    line = sup.wait_line("[b-0]", contains="SigBlk:")
+    assert line.split()[-1] == "0000000000000000", line
+    said = sup.wait_event(event="supervisor.signals_unblocked")
+    assert set(said["signals"]) == {"SIGCHLD", "SIGUSR1", "SIGALRM"}, said
+    pid = sup.ready("b-0")["pid"]
+    mark = sup.mark()
+    os.kill(pid, signal.SIGKILL)
+    assert sup.wait_event(event="worker.exited", after=mark, timeout=5)["pid"] == pid
+    sup.wait_event(event="worker.spawned", worker="b-0", after=mark)
+    assert sup.stop() == 0
+
+
 @pytest.mark.parametrize("stdout_too", [False, True], ids=["stderr", "stderr+stdout"])
 def test_supervision_goes_on_when_the_log_reader_stops_reading(
     tmp_path: Path, reports: Reports, stdout_too: bool

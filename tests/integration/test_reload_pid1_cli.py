@@ -2047,3 +2047,23 @@ def test_a_reload_that_shortens_the_backoff_applies_to_a_worker_in_backoff(
     again = sup.wait_event(event="worker.spawned", worker="a-0", after=mark, timeout=10)
     assert again["pid"] != exited["pid"]
     assert sup.stop() == 0
+
+
+def test_a_roll_out_halts_at_the_first_failed_start_with_no_backoff(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: with ``backoff_initial_s = 0`` a failed start of the new definition goes
+    through ``backoff`` into its next start within one step, so the roll-out, waiting to see
+    the worker ready or in backoff, never saw it fail: it halted only after the whole start
+    timeout (never, for ``burst = 0``, before it), the crash loop of the new version going on
+    meanwhile, and the reload held."""
+    restart = {"stable_s": 0.2, "backoff_initial_s": 0, "burst": 0}
+    group = g("nb", replicas=2, port_base=9441, start_timeout_s=30, restart=restart)
+    sup = started(supervisor, [group], "nb-0", "nb-1")
+    mark = sup.mark()
+    sup.write_config({"workers": [{**group, "command": worker_cmd("exit_with_code", "3")}]})
+    sup.signal(signal.SIGHUP)
+    halted = sup.wait_event(event="supervisor.rollout_halted", after=mark, timeout=5)
+    assert halted["worker"] == "nb-0" and "did not become ready" in halted["reason"], halted
+    assert not sup.find(event="worker.state", worker="nb-1", new="stopping", after=mark)
+    assert sup.stop() == 0

@@ -6,6 +6,7 @@ import http.server
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -271,3 +272,81 @@ def test_an_https_url_of_a_plain_http_server_is_unaskable_on_openssl_3_2_too() -
 
     ok, why = anyio.run(probe)
     assert ok is None and "record layer failure" in why, (ok, why)
+
+
+def test_a_probe_in_flight_while_the_supervisor_is_stalled_is_asked_again(
+    tmp_path: Path,
+) -> None:
+    """Regression: a liveness probe in flight while the supervisor was stalled with its workers
+    (a paused VM or container, a frozen cgroup, a starved CPU) for longer than
+    ``liveness_timeout_s`` timed out the moment it resumed, before the worker, resumed too,
+    could answer: counted as a failed probe, and with ``liveness_failures = 1`` the healthy
+    worker was restarted as hung. A timeout noticed well after it passed is not judged: the
+    worker is asked again at once, as a heartbeat deadline noticed late gets a grace."""
+    import dataclasses
+
+    from supervisor.model import Liveness, WorkerState
+    from supervisor.policy import lifecycle as lc
+    from tests.unit.test_worker_queue import closed, runner
+
+    asked: list[float] = []
+    first_asked, thawed = threading.Event(), threading.Event()
+    done = threading.Event()  # asked a third time (the stalled probe judged), or given up
+    timeout = 0.3
+
+    class FrozenWithTheSupervisor(http.server.BaseHTTPRequestHandler):
+        """A healthy worker frozen with the supervisor (``docker pause``, ``systemctl
+        freeze``): its first answer goes out a moment after the freeze ends."""
+
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            asked.append(time.monotonic())
+            first_asked.set()
+            if len(asked) == 1:
+                thawed.wait(5)  # (the test's bound)
+                time.sleep(0.05)  # the worker's pace once it runs again, not the test waiting
+            elif len(asked) >= 3:
+                done.set()
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    async def main(url: str) -> tuple[list[object], str | None, tuple[int, str]]:
+        r = runner(tmp_path)
+        live = Liveness(url + "/health", interval_s=0.05, timeout_s=timeout, failures=1)
+        r.spec = dataclasses.replace(r.spec, liveness=live)
+        r.record = lc.WorkerRecord(state=WorkerState.READY, pid=42)
+        r._current_pid = lambda: 42  # type: ignore[method-assign]
+
+        async def probing() -> None:
+            try:
+                await r._probe_liveness(42)
+            finally:
+                done.set()  # (it gave up on the worker: the old behaviour)
+
+        try:
+            with anyio.fail_after(5):  # the test's own bound
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(probing)
+                    await anyio.to_thread.run_sync(first_asked.wait, 5)
+                    # the freeze: the supervisor's loop blocked past the probe's timeout
+                    time.sleep(timeout + 0.5)  # noqa: ASYNC251
+                    thawed.set()
+                    await anyio.to_thread.run_sync(done.wait, 5)
+                    tg.cancel_scope.cancel()
+            queued: list[object] = []
+            while not r.inbox_empty():
+                queued.append(r._recv.receive_nowait())
+            return queued, r.liveness_failed, r.liveness_failing
+        finally:
+            await r._probes.aclose()
+            closed(r)
+
+    with serving(FrozenWithTheSupervisor) as url:
+        queued, failed, failing = anyio.run(main, url)
+    assert queued == [] and failed is None, (queued, failed)
+    assert failing == (0, "") and len(asked) >= 3, (failing, asked)

@@ -32,6 +32,7 @@ class Worker:
         )
         self.timing = lc.Timing()
         self.spawn_attempts = 0
+        self.failed_attempt = 0  # the spawn_attempts of its last failed start
         self.queued: lc.Event | None = None
         self.spec: Any = SimpleNamespace(gpus=None)
 
@@ -101,6 +102,101 @@ async def _healing_drain_posted() -> None:
             wake(rt)
     assert result == [True]
     assert not halted
+
+
+def test_a_roll_out_halts_for_a_sibling_that_fails_again_with_no_backoff() -> None:
+    """Regression: w-1, crash-looping with ``backoff_initial_s = 0``, fails its next start and
+    is started again in the same step: the roll-out, waiting for it to be back or to be in
+    backoff (or fatal) again, never saw it fail, and waited out drain, stop and start
+    timeouts (minutes) before it halted. A failed start of it since the wait began is it
+    failing again: halted at once."""
+    anyio.run(_sibling_fails_again_with_no_backoff)
+
+
+async def _sibling_fails_again_with_no_backoff() -> None:
+    w0, w1 = Worker("w-0"), Worker("w-1")
+    rt, halted = runtime(w0, w1)
+    w1.record.state, w1.record.pid = WorkerState.BACKOFF, None  # after a failed start
+    w1.spawn_attempts = w1.failed_attempt = 1
+    result: list[bool] = []
+
+    async def roll() -> None:
+        result.append(await rt._others_back("w", w0))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(roll)
+            await settle()
+            assert not result  # waits for w-1
+            # its next start fails; with no delay its next one begins in the same step
+            w1.spawn_attempts, w1.failed_attempt = 3, 2
+            w1.record.state, w1.record.pid = WorkerState.STARTING, 101
+            wake(rt)
+    assert result == [False]
+    assert halted == ["w-1 failed again: not taking w-0 down too"]
+
+
+def test_a_resumed_roll_out_halts_at_a_failed_start_with_no_backoff() -> None:
+    """Regression: a resumed roll-out waits for w-0, loading the new definition, to come up;
+    with ``backoff_initial_s = 0`` its failed start was followed by the next one in the same
+    step, never seen in backoff: the roll-out waited out backoff_max_s and the stop and start
+    timeouts before it halted. A failed start is one however short its backoff."""
+    anyio.run(_resumed_with_no_backoff)
+
+
+async def _resumed_with_no_backoff() -> None:
+    w0 = Worker("w-0")
+    w0.record.state = WorkerState.STARTING  # loading the new definition
+    w0.spawn_attempts = 1
+    rt, halted = runtime(w0)
+    rt._superseded = lambda group: False
+    result: list[bool] = []
+
+    async def comes_up() -> None:
+        result.append(await rt._comes_up("w", w0, lc.Timing()))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(comes_up)
+            await settle()
+            assert not result  # waits for it
+            # that start fails; with no delay the next one begins in the same step
+            w0.spawn_attempts, w0.failed_attempt, w0.record.pid = 2, 1, 101
+            wake(rt)
+    assert result == [False]
+    assert len(halted) == 1 and "did not become ready" in halted[0], halted
+
+
+def test_a_roll_out_sees_a_moved_worker_fail_its_start_with_no_backoff() -> None:
+    """Regression: a roll-out waits for w-0, moved off its GPU by healing, to be ready on
+    another one; with ``backoff_initial_s = 0`` its failed start there was followed by the
+    next one in the same step, never seen in backoff: the roll-out waited out backoff_max_s,
+    the GPU-release barrier and the stop and start timeouts. A failed start is one however
+    short its backoff."""
+    anyio.run(_moved_with_no_backoff)
+
+
+async def _moved_with_no_backoff() -> None:
+    w0 = Worker("w-0")
+    w0.record.state = WorkerState.STARTING  # loading on its new GPU
+    w0.spawn_attempts = 1
+    rt, _ = runtime(w0)
+    rt._superseded = lambda group: False
+    rt.settings = SimpleNamespace(gpu=SimpleNamespace(release_timeout_s=10.0))
+    result: list[bool] = []
+
+    async def back() -> None:
+        result.append(await rt._back_after_move("w", w0))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(back)
+            await settle()
+            assert not result  # waits for it
+            # that start fails; with no delay the next one begins in the same step
+            w0.spawn_attempts, w0.failed_attempt, w0.record.pid = 2, 1, 101
+            wake(rt)
+    assert result == [False]
 
 
 def test_a_roll_out_superseded_while_a_moved_worker_loads_is_superseded_not_halted() -> None:
