@@ -1791,6 +1791,9 @@ class Runtime:
         env = dict(self.environ)
         if self._instance is not None:
             env[INSTANCE_VAR] = self._instance
+        else:  # never one it inherited (started as another supervisor's worker: regression,
+            # that one took its workers for its own leftovers)
+            env.pop(INSTANCE_VAR, None)
         if self.settings.gpu.backend == "sim":
             env["GPU_SUPERVISOR_SIM_DIR"] = os.fspath(self.settings.gpu.sim_dir.absolute())
         return env

@@ -1544,3 +1544,25 @@ def test_an_orphan_of_another_user_is_neither_waited_for_nor_said_signalled() ->
     finally:
         orphan.kill()
         orphan.wait()
+
+
+def test_a_supervisor_without_a_state_dir_passes_on_no_instance_marker(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a supervisor whose ``state_dir`` cannot be made (nor locked) has no
+    instance id of its own, and its workers got the ``GPU_SUPERVISOR_INSTANCE`` it inherited
+    (it was itself started as a worker of another supervisor): that one, restarted, took them
+    for its own leftovers and killed them. They now get none."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    sup = supervisor(
+        {
+            "supervisor": {"state_dir": str(blocker / "state")},
+            "workers": [group("w", "ready_then_sleep")],
+        },
+        env={"GPU_SUPERVISOR_INSTANCE": "e" * 32},
+    )
+    pid = sup.ready("w-0")["pid"]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not [v for v in environ if v.startswith(b"GPU_SUPERVISOR_INSTANCE=")], environ
+    assert sup.stop() == 0
