@@ -3,7 +3,7 @@ takes the next worker of a group down, while healing acts on the group."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -71,6 +71,26 @@ async def settle() -> None:
         await anyio.lowlevel.checkpoint()
 
 
+async def waits_until(
+    rt: Any, wait: Callable[[], Awaitable[bool]], change: Callable[[], None]
+) -> bool:
+    """What ``wait()`` (one of the roll-out's waits) returns once ``change()`` happened: it
+    must still be waiting before it."""
+    result: list[bool] = []
+
+    async def waiting() -> None:
+        result.append(await wait())
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting)
+            await settle()
+            assert not result  # it waits
+            change()
+            wake(rt)
+    return result[0]
+
+
 def test_a_roll_out_waits_for_a_sibling_whose_healing_drain_is_posted_not_taken() -> None:
     """Regression: the healer posted a drain to w-1 (a leak) and, in the same step of the loop
     (before w-1's task took it: w-1 still said ready), the roll-out looked for a worker of the
@@ -118,21 +138,12 @@ async def _sibling_fails_again_with_no_backoff() -> None:
     rt, halted = runtime(w0, w1)
     w1.record.state, w1.record.pid = WorkerState.BACKOFF, None  # after a failed start
     w1.spawn_attempts = w1.failed_attempt = 1
-    result: list[bool] = []
 
-    async def roll() -> None:
-        result.append(await rt._others_back("w", w0))
+    def fails_again() -> None:  # with no delay its next start begins in the same step
+        w1.spawn_attempts, w1.failed_attempt = 3, 2
+        w1.record.state, w1.record.pid = WorkerState.STARTING, 101
 
-    with anyio.fail_after(2):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(roll)
-            await settle()
-            assert not result  # waits for w-1
-            # its next start fails; with no delay its next one begins in the same step
-            w1.spawn_attempts, w1.failed_attempt = 3, 2
-            w1.record.state, w1.record.pid = WorkerState.STARTING, 101
-            wake(rt)
-    assert result == [False]
+    assert not await waits_until(rt, lambda: rt._others_back("w", w0), fails_again)
     assert halted == ["w-1 failed again: not taking w-0 down too"]
 
 
@@ -150,21 +161,17 @@ async def _resumed_with_no_backoff() -> None:
     w0.spawn_attempts = 1
     rt, halted = runtime(w0)
     rt._superseded = lambda group: False
-    result: list[bool] = []
-
-    async def comes_up() -> None:
-        result.append(await rt._comes_up("w", w0, lc.Timing()))
-
-    with anyio.fail_after(2):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(comes_up)
-            await settle()
-            assert not result  # waits for it
-            # that start fails; with no delay the next one begins in the same step
-            w0.spawn_attempts, w0.failed_attempt, w0.record.pid = 2, 1, 101
-            wake(rt)
-    assert result == [False]
+    assert not await waits_until(rt, lambda: rt._comes_up("w", w0, lc.Timing()), fail(w0))
     assert len(halted) == 1 and "did not become ready" in halted[0], halted
+
+
+def fail(w: Worker) -> Callable[[], None]:
+    """Its start fails; with no backoff delay the next one begins in the same step."""
+
+    def change() -> None:
+        w.spawn_attempts, w.failed_attempt, w.record.pid = 2, 1, 101
+
+    return change
 
 
 def test_a_roll_out_sees_a_moved_worker_fail_its_start_with_no_backoff() -> None:
@@ -183,20 +190,7 @@ async def _moved_with_no_backoff() -> None:
     rt, _ = runtime(w0)
     rt._superseded = lambda group: False
     rt.settings = SimpleNamespace(gpu=SimpleNamespace(release_timeout_s=10.0))
-    result: list[bool] = []
-
-    async def back() -> None:
-        result.append(await rt._back_after_move("w", w0))
-
-    with anyio.fail_after(2):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(back)
-            await settle()
-            assert not result  # waits for it
-            # that start fails; with no delay the next one begins in the same step
-            w0.spawn_attempts, w0.failed_attempt, w0.record.pid = 2, 1, 101
-            wake(rt)
-    assert result == [False]
+    assert not await waits_until(rt, lambda: rt._back_after_move("w", w0), fail(w0))
 
 
 def test_a_roll_out_superseded_while_a_moved_worker_loads_is_superseded_not_halted() -> None:
