@@ -31,13 +31,40 @@ CUDA_OOM_PATTERNS: tuple[str, ...] = (
     "Resource exhausted: Out of memory",
     "RESOURCE_EXHAUSTED: Failed to allocate request for",
     "Resource exhausted: Failed to allocate request for",
-    # TensorFlow (a bare ``ResourceExhaustedError`` is also a quota or a gRPC message limit)
+    # TensorFlow (a bare ``ResourceExhaustedError`` is also a quota or a gRPC message limit);
+    # 2.11 and later wrap an eager op's: ``{{function_node __wrapped__AddV2_device_/job:
+    # localhost/replica:0/task:0/device:GPU:0}} failed to allocate memory [Op:AddV2]``
     "OOM when allocating tensor",
     "ResourceExhaustedError: failed to allocate memory",
+    "}} failed to allocate memory",
+    # PyTorch's driver API calls (C10_CUDA_DRIVER_CHECK: expandable segments' cuMemCreate)
+    "CUDA driver error: out of memory",
+    # ONNX Runtime's CUDA execution provider (cuda_call.cc: ``CUDA failure 2: out of memory ;
+    # GPU=0 ; hostname=... ; expr=cudaMalloc(...)``)
+    "CUDA failure 2: out of memory",
+    # llama.cpp / ggml (``ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB
+    # on device 0: cudaMalloc failed: out of memory``)
+    "cudaMalloc failed: out of memory",
+    # FasterTransformer (``[FT][ERROR] CUDA runtime error: out of memory``)
+    "CUDA runtime error: out of memory",
+    # TensorRT (``[TRT] [E] 1: [defaultAllocator.cpp::allocate::19] Error Code 1: Cuda
+    # Runtime (out of memory)``)
+    "Cuda Runtime (out of memory)",
+    # CuPy's memory pool (``Out of memory allocating 1,024 bytes (allocated so far: ...)``)
+    "cupy.cuda.memory.OutOfMemoryError",
 )
+#: Messages that name the failed call between their start and the error's text, as
+#: TensorRT-LLM's (``[TensorRT-LLM][ERROR] CUDA runtime error in ::cudaMallocAsync(ptr, n,
+#: mCudaStream->get()): out of memory (.../tllmBuffers.h:118)``): the start, then the text
+#: within :data:`CUDA_OOM_PAIR_SPAN` characters after it.
+CUDA_OOM_PAIRS: tuple[tuple[str, str], ...] = (("CUDA runtime error in ", ": out of memory"),)
+CUDA_OOM_PAIR_SPAN = 500
 #: A line that names a CPU device is the host's memory (TensorFlow's ``OOM when allocating
-#: tensor ... on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu``), not the GPU's.
-CUDA_OOM_NOT: tuple[str, ...] = ("device:CPU:",)
+#: tensor ... on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu``), not the GPU's;
+#: so is pinned host memory the CUDA driver could not allocate (TensorFlow's and XLA's
+#: ``failed to alloc 4294967296 bytes on host: CUDA_ERROR_OUT_OF_MEMORY: out of memory``,
+#: after which they go on without it).
+CUDA_OOM_NOT: tuple[str, ...] = ("device:CPU:", " bytes on host: ")
 
 #: The most of the matching line a post-mortem's evidence shows (``log_line``).
 LOG_LINE_CHARS = 2000
@@ -86,20 +113,27 @@ def may_be_oom_kill(status: ExitStatus | None) -> bool:
     return status.signal == SIGKILL or status.code in SIGKILL_EXIT_CODES
 
 
-def find_line(
-    lines: Sequence[str], patterns: Sequence[str], exclude: Sequence[str] = ()
-) -> str | None:
-    """The last line of ``lines`` that contains one of ``patterns`` (and none of ``exclude``)."""
-    for line in reversed(lines):
-        if any(p in line for p in patterns) and not any(x in line for x in exclude):
-            return line
-    return None
+def cuda_oom_at(line: str) -> int:
+    """Where ``line`` shows a CUDA out-of-memory failure (-1: it shows none)."""
+    if any(x in line for x in CUDA_OOM_NOT):
+        return -1
+    found = [i for i in (line.find(p) for p in CUDA_OOM_PATTERNS) if i >= 0]
+    for first, then in CUDA_OOM_PAIRS:
+        i = line.find(first)
+        if i >= 0 and line.find(then, i, i + len(first) + CUDA_OOM_PAIR_SPAN) >= 0:
+            found.append(i)
+    return min(found, default=-1)
 
 
 def excerpt(line: str, patterns: Sequence[str], size: int = LOG_LINE_CHARS) -> str:
     """``size`` characters of ``line`` that show the first of ``patterns`` it contains: its
     start, or (a long line whose match is further in) from a little before the match."""
     at = min((i for i in (line.find(p) for p in patterns) if i >= 0), default=0)
+    return excerpt_at(line, at, size)
+
+
+def excerpt_at(line: str, at: int, size: int = LOG_LINE_CHARS) -> str:
+    """``size`` characters of ``line`` that show what is at ``at``."""
     start = 0 if at <= size // 2 else at - size // 4
     return line[start : start + size]
 
@@ -161,9 +195,10 @@ def classify(
     if reason in HEALING_REASONS:
         return Classified(reason.value, {**base, **(healing or {})})
     if reason in (ExitReason.EXIT, ExitReason.SIGNAL):
-        oom = find_line(log_tail, CUDA_OOM_PATTERNS, CUDA_OOM_NOT)
-        if oom is not None:
-            return Classified("cuda_oom", {**base, "log_line": excerpt(oom, CUDA_OOM_PATTERNS)})
+        for line in reversed(log_tail):  # the last line that shows one
+            at = cuda_oom_at(line)
+            if at >= 0:
+                return Classified("cuda_oom", {**base, "log_line": excerpt_at(line, at)})
         if may_be_oom_kill(status) and oom_kills > 0:
             return Classified(
                 "host_oom", {**base, "oom_kills": oom_kills, "oom_kills_scope": oom_scope}

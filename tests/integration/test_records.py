@@ -200,6 +200,30 @@ def test_cuda_oom_in_the_log_is_the_reason(supervisor: SupervisorFactory, tmp_pa
     assert "CUDA out of memory" in docs[0]["evidence"]["log_line"]
 
 
+def test_a_llama_cpp_out_of_memory_on_stderr_is_cuda_oom(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Regression: a llama.cpp server whose model did not fit its GPU (ggml's ``cudaMalloc
+    failed: out of memory`` on stderr, then exit 1) was classified ``exit``."""
+    script = tmp_path / "llama.py"
+    script.write_text(
+        "import sys\n"
+        "print('load_tensors: loading model tensors, this can take a while...', flush=True)\n"
+        "sys.stderr.write('ggml_backend_cuda_buffer_type_alloc_buffer: allocating 144817.04 MiB'"
+        " ' on device 0: cudaMalloc failed: out of memory\\n'\n"
+        "    'alloc_tensor_range: failed to allocate CUDA0 buffer of size 151851674624\\n'\n"
+        "    'llama_model_load: error loading model: unable to allocate CUDA0 buffer\\n')\n"
+        "sys.exit(1)\n"
+    )
+    sup = run_until_fatal(supervisor, "l", script, burst=1)
+    with sup.api() as api:
+        assert api.get("/api/v1/workers/l-0").json()["last_exit"]["reason"] == "cuda_oom"
+    assert sup.stop() == 0
+    docs = postmortems(sup)
+    assert docs and all(d["reason"] == "cuda_oom" for d in docs)
+    assert "cudaMalloc failed: out of memory" in docs[0]["evidence"]["log_line"]
+
+
 def test_an_earlier_processs_cuda_oom_is_not_the_next_ones_reason(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:

@@ -1010,6 +1010,119 @@ def test_host_memory_and_other_exhausted_resources_are_not_cuda_oom(line: str) -
     assert found is not None and found.reason == "exit"
 
 
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        # PyTorch 2.1+, C10_CUDA_DRIVER_CHECK (expandable_segments: cuMemCreate)
+        ("RuntimeError: CUDA driver error: out of memory", "CUDA driver error"),
+        # ONNX Runtime 1.16-1.20 CUDA EP, cuda_call.cc (logged, and raised from the session)
+        (
+            "2024-05-01 10:00:00.1 [E:onnxruntime:Default, cuda_call.cc:118 CudaCall] CUDA "
+            "failure 2: out of memory ; GPU=0 ; hostname=h ; file=/onnxruntime_src/onnxruntime/"
+            "core/providers/cuda/cuda_allocator.cc ; line=47 ; expr=cudaMalloc((void**)&p, size);",
+            "CUDA failure 2",
+        ),
+        (
+            "onnxruntime.capi.onnxruntime_pybind11_state.Fail: [ONNXRuntimeError] : 1 : FAIL : "
+            "/onnxruntime_src/onnxruntime/core/providers/cuda/cuda_call.cc:121 onnxruntime::"
+            "CudaCall CUDA failure 2: out of memory ; GPU=0 ; hostname=h ; file=/onnxruntime_src/"
+            "onnxruntime/core/providers/cuda/cuda_stream_handle.cc ; line=175 ; "
+            "expr=cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);",
+            "CUDA failure 2",
+        ),
+        # llama.cpp (b4000+), ggml-cuda.cu: a model or KV cache that does not fit
+        (
+            "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9866.00 MiB on device 1: "
+            "cudaMalloc failed: out of memory",
+            "cudaMalloc failed",
+        ),
+        # TensorRT-LLM 0.7-0.18, common/cudaUtils.h check() (the failed call in between)
+        (
+            "RuntimeError: [TensorRT-LLM][ERROR] CUDA runtime error in ::cudaMallocAsync(ptr, n, "
+            "mCudaStream->get()): out of memory (/app/tensorrt_llm/cpp/tensorrt_llm/runtime/"
+            "tllmBuffers.h:118)",
+            "CUDA runtime error in ::cudaMallocAsync",
+        ),
+        (
+            "RuntimeError: [TensorRT-LLM][ERROR] CUDA runtime error in error: out of memory "
+            "(/app/tensorrt_llm/cpp/tensorrt_llm/runtime/ipcUtils.cpp:48)",
+            "CUDA runtime error in error",
+        ),
+        # FasterTransformer (Triton's fastertransformer_backend), allocator.h
+        (
+            "  what():  [FT][ERROR] CUDA runtime error: out of memory /workspace/build/"
+            "fastertransformer_backend/build/_deps/repo-ft-src/src/fastertransformer/utils/"
+            "allocator.h:220",
+            "CUDA runtime error: out of memory",
+        ),
+        # TensorRT 8.6/10 (Torch-TensorRT, trtexec, Triton's TensorRT backend)
+        (
+            "[05/08/2024-20:47:56] [TRT] [E] 1: [defaultAllocator.cpp::allocate::19] Error Code "
+            "1: Cuda Runtime (out of memory)",
+            "Cuda Runtime (out of memory)",
+        ),
+        # CuPy 9-13, cupy/cuda/memory.pyx (its memory pool)
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,073,741,824 bytes "
+            "(allocated so far: 0 bytes).",
+            "cupy.cuda.memory.OutOfMemoryError",
+        ),
+        # TensorFlow 2.11+ eager ops
+        (
+            "tensorflow.python.framework.errors_impl.ResourceExhaustedError: {{function_node "
+            "__wrapped__AddV2_device_/job:localhost/replica:0/task:0/device:GPU:0}} failed to "
+            "allocate memory [Op:AddV2]",
+            "ResourceExhaustedError",
+        ),
+        # the same in a JSON log record, with ANSI colours (Python 3.13 tracebacks)
+        (
+            '{"level": "error", "exception": "Traceback (most recent call last):\\n  ...\\n'
+            '\x1b[1;35mRuntimeError\x1b[0m: \x1b[35mCUDA driver error: out of memory\x1b[0m"}',
+            "CUDA driver error",
+        ),
+    ],
+)
+def test_framework_out_of_memory_messages_are_cuda_oom(line: str, shown: str) -> None:
+    """Regression: a worker that died because ONNX Runtime, llama.cpp, TensorRT(-LLM),
+    FasterTransformer, CuPy's memory pool, PyTorch's driver API calls or a TensorFlow 2.11+
+    eager op could not allocate GPU memory was classified ``exit``: those print the
+    out-of-memory in words of their own, none of which the classifier knew."""
+    tail = ["Traceback (most recent call last):", line, "--- gpu-supervisor: exited ---"]
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
+    assert found is not None and found.reason == "cuda_oom"
+    assert found.evidence["log_line"] == line and shown in found.evidence["log_line"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # TensorFlow 2.x / XLA (jaxlib) stream_executor cuda_driver.cc HostAllocate: pinned
+        # host memory; they go on without it
+        "2020-12-28 20:52:34.381683: E tensorflow/stream_executor/cuda/cuda_driver.cc:851] "
+        "failed to alloc 4294967296 bytes on host: CUDA_ERROR_OUT_OF_MEMORY: out of memory",
+        "E0501 10:00:00.000000 1234 cuda_driver.cc:1040] failed to alloc 1073741824 bytes on "
+        "host: CUDA_ERROR_OUT_OF_MEMORY: out of memory",
+        # the TensorFlow 2.11+ eager wording, for an op on the CPU
+        "tensorflow.python.framework.errors_impl.ResourceExhaustedError: {{function_node "
+        "__wrapped__AddV2_device_/job:localhost/replica:0/task:0/device:CPU:0}} failed to "
+        "allocate memory [Op:AddV2]",
+        # a TensorRT-LLM error that is not an out-of-memory, however long the line after it
+        "RuntimeError: [TensorRT-LLM][ERROR] CUDA runtime error in cudaSetDevice(device): "
+        "invalid device ordinal (/app/sessionUtils.cpp:34)" + " x" * 400 + ": out of memory",
+    ],
+)
+def test_pinned_host_memory_is_not_cuda_oom(line: str) -> None:
+    """Regression: TensorFlow's and XLA's line for pinned *host* memory the CUDA driver could
+    not allocate (``failed to alloc N bytes on host: CUDA_ERROR_OUT_OF_MEMORY``, after which
+    they go on without it) made the worker's later death ``cuda_oom``: one the kernel's OOM
+    killer ended (SIGKILL while its OOM-kill count went up) was not reported ``host_oom``."""
+    tail = [line, "INFO serving", "--- gpu-supervisor: exited ---"]
+    found = classify(ExitReason.SIGNAL, ExitStatus(None, 9), tail, failure=True, oom_kills=1)
+    assert found is not None and found.reason == "host_oom"
+    found = classify(ExitReason.EXIT, ExitStatus(1, None), tail, failure=True)
+    assert found is not None and found.reason == "exit"
+
+
 def test_a_recovered_cuda_oom_long_before_the_death_is_not_its_reason(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
