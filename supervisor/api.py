@@ -962,6 +962,10 @@ def create_app(runtime: Runtime, metrics: Metrics, token: str | None = None) -> 
         state can have changed (a sample, any worker change: ``state_key``)."""
         key = (state_key(rt), tuple(rt.groups[group]))
         cached = rankings.get(group)
+        if cached is None:  # a group new here: those a reload removed since go (unbounded)
+            for gone in [g for g in rankings if g not in rt.groups]:
+                del rankings[gone]
+                route_turns.pop(gone, None)
         if cached is None or cached[0] != key:
             cached = rankings[group] = (key, ranking_of(group))
         turn = route_turns.get(group, 0)

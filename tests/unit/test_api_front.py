@@ -397,3 +397,34 @@ async def test_a_token_guards_the_api_built_by_create_app() -> None:
         assert (await client.get("/openapi.json")).status_code == 401
         good = {"authorization": "Bearer s3cret"}
         assert (await client.get("/openapi.json", headers=good)).status_code == 200
+
+
+async def test_route_keeps_nothing_for_groups_a_reload_removed() -> None:
+    """Regression: ``/route`` kept a cached ranking and a turn counter for every group it was
+    ever asked about; a group a reload removed (or renamed: ``llm-v1`` -> ``llm-v2``) kept
+    both for the rest of the run, one more of each per group a reload took away."""
+    from supervisor.api import ROUTE_PATH, create_app
+    from supervisor.clock import FakeClock
+    from supervisor.config import Settings
+    from supervisor.metrics import Metrics
+    from tests.unit.test_metrics_client import FakeRuntime, FakeSampler
+
+    rt: Any = FakeRuntime(FakeSampler(None))
+    rt.settings, rt.clock = Settings(), FakeClock()
+    rt.started_wall, rt.started_mono = rt.clock.wall(), rt.clock.now()
+    app = create_app(rt, Metrics(rt))
+    answer = app.state.fast_routes[ROUTE_PATH].answer
+    for i in range(50):
+        rt.groups = {f"llm-v{i}": []}  # each reload renames the group
+        got = await answer(f"group=llm-v{i}".encode())
+        assert got is not None and got[0] == 503  # no worker is ready in it
+    routed = _closed_over(answer)["routed"]
+    kept = _closed_over(routed)
+    assert set(kept["rankings"]) <= {"llm-v49"}
+    assert set(kept["route_turns"]) <= {"llm-v49"}
+
+
+def _closed_over(fn: Any) -> dict[str, Any]:
+    """The variables ``fn`` closes over, by name."""
+    cells = zip(fn.__code__.co_freevars, fn.__closure__, strict=True)
+    return {name: cell.cell_contents for name, cell in cells}
