@@ -20,7 +20,8 @@ class RestartPolicy:
 
 @dataclass(frozen=True, slots=True)
 class FailureHistory:
-    """Recent failed starts: their times (within ``interval_s``) and the current streak."""
+    """Recent failed starts: their times (the newest ``burst + 1`` within ``interval_s``) and
+    the current streak."""
 
     times: tuple[float, ...] = ()
     consecutive: int = 0
@@ -55,7 +56,10 @@ def record_failure(history: FailureHistory, now: float, policy: RestartPolicy) -
     ``burst == 0`` never gives up: the delay keeps growing up to ``backoff_max_s``.
     """
     horizon = now - policy.interval_s
-    times = (*(t for t in history.times if t > horizon), now)
+    # the newest burst + 1 are all the verdict needs (all of them, copied at each failure,
+    # grew without bound with burst = 0 and no backoff delay)
+    kept = history.times[max(0, len(history.times) - policy.burst) :]
+    times = (*(t for t in kept if t > horizon), now)
     consecutive = history.consecutive + 1
     new = FailureHistory(times=times, consecutive=consecutive)
     fatal = policy.burst > 0 and len(times) > policy.burst

@@ -54,6 +54,24 @@ def test_burst_zero_never_fatal(times: list[float]) -> None:
         h = v.history
 
 
+@given(st.integers(min_value=0, max_value=8), st.integers(min_value=1, max_value=300))
+def test_the_history_keeps_no_more_failures_than_the_verdict_needs(burst: int, n: int) -> None:
+    """Regression: every failure within ``interval_s`` was kept and copied at each failure:
+    with ``burst = 0`` (never fatal) and no backoff delay, a worker crashing 150 times a
+    second held ~18000 times, each failure costing a copy of all of them. The newest
+    ``burst + 1`` decide the verdict, and only they are kept; the verdict is unchanged."""
+    policy = RestartPolicy(burst=burst, backoff_initial_s=0.0, interval_s=1e9)
+    h = FailureHistory()
+    fatal_at = None
+    for i in range(n):
+        v = record_failure(h, float(i), policy)
+        assert len(v.history.times) <= burst + 1
+        if v.fatal and fatal_at is None:
+            fatal_at = i
+        h = v.history
+    assert fatal_at == (burst if 0 < burst < n else None)
+
+
 def test_stable_run() -> None:
     assert is_stable_run(100.0, 110.0, P)
     assert not is_stable_run(100.0, 109.9, P)
