@@ -20,7 +20,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +33,7 @@ from supervisor.errors import StateDirBusy
 from supervisor.files import make_dir
 from supervisor.model import finite
 from supervisor.policy.ratelimit import RateLimit
+from supervisor.policy.retention import WorkerLogs, to_remove, worker_of
 
 #: Temporary files start with this and end in ``.tmp``; listings skip them, start-up removes them.
 TMP_PREFIX = ".tmp-"
@@ -445,6 +446,74 @@ def remove_temp_files(directory: Path) -> int:
                     os.unlink(entry.path)
                     count += 1
     return count
+
+
+@dataclass(frozen=True, slots=True)
+class LogsRemoved:
+    """What ``retain_worker_logs`` removed: the workers (least recently written first), the
+    bytes their files held, and the files it could not remove (path -> why)."""
+
+    workers: list[str] = field(default_factory=list)
+    bytes: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def retain_worker_logs(
+    directory: Path, budget: int | None, configured: Collection[str], kept: Callable[[str], bool]
+) -> LogsRemoved:
+    """Remove the log files of workers no longer configured past ``budget`` bytes
+    (``policy.retention.to_remove`` decides which). Never a file of a worker in ``configured``
+    or for which ``kept(name)`` holds (asked again right before its files go: a reload may
+    have brought it back meanwhile); only regular files named as this layout names a worker's
+    (``<worker>.log``, ``<worker>.log.<N>``), and never through a symbolic link (``directory``
+    itself one: nothing is done). Blocking: call it from a worker thread."""
+    if budget is None:
+        return LogsRemoved()
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # no logs/ (yet), or a link: nothing to do
+        return LogsRemoved()
+    try:
+        files: dict[str, list[tuple[str, int, int]]] = {}  # name -> [(file, inode, size)]
+        newest: dict[str, float] = {}
+        with contextlib.suppress(OSError), os.scandir(dir_fd) as entries:
+            for entry in entries:
+                name = worker_of(entry.name)
+                if name is None or name in configured or kept(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        files.setdefault(name, []).append((entry.name, st.st_ino, st.st_size))
+                        newest[name] = max(newest.get(name, -math.inf), st.st_mtime)
+        logs = [
+            WorkerLogs(name, newest[name], sum(size for _, _, size in of))
+            for name, of in files.items()
+        ]
+        workers: list[str] = []
+        total = 0
+        failed: dict[str, str] = {}
+        for name in to_remove(logs, budget, configured):
+            if kept(name):
+                continue
+            unlinked = False
+            for file, inode, _ in files[name]:
+                try:
+                    st = os.stat(file, dir_fd=dir_fd, follow_symlinks=False)
+                    # the file scanned, still (not one made in its place since)
+                    if stat.S_ISREG(st.st_mode) and st.st_ino == inode:
+                        os.unlink(file, dir_fd=dir_fd)
+                        total += st.st_size
+                        unlinked = True
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    failed[os.fspath(directory / file)] = exc.strerror or str(exc)
+            if unlinked:
+                workers.append(name)
+        return LogsRemoved(workers, total, failed)
+    finally:
+        os.close(dir_fd)
 
 
 #: A write failure of the same file and kind that comes back within this many seconds of the

@@ -110,6 +110,7 @@ from supervisor.policy.reload import (
     port_waits,
     start_only_changes,
 )
+from supervisor.policy.retention import budget as logs_budget
 from supervisor.processes import (
     Reaped,
     Reaper,
@@ -144,6 +145,7 @@ from supervisor.records import (
     read_json,
     read_quarantine,
     remove_temp_files,
+    retain_worker_logs,
     unreadable_why,
     write_cordons,
     write_lock_pid,
@@ -211,6 +213,9 @@ ORPHAN_LOG_EVERY_S = 60.0
 #: At most one ``output.log_trimmed`` line at warning per worker this often (seconds): on a
 #: disk that stays full, a chatty worker's log gives up its space at each full-disk write.
 LOG_TRIM_SAID_EVERY_S = 60.0
+#: How long a reload waits for the removal of the logs of workers no longer configured (a disk
+#: that hangs rather than fails must not hold the reload: the next one removes them).
+LOGS_RETAIN_WAIT_S = 10.0
 #: How often the GPU-release barrier looks again while the old tree still holds memory.
 RELEASE_POLL_S = 0.25
 #: How often the GPU/worker summary is logged.
@@ -674,6 +679,7 @@ class Runtime:
                 await tg.start(self._serve_signals)
                 await tg.start(self.reaper.serve)
                 tg.start_soon(self._serve_intents)
+                tg.start_soon(self._retain_logs)  # of workers no longer configured
                 try:
                     await self._reclaim_orphans()
                 finally:
@@ -2032,6 +2038,55 @@ class Runtime:
         self._no_room.discard(runner.name)
         with anyio.move_on_after(KILL_WAIT_S):  # its health probes' client (connections)
             await self.http_probes.forget(runner.name)
+
+    def _logs_kept(self, name: str) -> bool:
+        """Whether the log files of worker ``name`` are never removed: it is configured, or
+        still runs (one a reload removes writes until it is forgotten). Asked from the log
+        retention's thread too (membership tests of the loop's containers)."""
+        return name in self.runners or name in self.removing or name in _configured(self.settings)
+
+    async def _retain_logs(self) -> None:
+        """Remove the oldest logs of workers no longer configured past what the configured
+        workers' logs may hold together (``policy.retention``), in a worker thread: at start
+        and after each applied reload. Not in a ``state_dir`` this supervisor could not lock:
+        another one may be writing those logs."""
+        if self._state_lock is None:
+            return
+        sup = self.settings.supervisor
+        configured = _configured(self.settings)
+        limit = logs_budget(len(configured), sup.log_max_bytes, sup.log_backups)
+        if limit is None:
+            return
+        retain = functools.partial(
+            retain_worker_logs, sup.state_dir / "logs", limit, configured, self._logs_kept
+        )
+        done = None
+        with anyio.move_on_after(LOGS_RETAIN_WAIT_S):
+            try:
+                done = await in_thread(retain, abandon_on_cancel=True)
+            except ThreadUnavailable:  # tried again at the next reload or start
+                return
+            except Exception:  # a bug here must not take the supervisor down
+                self.log.exception("records.logs_not_removed", reason="internal error")
+                return
+        if done is None:
+            return
+        if done.workers:
+            self.log.info(
+                "records.logs_removed",
+                workers=done.workers,
+                bytes=done.bytes,
+                budget=limit,
+                reason="logs of workers no longer configured past what the configured "
+                "workers' logs may hold: the least recently written removed",
+            )
+        for path, error in done.failed.items():
+            self.log.warning(
+                "records.logs_not_removed",
+                path=path,
+                error=error,
+                reason="cannot delete it: remove it by hand",
+            )
 
     def _stop_budget(self, runner: WorkerRunner) -> float:
         t = runner.timing
@@ -3838,6 +3893,8 @@ class Runtime:
                 update={"workers": tuple(by_name.get(g.name, g) for g in self.settings.workers)}
             )
         self._changed_now()
+        if not self._shutting_down:  # the removed workers are forgotten now
+            await self._retain_logs()
         # the end of the reload's roll-outs (supervisor.reload said what it would do)
         # (a roll-out the stop cut short did not halt: none is said, as in the journal)
         stopped = [g.name for g in halted if g.name not in superseded]
@@ -4369,6 +4426,11 @@ def _running_inner_pids(pids: frozenset[int]) -> dict[int, set[int]]:
         if len(ns) >= 2 and ns[0] == pid and procfs.running(pid):
             out.setdefault(ns[-1], set()).add(pid)
     return out
+
+
+def _configured(settings: Settings) -> frozenset[str]:
+    """The names of the workers ``settings`` configures."""
+    return frozenset(f"{g.name}-{i}" for g in settings.workers for i in range(g.replicas))
 
 
 def _runs_unplaced(runner: WorkerRunner) -> bool:

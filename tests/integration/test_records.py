@@ -1590,3 +1590,100 @@ def test_a_supervisor_without_a_state_dir_passes_on_no_instance_marker(
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert not [v for v in environ if v.startswith(b"GPU_SUPERVISOR_INSTANCE=")], environ
     assert sup.stop() == 0
+
+
+#: About 400 bytes in its log with the supervisor's start and exit lines: two such logs fit in
+#: the 1000 bytes one worker's may hold with ``log_max_bytes = 1000``, ``log_backups = 0``.
+PRINTS = [sys.executable, "-c", "print('x' * 300, flush=True); print('printed', flush=True)\n"
+          "import time; time.sleep(600)"]  # fmt: skip
+
+
+def _printing(name: str, replicas: int = 1) -> dict[str, Any]:
+    return {
+        "supervisor": {"log_max_bytes": 1000, "log_backups": 0},
+        "workers": [
+            {
+                "name": name,
+                "command": PRINTS,
+                "ready": "none",
+                "replicas": replicas,
+                "log_passthrough": True,
+            }
+        ],
+    }
+
+
+def _reload_to(sup: Supervisor, config: dict[str, Any]) -> int:
+    mark = sup.mark()
+    sup.write_config(config)
+    sup.signal(signal.SIGHUP)
+    sup.wait_event(event="supervisor.reload_done", after=mark, timeout=15)
+    return mark
+
+
+def test_the_logs_of_renamed_groups_go_oldest_first_past_the_budget(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """A deployment that renames its group at each deploy left every old name's logs behind
+    for good (300 MiB a name by default): they are kept up to what the configured workers'
+    logs may hold (here 1000 bytes), the least recently written removed first; files of
+    another layout, and links, are left alone."""
+    logs = tmp_path / "state" / "logs"
+    logs.mkdir(parents=True, mode=0o750)
+    (logs / "notes.txt").write_text("an operator's\n")
+    outside = tmp_path / "outside.log"
+    outside.write_bytes(b"o" * 5000)
+    (logs / "gone-0.log").symlink_to(outside)
+    sup = supervisor(_printing("llm.a"))
+    sup.wait_line("[llm.a-0] ", contains="printed")
+    kept: list[str] = []
+    for old, new in zip("abcd", "bcde", strict=True):
+        mark = _reload_to(sup, _printing(f"llm.{new}"))
+        sup.wait_line(f"[llm.{new}-0] ", contains="printed")
+        kept.append(f"llm.{old}-0")
+        removed = sup.find(after=mark, event="records.logs_removed")
+        if len(kept) <= 2:  # within the budget
+            assert removed == []
+        else:
+            oldest = kept.pop(0)
+            assert [(e["workers"], e["budget"], e["level"]) for e in removed] == [
+                ([oldest], 1000, "info")
+            ]
+            assert 0 < removed[0]["bytes"] <= 500
+            assert not (logs / f"{oldest}.log").exists()
+        for name in [*kept, f"llm.{new}-0"]:
+            assert (logs / f"{name}.log").stat().st_size > 300, name
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        ["notes.txt", "gone-0.log", "llm.c-0.log", "llm.d-0.log", "llm.e-0.log"]
+    )
+    assert outside.read_bytes() == b"o" * 5000
+    assert sup.stop() == 0
+
+
+def test_a_scaled_down_workers_log_is_kept_within_the_budget(
+    supervisor: SupervisorFactory,
+) -> None:
+    sup = supervisor(_printing("g", replicas=2))
+    sup.wait_line("[g-1] ", contains="printed")
+    mark = _reload_to(sup, _printing("g"))
+    assert sup.find(after=mark, event="records.logs_removed") == []
+    log = (sup.state_dir / "logs" / "g-1.log").read_text()
+    assert "printed" in log and "exited" in log  # written to its end, then kept
+    assert sup.stop() == 0
+
+
+def test_logs_of_workers_a_restart_no_longer_configures_go_past_the_budget(
+    supervisor: SupervisorFactory, tmp_path: Path
+) -> None:
+    """Also at start: a supervisor restarted with another config."""
+    logs = tmp_path / "state" / "logs"
+    logs.mkdir(parents=True, mode=0o750)
+    for name, mtime in (("old.x-0.log", 1000), ("old.y-0.log", 3000), ("old.x-0.log.1", 2000)):
+        (logs / name).write_bytes(b"o" * 600)
+        os.utime(logs / name, (mtime, mtime))
+    sup = supervisor(_printing("g"))
+    event = sup.wait_event(event="records.logs_removed")
+    assert (event["workers"], event["bytes"]) == (["old.x-0"], 1200)
+    sup.wait_line("[g-0] ", contains="printed")
+    assert sorted(p.name for p in logs.iterdir()) == ["g-0.log", "old.y-0.log"]
+    assert sup.stop() == 0
