@@ -313,7 +313,10 @@ class WorkerRunner:
         if fields.get("STOPPING") == "1":
             self.stopping_notified = True
             self._log.info("worker.stopping_notified", pid=pid)
-        if fields.get("READY") == "1":
+        # READY=1 is readiness only under ``ready = "notify"``: with a health URL it is the
+        # URL's first 2xx (regression: a READY=1 sent before the server answered made it ready)
+        spec = self._spawned or self.spec
+        if fields.get("READY") == "1" and spec.notify:
             self._post_once(lc.Ready(pid))
         if fields.get("WATCHDOG") == "1":
             self._post_once(lc.Heartbeat(pid))

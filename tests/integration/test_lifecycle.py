@@ -232,6 +232,36 @@ def test_ready_from_a_descendant_and_by_http(supervisor: SupervisorFactory) -> N
     assert sup.stop() == 0
 
 
+def test_ready_1_does_not_make_a_worker_with_a_health_url_ready(
+    supervisor: SupervisorFactory,
+) -> None:
+    """Regression: with ``ready = "http://..."`` and a watchdog (so the worker has a
+    ``NOTIFY_SOCKET``), the worker's sd_notify ``READY=1`` made it ready before its health URL
+    answered at all: it was routed to while nothing served there. Readiness is the health
+    URL's first 2xx (DESIGN.md section 5); nothing answers on this port, so the start times
+    out."""
+    sup = supervisor(
+        {
+            "workers": [
+                group(
+                    "web",
+                    "ready_then_sleep",
+                    ready="http://127.0.0.1:{port}/health",
+                    port_base=18947,
+                    start_timeout_s=1,
+                    health={"watchdog_s": 60},
+                    restart={"burst": 1},
+                )
+            ]
+        }
+    )
+    sup.wait_line("[web-0]", endswith=" ready")  # its READY=1 is sent
+    exited = sup.wait_event(event="worker.exited", worker="web-0")
+    assert exited["reason"] == "start_timeout"
+    assert not sup.find(event="worker.state", worker="web-0", new="ready")
+    assert sup.stop() == 0
+
+
 def test_a_probe_cut_short_by_the_start_timeout_is_not_the_last_answer(
     supervisor: SupervisorFactory, tmp_path: Path
 ) -> None:
