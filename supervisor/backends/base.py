@@ -6,9 +6,10 @@ thread and ``wait_xid()`` in another, so nothing here runs on the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
+from supervisor.errors import BackendUnavailable
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, XidEvent
 
 # NVML return codes we act on (nvml.h).
@@ -34,6 +35,12 @@ NVML_ERROR_UNKNOWN = 999
 
 #: The UUID a backend gives a GPU whose UUID it cannot read (``unknown-<index>``).
 PLACEHOLDER = "unknown-"
+#: The name of a GPU whose name cannot be read (its handle and UUID can).
+UNKNOWN_NAME = "unknown"
+#: How long a GPU may answer its handle or UUID with a passing error (UNKNOWN, TIMEOUT) and
+#: still count as ``unidentified`` (healthy with its readings unknown, to a GPU seen before);
+#: then it is lost.
+PASSING_FOR_S = 300.0
 
 #: Codes that mean the device is broken: mark it unhealthy (NVML.md section 2).
 DEVICE_LOST_CODES = frozenset(
@@ -60,6 +67,115 @@ UNSUPPORTED_CODES = frozenset(
         NVML_ERROR_DEPRECATED,
     }
 )
+
+#: What NVML's ``nvmlErrorString`` says for each code (nvml.h; any other: "Unknown Error").
+ERROR_STRINGS: Mapping[int, str] = {
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    5: "Already Initialized",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
+    NVML_ERROR_INSUFFICIENT_POWER: "Insufficient External Power",
+    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_IRQ_ISSUE: "Interrupt Request Issue",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    14: "Corrupted infoROM",
+    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+    17: "The operating system has blocked the request.",
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
+    19: "In use by another client",
+    20: "Insufficient Memory",
+    21: "No data",
+    22: "vGPU ECC not supported",
+    23: "Insufficient resources",
+    24: "Frequency not supported",
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
+    NVML_ERROR_DEPRECATED: "Deprecated",
+    27: "Not ready",
+    28: "GPU not found",
+    29: "Invalid state",
+    30: "Reset type not supported",
+}
+
+
+def error_string(code: int) -> str:
+    """NVML's words for ``code`` (as ``nvmlErrorString``: the sim backend has no library)."""
+    return ERROR_STRINGS.get(code, "Unknown Error")
+
+
+#: The NVML calls that identify a GPU, in the order they are made (fault keys ``rc_<function>``):
+#: its handle (either name of the call), then its UUID, then its name.
+IDENTITY_FUNCTIONS: Mapping[str, tuple[str, ...]] = {
+    "handle": ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"),
+    "uuid": ("nvmlDeviceGetUUID",),
+    "name": ("nvmlDeviceGetName",),
+}
+
+
+def passing(code: int | None) -> bool:
+    """A failure of a GPU's handle or UUID that is neither a lost GPU nor NVML gone (UNKNOWN,
+    TIMEOUT: NVML.md section 2, "transient"); for its name, one that leaves the name
+    ``UNKNOWN_NAME`` (the name is cosmetic) rather than failing the GPU's identity."""
+    return code not in DEVICE_LOST_CODES | BACKEND_GONE_CODES
+
+
+def handle_failed(code: int | None, description: str) -> BackendUnavailable:
+    """NVML gone (``BACKEND_GONE_CODES``) under a GPU's handle, UUID or name while it is opened:
+    NVML counts as down (initialised again with backoff), not the GPU as lost."""
+    return BackendUnavailable(f"NVML device handle failed: {description}", code)
+
+
+def placeholder(index: int, why: str) -> DeviceIdentity:
+    """The identity of a GPU whose handle or UUID cannot be read: ``unknown-<index>``, named
+    by why (which its unhealthy samples give as their error)."""
+    return DeviceIdentity(index, f"{PLACEHOLDER}{index}", why)
+
+
+def unanswered(ident: DeviceIdentity, unidentified: bool) -> DeviceSample:
+    """The sample of a GPU without a handle (``placeholder``): unhealthy, no readings."""
+    return DeviceSample(
+        ident.index,
+        ident.uuid,
+        ident.name,
+        healthy=False,
+        error=ident.name,
+        unidentified=unidentified,
+    )
+
+
+class PassingErrors:
+    """Since when each GPU (by position) has answered its handle or UUID with a passing error:
+    ``unidentified`` for ``PASSING_FOR_S`` at most, then taken for lost (NVML.md: escalate)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._since: dict[int, float] = {}
+
+    def clear(self) -> None:
+        """Forget every GPU (a new open: a GPU lost since is not passing)."""
+        self._since = {}
+
+    def failed(self, position: int, code: int | None) -> None:
+        """Its handle or UUID failed with ``code`` (now, or still since it first did)."""
+        if passing(code):
+            self._since.setdefault(position, self._clock())
+        else:
+            self._since.pop(position, None)
+
+    def answered(self, position: int) -> None:
+        """Its handle and UUID were read."""
+        self._since.pop(position, None)
+
+    def still(self, position: int) -> bool:
+        """It fails with a passing error, for less than ``PASSING_FOR_S``."""
+        since = self._since.get(position)
+        return since is not None and self._clock() - since < PASSING_FOR_S
+
 
 #: Each sampled field and the NVML functions that read it (fault keys ``rc_<function>``).
 FIELD_FUNCTIONS: Mapping[str, tuple[str, ...]] = {

@@ -38,10 +38,15 @@ from supervisor.backends.base import (
     NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_TIMEOUT,
     NVML_ERROR_UNINITIALIZED,
-    PLACEHOLDER,
+    UNKNOWN_NAME,
     UNSUPPORTED_CODES,
+    PassingErrors,
+    handle_failed,
     one_per_pid,
+    passing,
     percent,
+    placeholder,
+    unanswered,
 )
 from supervisor.errors import BackendError, BackendUnavailable, DeviceLost
 from supervisor.model import DeviceIdentity, DeviceSample, GpuProcess, RemappedRows, XidEvent
@@ -81,13 +86,9 @@ VERSION_CODES = frozenset(
 EVENTS_RETRY_S = 30.0
 #: Why a GPU's XIDs are not watched where it reports none (MIG instances, some vGPUs).
 XIDS_NOT_SUPPORTED = "the GPU reports no XID events to NVML (not supported)"
-#: The name of a GPU whose name cannot be read (its handle and UUID can).
-UNKNOWN_NAME = "unknown"
-#: A GPU whose handle or UUID could not be read is asked again this often (``sample``).
+#: A GPU whose handle or UUID could not be read is asked again this often (``sample``);
+#: one that answers a passing error for ``PASSING_FOR_S`` (base.py) is taken for lost.
 HANDLE_RETRY_S = 30.0
-#: How long a GPU seen before a re-init may answer its handle or UUID with a passing error
-#: (UNKNOWN, TIMEOUT) and still count as healthy with its readings unknown; then it is lost.
-PASSING_FOR_S = 300.0
 _FI_SHUTDOWN = 193
 _FI_SLOWDOWN = 194
 #: NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvml.h, R550 and later)
@@ -128,12 +129,6 @@ def _binding(name: str) -> Callable[..., Any]:
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
     return value if isinstance(value, int) else None
-
-
-def _passing(exc: BaseException) -> bool:
-    """A handle or UUID that failed with an error that is not a lost GPU nor NVML gone
-    (UNKNOWN, TIMEOUT: NVML.md section 2, "transient")."""
-    return _code(exc) not in DEVICE_LOST_CODES | BACKEND_GONE_CODES
 
 
 def _describe(exc: BaseException) -> str:
@@ -258,9 +253,8 @@ class NvmlBackend:
         self._initialized = False
         self._lock = threading.Lock()
         self._handle_retry_at: dict[int, float] = {}  # position -> when to ask again
-        #: position -> since when its handle or UUID fails with a passing error (not a lost
-        #: GPU): for ``PASSING_FOR_S`` at most
-        self._passing: dict[int, float] = {}
+        #: positions whose handle or UUID fails with a passing error (not a lost GPU)
+        self._passing = PassingErrors(clock)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -291,7 +285,7 @@ class NvmlBackend:
         handles: list[Any] = []
         identities: list[DeviceIdentity] = []
         retry_at = self._clock() + HANDLE_RETRY_S
-        self._passing = {}  # of this open's positions (a GPU lost since is not passing)
+        self._passing.clear()  # of this open's positions (a GPU lost since is not passing)
         for index in range(count):
             try:
                 handle, ident = self._identify(index)
@@ -304,14 +298,11 @@ class NvmlBackend:
                     # NVML itself is gone (the driver unloading under the open): not this
                     # GPU's failure. Regression: the GPU was taken for lost and quarantined.
                     self.close()
-                    raise BackendUnavailable(
-                        f"NVML device handle failed: {_describe(exc)}", _code(exc)
-                    ) from exc
+                    raise handle_failed(_code(exc), _describe(exc)) from exc
                 self._handle_retry_at[len(handles)] = retry_at  # by position
-                if _passing(exc):
-                    self._passing[len(handles)] = retry_at - HANDLE_RETRY_S
+                self._passing.failed(len(handles), _code(exc))
                 handles.append(None)
-                identities.append(DeviceIdentity(index, f"{PLACEHOLDER}{index}", _describe(exc)))
+                identities.append(placeholder(index, _describe(exc)))
                 continue
             handles.append(handle)
             identities.append(ident)
@@ -331,7 +322,7 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             # the name is cosmetic (regression: NOT_SUPPORTED or UNKNOWN here alone made a GPU
             # whose handle and UUID read fine an unhealthy placeholder); a lost GPU stays lost
-            if _code(exc) in DEVICE_LOST_CODES | BACKEND_GONE_CODES:
+            if not passing(_code(exc)):
                 raise
             name = UNKNOWN_NAME
         total: float | None = None
@@ -358,23 +349,14 @@ class NvmlBackend:
                 raise BackendUnavailable(f"NVML: {_describe(exc)}", _code(exc)) from exc
             failed = replace(old, name=_describe(exc))  # the sample says why it is unhealthy
             self._identities = _replaced(self._identities, position, failed)
-            if _passing(exc):
-                self._passing.setdefault(position, now)
-            else:
-                self._passing.pop(position, None)
+            self._passing.failed(position, _code(exc))
             return None
         del self._handle_retry_at[position]
-        self._passing.pop(position, None)
+        self._passing.answered(position)
         self._handles[position] = handle
         self._identities = _replaced(self._identities, position, ident)
         self._watch(position, handle)
         return handle
-
-    def _still_passing(self, position: int) -> bool:
-        """Its handle or UUID fails with a passing error, for less than ``PASSING_FOR_S``: a
-        GPU that has not answered for longer is taken for lost (NVML.md: escalate)."""
-        since = self._passing.get(position)
-        return since is not None and self._clock() - since < PASSING_FOR_S
 
     def _watch(self, position: int, handle: Any) -> None:
         """Register a GPU that answers only now for XID events."""
@@ -570,16 +552,7 @@ class NvmlBackend:
                 handle = self._retry_handle(position)
             ident = self._identities[position]
             if handle is None:
-                out.append(
-                    DeviceSample(
-                        ident.index,
-                        ident.uuid,
-                        ident.name,
-                        healthy=False,
-                        error=ident.name,
-                        unidentified=self._still_passing(position),
-                    )
-                )
+                out.append(unanswered(ident, self._passing.still(position)))
                 continue
             try:
                 out.append(self._sample_device(ident, handle))

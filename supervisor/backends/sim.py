@@ -2,7 +2,9 @@
 
 ```
 <world>/gpus/<index>   key value lines (uuid, name, memory_total_mib, memory_base_mib, ...,
-                       lost 0/1, cpus <cpu list>, rc_<nvml function> <code>)
+                       lost 0/1, cpus <cpu list>, rc_<nvml function> <code>: the readings'
+                       calls, and the handle, UUID and name ones, answered as the nvml
+                       backend takes each code)
 <world>/procs/<pid>    "<gpu uuid or index> <used_mib|na> [graphics|mps]" lines; files of dead
                        pids are ignored; a pid with compute, graphics (or MPS client) lines on
                        one GPU is one process (the largest figure), as NVML lists it in each
@@ -21,17 +23,27 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.backends.base import (
+    BACKEND_GONE_CODES,
     DEVICE_LOST_CODES,
     FIELD_FUNCTIONS,
+    IDENTITY_FUNCTIONS,
     NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_NO_PERMISSION,
+    UNKNOWN_NAME,
     UNSUPPORTED_CODES,
+    PassingErrors,
+    error_string,
+    handle_failed,
     one_per_pid,
+    passing,
     percent,
+    placeholder,
+    unanswered,
 )
 from supervisor.errors import BackendUnavailable
 from supervisor.model import (
@@ -139,6 +151,26 @@ class _Device:
     def uuid(self) -> str:
         return self.keys.get("uuid") or default_uuid(self.index)
 
+    @property
+    def name(self) -> str:
+        """Its name; ``UNKNOWN_NAME`` where ``nvmlDeviceGetName`` fails (and the GPU is not
+        lost for it: ``identity_rc``), as the nvml backend names it."""
+        failed = self.rc_any(IDENTITY_FUNCTIONS["name"]) is not None
+        return UNKNOWN_NAME if failed else self.get("name")
+
+    def identity_rc(self) -> int | None:
+        """The code that fails this GPU's identity as NVML's open reads it (None: it has one):
+        its handle's, else its UUID's, else its name's where the GPU is lost or NVML gone for
+        it (any other leaves the name unknown). A lost GPU (``lost 1``) is lost first."""
+        if self.get("lost") == "1":
+            return None
+        for call in ("handle", "uuid"):
+            code = self.rc_any(IDENTITY_FUNCTIONS[call])
+            if code is not None:
+                return code
+        code = self.rc_any(IDENTITY_FUNCTIONS["name"])
+        return None if passing(code) else code
+
     def get(self, key: str) -> str:
         return self.keys.get(key, DEFAULTS.get(key, ""))
 
@@ -175,7 +207,11 @@ class _Device:
         )
 
     def rc(self, field: str) -> int | None:
-        for fn in FIELD_FUNCTIONS[field]:
+        return self.rc_any(FIELD_FUNCTIONS[field])
+
+    def rc_any(self, functions: Iterable[str]) -> int | None:
+        """The code the first of ``functions`` with a fault key fails with (None: none has)."""
+        for fn in functions:
             code = self.rc_of(fn)
             if code is not None:
                 return code
@@ -231,6 +267,8 @@ class SimBackend:
         self._events_lock = threading.Lock()
         self._closed = False
         self._identities: tuple[DeviceIdentity, ...] = ()
+        #: GPU index -> since when its handle or UUID fails with a passing error
+        self._passing = PassingErrors(clock)
         self._device_cache: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
 
     # --- world -----------------------------------------------------------------------------
@@ -278,6 +316,21 @@ class SimBackend:
         if not devices and not self.create and not self._device_files():
             return self.preview()
         return devices
+
+    def _listed(self) -> list[tuple[_Device, int | None]]:
+        """The devices as NVML lists them, each with the code its identity fails with (None:
+        identified; ``_Device.identity_rc``), as the nvml backend takes each code: a GPU that
+        answers NO_PERMISSION is left out (not this user's), one that says NVML is gone makes
+        the backend unavailable (``BackendUnavailable``), any other is listed unidentified."""
+        listed = []
+        for dev in self._read_devices():
+            code = dev.identity_rc()
+            if code == NVML_ERROR_NO_PERMISSION:
+                continue
+            if code in BACKEND_GONE_CODES:
+                raise handle_failed(code, error_string(code))
+            listed.append((dev, code))
+        return listed
 
     def has_devices(self) -> bool:
         """The world has device files (``run`` creates them in a world without)."""
@@ -356,22 +409,34 @@ class SimBackend:
                 self._events_offset = events.stat().st_size if events.exists() else 0
         except OSError as exc:
             raise BackendUnavailable(f"sim world {self.world}: {exc.strerror or exc}") from exc
-        self._identities = tuple(
-            DeviceIdentity(d.index, d.uuid, d.get("name"), d.number("memory_total_mib"), d.cpus())
-            for d in self._read_devices()
-        )
+        self._passing.clear()
+        identities = []
+        for d, code in self._listed():
+            if code is None:
+                name, total = d.name, d.number("memory_total_mib")
+                identities.append(DeviceIdentity(d.index, d.uuid, name, total, d.cpus()))
+            else:
+                self._passing.failed(d.index, code)
+                identities.append(placeholder(d.index, error_string(code)))
+        self._identities = tuple(identities)
         return self._identities
 
     def sample(self) -> tuple[DeviceSample, ...]:
         """Read every device and the live processes."""
         procs = self._read_procs()
         out = []
-        for dev in self._read_devices():
-            out.append(self._sample_device(dev, procs))
+        for dev, code in self._listed():
+            if code is None:
+                self._passing.answered(dev.index)
+                out.append(self._sample_device(dev, procs))
+            else:  # no handle: unhealthy, as the nvml backend samples it
+                self._passing.failed(dev.index, code)
+                ident = placeholder(dev.index, error_string(code))
+                out.append(unanswered(ident, self._passing.still(dev.index)))
         return tuple(out)
 
     def _sample_device(self, dev: _Device, procs: Mapping[str, list[GpuProcess]]) -> DeviceSample:
-        uuid, name = dev.uuid, dev.get("name")
+        uuid, name = dev.uuid, dev.name
         if dev.get("lost") == "1":
             return DeviceSample(dev.index, uuid, name, healthy=False, error="GPU is lost")
         for fname in FIELD_FUNCTIONS:

@@ -829,9 +829,9 @@ def test_gpus_whose_xids_are_not_watched_are_said_so(
     assert sup.stop() == 0
 
 
-def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[str, Any]]:
-    """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
-    over ``world`` (or ``--backend sim`` on it): the device objects."""
+def gpus_json(world: Path, libdir: Path, backend: str) -> tuple[int, dict[str, Any]]:
+    """``gpus --backend <backend> --json`` over ``world``: its exit status and its object
+    (``gpus_on_nvml`` for a read that may fail)."""
     import json
 
     env = {**os.environ, "GPU_SUPERVISOR_SIM_DIR": str(world), "LD_LIBRARY_PATH": str(libdir)}
@@ -842,9 +842,18 @@ def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[
         text=True,
         env=env,
         timeout=30,
-        check=True,
+        check=False,
     )
-    devices: list[dict[str, Any]] = json.loads(out.stdout)["devices"]
+    got: dict[str, Any] = json.loads(out.stdout)
+    return out.returncode, got
+
+
+def gpus_on_nvml(world: Path, libdir: Path, backend: str = "nvml") -> list[dict[str, Any]]:
+    """``gpu-supervisor gpus --backend nvml --json`` through the fake library at ``libdir``
+    over ``world`` (or ``--backend sim`` on it): the device objects."""
+    status, got = gpus_json(world, libdir, backend)
+    assert status == 0, got
+    devices: list[dict[str, Any]] = got["devices"]
     return devices
 
 
@@ -1820,6 +1829,129 @@ def test_a_gpu_whose_name_cannot_be_read_is_healthy(
         fh.write(f"rc_nvmlDeviceGetName {code}\n")
     (dev,) = gpus_on_nvml(world, fake_nvml_libdir)
     assert (dev["uuid"], dev["name"], dev["healthy"]) == (UUID0, "unknown", True), dev
+
+
+UUID_1 = "unknown-1"  # the placeholder UUID of GPU 1
+#: (key, code) on GPU 1 -> GPU 1 as (uuid, name, healthy, error): None where it is hidden,
+#: "unavailable" where NVML counts as gone (the read fails)
+IDENTITY_FAULTS: list[tuple[str, int, tuple[str, str, bool, str | None] | str | None]] = [
+    ("HandleByIndex", 15, (UUID_1, "GPU is lost", False, "GPU is lost")),
+    ("HandleByIndex", 16, (UUID_1, "GPU requires restart", False, "GPU requires restart")),
+    ("HandleByIndex", 999, (UUID_1, "Unknown Error", False, "Unknown Error")),
+    ("HandleByIndex", 10, (UUID_1, "Timeout", False, "Timeout")),
+    ("HandleByIndex", 3, (UUID_1, "Not Supported", False, "Not Supported")),
+    ("HandleByIndex", 4, None),  # no permission: not this user's GPU
+    ("HandleByIndex", 1, "unavailable"),  # uninitialised
+    ("HandleByIndex", 9, "unavailable"),  # driver not loaded
+    ("HandleByIndex", 18, "unavailable"),  # driver/library version mismatch
+    ("UUID", 15, (UUID_1, "GPU is lost", False, "GPU is lost")),
+    ("UUID", 999, (UUID_1, "Unknown Error", False, "Unknown Error")),
+    ("UUID", 7, (UUID_1, "Insufficient Size", False, "Insufficient Size")),
+    ("UUID", 11, (UUID_1, "Interrupt Request Issue", False, "Interrupt Request Issue")),
+    ("UUID", 4, None),
+    ("UUID", 1, "unavailable"),
+    ("Name", 15, (UUID_1, "GPU is lost", False, "GPU is lost")),
+    ("Name", 8, (UUID_1, "Insufficient External Power", False, "Insufficient External Power")),
+    ("Name", 999, (UUID1, "unknown", True, None)),  # the name is cosmetic
+    ("Name", 3, (UUID1, "unknown", True, None)),
+    ("Name", 4, (UUID1, "unknown", True, None)),
+    ("Name", 10, (UUID1, "unknown", True, None)),
+    ("Name", 9, "unavailable"),
+]
+
+
+@pytest.mark.parametrize(("call", "code", "expected"), IDENTITY_FAULTS)
+def test_both_backends_answer_the_identity_fault_keys_alike(
+    tmp_path: Path,
+    fake_nvml_libdir: Path,
+    call: str,
+    code: int,
+    expected: tuple[str, str, bool, str | None] | str | None,
+) -> None:
+    """Regression: the sim backend ignored ``rc_nvmlDeviceGetHandleByIndex``,
+    ``rc_nvmlDeviceGetUUID`` and ``rc_nvmlDeviceGetName`` (the GPU healthy, its UUID and name
+    as written), while the nvml backend reads the same world as a GPU lost or unanswering
+    (``unknown-<index>``), a name unknown, a GPU hidden (no permission) or NVML gone."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write(f"rc_nvmlDeviceGet{call} {code}\n")
+    seen = [gpus_json(world, fake_nvml_libdir, name) for name in ("sim", "nvml")]
+    for _, got in seen:
+        got.pop("backend")
+    assert seen[0] == seen[1], seen
+    status, got = seen[1]
+    if expected == "unavailable":
+        assert (status, got["nvml_available"], got["devices"]) == (1, False, []), got
+        assert got["error"].startswith("NVML device handle failed: "), got
+        return
+    assert (status, got["nvml_available"]) == (0, True), got
+    assert [(d["id"], d["uuid"], d["healthy"]) for d in got["devices"][:1]] == [(0, UUID0, True)]
+    gpu1 = [(d["uuid"], d["name"], d["healthy"], d["error"]) for d in got["devices"][1:]]
+    assert gpu1 == ([] if expected is None else [expected]), got
+
+
+def test_both_backends_take_an_unanswered_gpu_for_lost_after_a_while(
+    tmp_path: Path, fake_nvml_libdir: Path
+) -> None:
+    """A GPU whose UUID answers UNKNOWN (a passing error) is ``unidentified`` (not lost to a
+    GPU seen before) for ``PASSING_FOR_S``, then lost; one whose UUID answers GPU_IS_LOST is
+    lost at once. Regression: the sim backend ignored ``rc_nvmlDeviceGetUUID``."""
+    out = on_gpu1_faults(
+        """
+now = [0.0]
+b = n.NvmlBackend(clock=lambda: now[0])
+for line in ("rc_nvmlDeviceGetUUID 999", "rc_nvmlDeviceGetUUID 15"):
+    fault(line)
+    b.open()
+    seen = []
+    for _ in range(12):
+        seen.append(b.sample()[1].unidentified)
+        now[0] += n.HANDLE_RETRY_S
+    print(line, seen)
+    b.close()
+""",
+        tmp_path,
+        fake_nvml_libdir,
+    )
+    from supervisor.backends.base import PASSING_FOR_S
+
+    world, gpu1 = tmp_path / "sim", tmp_path / "sim" / "gpus" / "1"
+    listed = default_device_text(1)
+    now = [0.0]
+    sim = SimBackend(world, 2, clock=lambda: now[0])
+    for line in ("rc_nvmlDeviceGetUUID 999", "rc_nvmlDeviceGetUUID 15"):
+        write_atomic(gpu1, listed + line + "\n")
+        sim.open()
+        seen = []
+        for _ in range(12):
+            seen.append(sim.sample()[1].unidentified)
+            now[0] += PASSING_FOR_S / 10
+        assert f"{line} {seen}" in out, out
+        sim.close()
+    assert f"rc_nvmlDeviceGetUUID 999 {[True] * 10 + [False] * 2}" in out, out
+
+
+def test_a_gpu_whose_uuid_cannot_be_read_is_left_unplaced_on_both_backends(
+    supervisor: SupervisorFactory, tmp_path: Path, backend: tuple[str, dict[str, str]]
+) -> None:
+    """GPU 1's UUID answers GPU_IS_LOST when the supervisor starts. Regression: under the sim
+    backend the key was ignored, GPU 1 healthy and a worker placed on it; the nvml backend
+    lists it as ``unknown-1``, unhealthy, and nothing is placed there."""
+    with open(tmp_path / "sim" / "gpus" / "1", "a") as fh:
+        fh.write("rc_nvmlDeviceGetUUID 15\n")
+    sup = start(
+        supervisor,
+        tmp_path,
+        backend,
+        {"name": "g", "replicas": 2, "command": worker_cmd("gpu_user", "10")},
+    )
+    assert sup.wait_event(event="gpu.backend")["uuids"] == [UUID0, "unknown-1"]
+    ev = sup.wait_event(event="gpu.sample", devices=lambda d: "unknown-1" in d)
+    assert (ev["devices"]["unknown-1"]["healthy"], ev["devices"][UUID0]["healthy"]) == (False, True)
+    assert sup.wait_line("[g-0] ", endswith=f"ready on {UUID0}")
+    assert sup.wait_line("[g-1] ", endswith=f"ready on {UUID0}")
+    assert sup.stop() == 0
 
 
 def test_versioned_calls_are_chosen_gpu_by_gpu(tmp_path: Path, fake_nvml_libdir: Path) -> None:
