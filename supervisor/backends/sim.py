@@ -269,6 +269,9 @@ class SimBackend:
         self._identities: tuple[DeviceIdentity, ...] = ()
         #: GPU index -> since when its handle or UUID fails with a passing error
         self._passing = PassingErrors(clock)
+        #: GPU indices whose handle and UUID were read (at ``open`` or since): not asked again,
+        #: as the nvml backend keeps their handles
+        self._answered: set[int] = set()
         self._device_cache: dict[str, tuple[tuple[int, int, int], dict[str, str]]] = {}
 
     # --- world -----------------------------------------------------------------------------
@@ -321,10 +324,12 @@ class SimBackend:
         """The devices as NVML lists them, each with the code its identity fails with (None:
         identified; ``_Device.identity_rc``), as the nvml backend takes each code: a GPU that
         answers NO_PERMISSION is left out (not this user's), one that says NVML is gone makes
-        the backend unavailable (``BackendUnavailable``), any other is listed unidentified."""
+        the backend unavailable (``BackendUnavailable``), any other is listed unidentified. A
+        GPU identified since ``open`` is not asked again (regression: a fault key written
+        while it ran dropped it from the sample or made it lost, where NVML keeps its handle)."""
         listed = []
         for dev in self._read_devices():
-            code = dev.identity_rc()
+            code = None if dev.index in self._answered else dev.identity_rc()
             if code == NVML_ERROR_NO_PERMISSION:
                 continue
             if code in BACKEND_GONE_CODES:
@@ -410,9 +415,11 @@ class SimBackend:
         except OSError as exc:
             raise BackendUnavailable(f"sim world {self.world}: {exc.strerror or exc}") from exc
         self._passing.clear()
+        self._answered = set()
         identities = []
         for d, code in self._listed():
             if code is None:
+                self._answered.add(d.index)
                 name, total = d.name, d.number("memory_total_mib")
                 identities.append(DeviceIdentity(d.index, d.uuid, name, total, d.cpus()))
             else:
@@ -427,6 +434,7 @@ class SimBackend:
         out = []
         for dev, code in self._listed():
             if code is None:
+                self._answered.add(dev.index)
                 self._passing.answered(dev.index)
                 out.append(self._sample_device(dev, procs))
             else:  # no handle: unhealthy, as the nvml backend samples it

@@ -238,3 +238,33 @@ def test_an_events_file_replaced_by_a_fifo_does_not_hang_the_xid_wait(tmp_path: 
     events.unlink()
     os.mkfifo(events)
     assert returns_past_a_fifo(lambda: b.wait_xid(0.01), events) == []
+
+
+def test_identity_faults_written_after_open_leave_an_opened_gpu_as_it_was(tmp_path: Path) -> None:
+    """Regression: the sim backend read the handle, UUID and name fault keys at every sample,
+    where the nvml backend reads a GPU's handle and UUID once, at ``open()`` (its handle is
+    kept; only one that failed there is asked again): a ``rc_nvmlDeviceGetHandleByIndex 4``
+    written while the supervisor ran dropped GPU 1 from the sample (taken for lost, unlisted:
+    quarantined, its workers drained), a ``rc_nvmlDeviceGetUUID 15`` made it lost, ``999`` an
+    ``unknown-1`` placeholder."""
+    b = world(tmp_path)
+    gpu1 = tmp_path / "gpus" / "1"
+    listed = gpu1.read_text()
+    for fault in (
+        "rc_nvmlDeviceGetHandleByIndex 4",
+        "rc_nvmlDeviceGetUUID 15",
+        "rc_nvmlDeviceGetUUID 999",
+        "rc_nvmlDeviceGetHandleByIndex 9",
+    ):
+        write_atomic(gpu1, f"{listed}{fault}\n")
+        got = [(d.index, d.uuid, d.healthy) for d in b.sample()]
+        assert got == [(0, default_uuid(0), True), (1, default_uuid(1), True)], fault
+    # a GPU that failed at open is asked again at each sample, and identified once it answers
+    write_atomic(gpu1, f"{listed}rc_nvmlDeviceGetUUID 999\n")
+    b.close()
+    assert [i.uuid for i in b.open()] == [default_uuid(0), "unknown-1"]
+    assert b.sample()[1].uuid == "unknown-1"
+    write_atomic(gpu1, listed)
+    assert b.sample()[1].uuid == default_uuid(1)
+    write_atomic(gpu1, f"{listed}rc_nvmlDeviceGetUUID 15\n")
+    assert (b.sample()[1].uuid, b.sample()[1].healthy) == (default_uuid(1), True)
