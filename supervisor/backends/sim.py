@@ -32,7 +32,6 @@ from supervisor.backends.base import (
     DEVICE_LOST_CODES,
     FIELD_FUNCTIONS,
     IDENTITY_FUNCTIONS,
-    NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_NO_PERMISSION,
     UNKNOWN_NAME,
     UNSUPPORTED_CODES,
@@ -450,8 +449,8 @@ class SimBackend:
         for fname in FIELD_FUNCTIONS:
             code = dev.rc(fname)
             if code in DEVICE_LOST_CODES:
-                error = "GPU is lost" if code == NVML_ERROR_GPU_IS_LOST else f"NVML error {code}"
-                return DeviceSample(dev.index, uuid, name, healthy=False, error=error)
+                # NVML's words for it, as the nvml backend's error says
+                return DeviceSample(dev.index, uuid, name, healthy=False, error=error_string(code))
 
         def field(name: str, key: str, scale: float = 1.0) -> float | None:
             if dev.rc(name) is not None:

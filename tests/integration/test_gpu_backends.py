@@ -1891,6 +1891,23 @@ def test_both_backends_answer_the_identity_fault_keys_alike(
     assert gpu1 == ([] if expected is None else [expected]), got
 
 
+@pytest.mark.parametrize("code", [15, 16, 8, 11])
+def test_both_backends_word_a_gpu_lost_under_a_reading_alike(
+    tmp_path: Path, fake_nvml_libdir: Path, code: int
+) -> None:
+    """Regression: a reading (here the memory info) that says the GPU is lost made it unhealthy
+    on both backends, but the sim backend's error was ``NVML error <code>`` for every such code
+    but GPU_IS_LOST, where the nvml backend gives NVML's words ("GPU requires restart")."""
+    world = tmp_path / "sim"
+    SimBackend(world, 2).open()
+    with open(world / "gpus" / "1", "a") as fh:
+        fh.write(f"rc_nvmlDeviceGetMemoryInfo {code}\nrc_nvmlDeviceGetMemoryInfo_v2 {code}\n")
+    seen = [gpus_json(world, fake_nvml_libdir, name)[1] for name in ("sim", "nvml")]
+    errors = [[(d["healthy"], d["error"]) for d in got["devices"]] for got in seen]
+    assert errors[0] == errors[1], errors
+    assert errors[1][1][0] is False and "NVML error" not in errors[1][1][1], errors
+
+
 def test_both_backends_take_an_unanswered_gpu_for_lost_after_a_while(
     tmp_path: Path, fake_nvml_libdir: Path
 ) -> None:
