@@ -117,19 +117,23 @@ def cuda_oom_at(line: str) -> int:
     """Where ``line`` shows a CUDA out-of-memory failure (-1: it shows none)."""
     if any(x in line for x in CUDA_OOM_NOT):
         return -1
-    found = [i for i in (line.find(p) for p in CUDA_OOM_PATTERNS) if i >= 0]
+    found = [first_at(line, CUDA_OOM_PATTERNS)]
     for first, then in CUDA_OOM_PAIRS:
         i = line.find(first)
         if i >= 0 and line.find(then, i, i + len(first) + CUDA_OOM_PAIR_SPAN) >= 0:
             found.append(i)
-    return min(found, default=-1)
+    return min((i for i in found if i >= 0), default=-1)
 
 
 def excerpt(line: str, patterns: Sequence[str], size: int = LOG_LINE_CHARS) -> str:
     """``size`` characters of ``line`` that show the first of ``patterns`` it contains: its
     start, or (a long line whose match is further in) from a little before the match."""
-    at = min((i for i in (line.find(p) for p in patterns) if i >= 0), default=0)
-    return excerpt_at(line, at, size)
+    return excerpt_at(line, max(first_at(line, patterns), 0), size)
+
+
+def first_at(line: str, patterns: Sequence[str]) -> int:
+    """Where the first of ``patterns`` that ``line`` contains starts (-1: none)."""
+    return min((i for i in (line.find(p) for p in patterns) if i >= 0), default=-1)
 
 
 def excerpt_at(line: str, at: int, size: int = LOG_LINE_CHARS) -> str:
